@@ -1,0 +1,41 @@
+//! Subcommands, one file each. Flags are kebab-case versions of Kilosort4's setting names.
+
+mod detect_window;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Kilosort4's universal-template spike detection for high-density probes.
+#[derive(Debug, Parser)]
+#[command(name = "spikecube", version, about, long_about = None)]
+pub struct Cli {
+    /// Log less (errors only).
+    #[arg(short, long, global = true)]
+    quiet: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Detect spikes in one whitened window stored as .npy (channels × samples, float32).
+    DetectWindow(detect_window::Args),
+}
+
+/// Parses the command line and runs the subcommand.
+pub fn run() -> anyhow::Result<ExitCode> {
+    let cli = Cli::parse();
+    let level = if cli.quiet { "error" } else { "info" };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SPIKECUBE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
+        )
+        .with_writer(std::io::stderr)
+        .without_time()
+        .try_init();
+    match cli.command {
+        Command::DetectWindow(args) => detect_window::run(args),
+    }
+}

@@ -1,0 +1,599 @@
+//! The reference CPU detector (Kilosort4 `spikedetect.template_match` and what
+//! `spikedetect.run` does around it), one function per step so that each step
+//! has a GPU twin:
+//!
+//! 1. [`filter_bank`]: correlate every channel with the 6 universal templates
+//!    (`conv1d`, zero padding of nt/2, no kernel flip): B\[c, k, t\];
+//! 2. [`centre_response`]: per centre and sample, the 30 (size, template)
+//!    outputs A\[s·6 + k\] = Σ_c weigh\[s, c, j\]·B\[iC\[c, j\], k, t\]; keep the best
+//!    |A| (`As`), the first index attaining it and its sign (`imaxs` = (1 + r)·sign);
+//! 3. [`neighbour_max`]: Amax\[j, t\] = max over the iC2 neighbours of As;
+//! 4. [`local_peaks`]: zero the first and last nt samples of Amax, take the
+//!    ±nt0min max, keep (j, t) where As equals it and exceeds Th_universal;
+//! 5. [`features`]: amplitude, template index, sign, adist, y position (yct) and
+//!    PC features (tF) of each detection.
+//!
+//! Steps 1–3 run on tiles of [`TILE`] samples in parallel (rayon); each sample's
+//! result is independent of the tiling. All sums are float32 in a fixed order
+//! (no fused multiply-add), so results are identical on every CPU.
+
+use ndarray::{Array2, Array3, ArrayView2};
+use rayon::prelude::*;
+
+use crate::detect::geometry::Geometry;
+use crate::detect::settings::DetectionSettings;
+use crate::detect::templates::UniversalTemplates;
+use crate::error::DetectError;
+
+/// Samples per tile in steps 1–3.
+pub const TILE: usize = 256;
+
+/// Detections of one window, in Kilosort4's order: by centre, then by sample.
+///
+/// n detections; nC sites per centre; npc PCs.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Detections {
+    /// Template centre index j of each detection (column 0 of Kilosort4's `xy`).
+    pub centre: Vec<u32>,
+    /// Sample index t within the window (column 1 of `xy`; the window's own
+    /// samples are nt ..= NT − nt − 1).
+    pub sample: Vec<u64>,
+    /// Best |A| at the detection (`amp`), whitened units.
+    pub amp: Vec<f32>,
+    /// Winning (size, template) pair r = s·6 + k, 0–29 (`imax`).
+    pub imax: Vec<u8>,
+    /// Sign of the winning A: +1 for a negative-going spike like the templates, −1 inverted.
+    pub sign: Vec<i8>,
+    /// Per-site output of the winning temporal template, sign-corrected (`adist`),
+    /// n × nC row-major (Kilosort4 stores its transpose).
+    pub adist: Vec<f32>,
+    /// Amplitude-weighted depth, µm (`yct`).
+    pub yct: Vec<f32>,
+    /// PC features (`tF`), n × nC × npc row-major.
+    pub tf: Vec<f32>,
+    /// nC, sites per detection.
+    pub n_chans: usize,
+    /// npc, PCs per site.
+    pub n_pcs: usize,
+}
+
+impl Detections {
+    /// Number of detections.
+    pub fn len(&self) -> usize {
+        self.centre.len()
+    }
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.centre.is_empty()
+    }
+    /// `adist` in Kilosort4's layout, nC × n.
+    pub fn adist_kilosort(&self) -> Array2<f32> {
+        let n = self.len();
+        Array2::from_shape_vec((n, self.n_chans), self.adist.clone())
+            .expect("adist holds n × nC values")
+            .reversed_axes()
+            .as_standard_layout()
+            .to_owned()
+    }
+    /// `tF` as an n × nC × npc array.
+    pub fn tf_array(&self) -> Array3<f32> {
+        Array3::from_shape_vec((self.len(), self.n_chans, self.n_pcs), self.tf.clone())
+            .expect("tF holds n × nC × npc values")
+    }
+}
+
+/// Intermediate arrays of one window (dense, for tests and inspection).
+#[derive(Debug, Clone)]
+pub struct Intermediates {
+    /// Best |A| per centre and sample, Nf × NT (Kilosort4's `As`).
+    pub as_: Array2<f32>,
+    /// (1 + r)·sign per centre and sample, Nf × NT (`imaxs`).
+    pub imax_signed: Array2<i8>,
+    /// Neighbour max with the edges zeroed, Nf × NT (before the time max-pool).
+    pub amax_prepool: Array2<f32>,
+}
+
+/// A CPU detector for one probe geometry; its buffers persist across windows.
+#[derive(Debug)]
+pub struct CpuDetector {
+    geometry: Geometry,
+    templates: UniversalTemplates,
+    settings: DetectionSettings,
+    /// Per centre, its nC sites (centre-major copy of iC).
+    sites: Vec<u32>,
+    /// Per centre, weights laid out [j][c][s] (centre-major copy of weigh).
+    weights: Vec<f32>,
+    /// Per centre, its nC2 neighbours (centre-major copy of iC2).
+    neighbours: Vec<u32>,
+    /// Tile-major buffers: [tile][j][tt].
+    as_buf: Vec<f32>,
+    imax_buf: Vec<i8>,
+    amax_buf: Vec<f32>,
+    nt_window: usize,
+}
+
+impl CpuDetector {
+    /// Prepares a detector for `geometry` (template centres and neighbourhoods).
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] for invalid settings.
+    pub fn new(
+        geometry: Geometry,
+        templates: UniversalTemplates,
+        settings: DetectionSettings,
+    ) -> Result<CpuDetector, DetectError> {
+        settings.validate()?;
+        let nf = geometry.n_centres();
+        let nc = geometry.n_chans();
+        let nsz = geometry.n_sizes();
+        let nc2 = geometry.n_neighbours();
+        let mut sites = Vec::with_capacity(nf * nc);
+        let mut weights = Vec::with_capacity(nf * nc * nsz);
+        let mut neighbours = Vec::with_capacity(nf * nc2);
+        for j in 0..nf {
+            for c in 0..nc {
+                sites.push(geometry.i_c[[c, j]]);
+                for s in 0..nsz {
+                    weights.push(geometry.weigh[[s, c, j]]);
+                }
+            }
+            for m in 0..nc2 {
+                neighbours.push(geometry.i_c2[[m, j]]);
+            }
+        }
+        Ok(CpuDetector {
+            geometry,
+            templates,
+            settings,
+            sites,
+            weights,
+            neighbours,
+            as_buf: Vec::new(),
+            imax_buf: Vec::new(),
+            amax_buf: Vec::new(),
+            nt_window: 0,
+        })
+    }
+
+    /// The geometry in use.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// Detects spikes in one whitened window `x` (C sites × NT samples, float32,
+    /// row i = probe site i), as Kilosort4's `template_match` + `yweighted` + PC
+    /// features do.
+    ///
+    /// # Errors
+    /// [`DetectError::Input`] when `x` has a different number of rows than the
+    /// probe has sites, is shorter than 2·nt + 1 samples, or holds a non-finite value.
+    pub fn detect(&mut self, x: ArrayView2<f32>, yc: &[f32]) -> Result<Detections, DetectError> {
+        self.check_input(x, yc)?;
+        self.steps_1_to_3(x);
+        let peaks = self.local_peaks();
+        Ok(self.features(x, yc, &peaks))
+    }
+
+    /// Runs steps 1–3 and returns the dense intermediate arrays (for tests).
+    ///
+    /// # Errors
+    /// As [`CpuDetector::detect`].
+    pub fn intermediates(
+        &mut self,
+        x: ArrayView2<f32>,
+        yc: &[f32],
+    ) -> Result<Intermediates, DetectError> {
+        self.check_input(x, yc)?;
+        self.steps_1_to_3(x);
+        let nf = self.geometry.n_centres();
+        let nt_w = self.nt_window;
+        let mut as_ = Array2::<f32>::zeros((nf, nt_w));
+        let mut imax_signed = Array2::<i8>::zeros((nf, nt_w));
+        let mut amax_prepool = Array2::<f32>::zeros((nf, nt_w));
+        let nt = self.settings.nt;
+        for j in 0..nf {
+            for t in 0..nt_w {
+                let i = self.index(j, t);
+                as_[[j, t]] = self.as_buf[i];
+                imax_signed[[j, t]] = self.imax_buf[i];
+                let edge = t < nt || t + nt >= nt_w;
+                amax_prepool[[j, t]] = if edge { 0.0 } else { self.amax_buf[i] };
+            }
+        }
+        Ok(Intermediates {
+            as_,
+            imax_signed,
+            amax_prepool,
+        })
+    }
+
+    fn check_input(&self, x: ArrayView2<f32>, yc: &[f32]) -> Result<(), DetectError> {
+        let (c, nt_w) = x.dim();
+        let n_sites = yc.len();
+        let bad = |message: String| {
+            Err(DetectError::Input {
+                what: "window".into(),
+                message,
+            })
+        };
+        if c != n_sites {
+            return bad(format!(
+                "has {c} rows (channels) but the probe has {n_sites} sites; rows must be the probe's sites in channel-map order"
+            ));
+        }
+        if let Some(&m) = self.sites.iter().max()
+            && m as usize >= c
+        {
+            return bad(format!("iC refers to site {m} but the window has {c} rows"));
+        }
+        let nt = self.settings.nt;
+        if nt_w < 2 * nt + 1 {
+            return bad(format!(
+                "has {nt_w} samples; a window needs at least 2·nt + 1 = {} (nt = {nt} samples of padding on each side)",
+                2 * nt + 1
+            ));
+        }
+        if let Some((i, v)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return bad(format!(
+                "holds a non-finite value ({v}) at channel {}, sample {}",
+                i / nt_w,
+                i % nt_w
+            ));
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn index(&self, j: usize, t: usize) -> usize {
+        let nf = self.geometry.n_centres();
+        let tile = t / TILE;
+        tile * nf * TILE + j * TILE + (t % TILE)
+    }
+
+    fn steps_1_to_3(&mut self, x: ArrayView2<f32>) {
+        let x = x.as_standard_layout();
+        let (n_ch, nt_w) = x.dim();
+        let xs = x.as_slice().expect("standard layout");
+        let nf = self.geometry.n_centres();
+        let n_tiles = nt_w.div_ceil(TILE);
+        let len = n_tiles * nf * TILE;
+        self.nt_window = nt_w;
+        self.as_buf.resize(len, 0.0);
+        self.imax_buf.resize(len, 0);
+        self.amax_buf.resize(len, 0.0);
+        let nk = self.templates.wtemp.nrows();
+        let nsz = self.geometry.n_sizes();
+        let nc = self.geometry.n_chans();
+        let nc2 = self.geometry.n_neighbours();
+        let wtemp = self.templates.wtemp.as_standard_layout();
+        let wtemp = wtemp.as_slice().expect("standard layout");
+        let sites = &self.sites;
+        let weights = &self.weights;
+        let neighbours = &self.neighbours;
+        self.as_buf
+            .par_chunks_mut(nf * TILE)
+            .zip(self.imax_buf.par_chunks_mut(nf * TILE))
+            .zip(self.amax_buf.par_chunks_mut(nf * TILE))
+            .enumerate()
+            .for_each_init(
+                || vec![0f32; n_ch * nk * TILE],
+                |b, (tile, ((as_t, imax_t), amax_t))| {
+                    let t0 = tile * TILE;
+                    let width = TILE.min(nt_w - t0);
+                    for c in 0..n_ch {
+                        let row = &xs[c * nt_w..(c + 1) * nt_w];
+                        filter_bank(
+                            row,
+                            wtemp,
+                            nk,
+                            t0,
+                            width,
+                            &mut b[c * nk * TILE..(c + 1) * nk * TILE],
+                        );
+                    }
+                    centre_response(b, nk, sites, weights, nc, nsz, as_t, imax_t);
+                    neighbour_max(as_t, neighbours, nc2, amax_t);
+                },
+            );
+    }
+
+    fn local_peaks(&self) -> Vec<(u32, u64)> {
+        let nf = self.geometry.n_centres();
+        let nt_w = self.nt_window;
+        let nt = self.settings.nt;
+        let half = self.settings.nt0min();
+        let th = self.settings.th_universal;
+        let per_centre: Vec<Vec<(u32, u64)>> = (0..nf)
+            .into_par_iter()
+            .map(|j| {
+                let mut as_row = vec![0f32; nt_w];
+                let mut amax_row = vec![0f32; nt_w];
+                for t in 0..nt_w {
+                    let i = self.index(j, t);
+                    as_row[t] = self.as_buf[i];
+                    amax_row[t] = self.amax_buf[i];
+                }
+                local_peaks(&as_row, &mut amax_row, nt, half, th)
+                    .into_iter()
+                    .map(|t| (j as u32, t as u64))
+                    .collect()
+            })
+            .collect();
+        per_centre.into_iter().flatten().collect()
+    }
+
+    fn features(&self, x: ArrayView2<f32>, yc: &[f32], peaks: &[(u32, u64)]) -> Detections {
+        let nc = self.geometry.n_chans();
+        let npc = self.settings.n_pcs;
+        let mut d = Detections {
+            n_chans: nc,
+            n_pcs: npc,
+            ..Detections::default()
+        };
+        let rows: Vec<_> = peaks
+            .par_iter()
+            .map(|&(j, t)| {
+                let code = self.imax_buf[self.index(j as usize, t as usize)];
+                let amp = self.as_buf[self.index(j as usize, t as usize)];
+                let sites = &self.sites[j as usize * nc..(j as usize + 1) * nc];
+                features(x, &self.templates, sites, yc, t as usize, code, npc).with(j, t, amp)
+            })
+            .collect();
+        for r in rows {
+            d.centre.push(r.centre);
+            d.sample.push(r.sample);
+            d.amp.push(r.amp);
+            d.imax.push(r.imax);
+            d.sign.push(r.sign);
+            d.adist.extend_from_slice(&r.adist);
+            d.yct.push(r.yct);
+            d.tf.extend_from_slice(&r.tf);
+        }
+        d
+    }
+}
+
+/// Step 1 for one channel and one tile: B\[k, t\] = Σ_i wTEMP\[k, i\]·x\[t + i − nt/2\]
+/// (zero outside the window) for t in `t0 .. t0 + width`, written to
+/// `out[k·TILE + (t − t0)]`. The sum runs over i in ascending order.
+pub fn filter_bank(x: &[f32], wtemp: &[f32], nk: usize, t0: usize, width: usize, out: &mut [f32]) {
+    let ntaps = wtemp.len() / nk;
+    let half = ntaps / 2;
+    // Input samples t0 − half .. t0 + width + half, zero outside the window.
+    let mut seg = [0f32; TILE + 128];
+    let seg = &mut seg[..width + 2 * half];
+    for (i, v) in seg.iter_mut().enumerate() {
+        let t = (t0 + i) as isize - half as isize;
+        *v = if t >= 0 && (t as usize) < x.len() {
+            x[t as usize]
+        } else {
+            0.0
+        };
+    }
+    for k in 0..nk {
+        let acc = &mut out[k * TILE..k * TILE + width];
+        acc.fill(0.0);
+        let w = &wtemp[k * ntaps..(k + 1) * ntaps];
+        for (i, &wi) in w.iter().enumerate() {
+            let src = &seg[i..i + width];
+            for (a, &s) in acc.iter_mut().zip(src) {
+                *a += wi * s;
+            }
+        }
+    }
+}
+
+/// Step 2 for one tile: for every centre j (nC sites `sites[j·nC ..]`, weights
+/// `weights[(j·nC + c)·nsz + s]`) and sample, the best |A| over the nsz·nk
+/// (size, template) pairs r = s·nk + k, the first r attaining it, and
+/// `imax[j·TILE + t] = (1 + r)·sign(A_r)`. `b` is the tile of step 1, laid out
+/// \[channel\]\[k\]\[TILE\].
+#[allow(clippy::too_many_arguments)]
+pub fn centre_response(
+    b: &[f32],
+    nk: usize,
+    sites: &[u32],
+    weights: &[f32],
+    nc: usize,
+    nsz: usize,
+    as_t: &mut [f32],
+    imax_t: &mut [i8],
+) {
+    let nf = sites.len() / nc;
+    let nr = nsz * nk;
+    let mut a = vec![0f32; nr * TILE];
+    for j in 0..nf {
+        let s_j = &sites[j * nc..(j + 1) * nc];
+        let w_j = &weights[j * nc * nsz..(j + 1) * nc * nsz];
+        for k in 0..nk {
+            for s in 0..nsz {
+                let acc = &mut a[(s * nk + k) * TILE..(s * nk + k + 1) * TILE];
+                acc.fill(0.0);
+                for c in 0..nc {
+                    let w = w_j[c * nsz + s];
+                    let row = &b[(s_j[c] as usize * nk + k) * TILE..][..TILE];
+                    for (o, &v) in acc.iter_mut().zip(row) {
+                        *o += w * v;
+                    }
+                }
+            }
+        }
+        let best = &mut as_t[j * TILE..(j + 1) * TILE];
+        let code = &mut imax_t[j * TILE..(j + 1) * TILE];
+        for t in 0..TILE {
+            let mut m = a[t].abs();
+            let mut r_best = 0usize;
+            for r in 1..nr {
+                let v = a[r * TILE + t].abs();
+                if v > m {
+                    m = v;
+                    r_best = r;
+                }
+            }
+            let v = a[r_best * TILE + t];
+            let sign: i8 = if v > 0.0 {
+                1
+            } else if v < 0.0 {
+                -1
+            } else {
+                0
+            };
+            best[t] = m;
+            code[t] = (r_best as i8 + 1) * sign;
+        }
+    }
+}
+
+/// Step 3 for one tile: `amax[j·TILE + t] = max_m as[iC2[m, j]·TILE + t]`
+/// (`neighbours[j·nC2 + m]` = iC2\[m, j\]).
+pub fn neighbour_max(as_t: &[f32], neighbours: &[u32], nc2: usize, amax_t: &mut [f32]) {
+    let nf = neighbours.len() / nc2;
+    for j in 0..nf {
+        let out = &mut amax_t[j * TILE..(j + 1) * TILE];
+        let nb = &neighbours[j * nc2..(j + 1) * nc2];
+        out.copy_from_slice(&as_t[nb[0] as usize * TILE..][..TILE]);
+        for &m in &nb[1..] {
+            let row = &as_t[m as usize * TILE..][..TILE];
+            for (o, &v) in out.iter_mut().zip(row) {
+                if v > *o {
+                    *o = v;
+                }
+            }
+        }
+    }
+}
+
+/// Step 4 for one centre: zero `amax` in the first and last `nt` samples, then
+/// report every t where `as_[t] > th` and `as_[t]` equals the maximum of `amax`
+/// over `[t − half, t + half]` clipped to the window (exact float equality).
+pub fn local_peaks(as_: &[f32], amax: &mut [f32], nt: usize, half: usize, th: f32) -> Vec<usize> {
+    let n = amax.len();
+    let edge = nt.min(n);
+    amax[..edge].fill(0.0);
+    amax[n.saturating_sub(nt)..].fill(0.0);
+    let mut out = Vec::new();
+    for (t, &v) in as_.iter().enumerate() {
+        if v > th {
+            let lo = t.saturating_sub(half);
+            let hi = (t + half + 1).min(n);
+            let m = amax[lo..hi]
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+            if v == m {
+                out.push(t);
+            }
+        }
+    }
+    out
+}
+
+/// Step 5 for one detection: what Kilosort4 reports about it.
+#[derive(Debug, Clone)]
+pub struct Features {
+    centre: u32,
+    sample: u64,
+    amp: f32,
+    /// r, 0–29.
+    pub imax: u8,
+    /// Sign of the winning output.
+    pub sign: i8,
+    /// nC values.
+    pub adist: Vec<f32>,
+    /// µm.
+    pub yct: f32,
+    /// nC × npc values.
+    pub tf: Vec<f32>,
+}
+
+impl Features {
+    fn with(mut self, centre: u32, sample: u64, amp: f32) -> Features {
+        self.centre = centre;
+        self.sample = sample;
+        self.amp = amp;
+        self
+    }
+}
+
+/// Step 5: from the window `x`, the detection at sample `t` whose sites are
+/// `sites` (iC\[:, j\]) and whose step-2 code is `code` = (1 + r)·sign:
+/// `adist[c]` = sign·B\[sites\[c\], r mod nk, t\] (recomputed exactly as step 1 does),
+/// `yct` = Σ_c w_c·yc\[sites\[c\]\] with w = max(adist, 0)/Σ max(adist, 0), and
+/// `tf[c·npc + p]` = Σ_i x\[sites\[c\], t − 30 + i\]·wPCA\[p, i\] (zero outside the window).
+pub fn features(
+    x: ArrayView2<f32>,
+    templates: &UniversalTemplates,
+    sites: &[u32],
+    yc: &[f32],
+    t: usize,
+    code: i8,
+    npc: usize,
+) -> Features {
+    let nk = templates.wtemp.nrows();
+    let ntaps = templates.wtemp.ncols();
+    let half = ntaps / 2;
+    let r = (code.unsigned_abs() - 1) as usize;
+    let sign = code.signum();
+    let k = r % nk;
+    let nt_w = x.ncols();
+    let snippet = |c: u32| -> Vec<f32> {
+        (0..ntaps)
+            .map(|i| {
+                let s = t as isize + i as isize - half as isize;
+                if s >= 0 && (s as usize) < nt_w {
+                    x[[c as usize, s as usize]]
+                } else {
+                    0.0
+                }
+            })
+            .collect()
+    };
+    let mut adist = Vec::with_capacity(sites.len());
+    let mut tf = Vec::with_capacity(sites.len() * npc);
+    for &c in sites {
+        let snip = snippet(c);
+        let mut acc = 0f32;
+        for i in 0..ntaps {
+            acc += templates.wtemp[[k, i]] * snip[i];
+        }
+        adist.push(acc * sign as f32);
+        for p in 0..npc {
+            let mut f = 0f32;
+            for i in 0..ntaps {
+                f += snip[i] * templates.wpca[[p, i]];
+            }
+            tf.push(f);
+        }
+    }
+    let wsum: f32 = adist.iter().map(|&a| a.max(0.0)).sum();
+    let yct = sites
+        .iter()
+        .zip(&adist)
+        .map(|(&c, &a)| (a.max(0.0) / wsum) * yc[c as usize])
+        .sum();
+    Features {
+        centre: 0,
+        sample: 0,
+        amp: 0.0,
+        imax: r as u8,
+        sign,
+        adist,
+        yct,
+        tf,
+    }
+}
+
+/// Detects spikes in one whitened window with a fresh [`CpuDetector`].
+///
+/// `x`: C sites × NT samples, float32; `yc`: site depths, µm.
+///
+/// # Errors
+/// As [`CpuDetector::detect`].
+pub fn detect_window(
+    x: ArrayView2<f32>,
+    yc: &[f32],
+    geometry: &Geometry,
+    templates: &UniversalTemplates,
+    settings: &DetectionSettings,
+) -> Result<Detections, DetectError> {
+    CpuDetector::new(geometry.clone(), templates.clone(), settings.clone())?.detect(x, yc)
+}

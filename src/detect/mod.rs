@@ -1,0 +1,16 @@
+//! Kilosort4's universal-template spike detection (`kilosort/spikedetect.py`).
+//!
+//! * [`settings`]: [`DetectionSettings`] with Kilosort4's names and defaults.
+//! * [`templates`]: the built-in universal templates wTEMP and wPCA.
+//! * [`geometry`]: `template_centers`, `nearest_chans` (iC, iC2) and the spatial weights.
+//! * [`cpu`]: the reference detector, one function per step.
+
+pub mod cpu;
+pub mod geometry;
+pub mod settings;
+pub mod templates;
+
+pub use cpu::{Detections, detect_window};
+pub use geometry::Geometry;
+pub use settings::DetectionSettings;
+pub use templates::UniversalTemplates;

@@ -1,0 +1,23 @@
+//! The `spikecube` command line. All work is in the library; this only parses
+//! flags, runs the subcommand and prints an error once (exit code 2).
+
+mod cli;
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    match cli::run() {
+        Ok(code) => code,
+        Err(err) => {
+            // A closed pipe (e.g. `| head`) is not an error.
+            if err
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+            {
+                return ExitCode::SUCCESS;
+            }
+            eprintln!("spikecube: error: {err:#}");
+            ExitCode::from(2)
+        }
+    }
+}

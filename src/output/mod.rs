@@ -1,0 +1,1 @@
+//! Output files: .npy arrays, Phy params.py, provenance JSON, drift map.

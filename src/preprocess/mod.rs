@@ -1,0 +1,1 @@
+//! Kilosort4 preprocessing: channel mean, median CAR, FFT high-pass, local whitening.

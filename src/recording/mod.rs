@@ -1,0 +1,1 @@
+//! Recording readers and windows: flat binary, SpikeGLX, Open Ephys; Kilosort4 batching.
