@@ -12,12 +12,14 @@
 //! * Ties in the distance sorts go to the lower index (a stable sort). Kilosort4
 //!   uses numpy's unstable sort, whose tie order depends on the CPU; see the spec §5.
 //! * Shanks are hard boundaries (field failures BR-04, BR-06): a centre belongs to
-//!   the shank of its nearest site; its `iC` holds sites of that shank only, and its
-//!   `iC2` centres of that shank only (slots left over when the shank has fewer
-//!   centres than `nearest_templates` repeat the centre itself, which leaves the
-//!   neighbour max unchanged). On a single shank, or whenever a shank has at least
-//!   `nearest_chans` sites and `nearest_templates` centres, this is Kilosort4's rule.
-//!   `nearest_chans` is lowered to the smallest shank's site count.
+//!   the shank of its nearest site; its `iC` holds sites of that shank only, and
+//!   `nearest_chans` is lowered to the smallest shank's site count. With
+//!   `separate_shanks` (the default) its `iC2` holds centres of that shank only
+//!   (slots left over when the shank has fewer centres than `nearest_templates`
+//!   repeat the centre itself, which leaves the neighbour max unchanged). On a
+//!   single shank, or whenever each shank has at least `nearest_chans` sites and
+//!   every centre's `nearest_templates` nearest centres lie on its shank, this is
+//!   Kilosort4's rule exactly.
 
 use ndarray::{Array2, Array3};
 
@@ -143,7 +145,7 @@ impl Geometry {
         let mut i_c2 = Array2::<u32>::zeros((nc2, nf));
         for j in 0..nf {
             let mut d: Vec<(f64, usize)> = (0..nf)
-                .filter(|&m| centre_shank[m] == centre_shank[j])
+                .filter(|&m| !settings.separate_shanks || centre_shank[m] == centre_shank[j])
                 .map(|m| (sq_dist(xcup[j], ycup[j], xcup[m], ycup[m]), m))
                 .collect();
             d.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));

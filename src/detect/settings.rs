@@ -42,6 +42,12 @@ pub struct DetectionSettings {
     pub n_templates: usize,
     /// Number of temporal PCs for the features (rows of wPCA). Default 6.
     pub n_pcs: usize,
+    /// Keep each template centre's neighbour centres (`iC2`) on its own shank, so a
+    /// spike on one shank never suppresses a spike on another (field failures BR-04,
+    /// BR-06). Kilosort4 lets `iC2` cross shanks when a shank has fewer than
+    /// `nearest_templates` centres nearby; `false` reproduces that. A centre's sites
+    /// (`iC`) are always taken from its own shank. Default true. Not a Kilosort4 setting.
+    pub separate_shanks: bool,
 }
 
 impl Default for DetectionSettings {
@@ -59,6 +65,7 @@ impl Default for DetectionSettings {
             max_channel_distance: 32.0,
             n_templates: 6,
             n_pcs: 6,
+            separate_shanks: true,
         }
     }
 }
