@@ -119,7 +119,7 @@ fn tetrode_intermediates_match_kilosort_buffers() {
         let row = case.x.row(c).to_vec();
         for t0 in (0..nt_w).step_by(spikecube::detect::cpu::TILE) {
             let width = spikecube::detect::cpu::TILE.min(nt_w - t0);
-            spikecube::detect::cpu::filter_bank(&row, w, 6, t0, width, &mut tile);
+            spikecube::detect::cpu::filter_bank(&row, w, t0, &mut tile);
             for k in 0..6 {
                 for i in 0..width {
                     let a = b_ref[[c, k, t0 + i]] as f64;

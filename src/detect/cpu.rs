@@ -261,9 +261,7 @@ impl CpuDetector {
         self.as_buf.resize(len, 0.0);
         self.imax_buf.resize(len, 0);
         self.amax_buf.resize(len, 0.0);
-        let nk = self.templates.wtemp.nrows();
         let nsz = self.geometry.n_sizes();
-        let nc = self.geometry.n_chans();
         let nc2 = self.geometry.n_neighbours();
         let wtemp = self.templates.wtemp.as_standard_layout();
         let wtemp = wtemp.as_slice().expect("standard layout");
@@ -276,22 +274,14 @@ impl CpuDetector {
             .zip(self.amax_buf.par_chunks_mut(nf * TILE))
             .enumerate()
             .for_each_init(
-                || vec![0f32; n_ch * nk * TILE],
+                || vec![0f32; n_ch * NK * TILE],
                 |b, (tile, ((as_t, imax_t), amax_t))| {
                     let t0 = tile * TILE;
-                    let width = TILE.min(nt_w - t0);
                     for c in 0..n_ch {
                         let row = &xs[c * nt_w..(c + 1) * nt_w];
-                        filter_bank(
-                            row,
-                            wtemp,
-                            nk,
-                            t0,
-                            width,
-                            &mut b[c * nk * TILE..(c + 1) * nk * TILE],
-                        );
+                        filter_bank(row, wtemp, t0, &mut b[c * NK * TILE..(c + 1) * NK * TILE]);
                     }
-                    centre_response(b, nk, sites, weights, nc, nsz, as_t, imax_t);
+                    centre_response(b, sites, weights, nsz, as_t, imax_t);
                     neighbour_max(as_t, neighbours, nc2, amax_t);
                 },
             );
@@ -353,93 +343,164 @@ impl CpuDetector {
     }
 }
 
-/// Step 1 for one channel and one tile: B\[k, t\] = Σ_i wTEMP\[k, i\]·x\[t + i − nt/2\]
-/// (zero outside the window) for t in `t0 .. t0 + width`, written to
-/// `out[k·TILE + (t − t0)]`. The sum runs over i in ascending order.
-pub fn filter_bank(x: &[f32], wtemp: &[f32], nk: usize, t0: usize, width: usize, out: &mut [f32]) {
-    let ntaps = wtemp.len() / nk;
+/// Number of universal temporal templates (rows of wTEMP); checked by
+/// [`DetectionSettings::validate`].
+pub const NK: usize = 6;
+const _: () = assert!(NK % 2 == 0, "centre_response handles templates in pairs");
+/// Samples handled together in the inner loops (one 256-bit vector of f32).
+const LANES: usize = 8;
+
+/// Runs `$body` compiled for AVX2 when the CPU has it, else for the baseline.
+/// Both compile the same scalar code; there is no fused multiply-add in either,
+/// so both give the same bits.
+macro_rules! dispatch {
+    ($name:ident, $generic:ident, ($($arg:ident: $ty:ty),*)) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2")]
+        fn $name($($arg: $ty),*) {
+            $generic($($arg),*)
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            unsafe { $name($($arg),*) };
+            return;
+        }
+        $generic($($arg),*)
+    };
+}
+
+/// Step 1 for one channel and one tile: `out[k·TILE + i]` = B\[k, t0 + i\] =
+/// Σ_m wTEMP\[k, m\]·x\[t0 + i + m − 30\] for i < [`TILE`], with x = 0 outside the
+/// window (torch `conv1d` with zero padding: a cross-correlation). The sum runs
+/// over m in ascending order. `wtemp` is 6 × 61 row-major; `out` holds 6·TILE values.
+pub fn filter_bank(x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]) {
+    dispatch!(filter_bank_avx2, filter_bank_impl, (x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]));
+}
+
+#[inline(always)]
+fn filter_bank_impl(x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]) {
+    let ntaps = wtemp.len() / NK;
     let half = ntaps / 2;
-    // Input samples t0 − half .. t0 + width + half, zero outside the window.
-    let mut seg = [0f32; TILE + 128];
-    let seg = &mut seg[..width + 2 * half];
-    for (i, v) in seg.iter_mut().enumerate() {
-        let t = (t0 + i) as isize - half as isize;
-        *v = if t >= 0 && (t as usize) < x.len() {
-            x[t as usize]
-        } else {
-            0.0
-        };
+    // Input samples t0 − half .. t0 + TILE + half, zero outside the window.
+    let mut seg = [0f32; TILE + 2 * 64];
+    for (i, v) in seg[..TILE + 2 * half].iter_mut().enumerate() {
+        let t = (t0 + i).wrapping_sub(half);
+        if let Some(&s) = x.get(t) {
+            *v = s;
+        }
     }
-    for k in 0..nk {
-        let acc = &mut out[k * TILE..k * TILE + width];
-        acc.fill(0.0);
-        let w = &wtemp[k * ntaps..(k + 1) * ntaps];
-        for (i, &wi) in w.iter().enumerate() {
-            let src = &seg[i..i + width];
-            for (a, &s) in acc.iter_mut().zip(src) {
-                *a += wi * s;
+    for tc in (0..TILE).step_by(LANES) {
+        let mut acc = [[0f32; LANES]; NK];
+        for m in 0..ntaps {
+            let xv: &[f32; LANES] = seg[tc + m..tc + m + LANES].try_into().expect("8 lanes");
+            for (k, a) in acc.iter_mut().enumerate() {
+                let w = wtemp[k * ntaps + m];
+                for l in 0..LANES {
+                    a[l] += w * xv[l];
+                }
             }
+        }
+        for (k, a) in acc.iter().enumerate() {
+            out[k * TILE + tc..k * TILE + tc + LANES].copy_from_slice(a);
         }
     }
 }
 
-/// Step 2 for one tile: for every centre j (nC sites `sites[j·nC ..]`, weights
-/// `weights[(j·nC + c)·nsz + s]`) and sample, the best |A| over the nsz·nk
-/// (size, template) pairs r = s·nk + k, the first r attaining it, and
-/// `imax[j·TILE + t] = (1 + r)·sign(A_r)`. `b` is the tile of step 1, laid out
-/// \[channel\]\[k\]\[TILE\].
-#[allow(clippy::too_many_arguments)]
-pub fn centre_response(
+/// Step 2 for one tile: for every centre j (its nC sites `sites[j·nC ..]`, weights
+/// `weights[(j·nC + c)·nsz + s]`) and sample, A\[r\] = Σ_c weigh\[s, c, j\]·B\[iC\[c, j\], k, t\]
+/// for the nsz·6 pairs r = s·6 + k (sum over c ascending), then
+/// `as_t[j·TILE + t]` = max_r |A\[r\]| and `imax_t[j·TILE + t]` = (1 + r\*)·sign(A\[r\*\]),
+/// r\* the smallest r attaining the maximum (torch's first-index rule). `b` is the
+/// tile of step 1, laid out \[channel\]\[k\]\[TILE\]. nsz must be 1 to 8.
+pub fn centre_response(b: &[f32], sites: &[u32], weights: &[f32], nsz: usize, as_t: &mut [f32], imax_t: &mut [i8]) {
+    dispatch!(
+        centre_response_avx2,
+        centre_response_sizes,
+        (b: &[f32], sites: &[u32], weights: &[f32], nsz: usize, as_t: &mut [f32], imax_t: &mut [i8])
+    );
+}
+
+#[inline(always)]
+fn centre_response_sizes(b: &[f32], sites: &[u32], weights: &[f32], nsz: usize, as_t: &mut [f32], imax_t: &mut [i8]) {
+    match nsz {
+        1 => centre_response_impl::<1>(b, sites, weights, as_t, imax_t),
+        2 => centre_response_impl::<2>(b, sites, weights, as_t, imax_t),
+        3 => centre_response_impl::<3>(b, sites, weights, as_t, imax_t),
+        4 => centre_response_impl::<4>(b, sites, weights, as_t, imax_t),
+        5 => centre_response_impl::<5>(b, sites, weights, as_t, imax_t),
+        6 => centre_response_impl::<6>(b, sites, weights, as_t, imax_t),
+        7 => centre_response_impl::<7>(b, sites, weights, as_t, imax_t),
+        8 => centre_response_impl::<8>(b, sites, weights, as_t, imax_t),
+        _ => unreachable!("template_sizes is validated to 1..=8"),
+    }
+}
+
+#[inline(always)]
+fn centre_response_impl<const NSZ: usize>(
     b: &[f32],
-    nk: usize,
     sites: &[u32],
     weights: &[f32],
-    nc: usize,
-    nsz: usize,
     as_t: &mut [f32],
     imax_t: &mut [i8],
 ) {
-    let nf = sites.len() / nc;
-    let nr = nsz * nk;
-    let mut a = vec![0f32; nr * TILE];
+    let nc = weights.len() / NSZ / (as_t.len() / TILE);
+    let nf = as_t.len() / TILE;
     for j in 0..nf {
         let s_j = &sites[j * nc..(j + 1) * nc];
-        let w_j = &weights[j * nc * nsz..(j + 1) * nc * nsz];
-        for k in 0..nk {
-            for s in 0..nsz {
-                let acc = &mut a[(s * nk + k) * TILE..(s * nk + k + 1) * TILE];
-                acc.fill(0.0);
+        let w_j = &weights[j * nc * NSZ..(j + 1) * nc * NSZ];
+        for tc in (0..TILE).step_by(LANES) {
+            // All nsz·6 outputs for these 8 samples, in r = s·6 + k order.
+            let mut a = [[0f32; LANES]; 8 * NK];
+            // Two templates at a time: 2·nsz independent sums keep the adders busy.
+            for k in (0..NK).step_by(2) {
+                let mut acc0 = [[0f32; LANES]; NSZ];
+                let mut acc1 = [[0f32; LANES]; NSZ];
                 for c in 0..nc {
-                    let w = w_j[c * nsz + s];
-                    let row = &b[(s_j[c] as usize * nk + k) * TILE..][..TILE];
-                    for (o, &v) in acc.iter_mut().zip(row) {
-                        *o += w * v;
+                    let off = (s_j[c] as usize * NK + k) * TILE + tc;
+                    let row0: &[f32; LANES] = b[off..off + LANES].try_into().expect("8 lanes");
+                    let row1: &[f32; LANES] = b[off + TILE..off + TILE + LANES].try_into().expect("8 lanes");
+                    for s in 0..NSZ {
+                        let w = w_j[c * NSZ + s];
+                        for l in 0..LANES {
+                            acc0[s][l] += w * row0[l];
+                            acc1[s][l] += w * row1[l];
+                        }
                     }
                 }
-            }
-        }
-        let best = &mut as_t[j * TILE..(j + 1) * TILE];
-        let code = &mut imax_t[j * TILE..(j + 1) * TILE];
-        for t in 0..TILE {
-            let mut m = a[t].abs();
-            let mut r_best = 0usize;
-            for r in 1..nr {
-                let v = a[r * TILE + t].abs();
-                if v > m {
-                    m = v;
-                    r_best = r;
+                for s in 0..NSZ {
+                    a[s * NK + k] = acc0[s];
+                    a[s * NK + k + 1] = acc1[s];
                 }
             }
-            let v = a[r_best * TILE + t];
-            let sign: i8 = if v > 0.0 {
-                1
-            } else if v < 0.0 {
-                -1
-            } else {
-                0
-            };
-            best[t] = m;
-            code[t] = (r_best as i8 + 1) * sign;
+            // The largest |A|, first r among equals (a strict > in ascending r).
+            let mut best = [0f32; LANES];
+            // r kept as f32 so that the selects below are plain vector blends.
+            let mut r_best = [0f32; LANES];
+            let mut value = a[0];
+            for l in 0..LANES {
+                best[l] = a[0][l].abs();
+            }
+            for (r, a_r) in a.iter().enumerate().take(NSZ * NK).skip(1) {
+                for l in 0..LANES {
+                    let v = a_r[l].abs();
+                    let take = v > best[l];
+                    best[l] = if take { v } else { best[l] };
+                    r_best[l] = if take { r as f32 } else { r_best[l] };
+                    value[l] = if take { a_r[l] } else { value[l] };
+                }
+            }
+            for l in 0..LANES {
+                let sign: i8 = if value[l] > 0.0 {
+                    1
+                } else if value[l] < 0.0 {
+                    -1
+                } else {
+                    0
+                };
+                as_t[j * TILE + tc + l] = best[l];
+                imax_t[j * TILE + tc + l] = (r_best[l] as i8 + 1) * sign;
+            }
         }
     }
 }
@@ -447,6 +508,15 @@ pub fn centre_response(
 /// Step 3 for one tile: `amax[j·TILE + t] = max_m as[iC2[m, j]·TILE + t]`
 /// (`neighbours[j·nC2 + m]` = iC2\[m, j\]).
 pub fn neighbour_max(as_t: &[f32], neighbours: &[u32], nc2: usize, amax_t: &mut [f32]) {
+    dispatch!(
+        neighbour_max_avx2,
+        neighbour_max_impl,
+        (as_t: &[f32], neighbours: &[u32], nc2: usize, amax_t: &mut [f32])
+    );
+}
+
+#[inline(always)]
+fn neighbour_max_impl(as_t: &[f32], neighbours: &[u32], nc2: usize, amax_t: &mut [f32]) {
     let nf = neighbours.len() / nc2;
     for j in 0..nf {
         let out = &mut amax_t[j * TILE..(j + 1) * TILE];
@@ -454,10 +524,10 @@ pub fn neighbour_max(as_t: &[f32], neighbours: &[u32], nc2: usize, amax_t: &mut 
         out.copy_from_slice(&as_t[nb[0] as usize * TILE..][..TILE]);
         for &m in &nb[1..] {
             let row = &as_t[m as usize * TILE..][..TILE];
+            // `max` (no NaN can occur: the window is checked to be finite) keeps the
+            // loop a plain vector max with an unconditional store.
             for (o, &v) in out.iter_mut().zip(row) {
-                if v > *o {
-                    *o = v;
-                }
+                *o = o.max(v);
             }
         }
     }
