@@ -22,7 +22,9 @@ use spikecube::{DetectionSettings, Geometry, Probe, UniversalTemplates, npy};
 /// The NP2-like probe of the benchmark: 384 sites, x ∈ {0, 32} µm, rows every 15 µm.
 fn np2_probe() -> Probe {
     Probe {
-        xc: (0..384).map(|i| if i % 2 == 0 { 0.0 } else { 32.0 }).collect(),
+        xc: (0..384)
+            .map(|i| if i % 2 == 0 { 0.0 } else { 32.0 })
+            .collect(),
         yc: (0..384).map(|i| 15.0 * (i / 2) as f32).collect(),
         kcoords: vec![0; 384],
         chan_map: (0..384).collect(),
@@ -134,10 +136,17 @@ fn main() -> anyhow::Result<()> {
         std::fs::create_dir_all(&o)?;
         let n = first.len();
         let xy = Array2::from_shape_fn((n, 2), |(i, c)| {
-            if c == 0 { first.centre[i] as i64 } else { first.sample[i] as i64 }
+            if c == 0 {
+                first.centre[i] as i64
+            } else {
+                first.sample[i] as i64
+            }
         });
         npy::write(&o.join("xy.npy"), &xy)?;
-        npy::write(&o.join("imax.npy"), &Array1::from_iter(first.imax.iter().map(|&v| v as i64)))?;
+        npy::write(
+            &o.join("imax.npy"),
+            &Array1::from_iter(first.imax.iter().map(|&v| v as i64)),
+        )?;
         npy::write(&o.join("amp.npy"), &Array1::from(first.amp.clone()))?;
     }
     Ok(())

@@ -286,3 +286,35 @@ fn separate_shanks_only_changes_cross_shank_neighbourhoods() {
         }
     }
 }
+
+#[test]
+fn pruned_detector_equals_dense_oracle() {
+    for name in CASES {
+        let case = Case::load(name);
+        let mut det = CpuDetector::new(
+            case.kilosort_geometry(),
+            UniversalTemplates::builtin(),
+            case.settings.clone(),
+        )
+        .unwrap();
+        let fast = det.detect(case.x.view(), &case.probe.yc).unwrap();
+        let dense = det.detect_dense(case.x.view(), &case.probe.yc).unwrap();
+        assert_eq!(fast, dense, "{name}");
+        // Lower thresholds prune less; the detections must still agree.
+        for th in [2.0f32, 5.0] {
+            let settings = spikecube::DetectionSettings {
+                th_universal: th,
+                ..case.settings.clone()
+            };
+            let mut det = CpuDetector::new(
+                case.kilosort_geometry(),
+                UniversalTemplates::builtin(),
+                settings,
+            )
+            .unwrap();
+            let fast = det.detect(case.x.view(), &case.probe.yc).unwrap();
+            let dense = det.detect_dense(case.x.view(), &case.probe.yc).unwrap();
+            assert_eq!(fast, dense, "{name}, Th_universal {th}");
+        }
+    }
+}

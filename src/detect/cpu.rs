@@ -105,6 +105,8 @@ pub struct CpuDetector {
     weights: Vec<f32>,
     /// Per centre, its nC2 neighbours (centre-major copy of iC2).
     neighbours: Vec<u32>,
+    /// Per centre, max over sizes of Σ_c weigh², for the bound in [`centre_response_pruned`].
+    weight_norm2: Vec<f32>,
     /// Tile-major buffers: [tile][j][tt].
     as_buf: Vec<f32>,
     imax_buf: Vec<i8>,
@@ -130,6 +132,17 @@ impl CpuDetector {
         let mut sites = Vec::with_capacity(nf * nc);
         let mut weights = Vec::with_capacity(nf * nc * nsz);
         let mut neighbours = Vec::with_capacity(nf * nc2);
+        let weight_norm2: Vec<f32> = (0..nf)
+            .map(|j| {
+                (0..nsz)
+                    .map(|s| {
+                        (0..nc)
+                            .map(|c| (geometry.weigh[[s, c, j]] as f64).powi(2))
+                            .sum::<f64>()
+                    })
+                    .fold(0f64, f64::max) as f32
+            })
+            .collect();
         for j in 0..nf {
             for c in 0..nc {
                 sites.push(geometry.i_c[[c, j]]);
@@ -148,6 +161,7 @@ impl CpuDetector {
             sites,
             weights,
             neighbours,
+            weight_norm2,
             as_buf: Vec::new(),
             imax_buf: Vec::new(),
             amax_buf: Vec::new(),
@@ -169,8 +183,25 @@ impl CpuDetector {
     /// probe has sites, is shorter than 2·nt + 1 samples, or holds a non-finite value.
     pub fn detect(&mut self, x: ArrayView2<f32>, yc: &[f32]) -> Result<Detections, DetectError> {
         self.check_input(x, yc)?;
-        self.steps_1_to_3(x);
-        let peaks = self.local_peaks();
+        self.steps_1_to_3(x, false);
+        let peaks = self.local_peaks(false);
+        Ok(self.features(x, yc, &peaks))
+    }
+
+    /// As [`CpuDetector::detect`], but every step computed densely over all centres
+    /// and samples, in Kilosort4's order: the oracle the pruned path and the GPU
+    /// kernels are checked against. Gives the same detections, more slowly.
+    ///
+    /// # Errors
+    /// As [`CpuDetector::detect`].
+    pub fn detect_dense(
+        &mut self,
+        x: ArrayView2<f32>,
+        yc: &[f32],
+    ) -> Result<Detections, DetectError> {
+        self.check_input(x, yc)?;
+        self.steps_1_to_3(x, true);
+        let peaks = self.local_peaks(true);
         Ok(self.features(x, yc, &peaks))
     }
 
@@ -184,7 +215,7 @@ impl CpuDetector {
         yc: &[f32],
     ) -> Result<Intermediates, DetectError> {
         self.check_input(x, yc)?;
-        self.steps_1_to_3(x);
+        self.steps_1_to_3(x, true);
         let nf = self.geometry.n_centres();
         let nt_w = self.nt_window;
         let mut as_ = Array2::<f32>::zeros((nf, nt_w));
@@ -250,7 +281,11 @@ impl CpuDetector {
         tile * nf * TILE + j * TILE + (t % TILE)
     }
 
-    fn steps_1_to_3(&mut self, x: ArrayView2<f32>) {
+    /// Steps 1–3 over all tiles. `dense`: every centre and sample exactly, plus the
+    /// neighbour max (Kilosort4's arrays). Otherwise step 2 is computed exactly only
+    /// where |A| can exceed Th_universal ([`centre_response_pruned`]) and step 3 is
+    /// left to [`CpuDetector::local_peaks`].
+    fn steps_1_to_3(&mut self, x: ArrayView2<f32>, dense: bool) {
         let x = x.as_standard_layout();
         let (n_ch, nt_w) = x.dim();
         let xs = x.as_slice().expect("standard layout");
@@ -260,7 +295,7 @@ impl CpuDetector {
         self.nt_window = nt_w;
         self.as_buf.resize(len, 0.0);
         self.imax_buf.resize(len, 0);
-        self.amax_buf.resize(len, 0.0);
+        self.amax_buf.resize(if dense { len } else { 0 }, 0.0);
         let nsz = self.geometry.n_sizes();
         let nc2 = self.geometry.n_neighbours();
         let wtemp = self.templates.wtemp.as_standard_layout();
@@ -268,48 +303,103 @@ impl CpuDetector {
         let sites = &self.sites;
         let weights = &self.weights;
         let neighbours = &self.neighbours;
+        let bound = &self.weight_norm2;
+        let th = self.settings.th_universal;
+        let mut amax_chunks: Vec<&mut [f32]> = if dense {
+            self.amax_buf.chunks_mut(nf * TILE).collect()
+        } else {
+            (0..n_tiles).map(|_| &mut [][..]).collect()
+        };
         self.as_buf
             .par_chunks_mut(nf * TILE)
             .zip(self.imax_buf.par_chunks_mut(nf * TILE))
-            .zip(self.amax_buf.par_chunks_mut(nf * TILE))
+            .zip(amax_chunks.par_iter_mut())
             .enumerate()
             .for_each_init(
-                || vec![0f32; n_ch * NK * TILE],
-                |b, (tile, ((as_t, imax_t), amax_t))| {
+                || (vec![0f32; n_ch * NK * TILE], vec![0f32; n_ch * TILE]),
+                |(b, q), (tile, ((as_t, imax_t), amax_t))| {
                     let t0 = tile * TILE;
                     for c in 0..n_ch {
                         let row = &xs[c * nt_w..(c + 1) * nt_w];
                         filter_bank(row, wtemp, t0, &mut b[c * NK * TILE..(c + 1) * NK * TILE]);
                     }
-                    centre_response(b, sites, weights, nsz, as_t, imax_t);
-                    neighbour_max(as_t, neighbours, nc2, amax_t);
+                    if dense {
+                        centre_response(b, sites, weights, nsz, as_t, imax_t);
+                        neighbour_max(as_t, neighbours, nc2, amax_t);
+                    } else {
+                        centre_response_pruned(b, q, sites, weights, bound, nsz, th, as_t, imax_t);
+                    }
                 },
             );
     }
 
-    fn local_peaks(&self) -> Vec<(u32, u64)> {
+    /// Steps 3–4. Dense: Kilosort4's order (neighbour max, edge zeroing, ±nt0min
+    /// max-pool, comparison) on whole rows. Sparse: only where As > Th_universal,
+    /// the same comparison against the largest As over the iC2 neighbours and the
+    /// ±nt0min samples outside the zeroed edges; values at or below the threshold
+    /// can neither win nor tie with a candidate, so the detections are the same.
+    fn local_peaks(&self, dense: bool) -> Vec<(u32, u64)> {
         let nf = self.geometry.n_centres();
         let nt_w = self.nt_window;
         let nt = self.settings.nt;
         let half = self.settings.nt0min();
         let th = self.settings.th_universal;
-        let per_centre: Vec<Vec<(u32, u64)>> = (0..nf)
-            .into_par_iter()
-            .map(|j| {
-                let mut as_row = vec![0f32; nt_w];
-                let mut amax_row = vec![0f32; nt_w];
-                for t in 0..nt_w {
-                    let i = self.index(j, t);
-                    as_row[t] = self.as_buf[i];
-                    amax_row[t] = self.amax_buf[i];
-                }
-                local_peaks(&as_row, &mut amax_row, nt, half, th)
-                    .into_iter()
-                    .map(|t| (j as u32, t as u64))
-                    .collect()
+        let nc2 = self.geometry.n_neighbours();
+        if dense {
+            let per_centre: Vec<Vec<(u32, u64)>> = (0..nf)
+                .into_par_iter()
+                .map(|j| {
+                    let as_row: Vec<f32> =
+                        (0..nt_w).map(|t| self.as_buf[self.index(j, t)]).collect();
+                    let mut amax_row: Vec<f32> =
+                        (0..nt_w).map(|t| self.amax_buf[self.index(j, t)]).collect();
+                    local_peaks(&as_row, &mut amax_row, nt, half, th)
+                        .into_iter()
+                        .map(|t| (j as u32, t as u64))
+                        .collect()
+                })
+                .collect();
+            return per_centre.into_iter().flatten().collect();
+        }
+        // Candidates: every (j, t) with As > Th, found by a linear scan of the tiles.
+        let mut candidates: Vec<(u32, u64)> = self
+            .as_buf
+            .par_chunks(nf * TILE)
+            .enumerate()
+            .flat_map_iter(|(tile, as_t)| {
+                as_t.iter()
+                    .enumerate()
+                    .filter(move |&(i, &v)| v > th && tile * TILE + i % TILE < nt_w)
+                    .map(move |(i, _)| ((i / TILE) as u32, (tile * TILE + i % TILE) as u64))
             })
             .collect();
-        per_centre.into_iter().flatten().collect()
+        candidates.par_sort_unstable();
+        let (lo_valid, hi_valid) = (nt.min(nt_w), nt_w.saturating_sub(nt));
+        candidates
+            .into_par_iter()
+            .filter(|&(j, t)| {
+                let (j, t) = (j as usize, t as usize);
+                let v = self.as_buf[self.index(j, t)];
+                let lo = t.saturating_sub(half).max(lo_valid);
+                let hi = (t + half + 1).min(hi_valid);
+                let row_max =
+                    |n: usize| (lo..hi).fold(0f32, |m, tt| m.max(self.as_buf[self.index(n, tt)]));
+                // The own row first: most candidates fail there.
+                let mut m = row_max(j);
+                if m > v {
+                    return false;
+                }
+                for &n in &self.neighbours[j * nc2..(j + 1) * nc2] {
+                    if n as usize != j {
+                        m = m.max(row_max(n as usize));
+                        if m > v {
+                            return false;
+                        }
+                    }
+                }
+                m == v
+            })
+            .collect()
     }
 
     fn features(&self, x: ArrayView2<f32>, yc: &[f32], peaks: &[(u32, u64)]) -> Detections {
@@ -413,7 +503,14 @@ fn filter_bank_impl(x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]) {
 /// `as_t[j·TILE + t]` = max_r |A\[r\]| and `imax_t[j·TILE + t]` = (1 + r\*)·sign(A\[r\*\]),
 /// r\* the smallest r attaining the maximum (torch's first-index rule). `b` is the
 /// tile of step 1, laid out \[channel\]\[k\]\[TILE\]. nsz must be 1 to 8.
-pub fn centre_response(b: &[f32], sites: &[u32], weights: &[f32], nsz: usize, as_t: &mut [f32], imax_t: &mut [i8]) {
+pub fn centre_response(
+    b: &[f32],
+    sites: &[u32],
+    weights: &[f32],
+    nsz: usize,
+    as_t: &mut [f32],
+    imax_t: &mut [i8],
+) {
     dispatch!(
         centre_response_avx2,
         centre_response_sizes,
@@ -422,7 +519,14 @@ pub fn centre_response(b: &[f32], sites: &[u32], weights: &[f32], nsz: usize, as
 }
 
 #[inline(always)]
-fn centre_response_sizes(b: &[f32], sites: &[u32], weights: &[f32], nsz: usize, as_t: &mut [f32], imax_t: &mut [i8]) {
+fn centre_response_sizes(
+    b: &[f32],
+    sites: &[u32],
+    weights: &[f32],
+    nsz: usize,
+    as_t: &mut [f32],
+    imax_t: &mut [i8],
+) {
     match nsz {
         1 => centre_response_impl::<1>(b, sites, weights, as_t, imax_t),
         2 => centre_response_impl::<2>(b, sites, weights, as_t, imax_t),
@@ -444,62 +548,197 @@ fn centre_response_impl<const NSZ: usize>(
     as_t: &mut [f32],
     imax_t: &mut [i8],
 ) {
-    let nc = weights.len() / NSZ / (as_t.len() / TILE);
     let nf = as_t.len() / TILE;
+    let nc = sites.len() / nf;
     for j in 0..nf {
         let s_j = &sites[j * nc..(j + 1) * nc];
         let w_j = &weights[j * nc * NSZ..(j + 1) * nc * NSZ];
         for tc in (0..TILE).step_by(LANES) {
-            // All nsz·6 outputs for these 8 samples, in r = s·6 + k order.
-            let mut a = [[0f32; LANES]; 8 * NK];
-            // Two templates at a time: 2·nsz independent sums keep the adders busy.
-            for k in (0..NK).step_by(2) {
-                let mut acc0 = [[0f32; LANES]; NSZ];
-                let mut acc1 = [[0f32; LANES]; NSZ];
-                for c in 0..nc {
-                    let off = (s_j[c] as usize * NK + k) * TILE + tc;
-                    let row0: &[f32; LANES] = b[off..off + LANES].try_into().expect("8 lanes");
-                    let row1: &[f32; LANES] = b[off + TILE..off + TILE + LANES].try_into().expect("8 lanes");
-                    for s in 0..NSZ {
-                        let w = w_j[c * NSZ + s];
-                        for l in 0..LANES {
-                            acc0[s][l] += w * row0[l];
-                            acc1[s][l] += w * row1[l];
-                        }
-                    }
-                }
-                for s in 0..NSZ {
-                    a[s * NK + k] = acc0[s];
-                    a[s * NK + k + 1] = acc1[s];
-                }
-            }
-            // The largest |A|, first r among equals (a strict > in ascending r).
-            let mut best = [0f32; LANES];
-            // r kept as f32 so that the selects below are plain vector blends.
-            let mut r_best = [0f32; LANES];
-            let mut value = a[0];
-            for l in 0..LANES {
-                best[l] = a[0][l].abs();
-            }
-            for (r, a_r) in a.iter().enumerate().take(NSZ * NK).skip(1) {
+            let at = j * TILE + tc;
+            respond_chunk::<NSZ>(
+                b,
+                s_j,
+                w_j,
+                tc,
+                &mut as_t[at..at + LANES],
+                &mut imax_t[at..at + LANES],
+            );
+        }
+    }
+}
+
+/// Step 2 for one centre and 8 samples `tc ..`: writes best |A| and (1 + r)·sign.
+#[inline(always)]
+fn respond_chunk<const NSZ: usize>(
+    b: &[f32],
+    s_j: &[u32],
+    w_j: &[f32],
+    tc: usize,
+    as_out: &mut [f32],
+    imax_out: &mut [i8],
+) {
+    let nc = s_j.len();
+    // All nsz·6 outputs for these 8 samples, in r = s·6 + k order.
+    let mut a = [[0f32; LANES]; 8 * NK];
+    // Two templates at a time: 2·nsz independent sums keep the adders busy.
+    for k in (0..NK).step_by(2) {
+        let mut acc0 = [[0f32; LANES]; NSZ];
+        let mut acc1 = [[0f32; LANES]; NSZ];
+        for c in 0..nc {
+            let off = (s_j[c] as usize * NK + k) * TILE + tc;
+            let row0: &[f32; LANES] = b[off..off + LANES].try_into().expect("8 lanes");
+            let row1: &[f32; LANES] = b[off + TILE..off + TILE + LANES]
+                .try_into()
+                .expect("8 lanes");
+            for s in 0..NSZ {
+                let w = w_j[c * NSZ + s];
                 for l in 0..LANES {
-                    let v = a_r[l].abs();
-                    let take = v > best[l];
-                    best[l] = if take { v } else { best[l] };
-                    r_best[l] = if take { r as f32 } else { r_best[l] };
-                    value[l] = if take { a_r[l] } else { value[l] };
+                    acc0[s][l] += w * row0[l];
+                    acc1[s][l] += w * row1[l];
                 }
             }
-            for l in 0..LANES {
-                let sign: i8 = if value[l] > 0.0 {
-                    1
-                } else if value[l] < 0.0 {
-                    -1
-                } else {
-                    0
-                };
-                as_t[j * TILE + tc + l] = best[l];
-                imax_t[j * TILE + tc + l] = (r_best[l] as i8 + 1) * sign;
+        }
+        for s in 0..NSZ {
+            a[s * NK + k] = acc0[s];
+            a[s * NK + k + 1] = acc1[s];
+        }
+    }
+    // The largest |A|, first r among equals (a strict > in ascending r).
+    let mut best = [0f32; LANES];
+    // r kept as f32 so that the selects below are plain vector blends.
+    let mut r_best = [0f32; LANES];
+    let mut value = a[0];
+    for l in 0..LANES {
+        best[l] = a[0][l].abs();
+    }
+    for (r, a_r) in a.iter().enumerate().take(NSZ * NK).skip(1) {
+        for l in 0..LANES {
+            let v = a_r[l].abs();
+            let take = v > best[l];
+            best[l] = if take { v } else { best[l] };
+            r_best[l] = if take { r as f32 } else { r_best[l] };
+            value[l] = if take { a_r[l] } else { value[l] };
+        }
+    }
+    for l in 0..LANES {
+        let sign: i8 = if value[l] > 0.0 {
+            1
+        } else if value[l] < 0.0 {
+            -1
+        } else {
+            0
+        };
+        as_out[l] = best[l];
+        imax_out[l] = (r_best[l] as i8 + 1) * sign;
+    }
+}
+
+/// Step 2 computed exactly only where it can matter. By Cauchy–Schwarz,
+/// |A\[s, k\]| ≤ ‖weigh\[s, :, j\]‖·(Σ_c max_k B\[iC\[c, j\], k, t\]²)^½, so where
+/// `weight_norm2[j]`·Σ_c max_k B² (with a 1 % margin for float32 rounding) stays below
+/// Th_universal², |A| cannot exceed the threshold: As is set to 0 and imax to 0 there,
+/// values that can neither be detected nor beat or tie a detection. Elsewhere the
+/// values are exactly those of [`centre_response`]. `q` is scratch of C·TILE values.
+#[allow(clippy::too_many_arguments)]
+pub fn centre_response_pruned(
+    b: &[f32],
+    q: &mut [f32],
+    sites: &[u32],
+    weights: &[f32],
+    weight_norm2: &[f32],
+    nsz: usize,
+    th: f32,
+    as_t: &mut [f32],
+    imax_t: &mut [i8],
+) {
+    dispatch!(
+        centre_response_pruned_avx2,
+        centre_response_pruned_sizes,
+        (b: &[f32], q: &mut [f32], sites: &[u32], weights: &[f32], weight_norm2: &[f32], nsz: usize, th: f32, as_t: &mut [f32], imax_t: &mut [i8])
+    );
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn centre_response_pruned_sizes(
+    b: &[f32],
+    q: &mut [f32],
+    sites: &[u32],
+    weights: &[f32],
+    weight_norm2: &[f32],
+    nsz: usize,
+    th: f32,
+    as_t: &mut [f32],
+    imax_t: &mut [i8],
+) {
+    // q[c, t] = max_k B[c, k, t]².
+    for (c, qc) in q.chunks_exact_mut(TILE).enumerate() {
+        let bc = &b[c * NK * TILE..(c + 1) * NK * TILE];
+        for (t, v) in qc.iter_mut().enumerate() {
+            let mut m = 0f32;
+            for k in 0..NK {
+                let x = bc[k * TILE + t];
+                m = m.max(x * x);
+            }
+            *v = m;
+        }
+    }
+    match nsz {
+        1 => pruned_impl::<1>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
+        2 => pruned_impl::<2>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
+        3 => pruned_impl::<3>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
+        4 => pruned_impl::<4>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
+        5 => pruned_impl::<5>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
+        6 => pruned_impl::<6>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
+        7 => pruned_impl::<7>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
+        8 => pruned_impl::<8>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
+        _ => unreachable!("template_sizes is validated to 1..=8"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn pruned_impl<const NSZ: usize>(
+    b: &[f32],
+    q: &[f32],
+    sites: &[u32],
+    weights: &[f32],
+    weight_norm2: &[f32],
+    th: f32,
+    as_t: &mut [f32],
+    imax_t: &mut [i8],
+) {
+    let nsz = NSZ;
+    let nf = as_t.len() / TILE;
+    let nc = sites.len() / nf;
+    let th2 = th * th;
+    for j in 0..nf {
+        let s_j = &sites[j * nc..(j + 1) * nc];
+        let w_j = &weights[j * nc * nsz..(j + 1) * nc * nsz];
+        let scale = weight_norm2[j] * 1.01;
+        for tc in (0..TILE).step_by(LANES) {
+            let mut sum = [0f32; LANES];
+            for &c in s_j {
+                let qc: &[f32; LANES] = q[c as usize * TILE + tc..][..LANES]
+                    .try_into()
+                    .expect("8 lanes");
+                for l in 0..LANES {
+                    sum[l] += qc[l];
+                }
+            }
+            let at = j * TILE + tc;
+            if sum.iter().any(|&v| v * scale >= th2) {
+                respond_chunk::<NSZ>(
+                    b,
+                    s_j,
+                    w_j,
+                    tc,
+                    &mut as_t[at..at + LANES],
+                    &mut imax_t[at..at + LANES],
+                );
+            } else {
+                as_t[at..at + LANES].fill(0.0);
+                imax_t[at..at + LANES].fill(0);
             }
         }
     }
