@@ -405,10 +405,11 @@ fn sq_dist(x0: f64, y0: f64, x1: f64, y1: f64) -> f64 {
 /// σ_s = `min_template_size`·(s+1) µm, normalised so the squares over the nC sites
 /// sum to 1. `ds` holds squared distances, µm², nC × Nf.
 ///
-/// Where every weight underflows to 0 (a site layout much sparser than the sizes,
-/// field failure BR-03), Kilosort4 divides 0 by 0; here the same Gaussian is
-/// evaluated relative to the nearest site instead, which is mathematically equal
-/// and never NaN.
+/// Where the squared weights underflow (a site layout much sparser than the sizes,
+/// field failure BR-03), Kilosort4 divides 0 by 0 or by a denormal; here the same
+/// Gaussian is then evaluated relative to the nearest site instead, which is
+/// mathematically equal and never NaN. With the default `max_channel_distance`
+/// (32 µm) this never happens.
 pub fn spatial_weights(ds: &Array2<f64>, settings: &DetectionSettings) -> Array3<f32> {
     let (nc, nf) = ds.dim();
     let nsz = settings.template_sizes;
@@ -420,8 +421,10 @@ pub fn spatial_weights(ds: &Array2<f64>, settings: &DetectionSettings) -> Array3
             let raw: Vec<f32> = (0..nc)
                 .map(|c| (-(ds[[c, j]] as f32) / sig2).exp())
                 .collect();
-            let norm = raw.iter().map(|v| v * v).sum::<f32>().sqrt();
-            if norm > 0.0 && norm.is_finite() {
+            let sum2 = raw.iter().map(|v| v * v).sum::<f32>();
+            let norm = sum2.sqrt();
+            // Kilosort4's formula whenever its sum of squares is a normal float32.
+            if sum2 >= f32::MIN_POSITIVE && sum2.is_finite() {
                 for c in 0..nc {
                     w[[s, c, j]] = raw[c] / norm;
                 }

@@ -72,3 +72,50 @@ impl Case {
         Geometry::with_neighbourhoods(&self.probe, &settings, i_c, i_c2, weigh).unwrap()
     }
 }
+
+/// Small deterministic generator (xorshift64*) with Box–Muller normals, for tests.
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn uniform(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    pub fn normal(&mut self) -> f64 {
+        let (u, v) = (self.uniform(), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    }
+}
+
+/// A probe from site positions (µm) and shank ids; channel map 0..n.
+pub fn probe(xy: &[(f32, f32)], shanks: &[i64]) -> Probe {
+    Probe {
+        xc: xy.iter().map(|p| p.0).collect(),
+        yc: xy.iter().map(|p| p.1).collect(),
+        kcoords: shanks.to_vec(),
+        chan_map: (0..xy.len() as u64).collect(),
+        n_chan: xy.len() as u64,
+        source: "test probe".into(),
+    }
+}
+
+/// Unit-variance white noise, C × NT (a whitened window).
+pub fn noise(c: usize, nt: usize, seed: u64) -> Array2<f32> {
+    let mut rng = Rng(seed | 1);
+    Array2::from_shape_fn((c, nt), |_| rng.normal() as f32)
+}
+
+/// Adds `amp`·wTEMP[k] with its trough (template sample 20) at sample `t0`, scaled
+/// per channel by `gains` (negative-going, like the templates, for amp > 0).
+pub fn inject(x: &mut Array2<f32>, t0: usize, k: usize, amp: f32, gains: &[f32]) {
+    let t = spikecube::UniversalTemplates::builtin();
+    for (c, &g) in gains.iter().enumerate() {
+        for i in 0..61 {
+            let s = t0 as isize + i as isize - 20;
+            if s >= 0 && (s as usize) < x.ncols() {
+                x[[c, s as usize]] += amp * g * t.wtemp[[k, i]];
+            }
+        }
+    }
+}
