@@ -54,23 +54,36 @@ fn br01_small_arbitrary_units_give_a_float_grid() {
     assert_eq!(trough_times(&d_scaled), expected, "×25");
 
     // Two columns with 7.5 µm rows keep their half-rows (3.75 µm).
-    let rows: Vec<(f32, f32)> = (0..16).map(|i| ((i % 2) as f32 * 20.0, 7.5 * (i / 2) as f32)).collect();
+    let rows: Vec<(f32, f32)> = (0..16)
+        .map(|i| ((i % 2) as f32 * 20.0, 7.5 * (i / 2) as f32))
+        .collect();
     let g = Geometry::new(&probe(&rows, &[0; 16]), &s).unwrap();
     assert_eq!(g.dmin, 7.5);
     assert_eq!(g.yup[1] - g.yup[0], 3.75);
 
     // A zero or negative given pitch is a settings error, not a crash.
     for dmin in [0.0, -5.0] {
-        let bad = DetectionSettings { dmin: Some(dmin), ..s.clone() };
-        assert!(matches!(Geometry::new(&small, &bad), Err(DetectError::Setting { name: "dmin", .. })));
+        let bad = DetectionSettings {
+            dmin: Some(dmin),
+            ..s.clone()
+        };
+        assert!(matches!(
+            Geometry::new(&small, &bad),
+            Err(DetectError::Setting { name: "dmin", .. })
+        ));
     }
 }
 
 #[test]
 fn br02_single_column_keeps_its_column() {
-    let s = DetectionSettings { dminx: 103.0, ..DetectionSettings::default() };
+    let s = DetectionSettings {
+        dminx: 103.0,
+        ..DetectionSettings::default()
+    };
     for wobble in [0.0f32, 1.0] {
-        let xy: Vec<(f32, f32)> = (0..48).map(|i| (wobble * (i % 2) as f32, 20.0 * i as f32)).collect();
+        let xy: Vec<(f32, f32)> = (0..48)
+            .map(|i| (wobble * (i % 2) as f32, 20.0 * i as f32))
+            .collect();
         let p = probe(&xy, &[0; 48]);
         let times = spike_times(50, 150, 180);
         let mut x = noise(48, 9_000 + 122, 202);
@@ -83,9 +96,15 @@ fn br02_single_column_keeps_its_column() {
             inject(&mut x, t, n % 6, 25.0, &gains);
         }
         let (g, d) = run(&p, &s, &x);
-        assert!(g.xcup.iter().all(|&x| x == 0.0), "every template centre on the column");
+        assert!(
+            g.xcup.iter().all(|&x| x == 0.0),
+            "every template centre on the column"
+        );
         let found = trough_times(&d);
-        let hits = times.iter().filter(|&&t| found.contains(&(t as u64))).count();
+        let hits = times
+            .iter()
+            .filter(|&&t| found.contains(&(t as u64)))
+            .count();
         assert!(hits >= 48, "wobble {wobble}: {hits} of 50 spikes found");
     }
 }
@@ -117,14 +136,22 @@ fn br03_sparse_layouts_give_finite_weights_and_per_channel_detection() {
 
     // A larger max_channel_distance would make Kilosort4 divide 0 by 0 (every
     // weight underflows); the weights stay finite and normalised here.
-    let far = DetectionSettings { max_channel_distance: 100.0, ..s.clone() };
-    let grid: Vec<(f32, f32)> = (0..16).map(|i| (200.0 * (i % 4) as f32, 200.0 * (i / 4) as f32)).collect();
+    let far = DetectionSettings {
+        max_channel_distance: 100.0,
+        ..s.clone()
+    };
+    let grid: Vec<(f32, f32)> = (0..16)
+        .map(|i| (200.0 * (i % 4) as f32, 200.0 * (i / 4) as f32))
+        .collect();
     for settings in [&s, &far] {
         let g = Geometry::new(&probe(&grid, &[0; 16]), settings).unwrap();
         for j in 0..g.n_centres() {
             for sz in 0..g.n_sizes() {
                 let norm: f32 = (0..g.n_chans()).map(|c| g.weigh[[sz, c, j]].powi(2)).sum();
-                assert!((norm - 1.0).abs() < 1e-5, "centre {j}, size {sz}: Σw² = {norm}");
+                assert!(
+                    (norm - 1.0).abs() < 1e-5,
+                    "centre {j}, size {sz}: Σw² = {norm}"
+                );
             }
         }
     }
@@ -133,11 +160,11 @@ fn br03_sparse_layouts_give_finite_weights_and_per_channel_detection() {
 fn four_shank(ids: [i64; 4]) -> Probe {
     let mut xy = Vec::new();
     let mut shank = Vec::new();
-    for s in 0..4 {
+    for (s, &id) in ids.iter().enumerate() {
         for row in 0..6 {
             for col in [0.0, 32.0] {
                 xy.push((250.0 * s as f32 + col, 15.0 * row as f32));
-                shank.push(ids[s]);
+                shank.push(id);
             }
         }
     }
@@ -162,12 +189,27 @@ fn br04_multi_shank_grid_stays_on_the_shanks() {
     }
     let (g, d) = run(&p, &s, &x);
     for &cx in &g.xcup {
-        assert!((0..4).any(|k| (250.0 * k as f64..=250.0 * k as f64 + 32.0).contains(&cx)), "centre x = {cx} between shanks");
+        assert!(
+            (0..4).any(|k| (250.0 * k as f64..=250.0 * k as f64 + 32.0).contains(&cx)),
+            "centre x = {cx} between shanks"
+        );
     }
     for j in 0..g.n_centres() {
         let shank = g.centre_shank[j];
-        assert!(g.i_c.column(j).iter().all(|&c| p.kcoords[c as usize] == shank), "iC of centre {j} crosses shanks");
-        assert!(g.i_c2.column(j).iter().all(|&m| g.centre_shank[m as usize] == shank), "iC2 of centre {j} crosses shanks");
+        assert!(
+            g.i_c
+                .column(j)
+                .iter()
+                .all(|&c| p.kcoords[c as usize] == shank),
+            "iC of centre {j} crosses shanks"
+        );
+        assert!(
+            g.i_c2
+                .column(j)
+                .iter()
+                .all(|&m| g.centre_shank[m as usize] == shank),
+            "iC2 of centre {j} crosses shanks"
+        );
     }
     assert!(d.len() >= 28, "{} detections for 30 spikes", d.len());
     for &j in &d.centre {
@@ -182,7 +224,11 @@ fn br04_multi_shank_grid_stays_on_the_shanks() {
 fn br06_tetrode_groups_are_hard_boundaries() {
     let s = DetectionSettings::default();
     let square = [(0.0, 0.0), (25.0, 0.0), (0.0, 25.0), (25.0, 25.0)];
-    let xy: Vec<(f32, f32)> = square.iter().chain(&square.map(|(x, y)| (x + 300.0, y))).copied().collect();
+    let xy: Vec<(f32, f32)> = square
+        .iter()
+        .chain(&square.map(|(x, y)| (x + 300.0, y)))
+        .copied()
+        .collect();
     let p = probe(&xy, &[0, 0, 0, 0, 1, 1, 1, 1]);
     let times = spike_times(20, 150, 300);
     let mut x = noise(8, 6_000 + 122, 606);
@@ -196,7 +242,10 @@ fn br06_tetrode_groups_are_hard_boundaries() {
     assert_eq!(g.n_chans(), 4, "nearest_chans lowered to the tetrode size");
     assert!(!d.is_empty());
     for &j in &d.centre {
-        assert!(g.i_c.column(j as usize).iter().all(|&c| c < 4), "detection uses channels of tetrode 1");
+        assert!(
+            g.i_c.column(j as usize).iter().all(|&c| c < 4),
+            "detection uses channels of tetrode 1"
+        );
     }
 }
 
@@ -230,7 +279,11 @@ fn br07_malformed_probe_files_name_the_field() {
     for (i, (text, field)) in cases.iter().enumerate() {
         let path = write(dir.path(), &format!("probe{i}.json"), text);
         match Probe::load(&path) {
-            Err(ProbeError::Field { field: f, path: p, message }) => {
+            Err(ProbeError::Field {
+                field: f,
+                path: p,
+                message,
+            }) => {
                 assert_eq!(&f, field, "case {i}: {message}");
                 assert_eq!(p, path);
             }
@@ -242,7 +295,9 @@ fn br07_malformed_probe_files_name_the_field() {
 #[test]
 fn br20_any_window_length_and_nt_checked_at_configuration() {
     let s = DetectionSettings::default();
-    let xy: Vec<(f32, f32)> = (0..16).map(|i| ((i % 2) as f32 * 32.0, 15.0 * (i / 2) as f32)).collect();
+    let xy: Vec<(f32, f32)> = (0..16)
+        .map(|i| ((i % 2) as f32 * 32.0, 15.0 * (i / 2) as f32))
+        .collect();
     let p = probe(&xy, &[0; 16]);
     let mut x = noise(16, 6_039 + 122, 2020);
     for (n, t) in spike_times(20, 150, 280).into_iter().enumerate() {
@@ -256,11 +311,19 @@ fn br20_any_window_length_and_nt_checked_at_configuration() {
     // Away from the shorter window's right edge, both see the same detections.
     let limit = (6_001 + 122 - 61 - 2 * 20) as u64;
     let keep = |d: &Detections| -> Vec<(u32, u64)> {
-        d.centre.iter().zip(&d.sample).filter(|(_, t)| **t < limit).map(|(&j, &t)| (j, t)).collect()
+        d.centre
+            .iter()
+            .zip(&d.sample)
+            .filter(|(_, t)| **t < limit)
+            .map(|(&j, &t)| (j, t))
+            .collect()
     };
     assert!(!keep(&d_short).is_empty());
     assert_eq!(keep(&d_long), keep(&d_short));
     // An even (or any non-61) template length is refused up front.
     let bad = DetectionSettings { nt: 60, ..s };
-    assert!(matches!(Geometry::new(&p, &bad), Err(DetectError::Setting { name: "nt", .. })));
+    assert!(matches!(
+        Geometry::new(&p, &bad),
+        Err(DetectError::Setting { name: "nt", .. })
+    ));
 }

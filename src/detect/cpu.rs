@@ -436,7 +436,10 @@ impl CpuDetector {
 /// Number of universal temporal templates (rows of wTEMP); checked by
 /// [`DetectionSettings::validate`].
 pub const NK: usize = 6;
-const _: () = assert!(NK % 2 == 0, "centre_response handles templates in pairs");
+const _: () = assert!(
+    NK.is_multiple_of(2),
+    "centre_response handles templates in pairs"
+);
 /// Samples handled together in the inner loops (one 256-bit vector of f32).
 const LANES: usize = 8;
 
@@ -860,17 +863,23 @@ pub fn features(
     let mut tf = Vec::with_capacity(sites.len() * npc);
     for &c in sites {
         let snip = snippet(c);
-        let mut acc = 0f32;
-        for i in 0..ntaps {
-            acc += templates.wtemp[[k, i]] * snip[i];
-        }
+        // Same terms in the same order as step 1, so the same bits as B.
+        let acc = templates
+            .wtemp
+            .row(k)
+            .iter()
+            .zip(&snip)
+            .fold(0f32, |a, (&w, &v)| a + w * v);
         adist.push(acc * sign as f32);
         for p in 0..npc {
-            let mut f = 0f32;
-            for i in 0..ntaps {
-                f += snip[i] * templates.wpca[[p, i]];
-            }
-            tf.push(f);
+            tf.push(
+                templates
+                    .wpca
+                    .row(p)
+                    .iter()
+                    .zip(&snip)
+                    .fold(0f32, |a, (&w, &v)| a + v * w),
+            );
         }
     }
     let wsum: f32 = adist.iter().map(|&a| a.max(0.0)).sum();

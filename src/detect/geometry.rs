@@ -121,10 +121,17 @@ impl Geometry {
             .unwrap_or(n_sites);
         let nc = settings.n_chans_used(smallest_shank);
         if nc < settings.nearest_chans {
-            tracing::warn!(
-                "nearest_chans lowered from {} to {nc}: the smallest shank has {smallest_shank} sites",
-                settings.nearest_chans
-            );
+            if smallest_shank < n_sites && nc < settings.n_chans_used(n_sites) {
+                tracing::warn!(
+                    "nearest_chans lowered from {} to {nc}: the smallest shank has {smallest_shank} sites, and a centre's sites never cross shanks",
+                    settings.nearest_chans
+                );
+            } else {
+                tracing::info!(
+                    "nearest_chans lowered from {} to {nc}, the number of sites",
+                    settings.nearest_chans
+                );
+            }
         }
 
         let mut i_c = Array2::<u32>::zeros((nc, nf));

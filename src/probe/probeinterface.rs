@@ -79,7 +79,9 @@ pub(super) fn from_value(json: &Value, path: &Path) -> Result<Probe, ProbeError>
     }
     let n = xc.len();
     let kcoords = match probe.get("shank_ids").and_then(Value::as_array) {
+        // No shank ids (absent or an empty list): one shank.
         None => vec![0; n],
+        Some(ids) if ids.is_empty() => vec![0; n],
         Some(ids) => shank_numbers(ids, path)?,
     };
     let chan_map: Vec<i64> = match probe.get("device_channel_indices") {

@@ -1,0 +1,130 @@
+//! The command line, run as a user would: `spikecube detect-window`.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use ndarray::{Array1, Array2};
+use spikecube::npy;
+
+fn spikecube(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_spikecube"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn detect_window_reproduces_a_fixture_with_its_neighbourhoods() {
+    let case = common::shared().join("fixtures/detection/np2_4shank");
+    let out = tempfile::tempdir().unwrap();
+    let o = spikecube(&[
+        "detect-window",
+        "--window",
+        s(&case.join("X.npy")),
+        "--probe",
+        s(&case.join("probe.json")),
+        "--neighbourhoods",
+        s(&case),
+        "--out",
+        s(out.path()),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let xy: Array2<i64> = npy::read(&out.path().join("xy.npy")).unwrap();
+    let expected: Array2<i64> = npy::read(&case.join("xy.npy")).unwrap();
+    assert_eq!(xy, expected);
+    for f in [
+        "amp.npy",
+        "imax.npy",
+        "sign.npy",
+        "adist.npy",
+        "yct.npy",
+        "tF.npy",
+        "xcup.npy",
+        "ycup.npy",
+        "iC.npy",
+        "iC2.npy",
+        "weigh.npy",
+    ] {
+        assert!(out.path().join(f).is_file(), "{f} missing");
+    }
+    // Without --neighbourhoods, our own geometry: same centres.
+    let o = spikecube(&[
+        "detect-window",
+        "--window",
+        s(&case.join("X.npy")),
+        "--probe",
+        s(&case.join("probe.json")),
+        "--out",
+        s(out.path()),
+    ]);
+    assert!(o.status.success());
+    let xcup: Array1<f64> = npy::read(&out.path().join("xcup.npy")).unwrap();
+    let expected: Array1<f64> = npy::read(&case.join("xcup.npy")).unwrap();
+    assert_eq!(xcup, expected);
+}
+
+#[test]
+fn detect_window_bad_inputs_are_one_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = common::shared().join("fixtures/detection/tetrode_like/probe.json");
+    let write = |name: &str, f: &dyn Fn(&Path)| {
+        let p = dir.path().join(name);
+        f(&p);
+        p
+    };
+    let rank1 = write("rank1.npy", &|p| {
+        npy::write(p, &Array1::<f32>::zeros(500)).unwrap()
+    });
+    let f64win = write("f64.npy", &|p| {
+        npy::write(p, &Array2::<f64>::zeros((4, 500))).unwrap()
+    });
+    let short = write("short.npy", &|p| {
+        npy::write(p, &Array2::<f32>::zeros((4, 100))).unwrap()
+    });
+    let rows = write("rows.npy", &|p| {
+        npy::write(p, &Array2::<f32>::zeros((5, 500))).unwrap()
+    });
+    let nan = write("nan.npy", &|p| {
+        let mut a = Array2::<f32>::zeros((4, 500));
+        a[[2, 7]] = f32::NAN;
+        npy::write(p, &a).unwrap()
+    });
+    let missing = dir.path().join("missing.npy");
+    let cases: [(&Path, &[&str]); 6] = [
+        (&rank1, &["rank1.npy", "2-D"]),
+        (&f64win, &["f64.npy", "f32"]),
+        (&short, &["100 samples", "123"]),
+        (&rows, &["5 rows", "4 sites"]),
+        (&nan, &["channel 2, sample 7"]),
+        (&missing, &["missing.npy"]),
+    ];
+    for (window, needles) in cases {
+        let out = dir.path().join("out");
+        let o = spikecube(&[
+            "detect-window",
+            "--window",
+            s(window),
+            "--probe",
+            s(&probe),
+            "--out",
+            s(&out),
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert_eq!(
+            err.lines().filter(|l| l.contains("error")).count(),
+            1,
+            "one error line: {err}"
+        );
+        for n in needles {
+            assert!(err.contains(n), "{window:?}: `{n}` not in: {err}");
+        }
+        assert!(!out.join("xy.npy").exists(), "no output after an error");
+    }
+}
