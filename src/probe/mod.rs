@@ -8,6 +8,7 @@
 //! channel indices within `n_chan`.
 
 mod kilosort;
+pub mod prb;
 mod probeinterface;
 
 use std::path::{Path, PathBuf};
@@ -54,6 +55,12 @@ impl Probe {
             path: path.to_owned(),
             source,
         })?;
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("prb"))
+        {
+            return prb::parse(&text, path);
+        }
         Probe::parse(&text, path)
     }
 
@@ -73,6 +80,14 @@ impl Probe {
         } else {
             kilosort::from_value(&json, path)
         }
+    }
+
+    /// Parses a `.prb` file's text (as data, never executed); see [`prb`].
+    ///
+    /// # Errors
+    /// [`ProbeError`] naming the line or the field.
+    pub fn parse_prb(text: &str, path: &Path) -> Result<Probe, ProbeError> {
+        prb::parse(text, path)
     }
 
     /// Loads Kilosort4's probe JSON (`chanMap`, `xc`, `yc`, `kcoords`, `n_chan`),
