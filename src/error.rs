@@ -61,3 +61,86 @@ pub enum DetectError {
         max_channel_distance: f64,
     },
 }
+
+/// Errors raised while opening or reading a recording. Every variant names the
+/// file (or the setting) and carries the numbers needed to fix the input.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordingError {
+    /// The file could not be opened, mapped or read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying I/O error.
+        source: std::io::Error,
+    },
+    /// The data size is not a whole number of frames (one sample of every channel).
+    #[error(
+        "{path}: {data_bytes} data bytes (file size {file_bytes} minus offset {offset}) is not a multiple of the frame size {frame_bytes} bytes ({n_channels} channels × {itemsize} bytes of {dtype}): {remainder} bytes are left over; channel counts that divide the data evenly near {n_channels}: {nearest}"
+    )]
+    Size {
+        /// The file.
+        path: PathBuf,
+        /// Size of the whole file, bytes.
+        file_bytes: u64,
+        /// Header bytes skipped before the data.
+        offset: u64,
+        /// Bytes after the offset.
+        data_bytes: u64,
+        /// Sample type name (`int16`, ...).
+        dtype: &'static str,
+        /// Bytes per value of `dtype`.
+        itemsize: u64,
+        /// Channel count in force.
+        n_channels: u64,
+        /// `n_channels × itemsize`.
+        frame_bytes: u64,
+        /// `data_bytes mod frame_bytes`.
+        remainder: u64,
+        /// Nearest channel counts that divide the data evenly, as text (e.g. `63, 65`).
+        nearest: String,
+    },
+    /// A metadata file (SpikeGLX `.meta`, Open Ephys `structure.oebin`, ...) is
+    /// missing a field or has a value that cannot be used.
+    #[error("{path}: field `{field}`: {message}")]
+    Meta {
+        /// The metadata file.
+        path: PathBuf,
+        /// The field, spelled as in the file.
+        field: String,
+        /// What is wrong, with the numbers.
+        message: String,
+    },
+    /// A companion file (e.g. the `.meta` beside a SpikeGLX `.bin`) is missing.
+    #[error("{path}: {message}")]
+    Missing {
+        /// The file that was expected.
+        path: PathBuf,
+        /// Why it is needed.
+        message: String,
+    },
+    /// A setting given by the user contradicts the file or its metadata.
+    #[error("{path}: setting `{setting}`: {message}")]
+    Setting {
+        /// The file (or the first file) concerned.
+        path: PathBuf,
+        /// The setting's name (Kilosort4's where it has one).
+        setting: &'static str,
+        /// What is wrong, with the numbers.
+        message: String,
+    },
+    /// A read outside the recording or with inconsistent buffer sizes.
+    #[error("{what}: {message}")]
+    Read {
+        /// The recording (its description).
+        what: String,
+        /// What is wrong, with the numbers.
+        message: String,
+    },
+    /// Probe geometry derived from metadata is invalid.
+    #[error(transparent)]
+    Probe(#[from] ProbeError),
+    /// The read-ahead thread stopped without a result (it panicked).
+    #[error("the window read-ahead thread stopped unexpectedly: {0}")]
+    Loader(String),
+}

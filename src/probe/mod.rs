@@ -8,6 +8,7 @@
 //! channel indices within `n_chan`.
 
 mod kilosort;
+pub mod prb;
 mod probeinterface;
 
 use std::path::{Path, PathBuf};
@@ -44,16 +45,37 @@ impl Probe {
     }
 
     /// Loads a probe file, choosing the format from its content: Kilosort JSON
-    /// (has `chanMap`), probeinterface JSON (has `probes`) or a `.prb` file
-    /// (parsed as data, never executed).
+    /// (has `chanMap`), probeinterface JSON (has `probes`); by extension, a `.prb`
+    /// file (parsed as data, never executed) or a SpikeGLX `.meta` (geometry of the
+    /// saved AP channels, see [`crate::recording::spikeglx::Meta::probe`]).
     ///
     /// # Errors
     /// [`ProbeError`] naming the file and the field that is missing or invalid.
     pub fn load(path: &Path) -> Result<Probe, ProbeError> {
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("meta"))
+        {
+            return crate::recording::spikeglx::parse_meta(path)
+                .and_then(|m| m.probe())
+                .map_err(|e| match e {
+                    crate::error::RecordingError::Probe(p) => p,
+                    other => ProbeError::Parse {
+                        path: path.to_owned(),
+                        message: other.to_string(),
+                    },
+                });
+        }
         let text = std::fs::read_to_string(path).map_err(|source| ProbeError::Io {
             path: path.to_owned(),
             source,
         })?;
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("prb"))
+        {
+            return prb::parse(&text, path);
+        }
         Probe::parse(&text, path)
     }
 
@@ -73,6 +95,14 @@ impl Probe {
         } else {
             kilosort::from_value(&json, path)
         }
+    }
+
+    /// Parses a `.prb` file's text (as data, never executed); see [`prb`].
+    ///
+    /// # Errors
+    /// [`ProbeError`] naming the line or the field.
+    pub fn parse_prb(text: &str, path: &Path) -> Result<Probe, ProbeError> {
+        prb::parse(text, path)
     }
 
     /// Loads Kilosort4's probe JSON (`chanMap`, `xc`, `yc`, `kcoords`, `n_chan`),

@@ -1,1 +1,383 @@
 //! Recording readers and windows: flat binary, SpikeGLX, Open Ephys; Kilosort4 batching.
+//!
+//! * [`open`] / [`open_many`] pick a reader from the path (and [`OpenOptions`]) and
+//!   return an [`Opened`] recording, with a [`Probe`] when the metadata describes
+//!   the geometry (SpikeGLX).
+//! * Every reader memory-maps its file and converts samples to `f32` only when a
+//!   window is read ([`Recording::read_channels`]). Sample indices are `u64`
+//!   throughout, so recordings longer than 2³¹ samples work.
+//! * [`WindowPlan`] and [`read_window`] cut windows exactly as Kilosort4 4.1.7
+//!   cuts its batches (edge repeat, dropped short tail); [`WindowLoader`] reads
+//!   them ahead on a thread.
+//!
+//! Sample numbering: a [`Recording`] counts its samples `0..n_samples()`
+//! (relative to `tmin`). [`Recording::first_sample`] is the absolute index in the
+//! file (or in the concatenation of files) of relative sample 0; every
+//! [`Window`] reports absolute indices.
+
+mod binary;
+mod concat;
+pub mod np_parts;
+pub mod openephys;
+pub mod spikeglx;
+mod window;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use binary::BinaryRecording;
+pub use concat::ConcatRecording;
+pub use window::{Window, WindowLoader, WindowPlan, read_window};
+
+use crate::error::RecordingError;
+use crate::probe::Probe;
+
+/// Sample type of a flat binary file (little-endian). Kilosort4's `data_dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// Signed 16-bit (`int16`), Kilosort4's default.
+    #[default]
+    Int16,
+    /// Unsigned 16-bit (`uint16`); a value v is read as `v − 32768` (exact in f32).
+    Uint16,
+    /// Signed 32-bit (`int32`), converted to the nearest f32.
+    Int32,
+    /// 32-bit float (`float32`).
+    Float32,
+}
+
+impl Dtype {
+    /// Bytes per value.
+    pub fn itemsize(self) -> u64 {
+        match self {
+            Dtype::Int16 | Dtype::Uint16 => 2,
+            Dtype::Int32 | Dtype::Float32 => 4,
+        }
+    }
+
+    /// numpy's name (`int16`, `uint16`, `int32`, `float32`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Int16 => "int16",
+            Dtype::Uint16 => "uint16",
+            Dtype::Int32 => "int32",
+            Dtype::Float32 => "float32",
+        }
+    }
+
+    /// Parses numpy's names (`int16`, `<i2`, `i2`, `uint16`, `<u2`, `int32`, `<i4`,
+    /// `float32`, `<f4`, `single`); `None` for anything else.
+    pub fn parse(s: &str) -> Option<Dtype> {
+        match s.trim().trim_start_matches(['<', '=']) {
+            "int16" | "i2" | "short" => Some(Dtype::Int16),
+            "uint16" | "u2" | "ushort" => Some(Dtype::Uint16),
+            "int32" | "i4" => Some(Dtype::Int32),
+            "float32" | "f4" | "single" => Some(Dtype::Float32),
+            _ => None,
+        }
+    }
+}
+
+/// A multichannel recording: `n_samples()` frames of `n_channels()` values.
+///
+/// Implementations are cheap to share between threads (`Send + Sync`); reads take
+/// `&self`.
+pub trait Recording: Send + Sync {
+    /// Channels (columns) per frame in the file: Kilosort4's `n_chan_bin`.
+    fn n_channels(&self) -> usize;
+    /// Samples available, after `tmin`/`tmax` and after ignoring any partial frame.
+    fn n_samples(&self) -> u64;
+    /// Sampling rate, Hz (non-integer rates allowed).
+    fn fs(&self) -> f64;
+    /// Absolute index (in the file, or in the concatenation of files) of relative
+    /// sample 0; `floor(tmin·fs)` for a single file opened with `tmin`.
+    fn first_sample(&self) -> u64;
+    /// Reads relative samples `start .. start + count` of the file columns
+    /// `chan_map` into `out`, row-major `chan_map.len() × count` (row i = column
+    /// `chan_map[i]`), converted to f32 with `scale`/`shift` applied.
+    ///
+    /// # Errors
+    /// [`RecordingError::Read`] when the range passes `n_samples()`, a column is
+    /// not below `n_channels()` or `out` has the wrong length.
+    fn read_channels(
+        &self,
+        start: u64,
+        count: usize,
+        chan_map: &[u64],
+        out: &mut [f32],
+    ) -> Result<(), RecordingError>;
+    /// One line naming the file(s), dtype, channels, samples and rate, for messages.
+    fn describe(&self) -> String;
+}
+
+/// Checks the arguments of [`Recording::read_channels`] against a recording's size.
+pub(crate) fn check_read(
+    rec: &dyn Recording,
+    start: u64,
+    count: usize,
+    chan_map: &[u64],
+    out_len: usize,
+) -> Result<(), RecordingError> {
+    let err = |message: String| RecordingError::Read {
+        what: rec.describe(),
+        message,
+    };
+    let end = start.checked_add(count as u64);
+    if end.is_none_or(|e| e > rec.n_samples()) {
+        return Err(err(format!(
+            "read of {count} samples from sample {start} passes the end ({} samples)",
+            rec.n_samples()
+        )));
+    }
+    if let Some(&c) = chan_map.iter().find(|&&c| c >= rec.n_channels() as u64) {
+        return Err(err(format!(
+            "channel map entry {c} is not below the file's {} channels",
+            rec.n_channels()
+        )));
+    }
+    if chan_map.len().checked_mul(count) != Some(out_len) {
+        return Err(err(format!(
+            "output buffer holds {out_len} values, expected {} channels × {count} samples",
+            chan_map.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Which reader to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    /// Choose from the path: a folder or `.oebin` → Open Ephys; a file with a
+    /// `.meta` beside it → SpikeGLX; anything else → flat binary.
+    #[default]
+    Auto,
+    /// Flat headerless binary; needs `n_channels` and `fs`.
+    Binary,
+    /// SpikeGLX `.bin` with its `.meta`.
+    SpikeGlx,
+    /// Open Ephys binary format (`structure.oebin`).
+    OpenEphys,
+}
+
+/// How to open a recording. Field names follow Kilosort4's settings where it has them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OpenOptions {
+    /// Reader to use.
+    pub format: Format,
+    /// Channels in the file (Kilosort4: `n_chan_bin`). Required for flat binary; for
+    /// SpikeGLX / Open Ephys it must agree with the metadata if given.
+    pub n_channels: Option<u64>,
+    /// Sampling rate, Hz. Required for flat binary; for SpikeGLX / Open Ephys the
+    /// metadata's rate is used and a disagreeing value is reported with a warning.
+    pub fs: Option<f64>,
+    /// Sample type of a flat binary file (Kilosort4: `data_dtype`). SpikeGLX and
+    /// Open Ephys files are always int16.
+    pub dtype: Dtype,
+    /// Bytes to skip at the start of every file (a header), flat binary only.
+    pub offset: u64,
+    /// Multiply every value by this (Kilosort4: `scale`); applied before `shift`.
+    pub scale: Option<f32>,
+    /// Add this to every value after `scale` (Kilosort4: `shift`).
+    pub shift: Option<f32>,
+    /// Start of the time range, seconds (Kilosort4: `tmin`); sample `floor(tmin·fs)`.
+    pub tmin: f64,
+    /// End of the time range, seconds, exclusive (Kilosort4: `tmax`); `inf` for the end.
+    pub tmax: f64,
+    /// Open Ephys stream (folder or stream name); the first stream when `None`.
+    pub stream: Option<String>,
+}
+
+impl Default for OpenOptions {
+    fn default() -> Self {
+        OpenOptions {
+            format: Format::Auto,
+            n_channels: None,
+            fs: None,
+            dtype: Dtype::Int16,
+            offset: 0,
+            scale: None,
+            shift: None,
+            tmin: 0.0,
+            tmax: f64::INFINITY,
+            stream: None,
+        }
+    }
+}
+
+/// An opened recording and what its metadata says about it.
+pub struct Opened {
+    /// The samples (shared, so a [`WindowLoader`] thread can read them).
+    pub recording: Arc<dyn Recording>,
+    /// Probe geometry from SpikeGLX metadata (`None` for other formats, or when the
+    /// metadata does not describe it; a warning says why).
+    pub probe: Option<Probe>,
+    /// Open Ephys: microvolts per count of each channel (`bit_volts`).
+    pub bit_volts: Option<Vec<f64>>,
+    /// Open Ephys: the acquisition's sample number of the file's first sample
+    /// (`sample_numbers.npy[0]`), when that file exists. Window and spike indices do
+    /// not include it.
+    pub first_sample_number: Option<i64>,
+}
+
+impl std::fmt::Debug for Opened {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opened")
+            .field("recording", &self.recording.describe())
+            .field("probe", &self.probe.as_ref().map(|p| p.n_sites()))
+            .field("first_sample_number", &self.first_sample_number)
+            .finish()
+    }
+}
+
+/// Opens one recording; see [`Format::Auto`] for how the reader is chosen.
+///
+/// # Errors
+/// [`RecordingError`] naming the file: missing settings (`n_channels`, `fs` for
+/// flat binary), sizes that are not whole frames (flat binary), metadata that is
+/// missing, unreadable or contradicts the settings, an empty `tmin`/`tmax` range.
+pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
+    let base = open_untrimmed(path, opts)?;
+    let rec = trim(base.recording, path, opts)?;
+    Ok(Opened {
+        recording: rec,
+        ..base
+    })
+}
+
+/// Opens several files of one recording, concatenated in time (all the same
+/// format, channel count and rate). The probe and Open Ephys facts come from the
+/// first file; `tmin`/`tmax` apply to the concatenation.
+///
+/// # Errors
+/// As [`open`], and [`RecordingError::Setting`] when the files differ in channel
+/// count or rate, or when `paths` is empty.
+pub fn open_many(paths: &[PathBuf], opts: &OpenOptions) -> Result<Opened, RecordingError> {
+    let Some(first_path) = paths.first() else {
+        return Err(RecordingError::Setting {
+            path: PathBuf::new(),
+            setting: "files",
+            message: "no recording files given".into(),
+        });
+    };
+    if paths.len() == 1 {
+        return open(first_path, opts);
+    }
+    let first = open_untrimmed(first_path, opts)?;
+    let mut parts = vec![first.recording.clone()];
+    for p in &paths[1..] {
+        parts.push(open_untrimmed(p, opts)?.recording);
+    }
+    let cat: Arc<dyn Recording> = Arc::new(ConcatRecording::new(parts, paths)?);
+    let rec = trim(cat, first_path, opts)?;
+    Ok(Opened {
+        recording: rec,
+        ..first
+    })
+}
+
+fn open_untrimmed(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
+    let format = match opts.format {
+        Format::Auto => {
+            if path.is_dir() || path.extension().is_some_and(|e| e == "oebin") {
+                Format::OpenEphys
+            } else if path.with_extension("meta").is_file() {
+                Format::SpikeGlx
+            } else {
+                Format::Binary
+            }
+        }
+        f => f,
+    };
+    match format {
+        Format::OpenEphys => openephys::open(path, opts),
+        Format::SpikeGlx => spikeglx::open(path, opts),
+        _ => {
+            let n_channels = opts.n_channels.ok_or_else(|| RecordingError::Setting {
+                path: path.to_owned(),
+                setting: "n_chan_bin",
+                message: "a flat binary file needs the number of channels in the file".into(),
+            })?;
+            let fs = opts.fs.ok_or_else(|| RecordingError::Setting {
+                path: path.to_owned(),
+                setting: "fs",
+                message: "a flat binary file needs the sampling rate (Hz)".into(),
+            })?;
+            let rec = BinaryRecording::open(
+                path,
+                &binary::BinaryParams {
+                    n_channels,
+                    fs,
+                    dtype: opts.dtype,
+                    offset: opts.offset,
+                    scale: opts.scale,
+                    shift: opts.shift,
+                    partial_frame: binary::PartialFrame::Error,
+                },
+            )?;
+            Ok(Opened {
+                recording: Arc::new(rec),
+                probe: None,
+                bit_volts: None,
+                first_sample_number: None,
+            })
+        }
+    }
+}
+
+/// Restricts a recording to `[floor(tmin·fs), min(floor(tmax·fs), n))`.
+fn trim(
+    rec: Arc<dyn Recording>,
+    path: &Path,
+    opts: &OpenOptions,
+) -> Result<Arc<dyn Recording>, RecordingError> {
+    let (tmin, tmax) = (opts.tmin, opts.tmax);
+    let bad = |message: String| RecordingError::Setting {
+        path: path.to_owned(),
+        setting: "tmin",
+        message,
+    };
+    if !(tmin.is_finite() && tmin >= 0.0) || tmax.is_nan() || tmax <= tmin {
+        return Err(bad(format!(
+            "tmin = {tmin} s and tmax = {tmax} s do not make a range: need 0 ≤ tmin < tmax"
+        )));
+    }
+    if tmin == 0.0 && tmax == f64::INFINITY {
+        return Ok(rec);
+    }
+    let n = rec.n_samples();
+    let fs = rec.fs();
+    let start = ((tmin * fs).floor() as u64).min(n);
+    let end = if tmax.is_finite() {
+        ((tmax * fs).floor() as u64).min(n)
+    } else {
+        n
+    };
+    if end <= start {
+        return Err(bad(format!(
+            "tmin = {tmin} s, tmax = {tmax} s select samples [{start}, {end}) of {n} at fs = {fs} Hz: no samples; the recording lasts {:.6} s",
+            n as f64 / fs
+        )));
+    }
+    Ok(Arc::new(concat::TimeSlice::new(rec, start, end - start)))
+}
+
+/// Channel counts near `n` that divide `data_bytes` into whole frames of
+/// `itemsize`-byte values: up to two below and two above `n`, as text.
+pub fn nearest_channel_counts(data_bytes: u64, itemsize: u64, n: u64) -> String {
+    let fits = |c: u64| c > 0 && data_bytes.is_multiple_of(c * itemsize);
+    let below: Vec<u64> = (1..n).rev().filter(|&c| fits(c)).take(2).collect();
+    let limit = n.saturating_mul(4).max(n + 1024).min(1 << 20);
+    let above: Vec<u64> = (n + 1..=limit).filter(|&c| fits(c)).take(2).collect();
+    let mut all: Vec<u64> = below.into_iter().rev().chain(above).collect();
+    all.sort_unstable();
+    if all.is_empty() {
+        "none".into()
+    } else {
+        all.iter()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}

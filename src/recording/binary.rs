@@ -1,0 +1,259 @@
+//! Flat, headerless, sample-major binary files, memory-mapped.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use super::{Dtype, Recording, check_read, nearest_channel_counts};
+use crate::error::RecordingError;
+
+/// What to do with bytes after the last whole frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PartialFrame {
+    /// Refuse the file (flat binary: the user's channel count is likely wrong).
+    Error,
+    /// Ignore the bytes with a warning (SpikeGLX, Open Ephys: an interrupted write).
+    Warn,
+}
+
+/// Parameters of a flat binary file.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BinaryParams {
+    pub n_channels: u64,
+    pub fs: f64,
+    pub dtype: Dtype,
+    pub offset: u64,
+    pub scale: Option<f32>,
+    pub shift: Option<f32>,
+    pub partial_frame: PartialFrame,
+}
+
+/// A flat binary file (sample-major: all channels of sample 0, then of sample 1,
+/// ...), little-endian, memory-mapped. Samples are converted to f32 only when read.
+#[derive(Debug)]
+pub struct BinaryRecording {
+    path: PathBuf,
+    map: Option<Mmap>,
+    n_channels: usize,
+    n_samples: u64,
+    fs: f64,
+    dtype: Dtype,
+    offset: u64,
+    scale: Option<f32>,
+    shift: Option<f32>,
+}
+
+impl BinaryRecording {
+    /// Opens `path` as a flat binary file of `n_channels` channels of `dtype`,
+    /// skipping `offset` header bytes; `fs` in Hz.
+    ///
+    /// The sample count is `floor((file size − offset) / (n_channels · itemsize))`;
+    /// any remainder is an error ([`RecordingError::Size`], with the nearest
+    /// channel counts that would fit).
+    ///
+    /// # Errors
+    /// [`RecordingError::Io`] when the file cannot be opened or mapped,
+    /// [`RecordingError::Setting`] for a zero channel count, a non-positive rate or
+    /// an offset past the end, [`RecordingError::Size`] for a partial frame.
+    pub fn open_flat(
+        path: &Path,
+        n_channels: u64,
+        fs: f64,
+        dtype: Dtype,
+        offset: u64,
+    ) -> Result<Self, RecordingError> {
+        Self::open(
+            path,
+            &BinaryParams {
+                n_channels,
+                fs,
+                dtype,
+                offset,
+                scale: None,
+                shift: None,
+                partial_frame: PartialFrame::Error,
+            },
+        )
+    }
+
+    pub(crate) fn open(path: &Path, p: &BinaryParams) -> Result<Self, RecordingError> {
+        let setting = |setting: &'static str, message: String| RecordingError::Setting {
+            path: path.to_owned(),
+            setting,
+            message,
+        };
+        if p.n_channels == 0 || p.n_channels > u32::MAX as u64 {
+            return Err(setting(
+                "n_chan_bin",
+                format!("{} channels is not a usable channel count", p.n_channels),
+            ));
+        }
+        if !(p.fs.is_finite() && p.fs > 0.0) {
+            return Err(setting(
+                "fs",
+                format!("{} Hz is not a usable sampling rate", p.fs),
+            ));
+        }
+        let io = |source| RecordingError::Io {
+            path: path.to_owned(),
+            source,
+        };
+        let file = File::open(path).map_err(io)?;
+        let file_bytes = file.metadata().map_err(io)?.len();
+        if p.offset > file_bytes {
+            return Err(setting(
+                "offset",
+                format!(
+                    "offset {} bytes is past the end of the {file_bytes}-byte file",
+                    p.offset
+                ),
+            ));
+        }
+        let data_bytes = file_bytes - p.offset;
+        let itemsize = p.dtype.itemsize();
+        let frame_bytes = p.n_channels * itemsize;
+        let remainder = data_bytes % frame_bytes;
+        let n_samples = data_bytes / frame_bytes;
+        if remainder != 0 {
+            match p.partial_frame {
+                PartialFrame::Error => {
+                    return Err(RecordingError::Size {
+                        path: path.to_owned(),
+                        file_bytes,
+                        offset: p.offset,
+                        data_bytes,
+                        dtype: p.dtype.name(),
+                        itemsize,
+                        n_channels: p.n_channels,
+                        frame_bytes,
+                        remainder,
+                        nearest: nearest_channel_counts(data_bytes, itemsize, p.n_channels),
+                    });
+                }
+                PartialFrame::Warn => tracing::warn!(
+                    file = %path.display(),
+                    "{} bytes after the last whole frame are ignored: {data_bytes} data bytes = {n_samples} frames of {frame_bytes} bytes ({} channels × {itemsize} bytes of {}) + {remainder} bytes",
+                    remainder,
+                    p.n_channels,
+                    p.dtype.name()
+                ),
+            }
+        }
+        // An empty file cannot be mapped on every platform; keep `None` then.
+        let map = if file_bytes == 0 {
+            None
+        } else {
+            // SAFETY: the map is read-only. Like every reader of a memory-mapped
+            // file we rely on nobody truncating the file while it is open.
+            Some(unsafe { Mmap::map(&file) }.map_err(io)?)
+        };
+        Ok(BinaryRecording {
+            path: path.to_owned(),
+            map,
+            n_channels: p.n_channels as usize,
+            n_samples,
+            fs: p.fs,
+            dtype: p.dtype,
+            offset: p.offset,
+            scale: p.scale,
+            shift: p.shift,
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The sample type.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+}
+
+fn decode<const N: usize>(
+    data: &[u8],
+    start: u64,
+    count: usize,
+    n_channels: usize,
+    chan_map: &[u64],
+    out: &mut [f32],
+    conv: impl Fn([u8; N]) -> f32,
+) {
+    let frame = n_channels * N;
+    let base = start as usize * frame;
+    for t in 0..count {
+        let f = &data[base + t * frame..base + (t + 1) * frame];
+        for (row, &c) in chan_map.iter().enumerate() {
+            let o = c as usize * N;
+            let mut b = [0u8; N];
+            b.copy_from_slice(&f[o..o + N]);
+            out[row * count + t] = conv(b);
+        }
+    }
+}
+
+impl Recording for BinaryRecording {
+    fn n_channels(&self) -> usize {
+        self.n_channels
+    }
+    fn n_samples(&self) -> u64 {
+        self.n_samples
+    }
+    fn fs(&self) -> f64 {
+        self.fs
+    }
+    fn first_sample(&self) -> u64 {
+        0
+    }
+    fn read_channels(
+        &self,
+        start: u64,
+        count: usize,
+        chan_map: &[u64],
+        out: &mut [f32],
+    ) -> Result<(), RecordingError> {
+        check_read(self, start, count, chan_map, out.len())?;
+        if count == 0 || chan_map.is_empty() {
+            return Ok(());
+        }
+        let Some(map) = &self.map else {
+            return Ok(());
+        };
+        let data = &map[self.offset as usize..];
+        let nc = self.n_channels;
+        match self.dtype {
+            Dtype::Int16 => decode::<2>(data, start, count, nc, chan_map, out, |b| {
+                i16::from_le_bytes(b) as f32
+            }),
+            Dtype::Uint16 => decode::<2>(data, start, count, nc, chan_map, out, |b| {
+                (i32::from(u16::from_le_bytes(b)) - 32768) as f32
+            }),
+            Dtype::Int32 => decode::<4>(data, start, count, nc, chan_map, out, |b| {
+                i32::from_le_bytes(b) as f32
+            }),
+            Dtype::Float32 => {
+                decode::<4>(data, start, count, nc, chan_map, out, f32::from_le_bytes)
+            }
+        }
+        if self.scale.is_some() || self.shift.is_some() {
+            let (a, b) = (self.scale.unwrap_or(1.0), self.shift.unwrap_or(0.0));
+            for v in out.iter_mut() {
+                *v = *v * a + b;
+            }
+        }
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        format!(
+            "{} ({}, {} channels, {} samples at {} Hz, offset {} bytes)",
+            self.path.display(),
+            self.dtype.name(),
+            self.n_channels,
+            self.n_samples,
+            self.fs,
+            self.offset
+        )
+    }
+}
