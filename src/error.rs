@@ -143,4 +143,64 @@ pub enum RecordingError {
     /// The read-ahead thread stopped without a result (it panicked).
     #[error("the window read-ahead thread stopped unexpectedly: {0}")]
     Loader(String),
+/// Errors raised by preprocessing (channel mean, median CAR, high-pass,
+/// whitening and the whitening fit).
+#[derive(Debug, thiserror::Error)]
+pub enum PreprocessError {
+    /// A setting is out of range.
+    #[error("setting `{name}`: {message}")]
+    Setting {
+        /// Kilosort4's name of the setting.
+        name: &'static str,
+        /// What is wrong, with the numbers.
+        message: String,
+    },
+    /// A window (or another array) does not have the shape the step expects.
+    #[error("{what} has shape {rows} × {cols}, expected {expected_rows} × {expected_cols}")]
+    Shape {
+        /// Which array.
+        what: &'static str,
+        /// Rows received.
+        rows: usize,
+        /// Columns received.
+        cols: usize,
+        /// Rows expected.
+        expected_rows: usize,
+        /// Columns expected.
+        expected_cols: usize,
+    },
+    /// The probe does not fit the other inputs.
+    #[error("probe: {message}")]
+    Probe {
+        /// What is wrong, with the numbers.
+        message: String,
+    },
+    /// The recording has no window at all, so nothing can be fitted.
+    #[error("cannot fit the whitening matrix: the recording has {n_windows} windows")]
+    NoWindows {
+        /// The number of windows reported by the caller.
+        n_windows: u64,
+    },
+    /// The whitening covariance holds a NaN or an infinity (bad input data).
+    #[error(
+        "whitening covariance entry ({row}, {col}) is {value}, not finite; the input windows hold NaN or infinite samples"
+    )]
+    NonFiniteCovariance {
+        /// Row of the first bad entry.
+        row: usize,
+        /// Column of the first bad entry.
+        col: usize,
+        /// The entry.
+        value: f64,
+    },
+    /// The eigen-decomposition of a neighbourhood covariance failed.
+    #[error(
+        "eigen-decomposition of the {size} × {size} covariance around channel {channel} did not converge"
+    )]
+    Eigen {
+        /// The channel (row of the whitening matrix) being computed.
+        channel: usize,
+        /// Size of its neighbourhood.
+        size: usize,
+    },
 }

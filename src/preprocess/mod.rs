@@ -1,1 +1,297 @@
 //! Kilosort4 preprocessing: channel mean, median CAR, FFT high-pass, local whitening.
+//!
+//! Follows Kilosort4 4.1.7 (`kilosort/preprocessing.py`, `io.BinaryFiltered.filter`),
+//! as written up in `shared/docs/preprocessing-spec.md`. Each padded window
+//! (C sites × N = `batch_size + 2·nt` samples, f32, rows in chanMap order) goes
+//! through:
+//!
+//! 1. [`remove_channel_means`] and, if `do_CAR`, [`subtract_channel_median`]
+//!    (the lower median across channels) — together [`common_reference`];
+//! 2. the zero-phase high-pass ([`HighpassFilter`], kernel from
+//!    [`highpass_kernel`]), circular within the window;
+//! 3. the artifact check (`artifact_threshold`): a window reaching it becomes zeros;
+//! 4. whitening `X ← W·X` ([`Whitening`]), W from [`fit_whitening`].
+//!
+//! [`Preprocessor`] holds the precomputed pieces and runs all steps in place.
+
+mod car;
+mod highpass;
+mod whitening;
+
+pub use car::{
+    channel_medians, common_reference, invert_sign, remove_channel_means, subtract_channel_median,
+};
+pub use highpass::{
+    HighpassFilter, KERNEL_CENTRE, KERNEL_LEN, butterworth_highpass, fit_kernel_to_window,
+    highpass_kernel,
+};
+pub use whitening::{
+    WHITENING_EPS, Whitening, accumulate_covariance, covariance_windows, fit_whitening,
+    whitening_from_covariance, whitening_neighbours,
+};
+
+use ndarray::Array2;
+use serde::{Deserialize, Serialize};
+
+use crate::error::PreprocessError;
+
+/// Preprocessing settings, named and defaulted as in Kilosort4 4.1.7
+/// (`kilosort.parameters.DEFAULT_SETTINGS` and `run_kilosort` arguments).
+///
+/// In JSON the names are Kilosort's (`do_CAR` keeps its capitals); a missing
+/// field takes its default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PreprocessSettings {
+    /// Sampling rate, Hz. Default 30 000.
+    pub fs: f64,
+    /// Samples per batch (NT), without the pads. Default 60 000.
+    pub batch_size: usize,
+    /// Pad on each side of a batch, samples (also the waveform length). Default 61.
+    pub nt: usize,
+    /// High-pass cutoff, Hz (3rd-order Butterworth, applied forward and backward). Default 300.
+    pub highpass_cutoff: f64,
+    /// Number of nearest sites (including the site itself) in each channel's
+    /// local whitening. Default 32.
+    pub whitening_range: usize,
+    /// Every `nskip`-th batch enters the whitening covariance. Default 25.
+    pub nskip: usize,
+    /// Subtract the median across channels at each sample. Default true.
+    #[serde(rename = "do_CAR")]
+    pub do_car: bool,
+    /// Multiply the data by −1 first. In Kilosort4 4.1.7 this reaches only the
+    /// whitening fit (and drift estimation), not the batches used for
+    /// detection; [`fit_whitening`] honours it and [`Preprocessor`] does not.
+    /// Default false.
+    pub invert_sign: bool,
+    /// A high-passed window with any |value| at or above this is replaced by
+    /// zeros. `None` (JSON `null` or absent) is Kilosort's default, infinity:
+    /// no check.
+    pub artifact_threshold: Option<f64>,
+}
+
+impl Default for PreprocessSettings {
+    fn default() -> Self {
+        PreprocessSettings {
+            fs: 30_000.0,
+            batch_size: 60_000,
+            nt: 61,
+            highpass_cutoff: 300.0,
+            whitening_range: 32,
+            nskip: 25,
+            do_car: true,
+            invert_sign: false,
+            artifact_threshold: None,
+        }
+    }
+}
+
+impl PreprocessSettings {
+    /// Padded window length N = `batch_size + 2·nt`, samples.
+    pub fn window_len(&self) -> usize {
+        self.batch_size + 2 * self.nt
+    }
+
+    /// Checks ranges.
+    ///
+    /// # Errors
+    /// [`PreprocessError::Setting`] naming the setting: `fs` not positive and
+    /// finite; `highpass_cutoff` not in (0, fs/2); `batch_size`, `nskip` or
+    /// `whitening_range` 0; `artifact_threshold` NaN or ≤ 0.
+    pub fn validate(&self) -> Result<(), PreprocessError> {
+        butterworth_highpass(self.fs, self.highpass_cutoff)?;
+        for (name, v) in [
+            ("batch_size", self.batch_size),
+            ("nskip", self.nskip),
+            ("whitening_range", self.whitening_range),
+        ] {
+            if v == 0 {
+                return Err(PreprocessError::Setting {
+                    name,
+                    message: "is 0; it must be at least 1".into(),
+                });
+            }
+        }
+        if let Some(t) = self.artifact_threshold {
+            if t.is_nan() || t <= 0.0 {
+                return Err(PreprocessError::Setting {
+                    name: "artifact_threshold",
+                    message: format!(
+                        "is {t}; it must be positive (null means infinity, no check)"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether any |value| of the window reaches `threshold` (Kilosort4's artifact
+/// check after the high-pass). `None` or +∞ never does.
+pub(crate) fn exceeds_artifact_threshold(window: &Array2<f32>, threshold: Option<f64>) -> bool {
+    match threshold {
+        Some(t) if t.is_finite() => window.iter().any(|v| f64::from(v.abs()) >= t),
+        _ => false,
+    }
+}
+
+/// Kilosort4's per-window preprocessing with every constant precomputed: the
+/// FFT of the fitted high-pass kernel and the whitening matrix.
+///
+/// [`Preprocessor::apply`] does what Kilosort's detection-stage
+/// `BinaryFiltered.filter` does to `padded_batch_to_torch(i)`'s raw rows
+/// (without drift correction): channel means, median CAR (`do_CAR`), high-pass,
+/// artifact check, whitening. As in Kilosort4 4.1.7 it never inverts the sign.
+#[derive(Debug)]
+pub struct Preprocessor {
+    n_sites: usize,
+    n: usize,
+    do_car: bool,
+    artifact_threshold: Option<f64>,
+    highpass: HighpassFilter,
+    whitening: Whitening,
+}
+
+impl Preprocessor {
+    /// Builds the preprocessor from the settings (kernel from
+    /// [`highpass_kernel`]) and a (C × C) whitening matrix.
+    ///
+    /// # Errors
+    /// [`PreprocessError::Setting`] for invalid settings,
+    /// [`PreprocessError::Shape`] if `whiten_mat` is not square.
+    pub fn new(
+        settings: &PreprocessSettings,
+        whiten_mat: Array2<f32>,
+    ) -> Result<Self, PreprocessError> {
+        let kernel = highpass_kernel(settings.fs, settings.highpass_cutoff)?;
+        Preprocessor::with_kernel(settings, &kernel, whiten_mat)
+    }
+
+    /// As [`Preprocessor::new`] but with a given full high-pass kernel (e.g.
+    /// Kilosort's `hp_filter`, 30 122 taps).
+    ///
+    /// # Errors
+    /// As [`Preprocessor::new`], and [`PreprocessError::Setting`] for an empty
+    /// or odd-length kernel.
+    pub fn with_kernel(
+        settings: &PreprocessSettings,
+        kernel: &[f32],
+        whiten_mat: Array2<f32>,
+    ) -> Result<Self, PreprocessError> {
+        settings.validate()?;
+        let n = settings.window_len();
+        let whitening = Whitening::new(whiten_mat)?;
+        Ok(Preprocessor {
+            n_sites: whitening.matrix().nrows(),
+            n,
+            do_car: settings.do_car,
+            artifact_threshold: settings.artifact_threshold,
+            highpass: HighpassFilter::new(kernel, n)?,
+            whitening,
+        })
+    }
+
+    /// Window shape (C sites, N samples) this preprocessor expects.
+    pub fn window_shape(&self) -> (usize, usize) {
+        (self.n_sites, self.n)
+    }
+
+    /// The high-pass stage.
+    pub fn highpass(&self) -> &HighpassFilter {
+        &self.highpass
+    }
+
+    /// The whitening stage.
+    pub fn whitening(&self) -> &Whitening {
+        &self.whitening
+    }
+
+    /// Steps 1–3: channel means, median CAR (if `do_CAR`), high-pass, artifact
+    /// check; no whitening. `window`: (C × N) f32 raw values, modified in place.
+    ///
+    /// # Errors
+    /// [`PreprocessError::Shape`] if the window is not C × N.
+    pub fn filter_only(&self, window: &mut Array2<f32>) -> Result<(), PreprocessError> {
+        self.check_shape(window)?;
+        common_reference(window, self.do_car)?;
+        self.highpass.apply(window)?;
+        if exceeds_artifact_threshold(window, self.artifact_threshold) {
+            window.fill(0.0);
+        }
+        Ok(())
+    }
+
+    /// The whole chain in place: (C × N) raw f32 window → Kilosort's
+    /// preprocessed batch (CAR, high-pass, artifact check, `W·X`).
+    ///
+    /// # Errors
+    /// [`PreprocessError::Shape`] if the window is not C × N.
+    pub fn apply(&self, window: &mut Array2<f32>) -> Result<(), PreprocessError> {
+        self.check_shape(window)?;
+        common_reference(window, self.do_car)?;
+        self.highpass.apply(window)?;
+        if exceeds_artifact_threshold(window, self.artifact_threshold) {
+            window.fill(0.0);
+            return Ok(());
+        }
+        self.whitening.apply(window)
+    }
+
+    fn check_shape(&self, window: &Array2<f32>) -> Result<(), PreprocessError> {
+        if window.dim() != (self.n_sites, self.n) {
+            return Err(PreprocessError::Shape {
+                what: "window",
+                rows: window.nrows(),
+                cols: window.ncols(),
+                expected_rows: self.n_sites,
+                expected_cols: self.n,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_json_uses_kilosort_names() {
+        let s: PreprocessSettings =
+            serde_json::from_str(r#"{"do_CAR": false, "batch_size": 6000}"#).unwrap();
+        assert!(!s.do_car);
+        assert_eq!(s.batch_size, 6000);
+        assert_eq!(s.nskip, 25);
+        assert_eq!(s.window_len(), 6122);
+        assert!(s.artifact_threshold.is_none());
+        let back = serde_json::to_string(&s).unwrap();
+        assert!(back.contains("\"do_CAR\":false"));
+    }
+
+    #[test]
+    fn bad_settings_are_errors() {
+        let s = PreprocessSettings {
+            nskip: 0,
+            ..Default::default()
+        };
+        assert!(s.validate().is_err());
+        let s = PreprocessSettings {
+            artifact_threshold: Some(-1.0),
+            ..Default::default()
+        };
+        assert!(s.validate().is_err());
+    }
+
+    #[test]
+    fn wrong_window_shape_is_an_error() {
+        let s = PreprocessSettings {
+            batch_size: 100,
+            ..Default::default()
+        };
+        let p = Preprocessor::new(&s, Array2::eye(4)).unwrap();
+        let mut w = Array2::<f32>::zeros((4, 100));
+        assert!(p.apply(&mut w).is_err());
+        let mut w = Array2::<f32>::zeros((4, 222));
+        assert!(p.apply(&mut w).is_ok());
+    }
+}

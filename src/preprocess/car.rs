@@ -1,0 +1,177 @@
+//! Channel-mean removal and median common average reference (Kilosort4
+//! `io.BinaryFiltered.filter`, steps 1–3 of the preprocessing spec, section 4).
+
+use ndarray::Array2;
+use rayon::prelude::*;
+
+use crate::error::PreprocessError;
+
+/// Columns gathered at once when taking the median across channels: a block of
+/// `MEDIAN_BLOCK × channels` floats stays in the L2 cache.
+const MEDIAN_BLOCK: usize = 64;
+
+/// Makes `window` a standard (row-major, contiguous) array, copying only when needed.
+pub(crate) fn ensure_standard(window: &mut Array2<f32>) {
+    if !window.is_standard_layout() {
+        *window = window.as_standard_layout().into_owned();
+    }
+}
+
+/// Multiplies every sample by −1 (Kilosort4's `invert_sign`, applied right after
+/// the chanMap rows are taken).
+///
+/// `window`: (sites × samples) f32, any layout. Never fails.
+pub fn invert_sign(window: &mut Array2<f32>) {
+    window.mapv_inplace(|v| -v);
+}
+
+/// Subtracts from each channel (row) its mean over all columns of the window,
+/// pads included (Kilosort4: `X - X.mean(1)`).
+///
+/// `window`: (sites × N) f32 counts. The mean is summed in f64 and rounded once
+/// to f32, which is what Kilosort's float32 mean gives whenever its sum is
+/// exact (integer data, sums below 2²⁴) and the best possible value otherwise.
+/// The subtraction itself is in f32, as in Kilosort. An empty window is left as is.
+pub fn remove_channel_means(window: &mut Array2<f32>) {
+    ensure_standard(window);
+    let n = window.ncols();
+    if n == 0 {
+        return;
+    }
+    let data = window
+        .as_slice_mut()
+        .expect("standard layout was just ensured");
+    data.par_chunks_mut(n).for_each(|row| {
+        let sum: f64 = row.iter().map(|&v| f64::from(v)).sum();
+        let mean = (sum / n as f64) as f32;
+        for v in row.iter_mut() {
+            *v -= mean;
+        }
+    });
+}
+
+/// The per-column median across channels, as torch's `median(X, 0)` takes it:
+/// for C channels the sorted value at index ⌊(C − 1)/2⌋ (the LOWER middle value
+/// for even C, with no averaging).
+///
+/// `window`: (C × N) f32. Returns N values. Fails with
+/// [`PreprocessError::Shape`] when the window has no rows. NaN sorts above every
+/// number (`f32::total_cmp`).
+pub fn channel_medians(window: &Array2<f32>) -> Result<Vec<f32>, PreprocessError> {
+    let (c, n) = window.dim();
+    if c == 0 {
+        return Err(PreprocessError::Shape {
+            what: "window for the median CAR",
+            rows: c,
+            cols: n,
+            expected_rows: 1,
+            expected_cols: n,
+        });
+    }
+    let std_view;
+    let data = match window.as_slice() {
+        Some(s) => s,
+        None => {
+            std_view = window.as_standard_layout().into_owned();
+            // The owned copy lives as long as this function.
+            std_view.as_slice().expect("standard layout")
+        }
+    };
+    let k = (c - 1) / 2;
+    let mut med = vec![0.0f32; n];
+    med.par_chunks_mut(MEDIAN_BLOCK)
+        .enumerate()
+        .for_each_init(
+            || vec![0.0f32; MEDIAN_BLOCK * c],
+            |buf, (b, out)| {
+                let c0 = b * MEDIAN_BLOCK;
+                let w = out.len();
+                // Transpose the block so each column's C values are contiguous.
+                for r in 0..c {
+                    let src = &data[r * n + c0..r * n + c0 + w];
+                    for (t, &v) in src.iter().enumerate() {
+                        buf[t * c + r] = v;
+                    }
+                }
+                for (t, o) in out.iter_mut().enumerate() {
+                    let col = &mut buf[t * c..(t + 1) * c];
+                    let (_, m, _) = col.select_nth_unstable_by(k, |a, b| a.total_cmp(b));
+                    *o = *m;
+                }
+            },
+        );
+    Ok(med)
+}
+
+/// Median common average reference: at every column, subtracts the lower
+/// median across channels ([`channel_medians`]) in f32 (Kilosort4:
+/// `X - torch.median(X, 0)[0]`, applied after [`remove_channel_means`]).
+///
+/// `window`: (C × N) f32. Fails with [`PreprocessError::Shape`] when it has no rows.
+pub fn subtract_channel_median(window: &mut Array2<f32>) -> Result<(), PreprocessError> {
+    ensure_standard(window);
+    let med = channel_medians(window)?;
+    let n = window.ncols();
+    if n == 0 {
+        return Ok(());
+    }
+    let data = window
+        .as_slice_mut()
+        .expect("standard layout was just ensured");
+    data.par_chunks_mut(n).for_each(|row| {
+        for (v, m) in row.iter_mut().zip(&med) {
+            *v -= *m;
+        }
+    });
+    Ok(())
+}
+
+/// Kilosort4's CAR stage: [`remove_channel_means`], then, if `do_car`,
+/// [`subtract_channel_median`]. The result equals Kilosort's
+/// `padded_batch_to_torch(i, skip_preproc=True)` for the same raw window.
+///
+/// `window`: (C × N) f32 counts, rows in chanMap order. Errors as
+/// [`subtract_channel_median`].
+pub fn common_reference(window: &mut Array2<f32>, do_car: bool) -> Result<(), PreprocessError> {
+    remove_channel_means(window);
+    if do_car {
+        subtract_channel_median(window)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::array;
+
+    #[test]
+    fn lower_median_for_even_count() {
+        // torch.median([1, 4, 2, 3]) is 2 (numpy would say 2.5).
+        let x = array![[1.0f32], [4.0], [2.0], [3.0]];
+        assert_eq!(channel_medians(&x).unwrap(), vec![2.0]);
+        let y = array![[3.0f32, 0.0], [1.0, 5.0], [2.0, -1.0]];
+        assert_eq!(channel_medians(&y).unwrap(), vec![2.0, 0.0]);
+    }
+
+    #[test]
+    fn non_standard_layout_is_handled() {
+        let x = array![[1.0f32, 10.0], [4.0, 40.0], [2.0, 20.0], [3.0, 30.0]];
+        use ndarray::ShapeBuilder;
+        let mut xt = Array2::<f32>::zeros((4, 2).f());
+        xt.assign(&x);
+        assert!(!xt.is_standard_layout());
+        assert_eq!(channel_medians(&xt).unwrap(), vec![2.0, 20.0]);
+        let mut w = xt.clone();
+        common_reference(&mut w, true).unwrap();
+        let mut w2 = x.clone();
+        common_reference(&mut w2, true).unwrap();
+        assert_eq!(w, w2);
+    }
+
+    #[test]
+    fn empty_window_is_an_error() {
+        let x = Array2::<f32>::zeros((0, 5));
+        assert!(channel_medians(&x).is_err());
+    }
+}

@@ -1,0 +1,460 @@
+//! Kilosort4's whitening: the covariance of some preprocessed windows
+//! (`preprocessing.get_whitening_matrix`), the local ZCA per channel
+//! (`whitening_local`, `whitening_from_covariance`) and its application
+//! `X ← W·X` (spec section 5 and step 6 of section 4).
+
+use faer::linalg::matmul::matmul;
+use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
+use ndarray::{Array2, ArrayViewMut2, Axis};
+use rayon::prelude::*;
+
+use crate::error::PreprocessError;
+use crate::probe::Probe;
+
+use super::car::{common_reference, ensure_standard, invert_sign};
+use super::highpass::{HighpassFilter, highpass_kernel};
+use super::{PreprocessSettings, exceeds_artifact_threshold};
+
+/// Regulariser added to each eigenvalue before the inverse square root
+/// (Kilosort4's fixed `eps`, counts²).
+pub const WHITENING_EPS: f64 = 1e-6;
+
+/// The windows whose covariance Kilosort4 averages: `0, nskip, 2·nskip, …`
+/// below `n_windows − 1` (the last window never enters).
+///
+/// Kilosort itself fails on a 1-window recording (its average is 0/0); here
+/// that case returns `[0]`, so the only window is used. `n_windows` = 0 gives
+/// an empty list; `nskip` = 0 is treated as 1.
+pub fn covariance_windows(n_windows: u64, nskip: u64) -> Vec<u64> {
+    match n_windows {
+        0 => Vec::new(),
+        1 => vec![0],
+        _ => (0..n_windows - 1).step_by(nskip.max(1) as usize).collect(),
+    }
+}
+
+/// The `whitening_range` nearest sites of every site, nearest first, as
+/// Kilosort4's `whitening_local` picks them: squared distances computed in f32
+/// from `xc`, `yc` (µm), ascending. The site itself always comes first; other
+/// ties are broken by site index (numpy's unstable sort may order exact ties
+/// differently, which only changes rounding unless they straddle the cut).
+///
+/// Returns one list of `min(whitening_range, n_sites)` site indices per site.
+pub fn whitening_neighbours(probe: &Probe, whitening_range: usize) -> Vec<Vec<usize>> {
+    let n = probe.n_sites();
+    let m = whitening_range.min(n);
+    (0..n)
+        .map(|j| {
+            let (xj, yj) = (probe.xc[j], probe.yc[j]);
+            let d2: Vec<f32> = (0..n)
+                .map(|k| {
+                    let dx = probe.xc[k] - xj;
+                    let dy = probe.yc[k] - yj;
+                    dx * dx + dy * dy
+                })
+                .collect();
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by(|&a, &b| {
+                d2[a]
+                    .total_cmp(&d2[b])
+                    .then((a != j).cmp(&(b != j)))
+                    .then(a.cmp(&b))
+            });
+            order.truncate(m);
+            order
+        })
+        .collect()
+}
+
+/// Symmetric inverse square root E·diag(1/√(|λ| + eps))·Eᵀ of a symmetric
+/// matrix, from its eigen-decomposition. Using |λ| makes it equal to the
+/// SVD-based form Kilosort uses, also for tiny negative rounding eigenvalues.
+fn zca(sub: MatRef<'_, f64>, channel: usize) -> Result<Mat<f64>, PreprocessError> {
+    let m = sub.nrows();
+    let evd = sub
+        .self_adjoint_eigen(Side::Lower)
+        .map_err(|_| PreprocessError::Eigen {
+            channel,
+            size: m,
+        })?;
+    let u = evd.U();
+    let s = evd.S().column_vector();
+    let scaled = Mat::<f64>::from_fn(m, m, |i, q| {
+        u[(i, q)] / (s[q].abs() + WHITENING_EPS).sqrt()
+    });
+    let mut out = Mat::<f64>::zeros(m, m);
+    matmul(
+        out.as_mut(),
+        Accum::Replace,
+        scaled.as_ref(),
+        u.transpose(),
+        1.0,
+        Par::Seq,
+    );
+    Ok(out)
+}
+
+/// Kilosort4's local whitening matrix from a covariance (`whitening_local`).
+///
+/// `cc`: (C × C) covariance of the preprocessed channels, counts² (f64);
+/// `probe`: C sites in the same order. For each channel j it takes the
+/// `whitening_range` nearest sites ([`whitening_neighbours`], j first), the
+/// ZCA matrix E·diag(1/√(D + 1e-6))·Eᵀ of the covariance restricted to them,
+/// and writes that matrix's row for j into row j of W at those columns; every
+/// other entry of row j is 0. When the range covers every site, all rows come
+/// from one global ZCA matrix (computed once).
+///
+/// Returns W, (C × C) f32; whitened data is `W·X`.
+///
+/// # Errors
+/// [`PreprocessError::Shape`] if `cc` is not C × C, [`PreprocessError::Setting`]
+/// if `whitening_range` is 0, [`PreprocessError::NonFiniteCovariance`] for a NaN
+/// or infinite entry, [`PreprocessError::Eigen`] if a decomposition fails.
+pub fn whitening_from_covariance(
+    cc: &Array2<f64>,
+    probe: &Probe,
+    whitening_range: usize,
+) -> Result<Array2<f32>, PreprocessError> {
+    let c = probe.n_sites();
+    if cc.dim() != (c, c) {
+        return Err(PreprocessError::Shape {
+            what: "whitening covariance",
+            rows: cc.nrows(),
+            cols: cc.ncols(),
+            expected_rows: c,
+            expected_cols: c,
+        });
+    }
+    if whitening_range == 0 {
+        return Err(PreprocessError::Setting {
+            name: "whitening_range",
+            message: "is 0; it must be at least 1 (Kilosort's default is 32)".into(),
+        });
+    }
+    if let Some(((row, col), &value)) = cc.indexed_iter().find(|(_, v)| !v.is_finite()) {
+        return Err(PreprocessError::NonFiniteCovariance { row, col, value });
+    }
+    let neighbours = whitening_neighbours(probe, whitening_range);
+    let mut w = Array2::<f32>::zeros((c, c));
+    if whitening_range >= c {
+        let full = Mat::<f64>::from_fn(c, c, |i, k| cc[(i, k)]);
+        let z = zca(full.as_ref(), 0)?;
+        for j in 0..c {
+            for k in 0..c {
+                w[(j, k)] = z[(j, k)] as f32;
+            }
+        }
+        return Ok(w);
+    }
+    let rows: Vec<Result<Vec<f64>, PreprocessError>> = neighbours
+        .par_iter()
+        .enumerate()
+        .map(|(j, ix)| {
+            let m = ix.len();
+            let sub = Mat::<f64>::from_fn(m, m, |a, b| cc[(ix[a], ix[b])]);
+            let z = zca(sub.as_ref(), j)?;
+            Ok((0..m).map(|l| z[(0, l)]).collect())
+        })
+        .collect();
+    for (j, (row, ix)) in rows.into_iter().zip(&neighbours).enumerate() {
+        let row = row?;
+        for (l, &k) in ix.iter().enumerate() {
+            w[(j, k)] = row[l] as f32;
+        }
+    }
+    Ok(w)
+}
+
+/// Adds `X·Xᵀ / ncols` of a (C × T) block to `cc` (f64), the per-window term of
+/// Kilosort4's whitening covariance.
+///
+/// # Errors
+/// [`PreprocessError::Shape`] if `cc` is not C × C.
+pub fn accumulate_covariance(
+    cc: &mut Array2<f64>,
+    block: ndarray::ArrayView2<'_, f32>,
+) -> Result<(), PreprocessError> {
+    let (c, t) = block.dim();
+    if cc.dim() != (c, c) {
+        return Err(PreprocessError::Shape {
+            what: "whitening covariance accumulator",
+            rows: cc.nrows(),
+            cols: cc.ncols(),
+            expected_rows: c,
+            expected_cols: c,
+        });
+    }
+    if t == 0 {
+        return Ok(());
+    }
+    let x = Mat::<f64>::from_fn(c, t, |i, k| f64::from(block[(i, k)]));
+    let mut acc = Mat::<f64>::zeros(c, c);
+    matmul(
+        acc.as_mut(),
+        Accum::Replace,
+        x.as_ref(),
+        x.transpose(),
+        1.0 / t as f64,
+        Par::rayon(0),
+    );
+    for i in 0..c {
+        for k in 0..c {
+            cc[(i, k)] += acc[(i, k)];
+        }
+    }
+    Ok(())
+}
+
+/// Fits Kilosort4's whitening matrix (`get_whitening_matrix`, spec section 5),
+/// independently of how the recording is read.
+///
+/// * `n_windows`: number of windows (batches) in the recording, as Kilosort
+///   counts them.
+/// * `read_raw_window(i)`: window i as raw values, f32 (C × N) with
+///   N = `batch_size + 2·nt`, rows = probe sites in chanMap order, padded as
+///   Kilosort pads (dtype conversion, `shift`/`scale` already applied; no
+///   inversion, mean removal or filtering).
+///
+/// The windows of [`covariance_windows`]`(n_windows, nskip)` are read; each is
+/// inverted if `invert_sign`, mean-removed and median-referenced (`do_CAR`),
+/// high-passed, zeroed if it reaches `artifact_threshold`, cut to its NT
+/// central columns, and enters the mean of `X·Xᵀ/NT` (accumulated in f64).
+/// The matrix then comes from [`whitening_from_covariance`].
+///
+/// A 1-window recording (where Kilosort divides 0 by 0 and fails) uses its
+/// only window and logs a warning.
+///
+/// Returns W, (C × C) f32.
+///
+/// # Errors
+/// Whatever `read_raw_window` returns; [`PreprocessError`] (converted into
+/// `E`) for invalid settings, 0 windows, a window of the wrong shape, a probe
+/// with no sites, or a failed decomposition.
+pub fn fit_whitening<E, F>(
+    n_windows: u64,
+    mut read_raw_window: F,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+) -> Result<Array2<f32>, E>
+where
+    F: FnMut(u64) -> Result<Array2<f32>, E>,
+    E: From<PreprocessError>,
+{
+    settings.validate()?;
+    let c = probe.n_sites();
+    if c == 0 {
+        return Err(PreprocessError::Probe {
+            message: "the probe has no sites".into(),
+        }
+        .into());
+    }
+    if n_windows == 0 {
+        return Err(PreprocessError::NoWindows { n_windows }.into());
+    }
+    let n = settings.window_len();
+    let nt = settings.nt;
+    let kernel = highpass_kernel(settings.fs, settings.highpass_cutoff)?;
+    let hp = HighpassFilter::new(&kernel, n)?;
+    let windows = covariance_windows(n_windows, settings.nskip as u64);
+    if n_windows == 1 {
+        tracing::warn!(
+            "the recording has a single window: the whitening covariance uses it alone \
+             (Kilosort4 cannot whiten such a recording; it averages over no window)"
+        );
+    }
+    tracing::info!(
+        n_windows,
+        nskip = settings.nskip,
+        used = windows.len(),
+        "fitting the whitening matrix"
+    );
+    let mut cc = Array2::<f64>::zeros((c, c));
+    for &i in &windows {
+        let mut x = read_raw_window(i)?;
+        if x.dim() != (c, n) {
+            return Err(PreprocessError::Shape {
+                what: "raw window for the whitening fit",
+                rows: x.nrows(),
+                cols: x.ncols(),
+                expected_rows: c,
+                expected_cols: n,
+            }
+            .into());
+        }
+        if settings.invert_sign {
+            invert_sign(&mut x);
+        }
+        common_reference(&mut x, settings.do_car)?;
+        hp.apply(&mut x)?;
+        if exceeds_artifact_threshold(&x, settings.artifact_threshold) {
+            tracing::info!(window = i, "window reaches artifact_threshold; it enters the whitening covariance as zeros");
+            x.fill(0.0);
+        }
+        let central = x.slice(ndarray::s![.., nt..n - nt]);
+        accumulate_covariance(&mut cc, central)?;
+    }
+    cc.mapv_inplace(|v| v / windows.len() as f64);
+    Ok(whitening_from_covariance(&cc, probe, settings.whitening_range)?)
+}
+
+/// Columns per block in [`Whitening::apply`]: a (C × block) copy stays in cache.
+const WHITEN_BLOCK: usize = 256;
+
+/// A whitening matrix ready to apply: W dense, plus its non-zeros per row for
+/// the sparse product used when most entries are zero (local whitening).
+#[derive(Debug, Clone)]
+pub struct Whitening {
+    w: Array2<f32>,
+    /// Per row, the (column, value) non-zeros in column order; `None` for dense use.
+    sparse: Option<Vec<Vec<(usize, f32)>>>,
+}
+
+impl Whitening {
+    /// Wraps a (C × C) whitening matrix (e.g. from [`fit_whitening`] or
+    /// Kilosort's `whiten_mat.npy`).
+    ///
+    /// # Errors
+    /// [`PreprocessError::Shape`] if it is not square.
+    pub fn new(w: Array2<f32>) -> Result<Self, PreprocessError> {
+        let (r, c) = w.dim();
+        if r != c {
+            return Err(PreprocessError::Shape {
+                what: "whitening matrix",
+                rows: r,
+                cols: c,
+                expected_rows: r,
+                expected_cols: r,
+            });
+        }
+        let w = w.as_standard_layout().into_owned();
+        let rows: Vec<Vec<(usize, f32)>> = w
+            .outer_iter()
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .filter(|(_, v)| **v != 0.0)
+                    .map(|(k, &v)| (k, v))
+                    .collect()
+            })
+            .collect();
+        let nnz: usize = rows.iter().map(Vec::len).sum();
+        let sparse = (nnz * 4 <= r * c).then_some(rows);
+        Ok(Whitening { w, sparse })
+    }
+
+    /// The (C × C) matrix.
+    pub fn matrix(&self) -> &Array2<f32> {
+        &self.w
+    }
+
+    fn whiten_block(&self, mut block: ArrayViewMut2<'_, f32>, tmp: &mut Vec<f32>, out: &mut Vec<f32>) {
+        let (c, b) = block.dim();
+        tmp.clear();
+        for row in block.outer_iter() {
+            tmp.extend(row.iter().copied());
+        }
+        match &self.sparse {
+            Some(rows) => {
+                for (j, nz) in rows.iter().enumerate() {
+                    let mut dst = block.row_mut(j);
+                    let dst = dst.as_slice_mut().expect("rows of a column block are contiguous");
+                    dst.fill(0.0);
+                    for &(k, wv) in nz {
+                        let src = &tmp[k * b..(k + 1) * b];
+                        for (d, s) in dst.iter_mut().zip(src) {
+                            *d += wv * s;
+                        }
+                    }
+                }
+            }
+            None => {
+                out.resize(c * b, 0.0);
+                let lhs = MatRef::from_row_major_slice(
+                    self.w.as_slice().expect("standard layout"),
+                    c,
+                    c,
+                );
+                let rhs = MatRef::from_row_major_slice(&tmp[..], c, b);
+                let dst = MatMut::from_row_major_slice_mut(&mut out[..], c, b);
+                matmul(dst, Accum::Replace, lhs, rhs, 1.0f32, Par::Seq);
+                for (j, mut row) in block.outer_iter_mut().enumerate() {
+                    for (d, s) in row.iter_mut().zip(&out[j * b..(j + 1) * b]) {
+                        *d = *s;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whitens a (C × N) window in place: `X ← W·X` over all N columns, in
+    /// f32, column blocks in parallel.
+    ///
+    /// # Errors
+    /// [`PreprocessError::Shape`] if the window does not have C rows.
+    pub fn apply(&self, window: &mut Array2<f32>) -> Result<(), PreprocessError> {
+        let c = self.w.nrows();
+        if window.nrows() != c {
+            return Err(PreprocessError::Shape {
+                what: "window for whitening",
+                rows: window.nrows(),
+                cols: window.ncols(),
+                expected_rows: c,
+                expected_cols: window.ncols(),
+            });
+        }
+        if window.ncols() == 0 {
+            return Ok(());
+        }
+        ensure_standard(window);
+        let blocks: Vec<ArrayViewMut2<'_, f32>> =
+            window.axis_chunks_iter_mut(Axis(1), WHITEN_BLOCK).collect();
+        blocks.into_par_iter().for_each_init(
+            || (Vec::with_capacity(c * WHITEN_BLOCK), Vec::new()),
+            |(tmp, out), block| self.whiten_block(block, tmp, out),
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn covariance_window_lists() {
+        assert_eq!(covariance_windows(4, 1), vec![0, 1, 2]);
+        assert_eq!(covariance_windows(4, 2), vec![0, 2]);
+        assert_eq!(covariance_windows(4, 3), vec![0]);
+        assert_eq!(covariance_windows(4, 25), vec![0]);
+        assert_eq!(covariance_windows(1, 25), vec![0]);
+        assert!(covariance_windows(0, 25).is_empty());
+        assert_eq!(covariance_windows(60, 25), vec![0, 25, 50]);
+    }
+
+    #[test]
+    fn sparse_and_dense_products_agree() {
+        let c = 12;
+        let n = 600;
+        let mut w = Array2::<f32>::zeros((c, c));
+        for j in 0..c {
+            w[(j, j)] = 1.0 + j as f32 * 0.1;
+            w[(j, (j + 1) % c)] = -0.3;
+        }
+        let x = Array2::from_shape_fn((c, n), |(i, t)| ((i * 7 + t * 13) % 17) as f32 - 8.0);
+        let expect = w.dot(&x);
+        let ws = Whitening::new(w.clone()).unwrap();
+        assert!(ws.sparse.is_some());
+        let mut y = x.clone();
+        ws.apply(&mut y).unwrap();
+        let d = (&y - &expect).mapv(f32::abs).fold(0.0f32, |a, &b| a.max(b));
+        assert!(d < 1e-5, "sparse {d}");
+        let wd = Whitening {
+            w: w.clone(),
+            sparse: None,
+        };
+        let mut y = x.clone();
+        wd.apply(&mut y).unwrap();
+        let d = (&y - &expect).mapv(f32::abs).fold(0.0f32, |a, &b| a.max(b));
+        assert!(d < 1e-5, "dense {d}");
+    }
+}
