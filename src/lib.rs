@@ -17,6 +17,7 @@
 //! * [`preprocess`]: channel mean, median CAR, high-pass, whitening.
 //! * [`detect`]: template centres, neighbourhoods, the reference CPU detector.
 //! * [`output`]: `.npy` files, Phy's `params.py`, provenance and the drift map.
+//! * [`simulate`]: synthetic SpikeGLX recordings with ground truth.
 #![deny(missing_docs)]
 
 pub mod detect;
@@ -26,6 +27,7 @@ pub mod output;
 pub mod preprocess;
 pub mod probe;
 pub mod recording;
+pub mod simulate;
 
 pub use detect::{DetectionSettings, Detections, Geometry, UniversalTemplates};
 pub use probe::Probe;

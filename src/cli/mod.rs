@@ -1,6 +1,8 @@
 //! Subcommands, one file each. Flags are kebab-case versions of Kilosort4's setting names.
 
 mod detect_window;
+mod probe;
+mod simulate;
 
 use std::process::ExitCode;
 
@@ -21,6 +23,10 @@ pub struct Cli {
 enum Command {
     /// Detect spikes in one whitened window stored as .npy (channels × samples, float32).
     DetectWindow(detect_window::Args),
+    /// Report what detection makes of a probe layout (centres, neighbourhoods, warnings).
+    Probe(probe::Args),
+    /// Write a synthetic SpikeGLX-style recording with ground-truth spikes.
+    Simulate(simulate::Args),
 }
 
 /// Parses the command line and runs the subcommand.
@@ -38,5 +44,7 @@ pub fn run() -> anyhow::Result<ExitCode> {
         .try_init();
     match cli.command {
         Command::DetectWindow(args) => detect_window::run(args),
+        Command::Probe(args) => probe::run(args),
+        Command::Simulate(args) => simulate::run(args),
     }
 }

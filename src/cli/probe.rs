@@ -1,0 +1,271 @@
+//! `spikecube probe`: a pre-flight report on a probe layout — what detection
+//! will make of it (template centres, neighbourhoods) and warnings for layouts
+//! that cannot work — with an optional picture to scale.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Result;
+use spikecube::detect::geometry::template_centers;
+use spikecube::output::plot::{BLACK, Canvas, WHITE, category_colour, tick_label, ticks};
+use spikecube::{DetectionSettings, Geometry, Probe};
+
+/// Flags of `probe`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Probe file (Kilosort JSON, probeinterface JSON or .prb).
+    probe: PathBuf,
+    /// Also draw the sites (squares) and kept template centres (dots), to
+    /// scale and coloured by shank, into this PNG file.
+    #[arg(long)]
+    png: Option<PathBuf>,
+    /// Vertical site pitch, µm (Kilosort4's dmin); derived from the probe when unset.
+    #[arg(long)]
+    dmin: Option<f64>,
+    /// Horizontal site pitch, µm (Kilosort4's dminx).
+    #[arg(long, default_value_t = 32.0)]
+    dminx: f64,
+    /// Sites per template centre (Kilosort4's nearest_chans).
+    #[arg(long, default_value_t = 10)]
+    nearest_chans: usize,
+    /// Centres farther than this from every site are dropped, µm (Kilosort4's max_channel_distance).
+    #[arg(long, default_value_t = 32.0)]
+    max_channel_distance: f64,
+}
+
+/// Where a probe layout comes from. Today a probe file; a recording (whose
+/// metadata carries the layout) is a further variant of this enum.
+enum Source {
+    File(PathBuf),
+}
+
+impl Source {
+    fn load(&self) -> Result<Probe> {
+        match self {
+            Source::File(p) => Ok(Probe::load(p)?),
+        }
+    }
+}
+
+/// The report's findings.
+struct Report {
+    lines: Vec<String>,
+    warnings: Vec<String>,
+}
+
+fn report(probe: &Probe, settings: &DetectionSettings) -> (Report, Option<Geometry>) {
+    let mut lines = Vec::new();
+    let mut warnings = Vec::new();
+    let n = probe.n_sites();
+    let (x0, x1, y0, y1) = probe.extent();
+    let mut shanks: BTreeMap<i64, usize> = BTreeMap::new();
+    for &k in &probe.kcoords {
+        *shanks.entry(k).or_default() += 1;
+    }
+    lines.push(format!("probe        {}", probe.source.display()));
+    lines.push(format!(
+        "sites        {n} (file has {} channels)",
+        probe.n_chan
+    ));
+    lines.push(format!(
+        "shanks       {} ({})",
+        shanks.len(),
+        shanks
+            .iter()
+            .map(|(k, c)| format!("id {k}: {c} sites"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    lines.push(format!("x extent     {x0} … {x1} µm ({} µm wide)", x1 - x0));
+    lines.push(format!("y extent     {y0} … {y1} µm ({} µm tall)", y1 - y0));
+
+    let nc = settings.n_chans_used(n);
+    match template_centers(probe, settings) {
+        Ok(grid) => {
+            let derived = if settings.dmin.is_some() {
+                "given"
+            } else {
+                "derived"
+            };
+            lines.push(format!(
+                "dmin         {} µm ({derived}); dminx {} µm",
+                grid.dmin, settings.dminx
+            ));
+            lines.push(format!(
+                "centre grid  {} × {} = {} (xup × yup)",
+                grid.xup.len(),
+                grid.yup.len(),
+                grid.xup.len() * grid.yup.len()
+            ));
+            if grid.dmin < 2.0 {
+                warnings.push(format!(
+                    "the vertical pitch is {} µm: coordinates look like millimetres or site indices, not µm",
+                    grid.dmin
+                ));
+            }
+        }
+        Err(e) => warnings.push(format!("no centre grid: {e}")),
+    }
+    let span = (x1 - x0).max(y1 - y0);
+    if span > 0.0 && span < 20.0 {
+        warnings.push(format!(
+            "the whole probe spans {span} µm: coordinates look like millimetres, not µm"
+        ));
+    }
+    if span > 50_000.0 {
+        warnings.push(format!(
+            "the probe spans {span} µm (over 5 cm): coordinates may be in nm or another unit"
+        ));
+    }
+    let mut pos: Vec<(u32, u32, usize)> = (0..n)
+        .map(|i| (probe.xc[i].to_bits(), probe.yc[i].to_bits(), i))
+        .collect();
+    pos.sort_unstable();
+    let dups: Vec<String> = pos
+        .windows(2)
+        .filter(|w| w[0].0 == w[1].0 && w[0].1 == w[1].1)
+        .map(|w| {
+            format!(
+                "sites {} and {} at ({}, {})",
+                w[0].2, w[1].2, probe.xc[w[0].2], probe.yc[w[0].2]
+            )
+        })
+        .collect();
+    if !dups.is_empty() {
+        warnings.push(format!(
+            "{} duplicate site positions: {}{}",
+            dups.len(),
+            dups.iter().take(5).cloned().collect::<Vec<_>>().join("; "),
+            if dups.len() > 5 { "; …" } else { "" }
+        ));
+    }
+    for (k, c) in &shanks {
+        if *c < settings.nearest_chans {
+            warnings.push(format!(
+                "shank {k} has {c} sites, fewer than nearest_chans = {}: its centres borrow sites from other shanks",
+                settings.nearest_chans
+            ));
+        }
+    }
+    let geometry = match Geometry::new(probe, settings) {
+        Ok(g) => {
+            let grid_n = g.xup.len() * g.yup.len();
+            lines.push(format!(
+                "centres      {} kept, {} dropped (farther than max_channel_distance = {} µm from every site)",
+                g.n_centres(),
+                grid_n - g.n_centres(),
+                settings.max_channel_distance
+            ));
+            lines.push(format!(
+                "neighbours   nearest_chans {nc} sites per centre, nearest_templates {} centres",
+                g.n_neighbours()
+            ));
+            Some(g)
+        }
+        Err(e) => {
+            warnings.push(format!("detection cannot run on this layout: {e}"));
+            None
+        }
+    };
+    (Report { lines, warnings }, geometry)
+}
+
+/// Draws sites and centres to scale.
+fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
+    let (x0, x1, y0, y1) = probe.extent();
+    let (x0, x1, y0, y1) = (
+        x0 as f64 - 20.0,
+        x1 as f64 + 20.0,
+        y0 as f64 - 20.0,
+        y1 as f64 + 20.0,
+    );
+    let (wu, hu) = ((x1 - x0).max(1.0), (y1 - y0).max(1.0));
+    let scale = (1800.0 / hu).min(1400.0 / wu).min(12.0);
+    let (left, top, bottom_margin, right_margin) = (110i64, 50i64, 60i64, 30i64);
+    let w = (wu * scale).ceil() as i64 + left + right_margin;
+    let h = (hu * scale).ceil() as i64 + top + bottom_margin;
+    let w = w.max(420);
+    let mut c = Canvas::new(w as u32, h as u32, WHITE);
+    let bottom = top + (hu * scale).ceil() as i64;
+    let px = |x: f64| left as f64 + (x - x0) * scale;
+    let py = |y: f64| bottom as f64 - (y - y0) * scale;
+
+    let mut ids = probe.kcoords.clone();
+    ids.sort_unstable();
+    ids.dedup();
+    let colour = |k: i64| category_colour(ids.binary_search(&k).unwrap_or(0));
+    let half = (6.0 * scale).max(1.5);
+    for i in 0..probe.n_sites() {
+        let (cx, cy) = (px(probe.xc[i] as f64), py(probe.yc[i] as f64));
+        c.rect(
+            (cx - half).round() as i64,
+            (cy - half).round() as i64,
+            (cx + half).round() as i64,
+            (cy + half).round() as i64,
+            colour(probe.kcoords[i]),
+            0.45,
+        );
+    }
+    if let Some(g) = geometry {
+        for j in 0..g.n_centres() {
+            c.disc(
+                px(g.xcup[j]),
+                py(g.ycup[j]),
+                (2.0 * scale).clamp(1.0, 4.0),
+                colour(g.centre_shank[j]),
+                1.0,
+            );
+        }
+    }
+    let xt = ticks(x0, x1, ((wu * scale) / 120.0).max(1.0) as usize);
+    let yt = ticks(y0, y1, ((hu * scale) / 80.0).max(2.0) as usize);
+    let xs = if xt.len() > 1 { xt[1] - xt[0] } else { 1.0 };
+    let ys = if yt.len() > 1 { yt[1] - yt[0] } else { 1.0 };
+    let right = left + (wu * scale).ceil() as i64;
+    for &x in &xt {
+        let p = px(x).round() as i64;
+        c.line(p, bottom, p, bottom + 5, BLACK);
+        let s = tick_label(x, xs);
+        c.text(p - Canvas::text_width(&s, 2) / 2, bottom + 9, &s, 2, BLACK);
+    }
+    for &y in &yt {
+        let p = py(y).round() as i64;
+        c.line(left - 5, p, left, p, BLACK);
+        let s = tick_label(y, ys);
+        c.text(left - 9 - Canvas::text_width(&s, 2), p - 7, &s, 2, BLACK);
+    }
+    c.frame(left, top, right, bottom, BLACK);
+    c.text(left, bottom + 34, "x (µm)", 2, BLACK);
+    c.text_vertical(12, (top + bottom) / 2 + 30, "y (µm)", 2, BLACK);
+    c.text(left, 16, "sites: squares, centres: dots", 2, BLACK);
+    c.save_png(path)
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    let probe = Source::File(args.probe.clone()).load()?;
+    let settings = DetectionSettings {
+        dmin: args.dmin,
+        dminx: args.dminx,
+        nearest_chans: args.nearest_chans,
+        max_channel_distance: args.max_channel_distance,
+        ..DetectionSettings::default()
+    };
+    settings.validate()?;
+    let (r, geometry) = report(&probe, &settings);
+    for l in &r.lines {
+        println!("{l}");
+    }
+    for w in &r.warnings {
+        println!("warning: {w}");
+    }
+    if let Some(p) = &args.png {
+        draw(&probe, geometry.as_ref(), p)?;
+        println!("picture      {}", p.display());
+    }
+    Ok(if geometry.is_some() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}

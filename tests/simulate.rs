@@ -1,0 +1,186 @@
+//! Synthetic recordings: file sizes, metadata, ground truth, determinism.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use ndarray::Array2;
+use spikecube::Probe;
+use spikecube::simulate::{SimConfig, default_probe, geom_map, simulate, waveform};
+
+/// 32 sites, two columns, 20 µm rows, file columns reversed.
+fn probe32() -> Probe {
+    let n = 32;
+    Probe {
+        xc: (0..n).map(|i| 20.0 * (i % 2) as f32).collect(),
+        yc: (0..n).map(|i| 20.0 * (i / 2) as f32).collect(),
+        kcoords: vec![0; n],
+        chan_map: (0..n as u64).rev().collect(),
+        n_chan: n as u64,
+        source: PathBuf::from("test probe"),
+    }
+}
+
+fn meta(path: &Path) -> HashMap<String, String> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn cfg(seed: u64) -> SimConfig {
+    SimConfig {
+        seconds: 4.0,
+        n_units: 8,
+        rate_hz: 10.0,
+        seed,
+        ..SimConfig::default()
+    }
+}
+
+#[test]
+fn four_seconds_of_32_channels_match_their_meta() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = simulate(&probe32(), &cfg(7), tmp.path()).unwrap();
+    let m = meta(&s.meta_path);
+    let size = std::fs::metadata(&s.bin_path).unwrap().len();
+    assert_eq!(size, m["fileSizeBytes"].parse::<u64>().unwrap());
+    assert_eq!(size, 4 * 30_000 * 33 * 2);
+    assert_eq!(m["nSavedChans"], "33");
+    assert_eq!(m["snsApLfSy"], "32,0,1");
+    assert_eq!(m["typeThis"], "imec");
+    assert_eq!(m["imSampRate"].parse::<f64>().unwrap(), 30_000.0);
+    assert_eq!(m["fileTimeSecs"].parse::<f64>().unwrap(), 4.0);
+    let geom = &m["~snsGeomMap"];
+    assert!(geom.starts_with("(spikecube_sim,1,0,"), "{geom}");
+    assert_eq!(geom.matches(":1)").count(), 32);
+    // Column 31 holds site 0 at (0, 0); column 0 holds site 31 at (20, 300).
+    assert!(geom.contains(")(0:20:300:1)"), "{geom}");
+    assert!(geom.ends_with("(0:0:0:1)"), "{geom}");
+
+    let gt: Array2<f64> = spikecube::npy::read(&tmp.path().join("ground_truth.npy")).unwrap();
+    assert_eq!(gt.ncols(), 4);
+    assert_eq!(gt.nrows(), s.n_spikes);
+    assert!(gt.nrows() > 100, "{} spikes", gt.nrows());
+    let n_samples = 120_000.0;
+    for r in 0..gt.nrows() {
+        let t = gt[[r, 0]];
+        assert!((20.0..n_samples - 41.0).contains(&t), "spike at {t}");
+        if r > 0 {
+            assert!(gt[[r - 1, 0]] <= t, "not sorted at row {r}");
+        }
+        assert!((-200.0..=-60.0).contains(&gt[[r, 3]]));
+        assert!((-10.0..=30.0).contains(&gt[[r, 1]]));
+        assert!((-10.0..=320.0).contains(&gt[[r, 2]]));
+    }
+    let written = Probe::load(&tmp.path().join("probe.json")).unwrap();
+    assert_eq!(written.n_chan, 33);
+    assert_eq!(written.chan_map, probe32().chan_map);
+    assert_eq!(written.xc, probe32().xc);
+}
+
+#[test]
+fn spikes_are_visible_in_the_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = probe32();
+    let s = simulate(&p, &cfg(3), tmp.path()).unwrap();
+    let bytes = std::fs::read(&s.bin_path).unwrap();
+    let n_cols = 33;
+    let at = |t: usize, col: usize| {
+        let o = (t * n_cols + col) * 2;
+        i16::from_le_bytes([bytes[o], bytes[o + 1]])
+    };
+    let gt: Array2<f64> = spikecube::npy::read(&tmp.path().join("ground_truth.npy")).unwrap();
+    // At the trough, the site nearest the unit dips well below the noise.
+    let mut deep = 0;
+    for r in 0..gt.nrows() {
+        let (t, x, y, a) = (gt[[r, 0]] as usize, gt[[r, 1]], gt[[r, 2]], gt[[r, 3]]);
+        let site = (0..p.n_sites())
+            .min_by(|&i, &j| {
+                let d = |k: usize| (p.xc[k] as f64 - x).powi(2) + (p.yc[k] as f64 - y).powi(2);
+                d(i).total_cmp(&d(j))
+            })
+            .unwrap();
+        let v = at(t, p.chan_map[site] as usize) as f64
+            - at(t.saturating_sub(15), p.chan_map[site] as usize) as f64;
+        if v < a * 0.3 {
+            deep += 1;
+        }
+    }
+    assert!(
+        deep * 10 >= gt.nrows() * 8,
+        "{deep} of {} spikes visible",
+        gt.nrows()
+    );
+    // Sync channel: 64 in the first half of each second.
+    assert_eq!(at(0, 32), 64);
+    assert_eq!(at(20_000, 32), 0);
+}
+
+#[test]
+fn the_same_seed_gives_the_same_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b, c) = (
+        tmp.path().join("a"),
+        tmp.path().join("b"),
+        tmp.path().join("c"),
+    );
+    let mut short = cfg(11);
+    short.seconds = 1.5;
+    let sa = simulate(&probe32(), &short, &a).unwrap();
+    let sb = simulate(&probe32(), &short, &b).unwrap();
+    short.seed = 12;
+    let sc = simulate(&probe32(), &short, &c).unwrap();
+    let (ba, bb, bc) = (
+        std::fs::read(&sa.bin_path).unwrap(),
+        std::fs::read(&sb.bin_path).unwrap(),
+        std::fs::read(&sc.bin_path).unwrap(),
+    );
+    assert_eq!(ba, bb);
+    assert_ne!(ba, bc);
+    assert_eq!(
+        std::fs::read(a.join("ground_truth.npy")).unwrap(),
+        std::fs::read(b.join("ground_truth.npy")).unwrap()
+    );
+}
+
+#[test]
+fn the_default_probe_is_np2_like() {
+    let p = default_probe();
+    assert_eq!(p.n_sites(), 384);
+    assert_eq!(p.extent(), (0.0, 32.0, 0.0, 2865.0));
+    p.validate().unwrap();
+    let g = geom_map(&p, 384);
+    assert!(
+        g.starts_with("(spikecube_sim,1,0,48)(0:0:0:1)(0:32:0:1)(0:0:15:1)"),
+        "{}",
+        &g[..80]
+    );
+}
+
+#[test]
+fn the_waveform_has_its_trough_at_20() {
+    let w = waveform(0.00012, 30_000.0);
+    let (imin, &min) = w
+        .iter()
+        .enumerate()
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .unwrap();
+    assert_eq!(imin, 20);
+    assert_eq!(min, -1.0);
+    assert!(w[0].abs() < 1e-3 && w[60].abs() < 1e-3);
+    assert!(w[35] > 0.1, "rebound {}", w[35]);
+}
+
+#[test]
+fn bad_settings_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = cfg(0);
+    c.seconds = -1.0;
+    let e = format!("{:#}", simulate(&probe32(), &c, tmp.path()).unwrap_err());
+    assert!(e.contains("-1"), "{e}");
+    let mut c = cfg(0);
+    c.fs = f64::NAN;
+    assert!(simulate(&probe32(), &c, tmp.path()).is_err());
+}
