@@ -143,6 +143,8 @@ pub enum RecordingError {
     /// The read-ahead thread stopped without a result (it panicked).
     #[error("the window read-ahead thread stopped unexpectedly: {0}")]
     Loader(String),
+}
+
 /// Errors raised by preprocessing (channel mean, median CAR, high-pass,
 /// whitening and the whitening fit).
 #[derive(Debug, thiserror::Error)]
