@@ -24,6 +24,7 @@ pub mod detect;
 pub mod error;
 pub mod npy;
 pub mod output;
+pub mod pipeline;
 pub mod preprocess;
 pub mod probe;
 pub mod recording;

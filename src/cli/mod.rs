@@ -1,5 +1,7 @@
 //! Subcommands, one file each. Flags are kebab-case versions of Kilosort4's setting names.
 
+mod common;
+mod detect;
 mod detect_window;
 mod probe;
 mod simulate;
@@ -21,6 +23,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Detect spikes in a recording (SpikeGLX, Open Ephys or flat binary) and write them to a folder.
+    Detect(detect::Args),
     /// Detect spikes in one whitened window stored as .npy (channels × samples, float32).
     DetectWindow(detect_window::Args),
     /// Report what detection makes of a probe layout (centres, neighbourhoods, warnings).
@@ -43,6 +47,7 @@ pub fn run() -> anyhow::Result<ExitCode> {
         .without_time()
         .try_init();
     match cli.command {
+        Command::Detect(args) => detect::run(args, cli.quiet),
         Command::DetectWindow(args) => detect_window::run(args),
         Command::Probe(args) => probe::run(args),
         Command::Simulate(args) => simulate::run(args),

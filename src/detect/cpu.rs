@@ -58,6 +58,31 @@ pub struct Detections {
 }
 
 impl Detections {
+    /// Keeps the detections whose (centre, sample) satisfy `keep`, in order.
+    pub fn retain(&mut self, keep: impl Fn(u32, u64) -> bool) {
+        let (nc, npc) = (self.n_chans, self.n_pcs);
+        let old = std::mem::take(self);
+        *self = Detections {
+            n_chans: nc,
+            n_pcs: npc,
+            ..Detections::default()
+        };
+        for i in 0..old.len() {
+            if keep(old.centre[i], old.sample[i]) {
+                self.centre.push(old.centre[i]);
+                self.sample.push(old.sample[i]);
+                self.amp.push(old.amp[i]);
+                self.imax.push(old.imax[i]);
+                self.sign.push(old.sign[i]);
+                self.adist
+                    .extend_from_slice(&old.adist[i * nc..(i + 1) * nc]);
+                self.yct.push(old.yct[i]);
+                self.tf
+                    .extend_from_slice(&old.tf[i * nc * npc..(i + 1) * nc * npc]);
+            }
+        }
+    }
+
     /// Number of detections.
     pub fn len(&self) -> usize {
         self.centre.len()

@@ -79,27 +79,25 @@ pub fn channel_medians(window: &Array2<f32>) -> Result<Vec<f32>, PreprocessError
     };
     let k = (c - 1) / 2;
     let mut med = vec![0.0f32; n];
-    med.par_chunks_mut(MEDIAN_BLOCK)
-        .enumerate()
-        .for_each_init(
-            || vec![0.0f32; MEDIAN_BLOCK * c],
-            |buf, (b, out)| {
-                let c0 = b * MEDIAN_BLOCK;
-                let w = out.len();
-                // Transpose the block so each column's C values are contiguous.
-                for r in 0..c {
-                    let src = &data[r * n + c0..r * n + c0 + w];
-                    for (t, &v) in src.iter().enumerate() {
-                        buf[t * c + r] = v;
-                    }
+    med.par_chunks_mut(MEDIAN_BLOCK).enumerate().for_each_init(
+        || vec![0.0f32; MEDIAN_BLOCK * c],
+        |buf, (b, out)| {
+            let c0 = b * MEDIAN_BLOCK;
+            let w = out.len();
+            // Transpose the block so each column's C values are contiguous.
+            for r in 0..c {
+                let src = &data[r * n + c0..r * n + c0 + w];
+                for (t, &v) in src.iter().enumerate() {
+                    buf[t * c + r] = v;
                 }
-                for (t, o) in out.iter_mut().enumerate() {
-                    let col = &mut buf[t * c..(t + 1) * c];
-                    let (_, m, _) = col.select_nth_unstable_by(k, |a, b| a.total_cmp(b));
-                    *o = *m;
-                }
-            },
-        );
+            }
+            for (t, o) in out.iter_mut().enumerate() {
+                let col = &mut buf[t * c..(t + 1) * c];
+                let (_, m, _) = col.select_nth_unstable_by(k, |a, b| a.total_cmp(b));
+                *o = *m;
+            }
+        },
+    );
     Ok(med)
 }
 

@@ -117,16 +117,8 @@ fn lfilter(b: &[f64; 4], a: &[f64; 4], x: &[f64], z: &mut [f64; 3]) -> Vec<f64> 
 /// `lfilter_zi`): solves (I − Aᵀ)·zi = b[1..] − a[1..]·b[0], with A the
 /// companion matrix of `a`, by Gaussian elimination with partial pivoting.
 fn lfilter_zi(b: &[f64; 4], a: &[f64; 4]) -> [f64; 3] {
-    let mut m = [
-        [1.0 + a[1], -1.0, 0.0],
-        [a[2], 1.0, -1.0],
-        [a[3], 0.0, 1.0],
-    ];
-    let mut r = [
-        b[1] - a[1] * b[0],
-        b[2] - a[2] * b[0],
-        b[3] - a[3] * b[0],
-    ];
+    let mut m = [[1.0 + a[1], -1.0, 0.0], [a[2], 1.0, -1.0], [a[3], 0.0, 1.0]];
+    let mut r = [b[1] - a[1] * b[0], b[2] - a[2] * b[0], b[3] - a[3] * b[0]];
     for col in 0..3 {
         let piv = (col..3)
             .max_by(|&i, &j| m[i][col].abs().total_cmp(&m[j][col].abs()))
@@ -280,9 +272,7 @@ impl HighpassFilter {
         let shift = n / 2;
         // Fold the final roll by ⌊N/2⌋ into the kernel: correlating with
         // k'[m] = k[(m + ⌊N/2⌋) mod N] and not rolling gives the same output.
-        let rolled: Vec<f64> = (0..n)
-            .map(|m| f64::from(taps[(m + shift) % n]))
-            .collect();
+        let rolled: Vec<f64> = (0..n).map(|m| f64::from(taps[(m + shift) % n])).collect();
         let mut planner64 = RealFftPlanner::<f64>::new();
         let fwd64 = planner64.plan_fft_forward(n);
         let mut inp = rolled;
@@ -306,9 +296,7 @@ impl HighpassFilter {
         let mut planner = RealFftPlanner::<f32>::new();
         let forward = planner.plan_fft_forward(n);
         let inverse = planner.plan_fft_inverse(n);
-        let scratch_len = forward
-            .get_scratch_len()
-            .max(inverse.get_scratch_len());
+        let scratch_len = forward.get_scratch_len().max(inverse.get_scratch_len());
         Ok(HighpassFilter {
             n,
             taps,
@@ -472,7 +460,9 @@ mod tests {
         let mut x = vec![0.0f32; n];
         let mut state = 12345u64;
         for v in x.iter_mut() {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             *v = ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5;
         }
         let mut y = x.clone();
@@ -485,7 +475,11 @@ mod tests {
                 let idx = (t as isize + j + expected_shift).rem_euclid(nn) as usize;
                 acc += g * f64::from(x[idx]);
             }
-            assert!((acc - f64::from(y[t])).abs() < 1e-5, "n={n} t={t}: {acc} vs {}", y[t]);
+            assert!(
+                (acc - f64::from(y[t])).abs() < 1e-5,
+                "n={n} t={t}: {acc} vs {}",
+                y[t]
+            );
         }
     }
 

@@ -116,9 +116,7 @@ impl PreprocessSettings {
             if t.is_nan() || t <= 0.0 {
                 return Err(PreprocessError::Setting {
                     name: "artifact_threshold",
-                    message: format!(
-                        "is {t}; it must be positive (null means infinity, no check)"
-                    ),
+                    message: format!("is {t}; it must be positive (null means infinity, no check)"),
                 });
             }
         }

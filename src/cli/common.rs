@@ -1,0 +1,182 @@
+//! Flag groups shared by the subcommands that read recordings. Each setting is
+//! the kebab-case form of Kilosort4's name, with Kilosort4's default.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use spikecube::preprocess::PreprocessSettings;
+use spikecube::recording::{self, Dtype, OpenOptions, Opened};
+use spikecube::{DetectionSettings, Probe};
+
+/// Which recording to read and how (flat binary needs the first three).
+#[derive(Debug, Clone, clap::Args)]
+pub struct RecordingArgs {
+    /// Channels in a flat binary file (Kilosort4's n_chan_bin); checked against
+    /// the metadata of SpikeGLX / Open Ephys recordings.
+    #[arg(long)]
+    pub n_channels: Option<u64>,
+    /// Sampling rate of a flat binary file, Hz.
+    #[arg(long)]
+    pub fs: Option<f64>,
+    /// Sample type of a flat binary file: int16, uint16, int32 or float32 (Kilosort4's data_dtype).
+    #[arg(long, default_value = "int16", value_parser = parse_dtype)]
+    pub dtype: Dtype,
+    /// Bytes to skip at the start of a flat binary file.
+    #[arg(long, default_value_t = 0)]
+    pub offset: u64,
+    /// Multiply raw values by this (Kilosort4's scale).
+    #[arg(long)]
+    pub scale: Option<f32>,
+    /// Add this to raw values after scaling (Kilosort4's shift).
+    #[arg(long)]
+    pub shift: Option<f32>,
+    /// Start of the time range to process, seconds (Kilosort4's tmin).
+    #[arg(long, default_value_t = 0.0)]
+    pub tmin: f64,
+    /// End of the time range, seconds, exclusive (Kilosort4's tmax).
+    #[arg(long, default_value_t = f64::INFINITY)]
+    pub tmax: f64,
+    /// Probe file: Kilosort JSON, probeinterface JSON, .prb (read as data) or a
+    /// SpikeGLX .meta. Default: the geometry in the recording's SpikeGLX metadata.
+    #[arg(long)]
+    pub probe: Option<PathBuf>,
+}
+
+fn parse_dtype(s: &str) -> Result<Dtype, String> {
+    Dtype::parse(s)
+        .ok_or_else(|| format!("unknown dtype {s:?}; use int16, uint16, int32 or float32"))
+}
+
+impl RecordingArgs {
+    /// Opens the recording(s) (several files are concatenated in time) and picks the probe.
+    pub fn open(&self, recs: &[PathBuf]) -> Result<(Opened, Probe)> {
+        let opts = OpenOptions {
+            n_channels: self.n_channels,
+            fs: self.fs,
+            dtype: self.dtype,
+            offset: self.offset,
+            scale: self.scale,
+            shift: self.shift,
+            tmin: self.tmin,
+            tmax: self.tmax,
+            ..OpenOptions::default()
+        };
+        let opened = match recs {
+            [] => bail!("no recording given"),
+            [one] => recording::open(one, &opts)?,
+            many => recording::open_many(many, &opts)?,
+        };
+        let probe = match (&self.probe, &opened.probe) {
+            (Some(p), _) => Probe::load(p)?,
+            (None, Some(p)) => p.clone(),
+            (None, None) => bail!(
+                "{}: no probe geometry: give one with --probe (Kilosort JSON, probeinterface JSON or .prb)",
+                recs[0].display()
+            ),
+        };
+        Ok((opened, probe))
+    }
+}
+
+/// Preprocessing settings (Kilosort4's names).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PreprocessArgs {
+    /// Own samples per window (Kilosort4's batch_size).
+    #[arg(long, default_value_t = 60_000)]
+    pub batch_size: usize,
+    /// High-pass cutoff, Hz (Kilosort4's highpass_cutoff).
+    #[arg(long, default_value_t = 300.0)]
+    pub highpass_cutoff: f64,
+    /// Sites in each channel's local whitening (Kilosort4's whitening_range).
+    #[arg(long, default_value_t = 32)]
+    pub whitening_range: usize,
+    /// Every nskip-th window enters the whitening covariance (Kilosort4's nskip).
+    #[arg(long, default_value_t = 25)]
+    pub nskip: usize,
+    /// Median common reference across channels (Kilosort4's do_CAR).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub do_car: bool,
+    /// Zero a window whose high-passed values reach this (Kilosort4's artifact_threshold; default: never).
+    #[arg(long)]
+    pub artifact_threshold: Option<f64>,
+}
+
+impl PreprocessArgs {
+    /// The settings, with `fs` from the recording.
+    pub fn settings(&self, fs: f64) -> PreprocessSettings {
+        PreprocessSettings {
+            fs,
+            batch_size: self.batch_size,
+            highpass_cutoff: self.highpass_cutoff,
+            whitening_range: self.whitening_range,
+            nskip: self.nskip,
+            do_car: self.do_car,
+            artifact_threshold: self.artifact_threshold,
+            ..PreprocessSettings::default()
+        }
+    }
+}
+
+/// Detection settings (Kilosort4's names).
+#[derive(Debug, Clone, clap::Args)]
+pub struct DetectionArgs {
+    /// Detection threshold on the best filter output (Kilosort4's Th_universal).
+    #[arg(long, default_value_t = 9.0)]
+    pub th_universal: f32,
+    /// Vertical site pitch, µm (Kilosort4's dmin; default: the median spacing).
+    #[arg(long)]
+    pub dmin: Option<f64>,
+    /// Horizontal site pitch, µm (Kilosort4's dminx).
+    #[arg(long, default_value_t = 32.0)]
+    pub dminx: f64,
+    /// Smallest spatial template size, µm (Kilosort4's min_template_size).
+    #[arg(long, default_value_t = 10.0)]
+    pub min_template_size: f64,
+    /// Number of spatial sizes (Kilosort4's template_sizes).
+    #[arg(long, default_value_t = 5)]
+    pub template_sizes: usize,
+    /// Sites per template centre (Kilosort4's nearest_chans).
+    #[arg(long, default_value_t = 10)]
+    pub nearest_chans: usize,
+    /// Centres compared in the neighbour max (Kilosort4's nearest_templates).
+    #[arg(long, default_value_t = 100)]
+    pub nearest_templates: usize,
+    /// Drop template centres farther than this from every site, µm (Kilosort4's max_channel_distance).
+    #[arg(long, default_value_t = 32.0)]
+    pub max_channel_distance: f64,
+    /// Keep each centre's neighbour centres on its own shank (spikecube's; false = Kilosort4's rule).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub separate_shanks: bool,
+}
+
+impl DetectionArgs {
+    /// The settings.
+    pub fn settings(&self) -> DetectionSettings {
+        DetectionSettings {
+            th_universal: self.th_universal,
+            dmin: self.dmin,
+            dminx: self.dminx,
+            min_template_size: self.min_template_size,
+            template_sizes: self.template_sizes,
+            nearest_chans: self.nearest_chans,
+            nearest_templates: self.nearest_templates,
+            max_channel_distance: self.max_channel_distance,
+            separate_shanks: self.separate_shanks,
+            ..DetectionSettings::default()
+        }
+    }
+}
+
+/// The default output folder: `spikecube/` beside a recording file, or inside a
+/// recording folder (Open Ephys).
+pub fn default_out(rec: &Path) -> Result<PathBuf> {
+    let meta = std::fs::metadata(rec).with_context(|| format!("cannot read {}", rec.display()))?;
+    Ok(if meta.is_dir() {
+        rec.join("spikecube")
+    } else {
+        match rec.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.join("spikecube"),
+            _ => PathBuf::from("spikecube"),
+        }
+    })
+}

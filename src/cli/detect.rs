@@ -1,0 +1,139 @@
+//! `spikecube detect`: a recording to spikes on disk.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use spikecube::output::RunInfo;
+use spikecube::pipeline::{DetectJob, run_detection};
+
+use super::common::{DetectionArgs, PreprocessArgs, RecordingArgs, default_out};
+
+/// Which device runs detection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// The best available: a GPU when this build has one, else the CPU.
+    Auto,
+    /// Every CPU core (rayon).
+    Cpu,
+    /// Any GPU through wgpu (Vulkan, Metal, DirectX).
+    Wgpu,
+    /// NVIDIA GPUs through CUDA.
+    Cuda,
+}
+
+/// Flags of `detect`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The recording: a SpikeGLX .bin (its .meta beside it), an Open Ephys folder
+    /// or structure.oebin, or a flat binary file (with --n-channels, --fs, --dtype).
+    /// Several files are read one after the other as one recording.
+    #[arg(required = true)]
+    recording: Vec<PathBuf>,
+    /// Output folder. Default: spikecube/ beside the recording (inside an Open Ephys folder).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Where detection runs.
+    #[arg(long, value_enum, default_value_t = Backend::Auto)]
+    backend: Backend,
+    /// Print a machine-readable summary (JSON) on standard output.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    rec: RecordingArgs,
+    #[command(flatten)]
+    pre: PreprocessArgs,
+    #[command(flatten)]
+    det: DetectionArgs,
+}
+
+pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
+    match args.backend {
+        Backend::Auto | Backend::Cpu => {}
+        Backend::Wgpu | Backend::Cuda => bail!(
+            "--backend {:?}: this build of spikecube has no GPU back end yet; use --backend cpu",
+            args.backend
+        ),
+    }
+    let (opened, probe) = args.rec.open(&args.recording)?;
+    let rec = opened.recording.clone();
+    let out = match &args.out {
+        Some(o) => o.clone(),
+        None => default_out(&args.recording[0])?,
+    };
+    let fs = rec.fs();
+    let run_info = RunInfo {
+        input_description: rec.describe(),
+        dat_path: args.recording[0].clone(),
+        n_channels_dat: rec.n_channels() as u64,
+        dtype: args.rec.dtype.name().into(),
+        offset: args.rec.offset,
+        hp_filtered: false,
+        ..RunInfo::default()
+    };
+    if !quiet {
+        eprintln!(
+            "spikecube: {} — {} sites, probe {}",
+            rec.describe(),
+            probe.n_sites(),
+            probe.source.display()
+        );
+    }
+    let job = DetectJob {
+        recording: rec,
+        probe,
+        detection: args.det.settings(),
+        preprocess: args.pre.settings(fs),
+        out,
+        run_info,
+    };
+    let bar = if quiet || !std::io::stderr().is_terminal() {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(0)
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} windows  {msg}  [{elapsed_precise} < {eta_precise}]",
+        )
+        .expect("valid template"),
+    );
+    let report = run_detection(job, &mut |p| {
+        bar.set_length(p.windows_total);
+        bar.set_position(p.windows_done);
+        bar.set_message(format!(
+            "{} spikes  {:.1}× realtime",
+            p.spikes,
+            p.seconds_done / p.elapsed.max(1e-9)
+        ));
+    })?;
+    bar.finish_and_clear();
+    let s = &report.summary;
+    if args.json {
+        let v = serde_json::json!({
+            "out": s.path,
+            "spikes": s.n_spikes,
+            "windows": report.n_windows,
+            "seconds": report.seconds,
+            "wall_s": report.wall,
+            "realtime": report.seconds / report.wall.max(1e-9),
+            "template_centres": report.n_centres,
+            "time_sorted": s.time_sorted,
+        });
+        println!("{v}");
+    } else if !quiet {
+        eprintln!(
+            "spikecube: {} spikes in {:.1} s of recording ({} windows, {} template centres) in {:.1} s, {:.1}× realtime → {}",
+            s.n_spikes,
+            report.seconds,
+            report.n_windows,
+            report.n_centres,
+            report.wall,
+            report.seconds / report.wall.max(1e-9),
+            s.path.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,236 @@
+//! The main job: a recording to spikes on disk (Kilosort4's `run_kilosort` up to
+//! and including the first detection pass, without drift correction).
+//!
+//! 1. Plan the windows ([`WindowPlan`]: `batch_size` own samples, `nt` on each side).
+//! 2. Fit the whitening matrix on every `nskip`-th window ([`fit_whitening`]).
+//! 3. For every window, read ahead on a thread ([`WindowLoader`]), preprocess
+//!    ([`Preprocessor`]: channel means, median CAR, high-pass, whitening), detect
+//!    ([`CpuDetector`]) and stream the spikes to the output folder ([`OutputWriter`]).
+//!
+//! Only detections within a window's own samples are kept, so every spike time t
+//! satisfies 0 ≤ t < n_samples and no spike is reported twice (field failures
+//! BR-17, BR-18). The last window's right pad repeats the last sample; Kilosort4
+//! can report spikes there, past the end of the recording, and spikecube drops them.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use ndarray::Array2;
+
+use crate::detect::cpu::CpuDetector;
+use crate::detect::{DetectionSettings, Geometry, UniversalTemplates};
+use crate::output::{OutputWriter, RunInfo, Summary};
+use crate::preprocess::{PreprocessSettings, Preprocessor, fit_whitening};
+use crate::probe::Probe;
+use crate::recording::{Recording, WindowLoader, WindowPlan, read_window};
+
+/// Everything one detection run needs.
+pub struct DetectJob {
+    /// The recording (after `tmin`/`tmax`).
+    pub recording: Arc<dyn Recording>,
+    /// Site geometry; `chan_map` indexes the recording's channels.
+    pub probe: Probe,
+    /// Detection settings (Kilosort4's names and defaults).
+    pub detection: DetectionSettings,
+    /// Preprocessing settings; `fs` is taken from the recording.
+    pub preprocess: PreprocessSettings,
+    /// Final output folder.
+    pub out: PathBuf,
+    /// What to record in `params.py` and `spikecube.json` about the input.
+    pub run_info: RunInfo,
+}
+
+/// Progress of a run, reported once per window.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress {
+    /// Windows done.
+    pub windows_done: u64,
+    /// Windows in the run.
+    pub windows_total: u64,
+    /// Spikes found so far.
+    pub spikes: u64,
+    /// Recording time processed, seconds.
+    pub seconds_done: f64,
+    /// Wall time since detection started, seconds.
+    pub elapsed: f64,
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// The output folder's summary.
+    pub summary: Summary,
+    /// Windows processed.
+    pub n_windows: u64,
+    /// Recording duration processed, seconds.
+    pub seconds: f64,
+    /// Wall time of the whole run, seconds.
+    pub wall: f64,
+    /// Template centres.
+    pub n_centres: usize,
+    /// Detections dropped because they fell in the padding past the recording's end.
+    pub dropped_in_padding: u64,
+}
+
+/// Runs whitening fit, preprocessing and detection over the whole recording and
+/// writes the output folder atomically.
+///
+/// `progress` is called after each window.
+///
+/// # Errors
+/// When the probe does not fit the recording (a channel-map entry past the file's
+/// channels), the settings are invalid, the recording holds less than one window
+/// of at least `nt` samples, a read fails, or the output cannot be written. On
+/// error nothing is left at `job.out` (a previous result there is kept).
+pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> Result<Report> {
+    let t_start = Instant::now();
+    let rec = job.recording.clone();
+    let fs = rec.fs();
+    job.preprocess.fs = fs;
+    job.preprocess.nt = job.detection.nt;
+    job.detection.validate()?;
+    job.preprocess.validate()?;
+    let n_channels = rec.n_channels() as u64;
+    if let Some((site, &c)) = job
+        .probe
+        .chan_map
+        .iter()
+        .enumerate()
+        .find(|&(_, &c)| c >= n_channels)
+    {
+        bail!(
+            "probe {}: site {site} reads channel {c}, but the recording has {n_channels} channels ({}); check the probe or --n-channels",
+            job.probe.source.display(),
+            rec.describe()
+        );
+    }
+    let plan = WindowPlan::new(
+        rec.n_samples(),
+        job.preprocess.batch_size as u64,
+        job.detection.nt as u64,
+    )?;
+    if plan.n_windows == 0 {
+        bail!(
+            "not enough data: {} samples ({:.3} s) is less than one window's nt = {} samples ({})",
+            rec.n_samples(),
+            rec.n_samples() as f64 / fs,
+            job.detection.nt,
+            rec.describe()
+        );
+    }
+    let chan_map = job.probe.chan_map.clone();
+    let n_sites = job.probe.n_sites();
+
+    // Geometry first: a probe that cannot work fails before any data is read.
+    let geometry = Geometry::new(&job.probe, &job.detection)?;
+    let n_centres = geometry.n_centres();
+
+    let t_fit = Instant::now();
+    let whiten_mat = fit_whitening(
+        plan.n_windows,
+        |i| -> Result<Array2<f32>> {
+            let mut w = Array2::zeros((n_sites, plan.window_len()));
+            read_window(rec.as_ref(), &plan, i, &chan_map, &mut w)?;
+            Ok(w)
+        },
+        &job.probe,
+        &job.preprocess,
+    )
+    .context("fitting the whitening matrix")?;
+    let fit_s = t_fit.elapsed().as_secs_f64();
+    let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
+
+    let mut detector = CpuDetector::new(
+        geometry.clone(),
+        UniversalTemplates::builtin(),
+        job.detection.clone(),
+    )?;
+    let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
+    let nt = job.detection.nt as u64;
+    let t_detect = Instant::now();
+    let (mut t_pre, mut t_det, mut t_write) = (0f64, 0f64, 0f64);
+    let mut spikes = 0u64;
+    let mut dropped = 0u64;
+    let mut seconds_done = 0f64;
+    let loader = WindowLoader::all(rec.clone(), plan, chan_map)?;
+    for (done, window) in loader.enumerate() {
+        let mut w = window?;
+        let t0 = Instant::now();
+        pre.apply(&mut w.data).with_context(|| {
+            format!(
+                "preprocessing window {} (samples from {})",
+                w.index, w.own_start
+            )
+        })?;
+        let t1 = Instant::now();
+        let mut det = detector
+            .detect(w.data.view(), &job.probe.yc)
+            .with_context(|| {
+                format!(
+                    "detecting in window {} (samples from {})",
+                    w.index, w.own_start
+                )
+            })?;
+        let before = det.len();
+        let own_end = nt + w.own_len;
+        det.retain(|_, t| t >= nt && t < own_end);
+        dropped += (before - det.len()) as u64;
+        let t2 = Instant::now();
+        writer.append(&det, w.first_sample)?;
+        t_write += t2.elapsed().as_secs_f64();
+        t_pre += (t1 - t0).as_secs_f64();
+        t_det += (t2 - t1).as_secs_f64();
+        spikes += det.len() as u64;
+        seconds_done += w.own_len as f64 / fs;
+        progress(Progress {
+            windows_done: done as u64 + 1,
+            windows_total: plan.n_windows,
+            spikes,
+            seconds_done,
+            elapsed: t_detect.elapsed().as_secs_f64(),
+        });
+    }
+    if dropped > 0 {
+        tracing::info!(
+            "{dropped} detections in the last window's padding (past the end of the recording) were dropped"
+        );
+    }
+    let mut info = job.run_info;
+    info.fs = fs;
+    info.n_samples = rec.n_samples();
+    info.whitening = whiten_mat;
+    info.settings = serde_json::json!({
+        "detection": job.detection,
+        "preprocessing": job.preprocess,
+        "n_windows": plan.n_windows,
+        "n_centres": n_centres,
+        "nearest_chans_used": geometry.n_chans(),
+        "dmin_used": geometry.dmin,
+        "detections_dropped_in_padding": dropped,
+    });
+    info.versions
+        .insert("spikecube".into(), env!("CARGO_PKG_VERSION").into());
+    info.versions
+        .insert("kilosort_reference".into(), "4.1.7".into());
+    info.versions.insert("backend".into(), "cpu".into());
+    for (k, v) in [
+        ("whitening_fit", fit_s),
+        ("preprocess", t_pre),
+        ("detect", t_det),
+        ("write", t_write),
+        ("total", t_start.elapsed().as_secs_f64()),
+    ] {
+        info.timings.insert(k.into(), v);
+    }
+    let summary = writer.finish(&info)?;
+    Ok(Report {
+        summary,
+        n_windows: plan.n_windows,
+        seconds: seconds_done,
+        wall: t_start.elapsed().as_secs_f64(),
+        n_centres,
+        dropped_in_padding: dropped,
+    })
+}
