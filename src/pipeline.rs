@@ -126,6 +126,8 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // Geometry first: a probe that cannot work fails before any data is read.
     let geometry = Geometry::new(&job.probe, &job.detection)?;
     let n_centres = geometry.n_centres();
+    // So does an output folder that cannot be written.
+    let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
 
     let t_fit = Instant::now();
     let whiten_mat = fit_whitening(
@@ -147,7 +149,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         UniversalTemplates::builtin(),
         job.detection.clone(),
     )?;
-    let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
     let nt = job.detection.nt as u64;
     let t_detect = Instant::now();
     let (mut t_pre, mut t_det, mut t_write) = (0f64, 0f64, 0f64);
