@@ -360,3 +360,20 @@ fn br23_drift_map_memory_is_bounded() {
     assert_eq!(m.seen(), 100_000);
     assert_eq!(m.kept(), 1000);
 }
+
+#[test]
+fn windows_out_of_time_order_are_recorded_as_unsorted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("o");
+    let p = probe();
+    let g = geometry(&p);
+    let mut w = OutputWriter::create(&out, &p, &g, 6).unwrap();
+    w.append(&window(&g, &[(0, 100)], 0.0), 60_000).unwrap();
+    w.append(&window(&g, &[(0, 100)], 0.0), 0).unwrap();
+    let s = w.finish(&run_info(&p)).unwrap();
+    assert!(!s.time_sorted);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("spikecube.json")).unwrap())
+            .unwrap();
+    assert_eq!(json["counts"]["time_sorted"], false);
+}
