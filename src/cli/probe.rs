@@ -14,7 +14,7 @@ use spikecube::{DetectionSettings, Geometry, Probe};
 /// Flags of `probe`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Probe file (Kilosort JSON, probeinterface JSON or .prb).
+    /// Probe file: anything `Probe::load` reads (Kilosort JSON, probeinterface JSON).
     probe: PathBuf,
     /// Also draw the sites (squares) and kept template centres (dots), to
     /// scale and coloured by shank, into this PNG file.
@@ -143,13 +143,18 @@ fn report(probe: &Probe, settings: &DetectionSettings) -> (Report, Option<Geomet
             if dups.len() > 5 { "; …" } else { "" }
         ));
     }
-    for (k, c) in &shanks {
-        if *c < settings.nearest_chans {
-            warnings.push(format!(
-                "shank {k} has {c} sites, fewer than nearest_chans = {}: its centres borrow sites from other shanks",
-                settings.nearest_chans
-            ));
-        }
+    let small: Vec<String> = shanks
+        .iter()
+        .filter(|&(_, &c)| c < settings.nearest_chans)
+        .map(|(k, c)| format!("shank {k} has {c} sites"))
+        .collect();
+    if !small.is_empty() {
+        let fewest = shanks.values().min().copied().unwrap_or(0);
+        warnings.push(format!(
+            "{}, fewer than nearest_chans = {}: since centres never take sites from another shank, every centre uses {fewest} sites",
+            small.join("; "),
+            settings.nearest_chans
+        ));
     }
     let geometry = match Geometry::new(probe, settings) {
         Ok(g) => {
@@ -161,7 +166,8 @@ fn report(probe: &Probe, settings: &DetectionSettings) -> (Report, Option<Geomet
                 settings.max_channel_distance
             ));
             lines.push(format!(
-                "neighbours   nearest_chans {nc} sites per centre, nearest_templates {} centres",
+                "neighbours   nearest_chans {} sites per centre (asked {nc}), nearest_templates {} centres",
+                g.n_chans(),
                 g.n_neighbours()
             ));
             Some(g)
