@@ -450,23 +450,34 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
         }
         out
     };
-    let mut c = 0;
-    while c < n_chunks {
-        let hi = (c + group).min(n_chunks);
-        let bufs: Vec<Vec<u8>> = (c..hi).into_par_iter().map(make_chunk).collect();
-        for b in bufs {
-            w.write_all(&b)
-                .with_context(|| format!("cannot write {}", tmp_path.display()))?;
+    // A writer thread drains finished groups while the next group is computed.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<Vec<u8>>>(1);
+    let written: std::io::Result<()> = std::thread::scope(|scope| {
+        let writer = scope.spawn(move || -> std::io::Result<()> {
+            for bufs in rx {
+                for b in bufs {
+                    w.write_all(&b)?;
+                }
+            }
+            // Flushed, not synced: the operating system writes it out at its pace.
+            w.into_inner().map_err(|e| e.into_error())?;
+            Ok(())
+        });
+        let mut c = 0;
+        while c < n_chunks {
+            let hi = (c + group).min(n_chunks);
+            let bufs: Vec<Vec<u8>> = (c..hi).into_par_iter().map(make_chunk).collect();
+            if tx.send(bufs).is_err() {
+                break; // The writer failed; its error is reported below.
+            }
+            c = hi;
         }
-        c = hi;
-    }
-    let f = w
-        .into_inner()
-        .map_err(|e| e.into_error())
-        .with_context(|| format!("cannot write {}", tmp_path.display()))?;
-    f.sync_all()
-        .with_context(|| format!("cannot write {}", tmp_path.display()))?;
-    drop(f);
+        drop(tx);
+        writer
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("the writer thread panicked")))
+    });
+    written.with_context(|| format!("cannot write {}", tmp_path.display()))?;
     std::fs::rename(&tmp_path, &bin_path).with_context(|| {
         format!(
             "cannot rename {} to {}",

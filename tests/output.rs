@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use ndarray::{Array1, Array2, Array3};
-use spikecube::output::{DriftMap, OutputWriter, PEAK_DESCR, RunInfo};
+use spikecube::output::{DriftMap, OutputWriter, PEAK_DESCR, RunInfo, bytes_per_spike};
 use spikecube::{DetectionSettings, Detections, Geometry, Probe};
 
 /// 16 sites on 4 shanks (ids 1–4, 4 sites each, 200 µm apart), with a shuffled channel map.
@@ -359,4 +359,51 @@ fn br23_drift_map_memory_is_bounded() {
     }
     assert_eq!(m.seen(), 100_000);
     assert_eq!(m.kept(), 1000);
+}
+
+#[test]
+fn windows_out_of_time_order_are_recorded_as_unsorted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("o");
+    let p = probe();
+    let g = geometry(&p);
+    let mut w = OutputWriter::create(&out, &p, &g, 6).unwrap();
+    w.append(&window(&g, &[(0, 100)], 0.0), 60_000).unwrap();
+    w.append(&window(&g, &[(0, 100)], 0.0), 0).unwrap();
+    let s = w.finish(&run_info(&p)).unwrap();
+    assert!(!s.time_sorted);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("spikecube.json")).unwrap())
+            .unwrap();
+    assert_eq!(json["counts"]["time_sorted"], false);
+}
+
+#[test]
+fn bytes_per_spike_matches_the_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let p = probe();
+    let g = geometry(&p);
+    let w = OutputWriter::create(&a, &p, &g, 6).unwrap();
+    w.finish(&run_info(&p)).unwrap();
+    write_two(&b);
+    let per_spike = [
+        "spike_times.npy",
+        "spike_centers.npy",
+        "amplitudes.npy",
+        "spike_detection_templates.npy",
+        "spike_signs.npy",
+        "spike_positions.npy",
+        "pc_features.npy",
+        "pc_feature_ind.npy",
+        "peaks.npy",
+    ];
+    let size = |d: &Path| -> u64 {
+        per_spike
+            .iter()
+            .map(|n| std::fs::metadata(d.join(n)).unwrap().len())
+            .sum()
+    };
+    assert_eq!(size(&b) - size(&a), 5 * bytes_per_spike(g.n_chans(), 6));
+    assert_eq!(bytes_per_spike(10, 6), 389);
 }

@@ -14,7 +14,7 @@ use spikecube::{DetectionSettings, Geometry, Probe};
 /// Flags of `probe`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Probe file (Kilosort JSON, probeinterface JSON or .prb).
+    /// Probe file: anything `Probe::load` reads (Kilosort JSON, probeinterface JSON).
     probe: PathBuf,
     /// Also draw the sites (squares) and kept template centres (dots), to
     /// scale and coloured by shank, into this PNG file.
@@ -98,7 +98,10 @@ fn report(probe: &Probe, settings: &DetectionSettings) -> (Report, Option<Geomet
                 grid.yup.len(),
                 grid.xup.len() * grid.yup.len()
             ));
-            if grid.dmin < 2.0 {
+            let mut ys = probe.yc.clone();
+            ys.sort_by(f32::total_cmp);
+            ys.dedup();
+            if ys.len() > 1 && grid.dmin < 2.0 {
                 warnings.push(format!(
                     "the vertical pitch is {} µm: coordinates look like millimetres or site indices, not µm",
                     grid.dmin
@@ -140,13 +143,18 @@ fn report(probe: &Probe, settings: &DetectionSettings) -> (Report, Option<Geomet
             if dups.len() > 5 { "; …" } else { "" }
         ));
     }
-    for (k, c) in &shanks {
-        if *c < settings.nearest_chans {
-            warnings.push(format!(
-                "shank {k} has {c} sites, fewer than nearest_chans = {}: its centres borrow sites from other shanks",
-                settings.nearest_chans
-            ));
-        }
+    let small: Vec<String> = shanks
+        .iter()
+        .filter(|&(_, &c)| c < settings.nearest_chans)
+        .map(|(k, c)| format!("shank {k} has {c} sites"))
+        .collect();
+    if !small.is_empty() {
+        let fewest = shanks.values().min().copied().unwrap_or(0);
+        warnings.push(format!(
+            "{}, fewer than nearest_chans = {}: since centres never take sites from another shank, every centre uses {fewest} sites",
+            small.join("; "),
+            settings.nearest_chans
+        ));
     }
     let geometry = match Geometry::new(probe, settings) {
         Ok(g) => {
@@ -158,7 +166,8 @@ fn report(probe: &Probe, settings: &DetectionSettings) -> (Report, Option<Geomet
                 settings.max_channel_distance
             ));
             lines.push(format!(
-                "neighbours   nearest_chans {nc} sites per centre, nearest_templates {} centres",
+                "neighbours   nearest_chans {} sites per centre (asked {nc}), nearest_templates {} centres",
+                g.n_chans(),
                 g.n_neighbours()
             ));
             Some(g)
@@ -268,4 +277,80 @@ pub fn run(args: Args) -> Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spikecube::simulate::default_probe;
+
+    fn warnings(p: &Probe) -> Vec<String> {
+        report(p, &DetectionSettings::default()).0.warnings
+    }
+
+    #[test]
+    fn np2_has_1149_centres_and_no_warnings() {
+        let (r, g) = report(&default_probe(), &DetectionSettings::default());
+        assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+        assert_eq!(g.unwrap().n_centres(), 1149);
+        assert!(
+            r.lines.iter().any(|l| l.contains("3 × 383")),
+            "{:?}",
+            r.lines
+        );
+    }
+
+    #[test]
+    fn millimetre_coordinates_are_flagged() {
+        let mut p = default_probe();
+        p.xc.iter_mut().for_each(|v| *v /= 1000.0);
+        p.yc.iter_mut().for_each(|v| *v /= 1000.0);
+        let w = warnings(&p);
+        assert!(w.iter().any(|m| m.contains("millimetres")), "{w:?}");
+    }
+
+    #[test]
+    fn duplicates_and_small_shanks_are_flagged() {
+        let mut p = default_probe();
+        p.yc[1] = p.yc[3];
+        p.xc[1] = p.xc[3];
+        let w = warnings(&p);
+        assert!(
+            w.iter()
+                .any(|m| m.contains("1 duplicate site positions: sites 1 and 3")),
+            "{w:?}"
+        );
+
+        let mut p = default_probe();
+        p.kcoords[0] = 7;
+        let w = warnings(&p);
+        assert!(w.iter().any(|m| m.contains("shank 7 has 1 sites")), "{w:?}");
+    }
+
+    #[test]
+    fn a_probe_without_centres_is_reported() {
+        // Two sites, (0, 10) and (10, 0): with one centre column (x = 0) and rows
+        // 3.5 µm apart from y = 0, the nearest centre is 3 µm from a site.
+        let p = Probe {
+            xc: vec![0.0, 10.0],
+            yc: vec![10.0, 0.0],
+            kcoords: vec![0, 0],
+            chan_map: vec![0, 1],
+            n_chan: 2,
+            source: PathBuf::from("two sites"),
+        };
+        let settings = DetectionSettings {
+            dmin: Some(7.0),
+            dminx: 1.0e9,
+            max_channel_distance: 1.0,
+            ..DetectionSettings::default()
+        };
+        let (r, g) = report(&p, &settings);
+        assert!(g.is_none());
+        assert!(
+            r.warnings.iter().any(|m| m.contains("cannot run")),
+            "{:?}",
+            r.warnings
+        );
+    }
 }

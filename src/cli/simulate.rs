@@ -11,7 +11,7 @@ use spikecube::simulate::{SimConfig, default_probe, simulate};
 /// Flags of `simulate`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Probe file (Kilosort JSON, probeinterface JSON or .prb). Default: a
+    /// Probe file: anything `Probe::load` reads (Kilosort JSON, probeinterface JSON). Default: a
     /// Neuropixels 2.0-like single shank, 384 sites, x ∈ {0, 32} µm, rows every 15 µm.
     #[arg(long)]
     probe: Option<PathBuf>,

@@ -153,10 +153,16 @@ impl DriftMap {
         let mut order: Vec<usize> = (0..self.points.len()).collect();
         order.sort_by(|&i, &j| self.points[i].2.total_cmp(&self.points[j].2));
         let alpha = (30_000.0 / self.points.len().max(1) as f32).clamp(0.15, 0.7);
+        // Bigger dots when there are few, so sparse maps stay readable.
+        let radius = match self.points.len() {
+            0..5_000 => 2.6,
+            5_000..50_000 => 2.0,
+            _ => 1.6,
+        };
         for i in order {
             let (s, y, a) = self.points[i];
             let colour = colour_scale((a as f64 - a0) / (a1 - a0));
-            c.disc(px_x(s as f64 / fs), px_y(y as f64), 1.6, colour, alpha);
+            c.disc(px_x(s as f64 / fs), px_y(y as f64), radius, colour, alpha);
         }
         c.frame(left, top, right, bottom, BLACK);
 

@@ -65,6 +65,16 @@ pub const PEAK_BYTES: usize = 32;
 /// Number of (size, template) pairs a detection can report.
 pub const N_DETECTION_TEMPLATES: usize = 30;
 
+/// Disk bytes one spike takes in the output folder (all per-spike files), for
+/// `n_chans` sites per spike (nC) and `n_pcs` PCs per site: 69 + nC·(4·npc + 8);
+/// 389 bytes with the defaults (nC = 10, npc = 6). Multiply by an expected spike
+/// count to estimate the folder's size before a run.
+pub fn bytes_per_spike(n_chans: usize, n_pcs: usize) -> u64 {
+    // times, centres, templates (i64); amplitudes (f32); signs (i8); positions (2 × f32); peaks.
+    let fixed = 8 + 8 + 8 + 4 + 1 + 8 + PEAK_BYTES;
+    (fixed + n_chans * (4 * n_pcs + 8)) as u64
+}
+
 /// Everything about a run that is known only at its end, for `params.py` and `spikecube.json`.
 #[derive(Debug, Clone, Default)]
 pub struct RunInfo {

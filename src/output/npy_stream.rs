@@ -47,6 +47,11 @@ fn header(descr: &str, rows: &str, inner: &[usize], total: Option<usize>) -> Vec
     let dict = format!("{{'descr': {descr}, 'fortran_order': False, 'shape': ({shape}), }}");
     let unpadded = MAGIC.len() + 2 + dict.len() + 1;
     let total = total.unwrap_or(unpadded.div_ceil(64) * 64);
+    // The reserved width holds any u64 count, so the text always fits.
+    debug_assert!(
+        unpadded <= total,
+        "npy header text longer than its reserved size"
+    );
     let mut out = Vec::with_capacity(total);
     out.extend_from_slice(MAGIC);
     let len = (total - MAGIC.len() - 2) as u16;
