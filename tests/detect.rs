@@ -11,7 +11,10 @@ use ndarray::{Array1, Array2, Array3};
 use spikecube::npy;
 
 fn spikecube(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_spikecube")).args(args).output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_spikecube"))
+        .args(args)
+        .output()
+        .unwrap()
 }
 
 fn s(p: &Path) -> &str {
@@ -19,7 +22,12 @@ fn s(p: &Path) -> &str {
 }
 
 fn ok(o: &Output) {
-    assert!(o.status.success(), "exit {:?}: {}", o.status.code(), String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "exit {:?}: {}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 /// A 32-site two-column probe (x ∈ {0, 32} µm, rows every 20 µm) written as Kilosort JSON.
@@ -35,7 +43,19 @@ fn write_probe(dir: &Path) -> PathBuf {
 fn simulate(dir: &Path) -> PathBuf {
     let probe = write_probe(dir);
     let sim = dir.join("sim");
-    ok(&spikecube(&["simulate", "--probe", s(&probe), "--seconds", "6", "--n-units", "8", "--rate", "6", "--out", s(&sim)]));
+    ok(&spikecube(&[
+        "simulate",
+        "--probe",
+        s(&probe),
+        "--seconds",
+        "6",
+        "--n-units",
+        "8",
+        "--rate",
+        "6",
+        "--out",
+        s(&sim),
+    ]));
     sim
 }
 
@@ -45,7 +65,15 @@ fn simulated_spikeglx_recording_to_spikes_on_disk() {
     let sim = simulate(dir.path());
     let bin = sim.join("sim_g0_t0.imec0.ap.bin");
     let out = dir.path().join("out");
-    let o = spikecube(&["detect", s(&bin), "--out", s(&out), "--batch-size", "30000", "--json"]);
+    let o = spikecube(&[
+        "detect",
+        s(&bin),
+        "--out",
+        s(&out),
+        "--batch-size",
+        "30000",
+        "--json",
+    ]);
     ok(&o);
     let summary: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let n = summary["spikes"].as_u64().unwrap() as usize;
@@ -64,21 +92,42 @@ fn simulated_spikeglx_recording_to_spikes_on_disk() {
     let cpos: Array2<f64> = npy::read(&out.join("channel_positions.npy")).unwrap();
     let shanks: Array1<i64> = npy::read(&out.join("channel_shanks.npy")).unwrap();
     let wm: Array2<f32> = npy::read(&out.join("whitening_mat.npy")).unwrap();
-    assert_eq!((times.len(), centres.len(), amps.len(), templates.len(), signs.len()), (n, n, n, n, n));
+    assert_eq!(
+        (
+            times.len(),
+            centres.len(),
+            amps.len(),
+            templates.len(),
+            signs.len()
+        ),
+        (n, n, n, n, n)
+    );
     assert_eq!(pos.dim(), (n, 2));
     assert_eq!(pcs.dim(), (n, 10, 6));
     assert_eq!(centers.ncols(), 2);
     assert_eq!(cc.dim(), (centers.nrows(), 10));
-    assert_eq!((cmap.len(), cpos.dim(), shanks.len(), wm.dim()), (32, (32, 2), 32, (32, 32)));
-    assert!(times.windows(2).into_iter().all(|w| w[0] <= w[1]), "spike times sorted");
-    assert!(times.iter().all(|&t| (0..180_000).contains(&t)), "every spike inside the recording");
+    assert_eq!(
+        (cmap.len(), cpos.dim(), shanks.len(), wm.dim()),
+        (32, (32, 2), 32, (32, 32))
+    );
+    assert!(
+        times.windows(2).into_iter().all(|w| w[0] <= w[1]),
+        "spike times sorted"
+    );
+    assert!(
+        times.iter().all(|&t| (0..180_000).contains(&t)),
+        "every spike inside the recording"
+    );
     assert!(amps.iter().all(|&a| a > 9.0));
     assert!(templates.iter().all(|&t| (0..30).contains(&t)));
     for f in ["params.py", "peaks.npy", "spikecube.json", "drift_map.png"] {
         assert!(out.join(f).is_file(), "{f}");
     }
     let params = std::fs::read_to_string(out.join("params.py")).unwrap();
-    assert!(params.contains("n_channels_dat = 33") && params.contains("sample_rate = 30000"), "{params}");
+    assert!(
+        params.contains("n_channels_dat = 33") && params.contains("sample_rate = 30000"),
+        "{params}"
+    );
 
     // Recall against the ground truth: a trough within ±0.5 ms of a detection's
     // trough (detection sample − 10) at a position within 50 µm.
@@ -93,12 +142,23 @@ fn simulated_spikeglx_recording_to_spikes_on_disk() {
         found += usize::from(hit);
     }
     let recall = found as f64 / truth.nrows() as f64;
-    eprintln!("simulated: {n} detections, recall {recall:.3} of {} true spikes", truth.nrows());
+    eprintln!(
+        "simulated: {n} detections, recall {recall:.3} of {} true spikes",
+        truth.nrows()
+    );
     assert!(recall > 0.8, "recall {recall}");
 
     // A second run gives byte-identical spike files.
     let out2 = dir.path().join("out2");
-    ok(&spikecube(&["detect", s(&bin), "--out", s(&out2), "--batch-size", "30000", "-q"]));
+    ok(&spikecube(&[
+        "detect",
+        s(&bin),
+        "--out",
+        s(&out2),
+        "--batch-size",
+        "30000",
+        "-q",
+    ]));
     for f in [
         "spike_times.npy",
         "spike_centers.npy",
@@ -110,7 +170,11 @@ fn simulated_spikeglx_recording_to_spikes_on_disk() {
         "peaks.npy",
         "whitening_mat.npy",
     ] {
-        assert_eq!(std::fs::read(out.join(f)).unwrap(), std::fs::read(out2.join(f)).unwrap(), "{f} differs between runs");
+        assert_eq!(
+            std::fs::read(out.join(f)).unwrap(),
+            std::fs::read(out2.join(f)).unwrap(),
+            "{f} differs between runs"
+        );
     }
 }
 
@@ -119,11 +183,24 @@ fn real_recordings_with_shipped_probes() {
     let real = common::shared().join("data/real");
     let probes = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/probes");
     let dir = tempfile::tempdir().unwrap();
-    let oe = real.join("openephys_example_16ch/binary_format/Record Node 101/experiment1/recording1");
+    let oe =
+        real.join("openephys_example_16ch/binary_format/Record Node 101/experiment1/recording1");
     let out = dir.path().join("oe");
-    ok(&spikecube(&["detect", s(&oe), "--probe", s(&probes.join("openephys_16ch_linear.json")), "--out", s(&out), "-q"]));
+    ok(&spikecube(&[
+        "detect",
+        s(&oe),
+        "--probe",
+        s(&probes.join("openephys_16ch_linear.json")),
+        "--out",
+        s(&out),
+        "-q",
+    ]));
     let t: Array1<i64> = npy::read(&out.join("spike_times.npy")).unwrap();
-    assert!(t.len() > 100 && t.iter().all(|&v| (0..131_362).contains(&v)), "{} spikes", t.len());
+    assert!(
+        t.len() > 100 && t.iter().all(|&v| (0..131_362).contains(&v)),
+        "{} spikes",
+        t.len()
+    );
 
     let locust = real.join("locust_tetrode_tridesclous/locust_trial_01.raw");
     let out = dir.path().join("locust");
@@ -141,9 +218,17 @@ fn real_recordings_with_shipped_probes() {
         "-q",
     ]));
     let t: Array1<i64> = npy::read(&out.join("spike_times.npy")).unwrap();
-    assert!(t.len() > 100 && t.iter().all(|&v| (0..431_548).contains(&v)), "{} spikes", t.len());
+    assert!(
+        t.len() > 100 && t.iter().all(|&v| (0..431_548).contains(&v)),
+        "{} spikes",
+        t.len()
+    );
     let pcs: Array3<f32> = npy::read(&out.join("pc_features.npy")).unwrap();
-    assert_eq!(pcs.dim(), (t.len(), 4, 6), "nearest_chans lowered to the 4 sites");
+    assert_eq!(
+        pcs.dim(),
+        (t.len(), 4, 6),
+        "nearest_chans lowered to the 4 sites"
+    );
 }
 
 #[test]
@@ -167,15 +252,42 @@ fn bad_inputs_give_one_error_line_and_no_output() {
     let absent = d.join("absent.bin");
     let cases: Vec<(Vec<&str>, &str, &Path)> = vec![
         (vec!["detect", s(&lonely), "--out", s(&out)], "n_chan", &out),
-        (vec!["detect", s(&bin), "--n-channels", "32", "--out", s(&out)], "nSavedChans = 33", &out),
-        (vec!["detect", s(&bin), "--probe", s(&garbage), "--out", s(&out)], "garbage.json", &out),
-        (vec!["detect", s(&bin), "--out", s(&not_writable)], "a_file", &not_writable),
         (
-            vec!["detect", s(&odd), "--n-channels", "32", "--fs", "30000", "--probe", s(&probe), "--out", s(&out)],
+            vec!["detect", s(&bin), "--n-channels", "32", "--out", s(&out)],
+            "nSavedChans = 33",
+            &out,
+        ),
+        (
+            vec!["detect", s(&bin), "--probe", s(&garbage), "--out", s(&out)],
+            "garbage.json",
+            &out,
+        ),
+        (
+            vec!["detect", s(&bin), "--out", s(&not_writable)],
+            "a_file",
+            &not_writable,
+        ),
+        (
+            vec![
+                "detect",
+                s(&odd),
+                "--n-channels",
+                "32",
+                "--fs",
+                "30000",
+                "--probe",
+                s(&probe),
+                "--out",
+                s(&out),
+            ],
             "6 bytes are left over",
             &out,
         ),
-        (vec!["detect", s(&absent), "--out", s(&out)], "absent.bin", &out),
+        (
+            vec!["detect", s(&absent), "--out", s(&out)],
+            "absent.bin",
+            &out,
+        ),
     ];
     for (args, needle, target) in cases {
         let o = spikecube(&args);
@@ -183,13 +295,19 @@ fn bad_inputs_give_one_error_line_and_no_output() {
         assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
         let errors: Vec<&str> = err.lines().filter(|l| l.contains("error")).collect();
         assert_eq!(errors.len(), 1, "{args:?}: {err}");
-        assert!(errors[0].contains(needle), "{args:?}: `{needle}` not in {err}");
+        assert!(
+            errors[0].contains(needle),
+            "{args:?}: `{needle}` not in {err}"
+        );
         assert!(!target.exists(), "{args:?}: output left behind");
         let leftovers: Vec<_> = std::fs::read_dir(d)
             .unwrap()
             .filter_map(|e| e.ok())
             .filter(|e| e.file_name().to_string_lossy().contains(".partial"))
             .collect();
-        assert!(leftovers.is_empty(), "{args:?}: partial folder left: {leftovers:?}");
+        assert!(
+            leftovers.is_empty(),
+            "{args:?}: partial folder left: {leftovers:?}"
+        );
     }
 }

@@ -14,7 +14,8 @@ use spikecube::{DetectionSettings, Geometry, Probe};
 /// Flags of `probe`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Probe file: anything `Probe::load` reads (Kilosort JSON, probeinterface JSON).
+    /// Probe file (Kilosort JSON, probeinterface JSON, .prb read as data) or a
+    /// SpikeGLX recording (.bin or .meta) whose metadata holds the geometry.
     probe: PathBuf,
     /// Also draw the sites (squares) and kept template centres (dots), to
     /// scale and coloured by shank, into this PNG file.
@@ -34,18 +35,17 @@ pub struct Args {
     max_channel_distance: f64,
 }
 
-/// Where a probe layout comes from. Today a probe file; a recording (whose
-/// metadata carries the layout) is a further variant of this enum.
-enum Source {
-    File(PathBuf),
-}
-
-impl Source {
-    fn load(&self) -> Result<Probe> {
-        match self {
-            Source::File(p) => Ok(Probe::load(p)?),
-        }
+/// Loads the probe of `path`: a probe file, a SpikeGLX `.meta`, or a SpikeGLX
+/// `.bin` (its `.meta` beside it).
+fn load_probe(path: &std::path::Path) -> Result<Probe> {
+    if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("bin"))
+    {
+        let (_, meta) = spikecube::recording::spikeglx::bin_and_meta(path);
+        return Ok(Probe::load(&meta)?);
     }
+    Ok(Probe::load(path)?)
 }
 
 /// The report's findings.
@@ -252,7 +252,7 @@ fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    let probe = Source::File(args.probe.clone()).load()?;
+    let probe = load_probe(&args.probe)?;
     let settings = DetectionSettings {
         dmin: args.dmin,
         dminx: args.dminx,
