@@ -311,3 +311,62 @@ fn bad_inputs_give_one_error_line_and_no_output() {
         );
     }
 }
+
+#[test]
+fn preprocess_writes_kilosorts_whitened_recording() {
+    let fx = common::shared().join("fixtures/preprocessing");
+    let dir = tempfile::tempdir().unwrap();
+    let rec = fx.join("recording.bin");
+    let probe = fx.join("probe.json");
+    let base = [
+        "--n-channels",
+        "32",
+        "--fs",
+        "30000",
+        "--probe",
+        s(&probe),
+        "--batch-size",
+        "6000",
+        "--nskip",
+        "1",
+        "-q",
+    ];
+    let out_f = dir.path().join("f32");
+    let mut args = vec!["preprocess", s(&rec), "--float32", "--out", s(&out_f)];
+    args.extend(base);
+    ok(&spikecube(&args));
+    let out_i = dir.path().join("i16");
+    let mut args = vec!["preprocess", s(&rec), "--out", s(&out_i)];
+    args.extend(base);
+    ok(&spikecube(&args));
+
+    // Kilosort4's batches, own columns 61 .. 6061, one after the other, sample-major.
+    let bytes = std::fs::read(out_f.join("temp_wh.dat")).unwrap();
+    let ours: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(ours.len(), 20_500 * 32);
+    let bytes16 = std::fs::read(out_i.join("temp_wh.dat")).unwrap();
+    assert_eq!(bytes16.len(), 20_500 * 32 * 2);
+    let mut worst = 0f64;
+    for b in 0..4 {
+        let batch: Array2<f32> = npy::read(&fx.join(format!("batch_{b}.npy"))).unwrap();
+        for t in 0..6000usize.min(20_500 - b * 6000) {
+            for c in 0..32 {
+                let r = batch[[c, 61 + t]] as f64;
+                let i = (b * 6000 + t) * 32 + c;
+                worst = worst.max((ours[i] as f64 - r).abs() / r.abs().max(1.0));
+                let q = i16::from_le_bytes([bytes16[2 * i], bytes16[2 * i + 1]]);
+                assert_eq!(q, (ours[i] * 200.0).trunc() as i16);
+            }
+        }
+    }
+    eprintln!("preprocess: temp_wh.dat vs Kilosort4's batches, largest difference {worst:.2e}");
+    assert!(worst <= 1e-4);
+    let w: Array2<f32> = npy::read(&out_f.join("whitening_mat.npy")).unwrap();
+    assert_eq!(w.dim(), (32, 32));
+    let hp: Array1<f32> = npy::read(&out_f.join("hp_filter.npy")).unwrap();
+    let hp_ref: Array1<f32> = npy::read(&fx.join("hp_filter.npy")).unwrap();
+    assert_eq!(hp.len(), hp_ref.len());
+}

@@ -3,6 +3,7 @@
 mod common;
 mod detect;
 mod detect_window;
+mod preprocess;
 mod probe;
 mod simulate;
 
@@ -27,6 +28,8 @@ enum Command {
     Detect(detect::Args),
     /// Detect spikes in one whitened window stored as .npy (channels × samples, float32).
     DetectWindow(detect_window::Args),
+    /// Preprocess a recording as Kilosort4 does and write the whitened data (temp_wh.dat).
+    Preprocess(preprocess::Args),
     /// Report what detection makes of a probe layout (centres, neighbourhoods, warnings).
     Probe(probe::Args),
     /// Write a synthetic SpikeGLX-style recording with ground-truth spikes.
@@ -49,6 +52,7 @@ pub fn run() -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Detect(args) => detect::run(args, cli.quiet),
         Command::DetectWindow(args) => detect_window::run(args),
+        Command::Preprocess(args) => preprocess::run(args, cli.quiet),
         Command::Probe(args) => probe::run(args),
         Command::Simulate(args) => simulate::run(args),
     }

@@ -1,0 +1,92 @@
+//! `spikecube preprocess`: Kilosort4's preprocessing of a whole recording, written
+//! out for inspection or for other tools.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use ndarray::Array1;
+use spikecube::npy;
+use spikecube::pipeline::{WhitenedFormat, write_whitened};
+use spikecube::preprocess::highpass_kernel;
+
+use super::common::{PreprocessArgs, RecordingArgs};
+
+/// Flags of `preprocess`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The recording (as for `detect`); several files are read as one.
+    #[arg(required = true)]
+    recording: Vec<PathBuf>,
+    /// Output folder: whitening_mat.npy, hp_filter.npy and temp_wh.dat.
+    #[arg(long)]
+    out: PathBuf,
+    /// Write temp_wh.dat as float32 instead of int16 holding 200 × the whitened value.
+    #[arg(long)]
+    float32: bool,
+    #[command(flatten)]
+    rec: RecordingArgs,
+    #[command(flatten)]
+    pre: PreprocessArgs,
+}
+
+pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
+    let (opened, probe) = args.rec.open(&args.recording)?;
+    let rec = opened.recording.clone();
+    let settings = args.pre.settings(rec.fs());
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let bar = if quiet || !std::io::stderr().is_terminal() {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(0)
+    };
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} windows  {msg}  [{elapsed_precise} < {eta_precise}]",
+        )
+        .expect("valid template"),
+    );
+    let format = if args.float32 {
+        WhitenedFormat::Float32
+    } else {
+        WhitenedFormat::Int16x200
+    };
+    let report = write_whitened(
+        rec.clone(),
+        &probe,
+        &settings,
+        format,
+        &args.out.join("temp_wh.dat"),
+        &mut |p| {
+            bar.set_length(p.windows_total);
+            bar.set_position(p.windows_done);
+            bar.set_message(format!(
+                "{:.1}× realtime",
+                p.seconds_done / p.elapsed.max(1e-9)
+            ));
+        },
+    )?;
+    bar.finish_and_clear();
+    npy::write(&args.out.join("whitening_mat.npy"), &report.whitening)?;
+    let kernel = highpass_kernel(settings.fs, settings.highpass_cutoff)?;
+    npy::write(&args.out.join("hp_filter.npy"), &Array1::from(kernel))?;
+    if !quiet {
+        eprintln!(
+            "spikecube: {} samples × {} channels whitened ({} windows, {}) in {:.1} s → {}",
+            report.n_samples,
+            report.n_sites,
+            report.n_windows,
+            if args.float32 {
+                "float32"
+            } else {
+                "int16 ×200"
+            },
+            report.wall,
+            args.out.join("temp_wh.dat").display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
