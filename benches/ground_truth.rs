@@ -38,10 +38,17 @@ fn main() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let dir = dir.unwrap_or_else(|| tmp.path().to_path_buf());
     let probe = default_probe();
-    let cfg = SimConfig { seconds, seed, ..SimConfig::default() };
+    let cfg = SimConfig {
+        seconds,
+        seed,
+        ..SimConfig::default()
+    };
     let sim = simulate(&probe, &cfg, &dir)?;
     let opened = open(&sim.bin_path, &OpenOptions::default())?;
-    let probe: Probe = opened.probe.clone().expect("the simulated .meta holds the geometry");
+    let probe: Probe = opened
+        .probe
+        .clone()
+        .expect("the simulated .meta holds the geometry");
     let out = dir.join("spikecube");
     let report = run_detection(
         DetectJob {
@@ -66,7 +73,10 @@ fn main() -> anyhow::Result<()> {
     for row in truth.rows() {
         let t_true = row[0];
         // Detections are sorted by time: search the ones within tolerance.
-        let lo = times.as_slice().unwrap().partition_point(|&t| ((t - 10) as f64) < t_true - tol);
+        let lo = times
+            .as_slice()
+            .unwrap()
+            .partition_point(|&t| ((t - 10) as f64) < t_true - tol);
         let mut best: Option<(f64, usize)> = None;
         for i in lo..n_det {
             let dt = (times[i] - 10) as f64 - t_true;
@@ -77,7 +87,8 @@ fn main() -> anyhow::Result<()> {
                 continue;
             }
             let site = cc[[centres[i] as usize, 0]] as usize;
-            let d2 = (probe.xc[site] as f64 - row[1]).powi(2) + (probe.yc[site] as f64 - row[2]).powi(2);
+            let d2 =
+                (probe.xc[site] as f64 - row[1]).powi(2) + (probe.yc[site] as f64 - row[2]).powi(2);
             if d2 <= 50.0 * 50.0 && best.is_none_or(|(b, _)| dt.abs() < b) {
                 best = Some((dt.abs(), i));
             }

@@ -128,6 +128,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let n_centres = geometry.n_centres();
     // So does an output folder that cannot be written.
     let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
+    tracing::info!(
+        "{} windows of {} samples; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
+        plan.n_windows,
+        plan.window_len(),
+        memory_estimate(n_sites, plan.window_len(), n_centres) as f64 / 1e6
+    );
 
     let t_fit = Instant::now();
     let whiten_mat = fit_whitening(
@@ -391,4 +397,15 @@ pub fn write_whitened(
         whitening: whiten_mat,
         wall: t_start.elapsed().as_secs_f64(),
     })
+}
+
+/// Host memory a run holds at once, bytes: the windows in flight (one being read,
+/// two queued, one being processed), the preprocessing scratch (about one window),
+/// the detector's per-centre buffers (As and its template index), and per-thread
+/// filter-bank tiles. It does not depend on the recording's length or spike count.
+pub fn memory_estimate(n_sites: usize, window_len: usize, n_centres: usize) -> u64 {
+    let window = (n_sites * window_len * 4) as u64;
+    let detector = (n_centres * window_len.next_multiple_of(crate::detect::cpu::TILE) * 5) as u64;
+    let tiles = (rayon::current_num_threads() * n_sites * 7 * crate::detect::cpu::TILE * 4) as u64;
+    5 * window + detector + tiles
 }
