@@ -30,7 +30,11 @@ fn fixture_dir() -> PathBuf {
     let rel = Path::new("fixtures").join("preprocessing");
     if let Ok(root) = std::env::var("SPIKECUBE_SHARED") {
         let p = Path::new(&root).join(&rel);
-        assert!(p.is_dir(), "SPIKECUBE_SHARED is set but {} is missing", p.display());
+        assert!(
+            p.is_dir(),
+            "SPIKECUBE_SHARED is set but {} is missing",
+            p.display()
+        );
         return p;
     }
     let crate_root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -95,9 +99,18 @@ fn n_batches(n: usize, nt_batch: usize, nt: usize) -> (usize, usize) {
 
 /// Raw padded window i (C × (NT + 2nt)), rows in chanMap order, every column
 /// the sample clamp(i·NT − nt + c, 0, n_used − 1) (Kilosort's rule for ≥ 2 batches).
-fn raw_window(rec: &Array2<f32>, chan_map: &[u64], i: usize, nt_batch: usize, nt: usize) -> Array2<f32> {
+fn raw_window(
+    rec: &Array2<f32>,
+    chan_map: &[u64],
+    i: usize,
+    nt_batch: usize,
+    nt: usize,
+) -> Array2<f32> {
     let (nb, n_used) = n_batches(rec.nrows(), nt_batch, nt);
-    assert!(nb >= 2, "the test reader implements the ≥ 2-batch padding rule only");
+    assert!(
+        nb >= 2,
+        "the test reader implements the ≥ 2-batch padding rule only"
+    );
     let n = nt_batch + 2 * nt;
     Array2::from_shape_fn((chan_map.len(), n), |(r, c)| {
         let t = (i * nt_batch + c) as i64 - nt as i64;
@@ -158,7 +171,11 @@ struct Fixture {
 fn fixture() -> Fixture {
     let dir = fixture_dir();
     let probe = Probe::from_kilosort_json(&dir.join("probe.json")).unwrap();
-    let rec = read_recording(&dir.join("recording.bin"), probe.n_chan as usize, Dtype::I16);
+    let rec = read_recording(
+        &dir.join("recording.bin"),
+        probe.n_chan as usize,
+        Dtype::I16,
+    );
     assert_eq!(rec.dim(), (20_500, 32));
     // The fixture's settings: Kilosort's defaults with batch_size 6000, nskip 1.
     let settings = PreprocessSettings {
@@ -176,7 +193,13 @@ fn fixture() -> Fixture {
 
 impl Fixture {
     fn window(&self, i: usize) -> Array2<f32> {
-        raw_window(&self.rec, &self.probe.chan_map, i, self.settings.batch_size, self.settings.nt)
+        raw_window(
+            &self.rec,
+            &self.probe.chan_map,
+            i,
+            self.settings.batch_size,
+            self.settings.nt,
+        )
     }
 
     fn n_batches(&self) -> usize {
@@ -222,7 +245,12 @@ fn car_stage_matches_kilosort() {
     let reference = read2(&f.dir.join("stage_car_1.npy"));
     let mut x = f.window(1);
     common_reference(&mut x, true).unwrap();
-    let d = compare("CAR (batch 1) vs stage_car_1", slice(&x), slice(&reference), rms(&reference));
+    let d = compare(
+        "CAR (batch 1) vs stage_car_1",
+        slice(&x),
+        slice(&reference),
+        rms(&reference),
+    );
     // Spec: a float32 port with a once-rounded mean and the lower median is bitwise.
     assert_eq!(d, 0.0, "the CAR stage should reproduce Kilosort bitwise");
 }
@@ -238,13 +266,23 @@ fn highpass_stage_matches_kilosort() {
     let hp = HighpassFilter::new(ks_kernel.as_slice().unwrap(), n).unwrap();
     let mut x = read2(&f.dir.join("stage_car_1.npy"));
     hp.apply(&mut x).unwrap();
-    compare("HP only (KS kernel, on stage_car_1) vs stage_hp_1", slice(&x), slice(&reference), scale);
+    compare(
+        "HP only (KS kernel, on stage_car_1) vs stage_hp_1",
+        slice(&x),
+        slice(&reference),
+        scale,
+    );
     // Our whole path: raw window, our CAR, our kernel.
     let hp = HighpassFilter::new(&highpass_kernel(30_000.0, 300.0).unwrap(), n).unwrap();
     let mut x = f.window(1);
     common_reference(&mut x, true).unwrap();
     hp.apply(&mut x).unwrap();
-    compare("CAR+HP (ours, from raw) vs stage_hp_1", slice(&x), slice(&reference), scale);
+    compare(
+        "CAR+HP (ours, from raw) vs stage_hp_1",
+        slice(&x),
+        slice(&reference),
+        scale,
+    );
 }
 
 #[test]
@@ -255,7 +293,12 @@ fn whitening_matrix_matches_kilosort() {
     let peak = reference.iter().fold(0.0f32, |a, &b| a.max(b.abs()));
     // Kilosort's own matrix moves by ~8e-7 of its peak between 1 and 2 threads
     // (spec section 5); a float64 covariance and ZCA is within 8.5e-7.
-    compare("whitening matrix vs whiten_mat.npy", slice(&ours), slice(&reference), f64::from(peak));
+    compare(
+        "whitening matrix vs whiten_mat.npy",
+        slice(&ours),
+        slice(&reference),
+        f64::from(peak),
+    );
 }
 
 #[test]
@@ -269,17 +312,32 @@ fn end_to_end_batches_match_kilosort() {
     let batch1 = read2(&f.dir.join("batch_1.npy"));
     let mut x = read2(&f.dir.join("stage_hp_1.npy"));
     with_ks_w.whitening().apply(&mut x).unwrap();
-    compare("W·stage_hp_1 (KS W) vs batch_1", slice(&x), slice(&batch1), rms(&batch1));
+    compare(
+        "W·stage_hp_1 (KS W) vs batch_1",
+        slice(&x),
+        slice(&batch1),
+        rms(&batch1),
+    );
     assert_eq!(f.n_batches(), 4);
     for i in 0..f.n_batches() {
         let reference = read2(&f.dir.join(format!("batch_{i}.npy")));
         let scale = rms(&reference);
         let mut x = f.window(i);
         with_ks_w.apply(&mut x).unwrap();
-        compare(&format!("batch {i}, KS W, from raw"), slice(&x), slice(&reference), scale);
+        compare(
+            &format!("batch {i}, KS W, from raw"),
+            slice(&x),
+            slice(&reference),
+            scale,
+        );
         let mut x = f.window(i);
         with_our_w.apply(&mut x).unwrap();
-        compare(&format!("batch {i}, our W, from raw"), slice(&x), slice(&reference), scale);
+        compare(
+            &format!("batch {i}, our W, from raw"),
+            slice(&x),
+            slice(&reference),
+            scale,
+        );
     }
 }
 
@@ -293,25 +351,59 @@ fn uint16_and_float32_inputs_match_kilosort() {
         ..Default::default()
     };
     let mut converted: Vec<Array2<f32>> = Vec::new();
-    for (name, dtype) in [("int16", Dtype::I16), ("uint16", Dtype::U16), ("float32", Dtype::F32)] {
+    for (name, dtype) in [
+        ("int16", Dtype::I16),
+        ("uint16", Dtype::U16),
+        ("float32", Dtype::F32),
+    ] {
         let sub = dir.join(name);
         let rec = read_recording(&sub.join("recording.bin"), c, dtype);
         assert_eq!(rec.dim(), (7000, 8), "{name}");
         let (nb, _) = n_batches(rec.nrows(), settings.batch_size, settings.nt);
         assert_eq!(nb, 2, "{name}");
-        let window = |i: u64| raw_window(&rec, &probe.chan_map, i as usize, settings.batch_size, settings.nt);
-        let w = fit_whitening::<anyhow::Error, _>(nb as u64, |i| Ok(window(i)), &probe, &settings).unwrap();
+        let window = |i: u64| {
+            raw_window(
+                &rec,
+                &probe.chan_map,
+                i as usize,
+                settings.batch_size,
+                settings.nt,
+            )
+        };
+        let w = fit_whitening::<anyhow::Error, _>(nb as u64, |i| Ok(window(i)), &probe, &settings)
+            .unwrap();
         let ks_w = read2(&sub.join("whiten_mat.npy"));
         let peak = ks_w.iter().fold(0.0f32, |a, &b| a.max(b.abs()));
-        compare(&format!("{name}: whitening matrix"), slice(&w), slice(&ks_w), f64::from(peak));
+        compare(
+            &format!("{name}: whitening matrix"),
+            slice(&w),
+            slice(&ks_w),
+            f64::from(peak),
+        );
         let reference = read2(&sub.join("batch_0.npy"));
         let scale = rms(&reference);
         let mut x = window(0);
-        Preprocessor::new(&settings, w).unwrap().apply(&mut x).unwrap();
-        compare(&format!("{name}: batch 0, our W"), slice(&x), slice(&reference), scale);
+        Preprocessor::new(&settings, w)
+            .unwrap()
+            .apply(&mut x)
+            .unwrap();
+        compare(
+            &format!("{name}: batch 0, our W"),
+            slice(&x),
+            slice(&reference),
+            scale,
+        );
         let mut x = window(0);
-        Preprocessor::new(&settings, ks_w).unwrap().apply(&mut x).unwrap();
-        compare(&format!("{name}: batch 0, KS W"), slice(&x), slice(&reference), scale);
+        Preprocessor::new(&settings, ks_w)
+            .unwrap()
+            .apply(&mut x)
+            .unwrap();
+        compare(
+            &format!("{name}: batch 0, KS W"),
+            slice(&x),
+            slice(&reference),
+            scale,
+        );
         converted.push(rec);
     }
     // The three encodings convert to the same values.

@@ -79,28 +79,26 @@ pub fn channel_medians(window: &Array2<f32>) -> Result<Vec<f32>, PreprocessError
     };
     let k = (c - 1) / 2;
     let mut med = vec![0.0f32; n];
-    med.par_chunks_mut(MEDIAN_BLOCK)
-        .enumerate()
-        .for_each_init(
-            || vec![0u32; MEDIAN_BLOCK * c],
-            |buf, (b, out)| {
-                let c0 = b * MEDIAN_BLOCK;
-                let w = out.len();
-                // Transpose the block so each column's C values are contiguous,
-                // as order-preserving integer keys (cheaper to compare).
-                for r in 0..c {
-                    let src = &data[r * n + c0..r * n + c0 + w];
-                    for (t, &v) in src.iter().enumerate() {
-                        buf[t * c + r] = sort_key(v);
-                    }
+    med.par_chunks_mut(MEDIAN_BLOCK).enumerate().for_each_init(
+        || vec![0u32; MEDIAN_BLOCK * c],
+        |buf, (b, out)| {
+            let c0 = b * MEDIAN_BLOCK;
+            let w = out.len();
+            // Transpose the block so each column's C values are contiguous,
+            // as order-preserving integer keys (cheaper to compare).
+            for r in 0..c {
+                let src = &data[r * n + c0..r * n + c0 + w];
+                for (t, &v) in src.iter().enumerate() {
+                    buf[t * c + r] = sort_key(v);
                 }
-                for (t, o) in out.iter_mut().enumerate() {
-                    let col = &mut buf[t * c..(t + 1) * c];
-                    let (_, m, _) = col.select_nth_unstable(k);
-                    *o = from_sort_key(*m);
-                }
-            },
-        );
+            }
+            for (t, o) in out.iter_mut().enumerate() {
+                let col = &mut buf[t * c..(t + 1) * c];
+                let (_, m, _) = col.select_nth_unstable(k);
+                *o = from_sort_key(*m);
+            }
+        },
+    );
     Ok(med)
 }
 
@@ -185,7 +183,16 @@ mod tests {
 
     #[test]
     fn sort_keys_keep_order() {
-        let v = [f32::NEG_INFINITY, -3.5, -1e-30, -0.0, 0.0, 1e-30, 2.0, f32::INFINITY];
+        let v = [
+            f32::NEG_INFINITY,
+            -3.5,
+            -1e-30,
+            -0.0,
+            0.0,
+            1e-30,
+            2.0,
+            f32::INFINITY,
+        ];
         for w in v.windows(2) {
             assert!(sort_key(w[0]) < sort_key(w[1]), "{} {}", w[0], w[1]);
         }

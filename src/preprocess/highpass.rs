@@ -89,7 +89,7 @@ pub fn butterworth_highpass(fs: f64, cutoff: f64) -> Result<([f64; 4], [f64; 4])
         c[0] = C::new(1.0, 0.0);
         for (deg, r) in roots.iter().enumerate() {
             for i in (1..=deg + 1).rev() {
-                c[i] = c[i] - r * c[i - 1];
+                c[i] -= r * c[i - 1];
             }
         }
         c.map(|v| v.re)
@@ -117,26 +117,19 @@ fn lfilter(b: &[f64; 4], a: &[f64; 4], x: &[f64], z: &mut [f64; 3]) -> Vec<f64> 
 /// `lfilter_zi`): solves (I − Aᵀ)·zi = b[1..] − a[1..]·b[0], with A the
 /// companion matrix of `a`, by Gaussian elimination with partial pivoting.
 fn lfilter_zi(b: &[f64; 4], a: &[f64; 4]) -> [f64; 3] {
-    let mut m = [
-        [1.0 + a[1], -1.0, 0.0],
-        [a[2], 1.0, -1.0],
-        [a[3], 0.0, 1.0],
-    ];
-    let mut r = [
-        b[1] - a[1] * b[0],
-        b[2] - a[2] * b[0],
-        b[3] - a[3] * b[0],
-    ];
+    let mut m = [[1.0 + a[1], -1.0, 0.0], [a[2], 1.0, -1.0], [a[3], 0.0, 1.0]];
+    let mut r = [b[1] - a[1] * b[0], b[2] - a[2] * b[0], b[3] - a[3] * b[0]];
     for col in 0..3 {
         let piv = (col..3)
             .max_by(|&i, &j| m[i][col].abs().total_cmp(&m[j][col].abs()))
             .unwrap_or(col);
         m.swap(col, piv);
         r.swap(col, piv);
+        let pivot_row = m[col];
         for row in col + 1..3 {
-            let f = m[row][col] / m[col][col];
-            for c2 in col..3 {
-                m[row][c2] -= f * m[col][c2];
+            let f = m[row][col] / pivot_row[col];
+            for (dst, src) in m[row].iter_mut().zip(&pivot_row).skip(col) {
+                *dst -= f * src;
             }
             r[row] -= f * r[col];
         }
@@ -263,7 +256,7 @@ fn conj_spectrum(taps: Vec<f64>) -> Result<Vec<Complex<f32>>, PreprocessError> {
         .collect();
     // Purely real bins of a real signal's spectrum.
     out[0].im = 0.0;
-    if len % 2 == 0 {
+    if len.is_multiple_of(2) {
         out[len / 2].im = 0.0;
     }
     Ok(out)
@@ -337,7 +330,7 @@ impl HighpassFilter {
                 message: "the window has 0 columns (batch_size + 2·nt must be positive)".into(),
             });
         }
-        if kernel.is_empty() || kernel.len() % 2 != 0 {
+        if kernel.is_empty() || !kernel.len().is_multiple_of(2) {
             return Err(PreprocessError::Setting {
                 name: "hp_filter",
                 message: format!(
@@ -350,9 +343,7 @@ impl HighpassFilter {
         let shift = n / 2;
         // Fold the final roll by ⌊N/2⌋ into the kernel: correlating with
         // k'[m] = k[(m + ⌊N/2⌋) mod N] and not rolling gives the same output.
-        let rolled: Vec<f64> = (0..n)
-            .map(|m| f64::from(taps[(m + shift) % n]))
-            .collect();
+        let rolled: Vec<f64> = (0..n).map(|m| f64::from(taps[(m + shift) % n])).collect();
         // Offsets o = idx − ⌊N/2⌋ of the first and last non-zero fitted taps.
         let nz_first = taps.iter().position(|&v| v != 0.0);
         let nz_last = taps.iter().rposition(|&v| v != 0.0);
@@ -453,7 +444,7 @@ impl HighpassFilter {
             *x *= *k;
         }
         spectrum[0].im = 0.0;
-        if self.fft_len % 2 == 0 {
+        if self.fft_len.is_multiple_of(2) {
             spectrum[self.fft_len / 2].im = 0.0;
         }
         let _ = self.inverse.process_with_scratch(spectrum, out, fft);
@@ -600,7 +591,9 @@ mod tests {
         let mut x = vec![0.0f32; n];
         let mut state = 12345u64;
         for v in x.iter_mut() {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             *v = ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5;
         }
         let mut y = x.clone();
@@ -613,7 +606,11 @@ mod tests {
                 let idx = (t as isize + j + expected_shift).rem_euclid(nn) as usize;
                 acc += g * f64::from(x[idx]);
             }
-            assert!((acc - f64::from(y[t])).abs() < 1e-5, "n={n} t={t}: {acc} vs {}", y[t]);
+            assert!(
+                (acc - f64::from(y[t])).abs() < 1e-5,
+                "n={n} t={t}: {acc} vs {}",
+                y[t]
+            );
         }
     }
 

@@ -112,15 +112,13 @@ impl PreprocessSettings {
                 });
             }
         }
-        if let Some(t) = self.artifact_threshold {
-            if t.is_nan() || t <= 0.0 {
-                return Err(PreprocessError::Setting {
-                    name: "artifact_threshold",
-                    message: format!(
-                        "is {t}; it must be positive (null means infinity, no check)"
-                    ),
-                });
-            }
+        if let Some(t) = self.artifact_threshold
+            && (t.is_nan() || t <= 0.0)
+        {
+            return Err(PreprocessError::Setting {
+                name: "artifact_threshold",
+                message: format!("is {t}; it must be positive (null means infinity, no check)"),
+            });
         }
         Ok(())
     }

@@ -73,15 +73,10 @@ fn zca(sub: MatRef<'_, f64>, channel: usize) -> Result<Mat<f64>, PreprocessError
     let m = sub.nrows();
     let evd = sub
         .self_adjoint_eigen(Side::Lower)
-        .map_err(|_| PreprocessError::Eigen {
-            channel,
-            size: m,
-        })?;
+        .map_err(|_| PreprocessError::Eigen { channel, size: m })?;
     let u = evd.U();
     let s = evd.S().column_vector();
-    let scaled = Mat::<f64>::from_fn(m, m, |i, q| {
-        u[(i, q)] / (s[q].abs() + WHITENING_EPS).sqrt()
-    });
+    let scaled = Mat::<f64>::from_fn(m, m, |i, q| u[(i, q)] / (s[q].abs() + WHITENING_EPS).sqrt());
     let mut out = Mat::<f64>::zeros(m, m);
     matmul(
         out.as_mut(),
@@ -287,14 +282,21 @@ where
         common_reference(&mut x, settings.do_car)?;
         hp.apply(&mut x)?;
         if exceeds_artifact_threshold(&x, settings.artifact_threshold) {
-            tracing::info!(window = i, "window reaches artifact_threshold; it enters the whitening covariance as zeros");
+            tracing::info!(
+                window = i,
+                "window reaches artifact_threshold; it enters the whitening covariance as zeros"
+            );
             x.fill(0.0);
         }
         let central = x.slice(ndarray::s![.., nt..n - nt]);
         accumulate_covariance(&mut cc, central)?;
     }
     cc.mapv_inplace(|v| v / windows.len() as f64);
-    Ok(whitening_from_covariance(&cc, probe, settings.whitening_range)?)
+    Ok(whitening_from_covariance(
+        &cc,
+        probe,
+        settings.whitening_range,
+    )?)
 }
 
 /// Columns per block in [`Whitening::apply`]: a (C × block) copy stays in cache.
@@ -347,7 +349,12 @@ impl Whitening {
         &self.w
     }
 
-    fn whiten_block(&self, mut block: ArrayViewMut2<'_, f32>, tmp: &mut Vec<f32>, out: &mut Vec<f32>) {
+    fn whiten_block(
+        &self,
+        mut block: ArrayViewMut2<'_, f32>,
+        tmp: &mut Vec<f32>,
+        out: &mut Vec<f32>,
+    ) {
         let (c, b) = block.dim();
         tmp.clear();
         for row in block.outer_iter() {
@@ -357,7 +364,9 @@ impl Whitening {
             Some(rows) => {
                 for (j, nz) in rows.iter().enumerate() {
                     let mut dst = block.row_mut(j);
-                    let dst = dst.as_slice_mut().expect("rows of a column block are contiguous");
+                    let dst = dst
+                        .as_slice_mut()
+                        .expect("rows of a column block are contiguous");
                     dst.fill(0.0);
                     for &(k, wv) in nz {
                         let src = &tmp[k * b..(k + 1) * b];
@@ -369,11 +378,8 @@ impl Whitening {
             }
             None => {
                 out.resize(c * b, 0.0);
-                let lhs = MatRef::from_row_major_slice(
-                    self.w.as_slice().expect("standard layout"),
-                    c,
-                    c,
-                );
+                let lhs =
+                    MatRef::from_row_major_slice(self.w.as_slice().expect("standard layout"), c, c);
                 let rhs = MatRef::from_row_major_slice(&tmp[..], c, b);
                 let dst = MatMut::from_row_major_slice_mut(&mut out[..], c, b);
                 matmul(dst, Accum::Replace, lhs, rhs, 1.0f32, Par::Seq);
