@@ -42,7 +42,17 @@ pub fn remove_channel_means(window: &mut Array2<f32>) {
         .as_slice_mut()
         .expect("standard layout was just ensured");
     data.par_chunks_mut(n).for_each(|row| {
-        let sum: f64 = row.iter().map(|&v| f64::from(v)).sum();
+        // Eight independent f64 partial sums (exact for integer data, and
+        // otherwise within f64 rounding of a sequential sum).
+        let mut lanes = [0.0f64; 8];
+        let mut chunks = row.chunks_exact(8);
+        for c in &mut chunks {
+            for (l, &v) in lanes.iter_mut().zip(c) {
+                *l += f64::from(v);
+            }
+        }
+        let tail: f64 = chunks.remainder().iter().map(|&v| f64::from(v)).sum();
+        let sum = lanes.iter().sum::<f64>() + tail;
         let mean = (sum / n as f64) as f32;
         for v in row.iter_mut() {
             *v -= mean;
