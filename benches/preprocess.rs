@@ -13,7 +13,7 @@ use ndarray::Array2;
 use spikecube::Probe;
 use spikecube::preprocess::{
     HighpassFilter, PreprocessSettings, Preprocessor, common_reference, highpass_kernel,
-    whitening_from_covariance,
+    remove_channel_means, whitening_from_covariance,
 };
 
 const N_SITES: usize = 384;
@@ -96,6 +96,10 @@ fn main() {
     });
     let mut y = raw.clone();
     let copy = time_runs(runs, || y.assign(&raw));
+    let means = time_runs(runs, || {
+        y.assign(&raw);
+        remove_channel_means(&mut y);
+    });
     let hp_ms = time_runs(runs, || hp.apply(&mut x).expect("hp"));
     let white = time_runs(runs, || pre.whitening().apply(&mut x).expect("whiten"));
     let all = time_runs(runs, || {
@@ -109,7 +113,8 @@ fn main() {
         );
     };
     report("copy (baseline)", copy);
-    report("mean + median CAR", (car - copy).max(0.0));
+    report("channel means", (means - copy).max(0.0));
+    report("channel means + median CAR", (car - copy).max(0.0));
     report("high-pass (FFT, f32)", hp_ms);
     report("whitening W·X", white);
     report("CAR + HP + whitening", (all - copy).max(0.0));

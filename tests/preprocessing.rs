@@ -307,7 +307,22 @@ fn end_to_end_batches_match_kilosort() {
     let ks_w = read2(&f.dir.join("whiten_mat.npy"));
     let ours_w = f.fit();
     let with_ks_w = Preprocessor::new(&f.settings, ks_w).unwrap();
-    let with_our_w = Preprocessor::new(&f.settings, ours_w).unwrap();
+    let with_our_w = Preprocessor::new(&f.settings, ours_w.clone()).unwrap();
+    let fitted = Preprocessor::fit::<anyhow::Error, _>(
+        f.n_batches() as u64,
+        |i| Ok(f.window(i as usize)),
+        &f.probe,
+        &f.settings,
+    )
+    .unwrap();
+    // Same fit (threaded f64 products may round differently run to run).
+    let d = (fitted.whitening().matrix() - &ours_w)
+        .iter()
+        .fold(0.0f32, |a, &b| a.max(b.abs()));
+    assert!(
+        d <= 1e-9,
+        "Preprocessor::fit differs from fit_whitening by {d}"
+    );
     // Stage check: W·X of Kilosort's own stage_hp_1 equals batch_1.
     let batch1 = read2(&f.dir.join("batch_1.npy"));
     let mut x = read2(&f.dir.join("stage_hp_1.npy"));

@@ -189,6 +189,28 @@ impl Preprocessor {
         })
     }
 
+    /// Fits the whitening matrix with [`fit_whitening`] and builds the
+    /// preprocessor from it: the usual way to start, given a reader.
+    ///
+    /// `read_raw_window(i)` returns raw window i as (C × N) f32, rows in
+    /// chanMap order (see [`fit_whitening`]).
+    ///
+    /// # Errors
+    /// As [`fit_whitening`] and [`Preprocessor::new`].
+    pub fn fit<E, F>(
+        n_windows: u64,
+        read_raw_window: F,
+        probe: &crate::probe::Probe,
+        settings: &PreprocessSettings,
+    ) -> Result<Self, E>
+    where
+        F: FnMut(u64) -> Result<Array2<f32>, E>,
+        E: From<PreprocessError>,
+    {
+        let w = fit_whitening(n_windows, read_raw_window, probe, settings)?;
+        Ok(Preprocessor::new(settings, w)?)
+    }
+
     /// Window shape (C sites, N samples) this preprocessor expects.
     pub fn window_shape(&self) -> (usize, usize) {
         (self.n_sites, self.n)
