@@ -303,6 +303,27 @@ mod tests {
     }
 
     #[test]
+    fn artifact_threshold_zeroes_the_window() {
+        let s = PreprocessSettings {
+            batch_size: 100,
+            artifact_threshold: Some(1.0),
+            ..Default::default()
+        };
+        let p = Preprocessor::new(&s, Array2::eye(3)).unwrap();
+        let mut w = Array2::from_shape_fn((3, 222), |(i, t)| ((i * 31 + t * 17) % 23) as f32);
+        p.apply(&mut w).unwrap();
+        assert!(w.iter().all(|&v| v == 0.0));
+        let s = PreprocessSettings {
+            artifact_threshold: Some(1e6),
+            ..s
+        };
+        let p = Preprocessor::new(&s, Array2::eye(3)).unwrap();
+        let mut w = Array2::from_shape_fn((3, 222), |(i, t)| ((i * 31 + t * 17) % 23) as f32);
+        p.apply(&mut w).unwrap();
+        assert!(w.iter().any(|&v| v != 0.0));
+    }
+
+    #[test]
     fn wrong_window_shape_is_an_error() {
         let s = PreprocessSettings {
             batch_size: 100,
