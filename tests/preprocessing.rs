@@ -307,7 +307,22 @@ fn end_to_end_batches_match_kilosort() {
     let ks_w = read2(&f.dir.join("whiten_mat.npy"));
     let ours_w = f.fit();
     let with_ks_w = Preprocessor::new(&f.settings, ks_w).unwrap();
-    let with_our_w = Preprocessor::new(&f.settings, ours_w).unwrap();
+    let with_our_w = Preprocessor::new(&f.settings, ours_w.clone()).unwrap();
+    let fitted = Preprocessor::fit::<anyhow::Error, _>(
+        f.n_batches() as u64,
+        |i| Ok(f.window(i as usize)),
+        &f.probe,
+        &f.settings,
+    )
+    .unwrap();
+    // Same fit (threaded f64 products may round differently run to run).
+    let d = (fitted.whitening().matrix() - &ours_w)
+        .iter()
+        .fold(0.0f32, |a, &b| a.max(b.abs()));
+    assert!(
+        d <= 1e-9,
+        "Preprocessor::fit differs from fit_whitening by {d}"
+    );
     // Stage check: W·X of Kilosort's own stage_hp_1 equals batch_1.
     let batch1 = read2(&f.dir.join("batch_1.npy"));
     let mut x = read2(&f.dir.join("stage_hp_1.npy"));
@@ -428,4 +443,53 @@ fn single_window_recording_is_whitened() {
     let centre = y.slice(s![.., 61..6061]).to_owned();
     let r = rms(&centre);
     assert!((r - 1.0).abs() < 1e-3, "whitened RMS {r}");
+}
+
+#[test]
+fn local_whitening_rows_whiten_their_neighbourhood() {
+    // Kilosort's local ZCA (whitening_range < C; spec E8 used 8): row j has
+    // exactly `range` non-zeros, at the nearest sites, and whitens channel j
+    // within them: w_j · CC · w_jᵀ = 1 (up to eps).
+    use spikecube::preprocess::{
+        HighpassFilter, accumulate_covariance, whitening_from_covariance, whitening_neighbours,
+    };
+    let f = fixture();
+    let n = f.settings.window_len();
+    let nt = f.settings.nt;
+    let hp = HighpassFilter::new(&highpass_kernel(30_000.0, 300.0).unwrap(), n).unwrap();
+    let c = f.probe.n_sites();
+    let mut cc = Array2::<f64>::zeros((c, c));
+    for i in 0..3 {
+        let mut x = f.window(i);
+        common_reference(&mut x, true).unwrap();
+        hp.apply(&mut x).unwrap();
+        accumulate_covariance(&mut cc, x.slice(s![.., nt..n - nt])).unwrap();
+    }
+    cc /= 3.0;
+    let range = 8;
+    let w = whitening_from_covariance(&cc, &f.probe, range).unwrap();
+    let neighbours = whitening_neighbours(&f.probe, range);
+    // Site 0 sits at (0, 0): itself, then (0, 20), (32, 0), (32, 20), (0, 40), …
+    assert_eq!(&neighbours[0][..4], &[0, 2, 1, 3]);
+    let mut worst = 0.0f64;
+    for j in 0..c {
+        assert_eq!(neighbours[j][0], j);
+        let nz: Vec<usize> = (0..c).filter(|&k| w[(j, k)] != 0.0).collect();
+        let mut expect = neighbours[j].clone();
+        expect.sort_unstable();
+        assert_eq!(nz, expect, "row {j}");
+        let mut q = 0.0f64;
+        for &a in &nz {
+            for &b in &nz {
+                q += f64::from(w[(j, a)]) * cc[(a, b)] * f64::from(w[(j, b)]);
+            }
+        }
+        worst = worst.max((q - 1.0).abs());
+    }
+    eprintln!("local whitening (range {range}): max |w_j·CC·w_jᵀ − 1| = {worst:.3e}");
+    assert!(worst < 1e-5, "{worst}");
+    // Not symmetric any more (spec: asymmetric by 2.7e-3 with range 8).
+    let asym = (&w - &w.t()).iter().fold(0.0f32, |a, &b| a.max(b.abs()));
+    eprintln!("local whitening (range {range}): max asymmetry {asym:.3e}");
+    assert!(asym > 1e-4);
 }

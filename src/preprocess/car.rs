@@ -42,7 +42,17 @@ pub fn remove_channel_means(window: &mut Array2<f32>) {
         .as_slice_mut()
         .expect("standard layout was just ensured");
     data.par_chunks_mut(n).for_each(|row| {
-        let sum: f64 = row.iter().map(|&v| f64::from(v)).sum();
+        // Eight independent f64 partial sums (exact for integer data, and
+        // otherwise within f64 rounding of a sequential sum).
+        let mut lanes = [0.0f64; 8];
+        let mut chunks = row.chunks_exact(8);
+        for c in &mut chunks {
+            for (l, &v) in lanes.iter_mut().zip(c) {
+                *l += f64::from(v);
+            }
+        }
+        let tail: f64 = chunks.remainder().iter().map(|&v| f64::from(v)).sum();
+        let sum = lanes.iter().sum::<f64>() + tail;
         let mean = (sum / n as f64) as f32;
         for v in row.iter_mut() {
             *v -= mean;
@@ -56,7 +66,7 @@ pub fn remove_channel_means(window: &mut Array2<f32>) {
 ///
 /// `window`: (C × N) f32. Returns N values. Fails with
 /// [`PreprocessError::Shape`] when the window has no rows. NaN sorts above every
-/// number (`f32::total_cmp`).
+/// number (the order of `f32::total_cmp`).
 pub fn channel_medians(window: &Array2<f32>) -> Result<Vec<f32>, PreprocessError> {
     let (c, n) = window.dim();
     if c == 0 {
@@ -80,25 +90,39 @@ pub fn channel_medians(window: &Array2<f32>) -> Result<Vec<f32>, PreprocessError
     let k = (c - 1) / 2;
     let mut med = vec![0.0f32; n];
     med.par_chunks_mut(MEDIAN_BLOCK).enumerate().for_each_init(
-        || vec![0.0f32; MEDIAN_BLOCK * c],
+        || vec![0u32; MEDIAN_BLOCK * c],
         |buf, (b, out)| {
             let c0 = b * MEDIAN_BLOCK;
             let w = out.len();
-            // Transpose the block so each column's C values are contiguous.
+            // Transpose the block so each column's C values are contiguous,
+            // as order-preserving integer keys (cheaper to compare).
             for r in 0..c {
                 let src = &data[r * n + c0..r * n + c0 + w];
                 for (t, &v) in src.iter().enumerate() {
-                    buf[t * c + r] = v;
+                    buf[t * c + r] = sort_key(v);
                 }
             }
             for (t, o) in out.iter_mut().enumerate() {
                 let col = &mut buf[t * c..(t + 1) * c];
-                let (_, m, _) = col.select_nth_unstable_by(k, |a, b| a.total_cmp(b));
-                *o = *m;
+                let (_, m, _) = col.select_nth_unstable(k);
+                *o = from_sort_key(*m);
             }
         },
     );
     Ok(med)
+}
+
+/// Maps an f32 to a u32 whose unsigned order is `f32::total_cmp`'s order.
+#[inline]
+fn sort_key(v: f32) -> u32 {
+    let b = v.to_bits();
+    if b >> 31 == 1 { !b } else { b | 0x8000_0000 }
+}
+
+/// Inverse of [`sort_key`].
+#[inline]
+fn from_sort_key(k: u32) -> f32 {
+    f32::from_bits(if k >> 31 == 1 { k & 0x7FFF_FFFF } else { !k })
 }
 
 /// Median common average reference: at every column, subtracts the lower
@@ -165,6 +189,26 @@ mod tests {
         let mut w2 = x.clone();
         common_reference(&mut w2, true).unwrap();
         assert_eq!(w, w2);
+    }
+
+    #[test]
+    fn sort_keys_keep_order() {
+        let v = [
+            f32::NEG_INFINITY,
+            -3.5,
+            -1e-30,
+            -0.0,
+            0.0,
+            1e-30,
+            2.0,
+            f32::INFINITY,
+        ];
+        for w in v.windows(2) {
+            assert!(sort_key(w[0]) < sort_key(w[1]), "{} {}", w[0], w[1]);
+        }
+        for x in v {
+            assert_eq!(from_sort_key(sort_key(x)).to_bits(), x.to_bits());
+        }
     }
 
     #[test]

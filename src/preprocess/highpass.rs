@@ -21,6 +21,10 @@ use super::car::ensure_standard;
 pub const KERNEL_LEN: usize = 30_122;
 /// Index of the kernel's centre (the unit impulse and the peak).
 pub const KERNEL_CENTRE: usize = 15_061;
+/// Block mode keeps the taps above this fraction of the peak. For 300 Hz at
+/// 30 kHz that is lags −830…830; the taps left out sum to 4e-12 of the peak,
+/// far below f32 rounding (6e-8 relative).
+const BLOCK_TAP_FLOOR: f32 = 1e-13;
 /// Order of the Butterworth design.
 const ORDER: usize = 3;
 /// scipy's default `filtfilt` pad length for this design: 3 · max(len(a), len(b)).
@@ -89,7 +93,7 @@ pub fn butterworth_highpass(fs: f64, cutoff: f64) -> Result<([f64; 4], [f64; 4])
         c[0] = C::new(1.0, 0.0);
         for (deg, r) in roots.iter().enumerate() {
             for i in (1..=deg + 1).rev() {
-                c[i] = c[i] - r * c[i - 1];
+                c[i] -= r * c[i - 1];
             }
         }
         c.map(|v| v.re)
@@ -125,10 +129,11 @@ fn lfilter_zi(b: &[f64; 4], a: &[f64; 4]) -> [f64; 3] {
             .unwrap_or(col);
         m.swap(col, piv);
         r.swap(col, piv);
+        let pivot_row = m[col];
         for row in col + 1..3 {
-            let f = m[row][col] / m[col][col];
-            for c2 in col..3 {
-                m[row][c2] -= f * m[col][c2];
+            let f = m[row][col] / pivot_row[col];
+            for (dst, src) in m[row].iter_mut().zip(&pivot_row).skip(col) {
+                *dst -= f * src;
             }
             r[row] -= f * r[col];
         }
@@ -212,9 +217,53 @@ pub fn fit_kernel_to_window(kernel: &[f32], n: usize) -> (Vec<f32>, usize) {
 
 /// Per-thread FFT buffers for [`HighpassFilter`].
 struct HpScratch {
+    /// FFT input, F samples.
     input: Vec<f32>,
+    /// Spectrum, F/2 + 1 bins.
     spectrum: Vec<Complex<f32>>,
+    /// realfft's scratch.
     fft: Vec<Complex<f32>>,
+    /// The row, extended circularly (block mode only): N + K − 1 samples.
+    ext: Vec<f32>,
+    /// One block's correlation (block mode only): F samples.
+    block_out: Vec<f32>,
+}
+
+/// Block mode (overlap-save) geometry: the same circular correlation computed
+/// from the kernel's non-zero taps with short power-of-two FFTs.
+#[derive(Debug, Clone, Copy)]
+struct Blocks {
+    /// First non-zero offset o of the correlation `y[t] = Σ_o h[o]·x[(t + o) mod N]`.
+    first: isize,
+    /// Number K of offsets from the first to the last non-zero tap.
+    k: usize,
+    /// Outputs per block, F − K + 1.
+    per_block: usize,
+}
+
+/// The conjugate spectrum of `taps` (f64 FFT), scaled by 1/len and rounded to f32.
+fn conj_spectrum(taps: Vec<f64>) -> Result<Vec<Complex<f32>>, PreprocessError> {
+    let len = taps.len();
+    let mut planner = RealFftPlanner::<f64>::new();
+    let fwd = planner.plan_fft_forward(len);
+    let mut inp = taps;
+    let mut spec = fwd.make_output_vec();
+    fwd.process(&mut inp, &mut spec)
+        .map_err(|e| PreprocessError::Setting {
+            name: "hp_filter",
+            message: format!("FFT of the fitted kernel failed: {e}"),
+        })?;
+    let scale = 1.0 / len as f64;
+    let mut out: Vec<Complex<f32>> = spec
+        .iter()
+        .map(|c| Complex::new((c.re * scale) as f32, (-c.im * scale) as f32))
+        .collect();
+    // Purely real bins of a real signal's spectrum.
+    out[0].im = 0.0;
+    if len.is_multiple_of(2) {
+        out[len / 2].im = 0.0;
+    }
+    Ok(out)
 }
 
 /// The high-pass of one window length, with the kernel's spectrum precomputed.
@@ -226,13 +275,26 @@ struct HpScratch {
 /// N < 30 122, else 0). The roll, the conjugation and the 1/N are folded into
 /// the stored spectrum, which is computed in f64 and rounded once to f32; the
 /// per-window FFTs run in f32 like Kilosort's.
+///
+/// Two ways to compute the same sum, chosen per window length:
+/// * one real FFT of length N per channel (always used when the kernel's
+///   non-zero taps span more than N/4 samples, e.g. N = 6122);
+/// * for long windows (Kilosort's default N = 60 122, whose FFT length has the
+///   prime factor 1307), overlap-save over the circularly extended row with
+///   power-of-two FFTs of at least 8× the kernel's span, using the taps above
+///   1e-13 of the peak (lags ±830 at 300 Hz / 30 kHz; the rest sum to 4e-12 of
+///   the peak). This is the same circular correlation, wrap-around included,
+///   and differs from the single FFT only by f32 rounding (checked to 2e-6 on
+///   unit-scale noise).
 pub struct HighpassFilter {
     n: usize,
     taps: Vec<f32>,
+    fft_len: usize,
     spectrum: Vec<Complex<f32>>,
     forward: Arc<dyn RealToComplex<f32>>,
     inverse: Arc<dyn ComplexToReal<f32>>,
     scratch_len: usize,
+    blocks: Option<Blocks>,
     pool: Mutex<Vec<HpScratch>>,
 }
 
@@ -240,6 +302,8 @@ impl std::fmt::Debug for HighpassFilter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HighpassFilter")
             .field("n", &self.n)
+            .field("fft_len", &self.fft_len)
+            .field("blocks", &self.blocks)
             .finish_non_exhaustive()
     }
 }
@@ -247,19 +311,32 @@ impl std::fmt::Debug for HighpassFilter {
 impl HighpassFilter {
     /// Prepares the filter for windows of `n` columns from a full kernel
     /// (e.g. [`highpass_kernel`] or Kilosort's `hp_filter.npy`), fitted with
-    /// [`fit_kernel_to_window`].
+    /// [`fit_kernel_to_window`]. Picks the computation (see the type's docs).
     ///
     /// # Errors
     /// [`PreprocessError::Setting`] if `n` is 0 or the kernel is empty or has
     /// an odd length (Kilosort's has 30 122 taps).
     pub fn new(kernel: &[f32], n: usize) -> Result<Self, PreprocessError> {
+        Self::build(kernel, n, true)
+    }
+
+    /// As [`HighpassFilter::new`] but always with one FFT of length N per
+    /// channel, exactly Kilosort's arrangement (for comparisons).
+    ///
+    /// # Errors
+    /// As [`HighpassFilter::new`].
+    pub fn new_full_fft(kernel: &[f32], n: usize) -> Result<Self, PreprocessError> {
+        Self::build(kernel, n, false)
+    }
+
+    fn build(kernel: &[f32], n: usize, allow_blocks: bool) -> Result<Self, PreprocessError> {
         if n == 0 {
             return Err(PreprocessError::Setting {
                 name: "batch_size",
                 message: "the window has 0 columns (batch_size + 2·nt must be positive)".into(),
             });
         }
-        if kernel.is_empty() || kernel.len() % 2 != 0 {
+        if kernel.is_empty() || !kernel.len().is_multiple_of(2) {
             return Err(PreprocessError::Setting {
                 name: "hp_filter",
                 message: format!(
@@ -273,37 +350,50 @@ impl HighpassFilter {
         // Fold the final roll by ⌊N/2⌋ into the kernel: correlating with
         // k'[m] = k[(m + ⌊N/2⌋) mod N] and not rolling gives the same output.
         let rolled: Vec<f64> = (0..n).map(|m| f64::from(taps[(m + shift) % n])).collect();
-        let mut planner64 = RealFftPlanner::<f64>::new();
-        let fwd64 = planner64.plan_fft_forward(n);
-        let mut inp = rolled;
-        let mut spec64 = fwd64.make_output_vec();
-        fwd64
-            .process(&mut inp, &mut spec64)
-            .map_err(|e| PreprocessError::Setting {
-                name: "hp_filter",
-                message: format!("FFT of the fitted kernel failed: {e}"),
-            })?;
-        let scale = 1.0 / n as f64;
-        let mut spectrum: Vec<Complex<f32>> = spec64
-            .iter()
-            .map(|c| Complex::new((c.re * scale) as f32, (-c.im * scale) as f32))
-            .collect();
-        // Purely real bins of a real signal's spectrum.
-        spectrum[0].im = 0.0;
-        if n % 2 == 0 {
-            spectrum[n / 2].im = 0.0;
-        }
+        // Offsets o = idx − ⌊N/2⌋ of the first and last fitted taps above the floor.
+        let peak = taps.iter().fold(0.0f32, |a, &b| a.max(b.abs()));
+        let floor = BLOCK_TAP_FLOOR * peak;
+        let nz_first = taps.iter().position(|&v| v.abs() > floor);
+        let nz_last = taps.iter().rposition(|&v| v.abs() > floor);
+        let blocks = match (allow_blocks, nz_first, nz_last) {
+            (true, Some(f), Some(l)) if (l - f + 1) * 4 <= n && n >= 8192 => {
+                let k = l - f + 1;
+                let fft_len = (8 * k).next_power_of_two();
+                Some((
+                    Blocks {
+                        first: f as isize - shift as isize,
+                        k,
+                        per_block: fft_len - k + 1,
+                    },
+                    fft_len,
+                ))
+            }
+            _ => None,
+        };
+        let (blocks, fft_len, spectrum) = match blocks {
+            Some((b, fft_len)) => {
+                let mut h = vec![0.0f64; fft_len];
+                for (q, v) in h.iter_mut().take(b.k).enumerate() {
+                    let o = b.first + q as isize;
+                    *v = rolled[o.rem_euclid(n as isize) as usize];
+                }
+                (Some(b), fft_len, conj_spectrum(h)?)
+            }
+            None => (None, n, conj_spectrum(rolled)?),
+        };
         let mut planner = RealFftPlanner::<f32>::new();
-        let forward = planner.plan_fft_forward(n);
-        let inverse = planner.plan_fft_inverse(n);
+        let forward = planner.plan_fft_forward(fft_len);
+        let inverse = planner.plan_fft_inverse(fft_len);
         let scratch_len = forward.get_scratch_len().max(inverse.get_scratch_len());
         Ok(HighpassFilter {
             n,
             taps,
+            fft_len,
             spectrum,
             forward,
             inverse,
             scratch_len,
+            blocks,
             pool: Mutex::new(Vec::new()),
         })
     }
@@ -318,12 +408,25 @@ impl HighpassFilter {
         &self.taps
     }
 
+    /// Whether the overlap-save (block) computation is in use.
+    pub fn uses_blocks(&self) -> bool {
+        self.blocks.is_some()
+    }
+
     fn take_scratch(&self) -> HpScratch {
         let popped = self.pool.lock().ok().and_then(|mut p| p.pop());
         popped.unwrap_or_else(|| HpScratch {
-            input: vec![0.0; self.n],
-            spectrum: vec![Complex::new(0.0, 0.0); self.n / 2 + 1],
+            input: vec![0.0; self.fft_len],
+            spectrum: vec![Complex::new(0.0, 0.0); self.fft_len / 2 + 1],
             fft: vec![Complex::new(0.0, 0.0); self.scratch_len],
+            ext: match self.blocks {
+                Some(b) => vec![0.0; self.n + b.k - 1],
+                None => Vec::new(),
+            },
+            block_out: match self.blocks {
+                Some(_) => vec![0.0; self.fft_len],
+                None => Vec::new(),
+            },
         })
     }
 
@@ -333,23 +436,59 @@ impl HighpassFilter {
         }
     }
 
-    /// Filters one channel in place. `row.len()` must equal N (checked by the callers).
-    fn filter_row(&self, row: &mut [f32], s: &mut HpScratch) {
-        s.input.copy_from_slice(row);
+    /// `out` ← correlation of `input` with the stored kernel, circular over
+    /// the FFT length F; `input` (F samples, destroyed), `spectrum` (F/2 + 1)
+    /// and `fft` are scratch, `out` has F samples.
+    fn correlate(
+        &self,
+        input: &mut [f32],
+        spectrum: &mut [Complex<f32>],
+        fft: &mut [Complex<f32>],
+        out: &mut [f32],
+    ) {
         // Lengths match by construction, so these calls cannot fail.
-        let _ = self
-            .forward
-            .process_with_scratch(&mut s.input, &mut s.spectrum, &mut s.fft);
-        for (x, k) in s.spectrum.iter_mut().zip(&self.spectrum) {
+        let _ = self.forward.process_with_scratch(input, spectrum, fft);
+        for (x, k) in spectrum.iter_mut().zip(&self.spectrum) {
             *x *= *k;
         }
-        s.spectrum[0].im = 0.0;
-        if self.n % 2 == 0 {
-            s.spectrum[self.n / 2].im = 0.0;
+        spectrum[0].im = 0.0;
+        if self.fft_len.is_multiple_of(2) {
+            spectrum[self.fft_len / 2].im = 0.0;
         }
-        let _ = self
-            .inverse
-            .process_with_scratch(&mut s.spectrum, row, &mut s.fft);
+        let _ = self.inverse.process_with_scratch(spectrum, out, fft);
+    }
+
+    /// Filters one channel in place. `row.len()` must equal N (checked by the callers).
+    fn filter_row(&self, row: &mut [f32], s: &mut HpScratch) {
+        let HpScratch {
+            input,
+            spectrum,
+            fft,
+            ext,
+            block_out,
+        } = s;
+        let Some(b) = self.blocks else {
+            input.copy_from_slice(row);
+            self.correlate(input, spectrum, fft, row);
+            return;
+        };
+        let n = self.n as isize;
+        // ext[u] = x[(u + first) mod N], u < N + K − 1; then
+        // y[t] = Σ_{q < K} h[first + q] · ext[t + q], a linear correlation.
+        for (u, e) in ext.iter_mut().enumerate() {
+            *e = row[(u as isize + b.first).rem_euclid(n) as usize];
+        }
+        let mut t0 = 0;
+        while t0 < self.n {
+            let take = (ext.len() - t0).min(self.fft_len);
+            input[..take].copy_from_slice(&ext[t0..t0 + take]);
+            input[take..].fill(0.0);
+            self.correlate(input, spectrum, fft, block_out);
+            // Outputs 0..=F−K of a block use no wrapped-around input.
+            let m = b.per_block.min(self.n - t0);
+            row[t0..t0 + m].copy_from_slice(&block_out[..m]);
+            t0 += m;
+        }
     }
 
     /// Filters one channel (`row`, N samples) in place.
@@ -489,6 +628,39 @@ mod tests {
         check_against_direct(6123, 1);
         check_against_direct(30_123, 0);
         check_against_direct(30_124, 0);
+        check_against_direct(12_001, 1);
+        check_against_direct(60_122, 0);
+        check_against_direct(60_123, 0);
+    }
+
+    #[test]
+    fn blocks_equal_full_fft() {
+        let h = highpass_kernel(30000.0, 300.0).unwrap();
+        for n in [60_122usize, 60_123, 30_123, 45_001, 12_001, 20_000] {
+            let fast = HighpassFilter::new(&h, n).unwrap();
+            let full = HighpassFilter::new_full_fft(&h, n).unwrap();
+            assert!(fast.uses_blocks(), "n = {n}");
+            let mut state = 99u64;
+            let x: Vec<f32> = (0..n)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+                })
+                .collect();
+            let mut a = x.clone();
+            let mut b = x.clone();
+            fast.apply_row(&mut a).unwrap();
+            full.apply_row(&mut b).unwrap();
+            let d = a
+                .iter()
+                .zip(&b)
+                .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+            // Unit-scale noise (RMS 0.29): both are f32 FFTs of the same sum.
+            assert!(d < 2e-6, "n = {n}: max diff {d}");
+        }
+        assert!(!HighpassFilter::new(&h, 6122).unwrap().uses_blocks());
     }
 
     #[test]

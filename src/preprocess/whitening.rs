@@ -160,6 +160,9 @@ pub fn whitening_from_covariance(
     Ok(w)
 }
 
+/// Columns converted to f64 at a time in [`accumulate_covariance`].
+const COV_CHUNK: usize = 4096;
+
 /// Adds `X·Xᵀ / ncols` of a (C × T) block to `cc` (f64), the per-window term of
 /// Kilosort4's whitening covariance.
 ///
@@ -182,19 +185,35 @@ pub fn accumulate_covariance(
     if t == 0 {
         return Ok(());
     }
-    let x = Mat::<f64>::from_fn(c, t, |i, k| f64::from(block[(i, k)]));
+    // Sum X·Xᵀ over column chunks so the f64 copy stays small
+    // (C × COV_CHUNK), then scale once by 1/T.
     let mut acc = Mat::<f64>::zeros(c, c);
-    matmul(
-        acc.as_mut(),
-        Accum::Replace,
-        x.as_ref(),
-        x.transpose(),
-        1.0 / t as f64,
-        Par::rayon(0),
-    );
+    let mut x = Mat::<f64>::zeros(c, COV_CHUNK.min(t));
+    let mut start = 0;
+    while start < t {
+        let w = COV_CHUNK.min(t - start);
+        if x.ncols() != w {
+            x = Mat::<f64>::zeros(c, w);
+        }
+        for i in 0..c {
+            for k in 0..w {
+                x[(i, k)] = f64::from(block[(i, start + k)]);
+            }
+        }
+        matmul(
+            acc.as_mut(),
+            Accum::Add,
+            x.as_ref(),
+            x.transpose(),
+            1.0,
+            Par::rayon(0),
+        );
+        start += w;
+    }
+    let inv_t = 1.0 / t as f64;
     for i in 0..c {
         for k in 0..c {
-            cc[(i, k)] += acc[(i, k)];
+            cc[(i, k)] += acc[(i, k)] * inv_t;
         }
     }
     Ok(())
@@ -368,7 +387,18 @@ impl Whitening {
                         .as_slice_mut()
                         .expect("rows of a column block are contiguous");
                     dst.fill(0.0);
-                    for &(k, wv) in nz {
+                    // Four terms per pass over dst: fewer loads and stores.
+                    let mut quads = nz.chunks_exact(4);
+                    for q in &mut quads {
+                        let row = |i: usize| &tmp[q[i].0 * b..(q[i].0 + 1) * b];
+                        let (s0, s1, s2, s3) = (row(0), row(1), row(2), row(3));
+                        let (w0, w1, w2, w3) = (q[0].1, q[1].1, q[2].1, q[3].1);
+                        let terms = s0.iter().zip(s1).zip(s2).zip(s3);
+                        for (d, (((a0, a1), a2), a3)) in dst.iter_mut().zip(terms) {
+                            *d += (w0 * a0 + w1 * a1) + (w2 * a2 + w3 * a3);
+                        }
+                    }
+                    for &(k, wv) in quads.remainder() {
                         let src = &tmp[k * b..(k + 1) * b];
                         for (d, s) in dst.iter_mut().zip(src) {
                             *d += wv * s;
