@@ -16,7 +16,15 @@ fn main() -> ExitCode {
             {
                 return ExitCode::SUCCESS;
             }
-            eprintln!("spikecube: error: {err:#}");
+            // Each cause once: error messages here often already name their cause.
+            let mut line = err.to_string();
+            for cause in err.chain().skip(1) {
+                let c = cause.to_string();
+                if !line.contains(&c) {
+                    line = format!("{line}: {c}");
+                }
+            }
+            eprintln!("spikecube: error: {line}");
             ExitCode::from(2)
         }
     }

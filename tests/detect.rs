@@ -370,3 +370,60 @@ fn preprocess_writes_kilosorts_whitened_recording() {
     let hp_ref: Array1<f32> = npy::read(&fx.join("hp_filter.npy")).unwrap();
     assert_eq!(hp.len(), hp_ref.len());
 }
+
+/// An existing file or a folder that is not an earlier result is never replaced.
+#[test]
+fn output_never_replaces_a_users_file_or_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let sim = simulate(d);
+    let bin = sim.join("sim_g0_t0.imec0.ap.bin");
+    let file = d.join("notes.txt");
+    std::fs::write(&file, "mine").unwrap();
+    let folder = d.join("my_data");
+    std::fs::create_dir(&folder).unwrap();
+    std::fs::write(folder.join("precious.txt"), "mine").unwrap();
+    for (out, needle) in [
+        (&file, "exists as a file"),
+        (&folder, "not an earlier spikecube result"),
+    ] {
+        let o = spikecube(&[
+            "detect",
+            s(&bin),
+            "--out",
+            s(out),
+            "--batch-size",
+            "30000",
+            "-q",
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains(needle), "{err}");
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "mine");
+    assert_eq!(
+        std::fs::read_to_string(folder.join("precious.txt")).unwrap(),
+        "mine"
+    );
+    // An earlier result is replaced.
+    let out = d.join("result");
+    ok(&spikecube(&[
+        "detect",
+        s(&bin),
+        "--out",
+        s(&out),
+        "--batch-size",
+        "30000",
+        "-q",
+    ]));
+    ok(&spikecube(&[
+        "detect",
+        s(&bin),
+        "--out",
+        s(&out),
+        "--batch-size",
+        "30000",
+        "-q",
+    ]));
+    assert!(out.join("spikecube.json").is_file());
+}

@@ -174,8 +174,39 @@ impl OutputWriter {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        std::fs::create_dir_all(&parent)
-            .with_context(|| format!("cannot create {}", parent.display()))?;
+        // Only an earlier spikecube result (or an empty folder) is ever replaced:
+        // anything else at `out` is the user's and is left alone.
+        if let Ok(meta) = std::fs::symlink_metadata(out) {
+            if !meta.is_dir() {
+                bail!(
+                    "output folder {} already exists as a file; choose another --out",
+                    out.display()
+                );
+            }
+            let empty = std::fs::read_dir(out)
+                .map(|mut d| d.next().is_none())
+                .unwrap_or(false);
+            if !empty && !out.join("spikecube.json").is_file() {
+                bail!(
+                    "output folder {} already exists and is not an earlier spikecube result (it has no spikecube.json); choose another --out or empty it",
+                    out.display()
+                );
+            }
+        }
+        if parent.exists() && !parent.is_dir() {
+            bail!(
+                "cannot create the output folder {}: {} is a file, not a folder",
+                out.display(),
+                parent.display()
+            );
+        }
+        std::fs::create_dir_all(&parent).with_context(|| {
+            format!(
+                "cannot create the output folder {}: cannot create {}",
+                out.display(),
+                parent.display()
+            )
+        })?;
         let mut tmp_name = name.to_os_string();
         tmp_name.push(format!(".partial-{}", std::process::id()));
         let tmp = parent.join(tmp_name);
@@ -183,7 +214,13 @@ impl OutputWriter {
             std::fs::remove_dir_all(&tmp)
                 .with_context(|| format!("cannot remove stale {}", tmp.display()))?;
         }
-        std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        std::fs::create_dir(&tmp).with_context(|| {
+            format!(
+                "cannot create the output folder {} (written first as {})",
+                out.display(),
+                tmp.display()
+            )
+        })?;
 
         let n_sites = probe.n_sites();
         let nc = geometry.n_chans();

@@ -297,12 +297,12 @@ fn open_untrimmed(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingEr
             let n_channels = opts.n_channels.ok_or_else(|| RecordingError::Setting {
                 path: path.to_owned(),
                 setting: "n_chan_bin",
-                message: "a flat binary file needs the number of channels in the file".into(),
+                message: "no SpikeGLX .meta or Open Ephys structure.oebin found for it, so it is read as a flat binary file, which needs the number of channels in the file (--n-channels) and the sampling rate (--fs)".into(),
             })?;
             let fs = opts.fs.ok_or_else(|| RecordingError::Setting {
                 path: path.to_owned(),
                 setting: "fs",
-                message: "a flat binary file needs the sampling rate (Hz)".into(),
+                message: "a flat binary file needs the sampling rate in Hz (--fs)".into(),
             })?;
             let rec = BinaryRecording::open(
                 path,
