@@ -237,6 +237,18 @@ impl Recording for BinaryRecording {
                 decode::<4>(data, start, count, nc, chan_map, out, f32::from_le_bytes)
             }
         }
+        // Drop the pages just read from this process's memory: a run reads each
+        // sample about once, and without this the mapped file would count in full
+        // towards the process's resident memory on long recordings (BR-23). The
+        // page cache keeps them; a later read maps them again from the file.
+        let frame = nc * self.dtype.itemsize() as usize;
+        let begin = self.offset as usize + start as usize * frame;
+        // SAFETY: the mapping is read-only and shared with a file that is only
+        // read: after MADV_DONTNEED the kernel refills the pages from the file on
+        // the next access, with the same contents, and no slice of them is held.
+        let _ = unsafe {
+            map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, begin, count * frame)
+        };
         if self.scale.is_some() || self.shift.is_some() {
             let (a, b) = (self.scale.unwrap_or(1.0), self.shift.unwrap_or(0.0));
             for v in out.iter_mut() {
