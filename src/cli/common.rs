@@ -180,3 +180,20 @@ pub fn default_out(rec: &Path) -> Result<PathBuf> {
         }
     })
 }
+
+/// A progress bar on standard error, hidden when quiet or not a terminal.
+pub fn progress_bar(quiet: bool) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    let bar = if quiet || !std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(0)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} windows  {msg}  [{elapsed_precise} < {eta_precise}]",
+        )
+        .expect("valid template"),
+    );
+    bar
+}

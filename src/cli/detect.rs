@@ -1,15 +1,13 @@
 //! `spikecube detect`: a recording to spikes on disk.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Result, bail};
-use indicatif::{ProgressBar, ProgressStyle};
 use spikecube::output::RunInfo;
 use spikecube::pipeline::{DetectJob, run_detection};
 
-use super::common::{DetectionArgs, PreprocessArgs, RecordingArgs, default_out};
+use super::common::{DetectionArgs, PreprocessArgs, RecordingArgs, default_out, progress_bar};
 
 /// Which device runs detection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -93,17 +91,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         out,
         run_info,
     };
-    let bar = if quiet || !std::io::stderr().is_terminal() {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(0)
-    };
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} windows  {msg}  [{elapsed_precise} < {eta_precise}]",
-        )
-        .expect("valid template"),
-    );
+    let bar = progress_bar(quiet);
     let report = run_detection(job, &mut |p| {
         bar.set_length(p.windows_total);
         bar.set_position(p.windows_done);

@@ -1,18 +1,16 @@
 //! `spikecube preprocess`: Kilosort4's preprocessing of a whole recording, written
 //! out for inspection or for other tools.
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use ndarray::Array1;
 use spikecube::npy;
 use spikecube::pipeline::{WhitenedFormat, write_whitened};
 use spikecube::preprocess::highpass_kernel;
 
-use super::common::{PreprocessArgs, RecordingArgs};
+use super::common::{PreprocessArgs, RecordingArgs, progress_bar};
 
 /// Flags of `preprocess`.
 #[derive(Debug, clap::Args)]
@@ -38,17 +36,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     let settings = args.pre.settings(rec.fs());
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;
-    let bar = if quiet || !std::io::stderr().is_terminal() {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(0)
-    };
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} windows  {msg}  [{elapsed_precise} < {eta_precise}]",
-        )
-        .expect("valid template"),
-    );
+    let bar = progress_bar(quiet);
     let format = if args.float32 {
         WhitenedFormat::Float32
     } else {

@@ -207,10 +207,7 @@ impl CpuDetector {
     /// [`DetectError::Input`] when `x` has a different number of rows than the
     /// probe has sites, is shorter than 2·nt + 1 samples, or holds a non-finite value.
     pub fn detect(&mut self, x: ArrayView2<f32>, yc: &[f32]) -> Result<Detections, DetectError> {
-        self.check_input(x, yc)?;
-        self.steps_1_to_3(x, false);
-        let peaks = self.local_peaks(false);
-        Ok(self.features(x, yc, &peaks))
+        self.run(x, yc, false)
     }
 
     /// As [`CpuDetector::detect`], but every step computed densely over all centres
@@ -224,9 +221,18 @@ impl CpuDetector {
         x: ArrayView2<f32>,
         yc: &[f32],
     ) -> Result<Detections, DetectError> {
+        self.run(x, yc, true)
+    }
+
+    fn run(
+        &mut self,
+        x: ArrayView2<f32>,
+        yc: &[f32],
+        dense: bool,
+    ) -> Result<Detections, DetectError> {
         self.check_input(x, yc)?;
-        self.steps_1_to_3(x, true);
-        let peaks = self.local_peaks(true);
+        self.steps_1_to_3(x, dense);
+        let peaks = self.local_peaks(dense);
         Ok(self.features(x, yc, &peaks))
     }
 

@@ -111,16 +111,7 @@ impl Probe {
     /// # Errors
     /// [`ProbeError`] naming the file and field.
     pub fn from_kilosort_json(path: &Path) -> Result<Probe, ProbeError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ProbeError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| ProbeError::Parse {
-                path: path.to_owned(),
-                message: format!("not valid JSON: {e}"),
-            })?;
-        kilosort::from_value(&json, path)
+        kilosort::from_value(&read_json(path)?, path)
     }
 
     /// Loads the first probe of a probeinterface JSON file (`contact_positions`,
@@ -129,16 +120,7 @@ impl Probe {
     /// # Errors
     /// [`ProbeError`] naming the file and field.
     pub fn from_probeinterface_json(path: &Path) -> Result<Probe, ProbeError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ProbeError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| ProbeError::Parse {
-                path: path.to_owned(),
-                message: format!("not valid JSON: {e}"),
-            })?;
-        probeinterface::from_value(&json, path)
+        probeinterface::from_value(&read_json(path)?, path)
     }
 
     /// Checks the invariants every consumer relies on.
@@ -218,4 +200,16 @@ impl Probe {
         let (y0, y1) = fold(&self.yc);
         (x0, x1, y0, y1)
     }
+}
+
+/// Reads a JSON file, with errors naming it.
+fn read_json(path: &Path) -> Result<serde_json::Value, ProbeError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ProbeError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| ProbeError::Parse {
+        path: path.to_owned(),
+        message: format!("not valid JSON: {e}"),
+    })
 }
