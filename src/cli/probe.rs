@@ -80,7 +80,6 @@ fn report(probe: &Probe, settings: &DetectionSettings) -> (Report, Option<Geomet
     lines.push(format!("x extent     {x0} … {x1} µm ({} µm wide)", x1 - x0));
     lines.push(format!("y extent     {y0} … {y1} µm ({} µm tall)", y1 - y0));
 
-    let nc = settings.n_chans_used(n);
     match template_centers(probe, settings) {
         Ok(grid) => {
             let derived = if settings.dmin.is_some() {
@@ -148,7 +147,8 @@ fn report(probe: &Probe, settings: &DetectionSettings) -> (Report, Option<Geomet
         .filter(|&(_, &c)| c < settings.nearest_chans)
         .map(|(k, c)| format!("shank {k} has {c} sites"))
         .collect();
-    if !small.is_empty() {
+    // On a single shank this is Kilosort4's own clamp to the site count, not a problem.
+    if !small.is_empty() && shanks.len() > 1 {
         let fewest = shanks.values().min().copied().unwrap_or(0);
         warnings.push(format!(
             "{}, fewer than nearest_chans = {}: since centres never take sites from another shank, every centre uses {fewest} sites",
@@ -166,8 +166,9 @@ fn report(probe: &Probe, settings: &DetectionSettings) -> (Report, Option<Geomet
                 settings.max_channel_distance
             ));
             lines.push(format!(
-                "neighbours   nearest_chans {} sites per centre (asked {nc}), nearest_templates {} centres",
+                "neighbours   nearest_chans {} sites per centre (asked {}), nearest_templates {} centres",
                 g.n_chans(),
+                settings.nearest_chans,
                 g.n_neighbours()
             ));
             Some(g)
