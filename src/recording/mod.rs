@@ -381,3 +381,40 @@ pub fn nearest_channel_counts(data_bytes: u64, itemsize: u64, n: u64) -> String 
             .join(", ")
     }
 }
+
+/// Checks the user's channel count and rate against a recording's metadata
+/// (`n_field`/`fs_field`: the metadata's own names for them, e.g. `nSavedChans`).
+/// A different channel count is an error (the file's layout cannot change: field
+/// failure BR-13); a different rate is a warning and the metadata's rate is used.
+///
+/// # Errors
+/// [`RecordingError::Setting`] when `opts.n_channels` disagrees with `n`.
+pub(crate) fn check_against_metadata(
+    opts: &OpenOptions,
+    data: &Path,
+    meta: &Path,
+    (n_field, n): (&str, u64),
+    (fs_field, fs): (&str, f64),
+) -> Result<(), RecordingError> {
+    if let Some(asked) = opts.n_channels
+        && asked != n
+    {
+        return Err(RecordingError::Setting {
+            path: data.to_owned(),
+            setting: "n_chan_bin",
+            message: format!(
+                "{asked} channels requested but {} says {n_field} = {n}; the channel count of the file cannot be changed, exclude channels through the probe instead",
+                meta.display()
+            ),
+        });
+    }
+    if let Some(asked) = opts.fs
+        && (asked - fs).abs() > 1e-9 * fs
+    {
+        tracing::warn!(
+            file = %meta.display(),
+            "fs = {asked} Hz was given but {fs_field} is {fs} Hz; using the metadata's rate"
+        );
+    }
+    Ok(())
+}

@@ -303,28 +303,13 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
             ),
         });
     }
-    if let Some(n) = opts.n_channels
-        && n != stream.num_channels
-    {
-        return Err(RecordingError::Setting {
-            path: dat,
-            setting: "n_chan_bin",
-            message: format!(
-                "{n} channels requested but {} says num_channels = {}; exclude channels through the probe instead",
-                oebin_path.display(),
-                stream.num_channels
-            ),
-        });
-    }
-    if let Some(fs) = opts.fs
-        && (fs - stream.sample_rate).abs() > 1e-9 * stream.sample_rate
-    {
-        tracing::warn!(
-            file = %oebin_path.display(),
-            "fs = {fs} Hz was given but the stream's sample_rate is {} Hz; using the stream's",
-            stream.sample_rate
-        );
-    }
+    super::check_against_metadata(
+        opts,
+        &dat,
+        &oebin_path,
+        ("num_channels", stream.num_channels),
+        ("the stream's sample_rate", stream.sample_rate),
+    )?;
     let rec = BinaryRecording::open(
         &dat,
         &BinaryParams {

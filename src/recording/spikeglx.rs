@@ -644,28 +644,13 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
         });
     }
     let meta = parse_meta(&meta_path)?;
-    if let Some(n) = opts.n_channels
-        && n != meta.n_saved_chans
-    {
-        return Err(RecordingError::Setting {
-            path: bin,
-            setting: "n_chan_bin",
-            message: format!(
-                "{n} channels requested but {} says nSavedChans = {}; the channel count of the file cannot be changed, exclude channels through the probe instead",
-                meta_path.display(),
-                meta.n_saved_chans
-            ),
-        });
-    }
-    if let Some(fs) = opts.fs
-        && (fs - meta.fs).abs() > 1e-9 * meta.fs
-    {
-        tracing::warn!(
-            file = %meta_path.display(),
-            "fs = {fs} Hz was given but the metadata says {} Hz; using the metadata's rate",
-            meta.fs
-        );
-    }
+    super::check_against_metadata(
+        opts,
+        &bin,
+        &meta_path,
+        ("nSavedChans", meta.n_saved_chans),
+        ("imSampRate", meta.fs),
+    )?;
     if opts.dtype != Dtype::Int16 {
         tracing::warn!(
             file = %bin.display(),
