@@ -92,34 +92,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     job.preprocess.nt = job.detection.nt;
     job.detection.validate()?;
     job.preprocess.validate()?;
-    let n_channels = rec.n_channels() as u64;
-    if let Some((site, &c)) = job
-        .probe
-        .chan_map
-        .iter()
-        .enumerate()
-        .find(|&(_, &c)| c >= n_channels)
-    {
-        bail!(
-            "probe {}: site {site} reads channel {c}, but the recording has {n_channels} channels ({}); check the probe or --n-channels",
-            job.probe.source.display(),
-            rec.describe()
-        );
-    }
-    let plan = WindowPlan::new(
-        rec.n_samples(),
-        job.preprocess.batch_size as u64,
-        job.detection.nt as u64,
+    let plan = plan_windows(
+        rec.as_ref(),
+        &job.probe,
+        job.preprocess.batch_size,
+        job.detection.nt,
     )?;
-    if plan.n_windows == 0 {
-        bail!(
-            "not enough data: {} samples ({:.3} s) is less than one window's nt = {} samples ({})",
-            rec.n_samples(),
-            rec.n_samples() as f64 / fs,
-            job.detection.nt,
-            rec.describe()
-        );
-    }
     let chan_map = job.probe.chan_map.clone();
     let n_sites = job.probe.n_sites();
 
@@ -136,17 +114,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     );
 
     let t_fit = Instant::now();
-    let whiten_mat = fit_whitening(
-        plan.n_windows,
-        |i| -> Result<Array2<f32>> {
-            let mut w = Array2::zeros((n_sites, plan.window_len()));
-            read_window(rec.as_ref(), &plan, i, &chan_map, &mut w)?;
-            Ok(w)
-        },
-        &job.probe,
-        &job.preprocess,
-    )
-    .context("fitting the whitening matrix")?;
+    let whiten_mat = fit(&rec, &plan, &job.probe, &job.preprocess)?;
     let fit_s = t_fit.elapsed().as_secs_f64();
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
 
@@ -289,30 +257,7 @@ pub fn write_whitened(
     let mut settings = settings.clone();
     settings.fs = recording.fs();
     settings.validate()?;
-    let n_channels = recording.n_channels() as u64;
-    if let Some((site, &c)) = probe
-        .chan_map
-        .iter()
-        .enumerate()
-        .find(|&(_, &c)| c >= n_channels)
-    {
-        bail!(
-            "probe {}: site {site} reads channel {c}, but the recording has {n_channels} channels",
-            probe.source.display()
-        );
-    }
-    let plan = WindowPlan::new(
-        recording.n_samples(),
-        settings.batch_size as u64,
-        settings.nt as u64,
-    )?;
-    if plan.n_windows == 0 {
-        bail!(
-            "not enough data: {} samples is less than one window ({})",
-            recording.n_samples(),
-            recording.describe()
-        );
-    }
+    let plan = plan_windows(recording.as_ref(), probe, settings.batch_size, settings.nt)?;
     let chan_map = probe.chan_map.clone();
     let n_sites = probe.n_sites();
     let tmp = out.with_extension("partial");
@@ -324,17 +269,7 @@ pub fn write_whitened(
     let mut written = 0u64;
     let mut bytes = Vec::new();
     let result: Result<Array2<f32>> = (|| {
-        let whiten_mat = fit_whitening(
-            plan.n_windows,
-            |i| -> Result<Array2<f32>> {
-                let mut x = Array2::zeros((n_sites, plan.window_len()));
-                read_window(recording.as_ref(), &plan, i, &chan_map, &mut x)?;
-                Ok(x)
-            },
-            probe,
-            &settings,
-        )
-        .context("fitting the whitening matrix")?;
+        let whiten_mat = fit(&recording, &plan, probe, &settings)?;
         let pre = Preprocessor::new(&settings, whiten_mat.clone())?;
         for (done, window) in
             WindowLoader::all(recording.clone(), plan, chan_map.clone())?.enumerate()
@@ -408,4 +343,62 @@ pub fn memory_estimate(n_sites: usize, window_len: usize, n_centres: usize) -> u
     let detector = (n_centres * window_len.next_multiple_of(crate::detect::cpu::TILE) * 5) as u64;
     let tiles = (rayon::current_num_threads() * n_sites * 7 * crate::detect::cpu::TILE * 4) as u64;
     5 * window + detector + tiles
+}
+
+/// Checks that the probe reads only channels the recording has and plans its
+/// windows (`batch_size` own samples, `nt` on each side).
+///
+/// # Errors
+/// When a channel-map entry is past the recording's channels, or the recording
+/// holds less than one window of at least `nt` samples.
+fn plan_windows(
+    rec: &dyn Recording,
+    probe: &Probe,
+    batch_size: usize,
+    nt: usize,
+) -> Result<WindowPlan> {
+    let n_channels = rec.n_channels() as u64;
+    if let Some((site, &c)) = probe
+        .chan_map
+        .iter()
+        .enumerate()
+        .find(|&(_, &c)| c >= n_channels)
+    {
+        bail!(
+            "probe {}: site {site} reads channel {c}, but the recording has {n_channels} channels ({}); check the probe or --n-channels",
+            probe.source.display(),
+            rec.describe()
+        );
+    }
+    let plan = WindowPlan::new(rec.n_samples(), batch_size as u64, nt as u64)?;
+    if plan.n_windows == 0 {
+        bail!(
+            "not enough data: {} samples ({:.3} s) is less than one window's nt = {nt} samples ({})",
+            rec.n_samples(),
+            rec.n_samples() as f64 / rec.fs(),
+            rec.describe()
+        );
+    }
+    Ok(plan)
+}
+
+/// Kilosort4's whitening fit over the planned windows of `rec` (raw windows read
+/// with the probe's channel map).
+fn fit(
+    rec: &Arc<dyn Recording>,
+    plan: &WindowPlan,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+) -> Result<Array2<f32>> {
+    fit_whitening(
+        plan.n_windows,
+        |i| -> Result<Array2<f32>> {
+            let mut w = Array2::zeros((probe.n_sites(), plan.window_len()));
+            read_window(rec.as_ref(), plan, i, &probe.chan_map, &mut w)?;
+            Ok(w)
+        },
+        probe,
+        settings,
+    )
+    .context("fitting the whitening matrix")
 }
