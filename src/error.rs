@@ -60,6 +60,12 @@ pub enum DetectError {
         /// The setting in force, µm.
         max_channel_distance: f64,
     },
+    /// A GPU back end could not be used or failed during a window.
+    #[error("GPU: {message}")]
+    Device {
+        /// What failed, naming the device.
+        message: String,
+    },
 }
 
 /// Errors raised while opening or reading a recording. Every variant names the

@@ -5,7 +5,7 @@
 //! 2. Fit the whitening matrix on every `nskip`-th window ([`fit_whitening`]).
 //! 3. For every window, read ahead on a thread ([`WindowLoader`]), preprocess
 //!    ([`Preprocessor`]: channel means, median CAR, high-pass, whitening), detect
-//!    ([`CpuDetector`]) and stream the spikes to the output folder ([`OutputWriter`]).
+//!    ([`Detector`]: CPU or GPU) and stream the spikes to the output folder ([`OutputWriter`]).
 //!
 //! Only detections within a window's own samples are kept, so every spike time t
 //! satisfies 0 ≤ t < n_samples and no spike is reported twice (field failures
@@ -19,7 +19,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use ndarray::Array2;
 
-use crate::detect::cpu::CpuDetector;
+use crate::backend::{Backend, Detector};
 use crate::detect::{DetectionSettings, Geometry, UniversalTemplates};
 use crate::output::{OutputWriter, RunInfo, Summary};
 use crate::preprocess::{PreprocessSettings, Preprocessor, fit_whitening};
@@ -40,6 +40,8 @@ pub struct DetectJob {
     pub out: PathBuf,
     /// What to record in `params.py` and `spikecube.json` about the input.
     pub run_info: RunInfo,
+    /// Where detection runs (resolved with [`crate::backend::choose`]).
+    pub backend: Backend,
 }
 
 /// Progress of a run, reported once per window.
@@ -118,7 +120,15 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let fit_s = t_fit.elapsed().as_secs_f64();
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
 
-    let mut detector = CpuDetector::new(
+    let chosen = crate::backend::choose(job.backend)?;
+    tracing::info!(
+        "detection on {} ({}): {}",
+        chosen.backend,
+        chosen.device,
+        chosen.reason
+    );
+    let mut detector = Detector::new(
+        &chosen,
         geometry.clone(),
         UniversalTemplates::builtin(),
         job.detection.clone(),
@@ -189,7 +199,11 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         .insert("spikecube".into(), env!("CARGO_PKG_VERSION").into());
     info.versions
         .insert("kilosort_reference".into(), "4.1.7".into());
-    info.versions.insert("backend".into(), "cpu".into());
+    info.versions
+        .insert("backend".into(), chosen.backend.clone());
+    info.versions.insert("device".into(), chosen.device.clone());
+    info.versions
+        .insert("backend_reason".into(), chosen.reason.clone());
     for (k, v) in [
         ("whitening_fit", fit_s),
         ("preprocess", t_pre),

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use clap::builder::TypedValueParser;
 use spikecube::preprocess::PreprocessSettings;
 use spikecube::recording::{self, Dtype, OpenOptions, Opened};
 use spikecube::{DetectionSettings, Probe};
@@ -196,4 +197,24 @@ pub fn progress_bar(quiet: bool) -> indicatif::ProgressBar {
         .expect("valid template"),
     );
     bar
+}
+
+/// `--backend`: where detection runs. Only the back ends this build has are offered.
+#[derive(Debug, clap::Args)]
+pub struct BackendArg {
+    /// Where detection runs: auto (CUDA if an NVIDIA driver is present, else a
+    /// wgpu GPU, else the CPU), cpu, or a GPU back end this build has
+    /// (see `spikecube info`).
+    #[arg(long, default_value = "auto", value_parser = clap::builder::PossibleValuesParser::new(spikecube::backend::Backend::compiled()).map(|s| parse_backend(&s)))]
+    pub backend: spikecube::backend::Backend,
+}
+
+fn parse_backend(s: &str) -> spikecube::backend::Backend {
+    use spikecube::backend::Backend;
+    match s {
+        "cpu" => Backend::Cpu,
+        "cuda" => Backend::Cuda,
+        "wgpu" => Backend::Wgpu,
+        _ => Backend::Auto,
+    }
 }

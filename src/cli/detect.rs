@@ -3,24 +3,13 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use spikecube::output::RunInfo;
 use spikecube::pipeline::{DetectJob, run_detection};
 
-use super::common::{DetectionArgs, PreprocessArgs, RecordingArgs, default_out, progress_bar};
-
-/// Which device runs detection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Backend {
-    /// The best available: a GPU when this build has one, else the CPU.
-    Auto,
-    /// Every CPU core (rayon).
-    Cpu,
-    /// Any GPU through wgpu (Vulkan, Metal, DirectX).
-    Wgpu,
-    /// NVIDIA GPUs through CUDA.
-    Cuda,
-}
+use super::common::{
+    BackendArg, DetectionArgs, PreprocessArgs, RecordingArgs, default_out, progress_bar,
+};
 
 /// Flags of `detect`.
 #[derive(Debug, clap::Args)]
@@ -33,9 +22,8 @@ pub struct Args {
     /// Output folder. Default: spikecube/ beside the recording (inside an Open Ephys folder).
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Where detection runs.
-    #[arg(long, value_enum, default_value_t = Backend::Auto)]
-    backend: Backend,
+    #[command(flatten)]
+    backend: BackendArg,
     /// Print a machine-readable summary (JSON) on standard output.
     #[arg(long)]
     json: bool,
@@ -48,17 +36,6 @@ pub struct Args {
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
-    match args.backend {
-        Backend::Auto | Backend::Cpu => {}
-        Backend::Wgpu | Backend::Cuda => bail!(
-            "--backend {}: this version of spikecube has no GPU back end yet; use --backend cpu (or auto)",
-            if args.backend == Backend::Wgpu {
-                "wgpu"
-            } else {
-                "cuda"
-            }
-        ),
-    }
     let (opened, probe) = args.rec.open(&args.recording)?;
     let rec = opened.recording.clone();
     let out = match &args.out {
@@ -90,6 +67,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         preprocess: args.pre.settings(fs),
         out,
         run_info,
+        backend: args.backend.backend,
     };
     let bar = progress_bar(quiet);
     let report = run_detection(job, &mut |p| {

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use ndarray::{Array1, Array2, Array3};
-use spikecube::detect::cpu::CpuDetector;
+use spikecube::backend::{Detector, choose};
 use spikecube::{DetectionSettings, Geometry, Probe, UniversalTemplates, npy};
 
 /// Flags of `detect-window`.
@@ -27,6 +27,8 @@ pub struct Args {
     /// Detection threshold (Kilosort4's Th_universal).
     #[arg(long, default_value_t = 9.0)]
     th_universal: f32,
+    #[command(flatten)]
+    backend: super::common::BackendArg,
 }
 
 fn to_u32<D: ndarray::Dimension>(
@@ -59,7 +61,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
             Geometry::with_neighbourhoods(&probe, &settings, i_c, i_c2, weigh)?
         }
     };
-    let mut detector = CpuDetector::new(geometry, UniversalTemplates::builtin(), settings)?;
+    let chosen = choose(args.backend.backend)?;
+    tracing::info!(
+        "detection on {} ({}): {}",
+        chosen.backend,
+        chosen.device,
+        chosen.reason
+    );
+    let mut detector = Detector::new(&chosen, geometry, UniversalTemplates::builtin(), settings)?;
     let det = detector
         .detect(x.view(), &probe.yc)
         .with_context(|| format!("detecting in {}", args.window.display()))?;
@@ -90,6 +99,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
     npy::write(&out("iC.npy"), &g.i_c.mapv(|v| v as i64))?;
     npy::write(&out("iC2.npy"), &g.i_c2.mapv(|v| v as i64))?;
     npy::write(&out("weigh.npy"), &g.weigh)?;
+    std::fs::write(
+        out("backend.json"),
+        serde_json::to_string_pretty(&chosen).expect("serialisable"),
+    )
+    .with_context(|| format!("cannot write {}", out("backend.json").display()))?;
     tracing::info!("{n} detections written to {}", args.out.display());
     Ok(ExitCode::SUCCESS)
 }

@@ -3,6 +3,7 @@
 mod common;
 mod detect;
 mod detect_window;
+mod info;
 mod preprocess;
 mod probe;
 mod simulate;
@@ -34,6 +35,8 @@ enum Command {
     Probe(probe::Args),
     /// Write a synthetic SpikeGLX-style recording with ground-truth spikes.
     Simulate(simulate::Args),
+    /// List the back ends this build has and the devices each finds.
+    Info,
 }
 
 /// Parses the command line and runs the subcommand.
@@ -55,5 +58,6 @@ pub fn run() -> anyhow::Result<ExitCode> {
         Command::Preprocess(args) => preprocess::run(args, cli.quiet),
         Command::Probe(args) => probe::run(args),
         Command::Simulate(args) => simulate::run(args),
+        Command::Info => info::run(),
     }
 }

@@ -270,39 +270,7 @@ impl CpuDetector {
     }
 
     fn check_input(&self, x: ArrayView2<f32>, yc: &[f32]) -> Result<(), DetectError> {
-        let (c, nt_w) = x.dim();
-        let n_sites = yc.len();
-        let bad = |message: String| {
-            Err(DetectError::Input {
-                what: "window".into(),
-                message,
-            })
-        };
-        if c != n_sites {
-            return bad(format!(
-                "has {c} rows (channels) but the probe has {n_sites} sites; rows must be the probe's sites in channel-map order"
-            ));
-        }
-        if let Some(&m) = self.sites.iter().max()
-            && m as usize >= c
-        {
-            return bad(format!("iC refers to site {m} but the window has {c} rows"));
-        }
-        let nt = self.settings.nt;
-        if nt_w < 2 * nt + 1 {
-            return bad(format!(
-                "has {nt_w} samples; a window needs at least 2·nt + 1 = {} (nt = {nt} samples of padding on each side)",
-                2 * nt + 1
-            ));
-        }
-        if let Some((i, v)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-            return bad(format!(
-                "holds a non-finite value ({v}) at channel {}, sample {}",
-                i / nt_w,
-                i % nt_w
-            ));
-        }
-        Ok(())
+        check_window(&self.geometry, &self.settings, x, yc)
     }
 
     #[inline]
@@ -462,6 +430,53 @@ impl CpuDetector {
         }
         d
     }
+}
+
+/// Checks a whitened window `x` (C × NT) against the probe's site depths `yc`
+/// (C values) and the geometry, for every back end.
+///
+/// # Errors
+/// [`DetectError::Input`] when `x` has a different number of rows than the
+/// probe has sites, is shorter than 2·nt + 1 samples, or holds a non-finite value.
+pub(crate) fn check_window(
+    geometry: &Geometry,
+    settings: &DetectionSettings,
+    x: ArrayView2<f32>,
+    yc: &[f32],
+) -> Result<(), DetectError> {
+    let (c, nt_w) = x.dim();
+    let n_sites = yc.len();
+    let bad = |message: String| {
+        Err(DetectError::Input {
+            what: "window".into(),
+            message,
+        })
+    };
+    if c != n_sites {
+        return bad(format!(
+            "has {c} rows (channels) but the probe has {n_sites} sites; rows must be the probe's sites in channel-map order"
+        ));
+    }
+    if let Some(&m) = geometry.i_c.iter().max()
+        && m as usize >= c
+    {
+        return bad(format!("iC refers to site {m} but the window has {c} rows"));
+    }
+    let nt = settings.nt;
+    if nt_w < 2 * nt + 1 {
+        return bad(format!(
+            "has {nt_w} samples; a window needs at least 2·nt + 1 = {} (nt = {nt} samples of padding on each side)",
+            2 * nt + 1
+        ));
+    }
+    if let Some((i, v)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+        return bad(format!(
+            "holds a non-finite value ({v}) at channel {}, sample {}",
+            i / nt_w,
+            i % nt_w
+        ));
+    }
+    Ok(())
 }
 
 /// Number of universal temporal templates (rows of wTEMP); checked by

@@ -4,9 +4,12 @@
 //! * [`templates`]: the built-in universal templates wTEMP and wPCA.
 //! * [`geometry`]: `template_centers`, `nearest_chans` (iC, iC2) and the spatial weights.
 //! * [`cpu`]: the reference detector, one function per step.
+//! * `gpu` (features `cuda`, `wgpu`): the same steps as CubeCL kernels, `GpuDetector`.
 
 pub mod cpu;
 pub mod geometry;
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub mod gpu;
 pub mod settings;
 pub mod templates;
 

@@ -1,0 +1,297 @@
+//! GPU detection benchmark (issue: GPU detection with CubeCL).
+//!
+//! `cargo bench --bench gpu_detect -- DIR [--backend cuda|wgpu|both] [--repeat N]
+//! [--kilosort-neighbourhoods]` on a folder holding `X.npy` (a whitened window,
+//! channels × samples, float32) and `probe.json`, e.g. the full 384 × 60 122 window
+//! on the two-column 1149-centre probe written by
+//! `../shared/tools/ks4ref/make_window.py np2_1shank 60000 1500 1 DIR`. With
+//! `--kilosort-neighbourhoods`, `iC.npy`, `iC2.npy` and `weigh.npy` from DIR are used
+//! (Kilosort4's own, for a detection-for-detection comparison with it).
+//!
+//! Prints, per back end and per variant of steps 2–4 (dense or pruned step 2,
+//! dense neighbour max or candidates-only):
+//! * the detections, checked equal to the CPU detector's (count, centres, samples,
+//!   imax, sign);
+//! * per-step medians with a device sync after each step;
+//! * the median of a whole `detect` call without those syncs (upload, kernels,
+//!   the one download, sorting);
+//! * the device memory CubeCL holds;
+//!
+//! then an upload benchmark: the window as float32 from a borrowed slice
+//! (`create_from_slice`, which copies it), as owned bytes (`create`), and as int16
+//! (half the bytes, the raw recording's own type).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use cubecl::Runtime;
+use ndarray::{Array2, Array3};
+use spikecube::detect::cpu::{CpuDetector, Detections};
+use spikecube::detect::gpu::{GpuDetector, GpuOptions, StepTimes};
+use spikecube::{DetectionSettings, Geometry, Probe, UniversalTemplates, npy};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn check(cpu: &Detections, gpu: &Detections) -> Result<(), String> {
+    if cpu.len() != gpu.len() {
+        return Err(format!(
+            "{} detections on the CPU, {} on the GPU",
+            cpu.len(),
+            gpu.len()
+        ));
+    }
+    if cpu.centre != gpu.centre || cpu.sample != gpu.sample {
+        return Err("(centre, sample) differ".into());
+    }
+    if cpu.imax != gpu.imax || cpu.sign != gpu.sign {
+        return Err("imax or sign differ".into());
+    }
+    let rel = cpu
+        .amp
+        .iter()
+        .zip(&gpu.amp)
+        .chain(cpu.tf.iter().zip(&gpu.tf))
+        .chain(cpu.adist.iter().zip(&gpu.adist))
+        .chain(cpu.yct.iter().zip(&gpu.yct))
+        .map(|(a, b)| ((a - b).abs() / a.abs().max(1.0)) as f64)
+        .fold(0f64, f64::max);
+    if rel > 1e-5 {
+        return Err(format!("floats differ by {rel:.2e} relative"));
+    }
+    Ok(())
+}
+
+struct Setup {
+    x: Array2<f32>,
+    probe: Probe,
+    geometry: Geometry,
+    settings: DetectionSettings,
+    cpu: Detections,
+}
+
+fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
+    let variants = [
+        ("dense step 2, dense neighbour max", false, false),
+        ("pruned step 2, dense neighbour max", true, false),
+        ("dense step 2, candidates-only max", false, true),
+        ("pruned step 2, candidates-only max (default)", true, true),
+    ];
+    for (label, pruned, sparse_peaks) in variants {
+        let mut det = GpuDetector::<R>::new(
+            device,
+            name.into(),
+            s.geometry.clone(),
+            UniversalTemplates::builtin(),
+            s.settings.clone(),
+            GpuOptions {
+                pruned,
+                sparse_peaks,
+            },
+        )
+        .expect("detector");
+        let first = det.detect(s.x.view(), &s.probe.yc).expect("detect");
+        let verdict = match check(&s.cpu, &first) {
+            Ok(()) => "identical to the CPU".to_string(),
+            Err(e) => format!("MISMATCH: {e}"),
+        };
+        let mut steps: Vec<StepTimes> = Vec::new();
+        for _ in 0..repeat {
+            steps.push(det.detect_timed(s.x.view(), &s.probe.yc).expect("detect").1);
+        }
+        let mut whole = Vec::new();
+        for _ in 0..repeat {
+            let t = Instant::now();
+            let d = det.detect(s.x.view(), &s.probe.yc).expect("detect");
+            whole.push(t.elapsed().as_secs_f64());
+            assert_eq!(d, first, "repeatable");
+        }
+        let m = |f: fn(&StepTimes) -> f64| median(steps.iter().map(f).collect()) * 1e3;
+        let kernels = m(|t| t.filter_bank)
+            + m(|t| t.centre_response)
+            + m(|t| t.neighbour_max)
+            + m(|t| t.local_peaks)
+            + m(|t| t.features);
+        println!("\n## {name}: {label}");
+        println!("detections: {} ({verdict})", first.len());
+        println!("| step | median ms (sync after each) |\n|---|---|");
+        println!(
+            "| upload (float32, {:.1} MB) | {:.3} |",
+            (s.x.len() * 4) as f64 / 1e6,
+            m(|t| t.upload)
+        );
+        println!("| 1 filter_bank | {:.3} |", m(|t| t.filter_bank));
+        println!("| 2 centre_response | {:.3} |", m(|t| t.centre_response));
+        println!("| 3 neighbour_max | {:.3} |", m(|t| t.neighbour_max));
+        println!(
+            "| 4 local_peaks + compaction | {:.3} |",
+            m(|t| t.local_peaks)
+        );
+        println!("| 5 features | {:.3} |", m(|t| t.features));
+        println!("| download + sort | {:.3} |", m(|t| t.download));
+        println!("| kernels 1–5 (sum) | {kernels:.3} |");
+        println!(
+            "whole detect() without syncs, median of {repeat}: {:.3} ms (min {:.3}, max {:.3})",
+            median(whole.clone()) * 1e3,
+            whole.iter().cloned().fold(f64::INFINITY, f64::min) * 1e3,
+            whole.iter().cloned().fold(0f64, f64::max) * 1e3
+        );
+        if let Some(b) = det.memory_in_use() {
+            println!("device memory held by CubeCL: {:.0} MB", b as f64 / 1e6);
+        }
+        println!(
+            "SUMMARY {{\"backend\":\"{name}\",\"variant\":\"{label}\",\"detections\":{},\"ok\":{},\"kernels_ms\":{kernels:.4},\"whole_ms\":{:.4},\"fb\":{:.4},\"cr\":{:.4},\"nm\":{:.4},\"lp\":{:.4},\"ft\":{:.4},\"up\":{:.4},\"down\":{:.4},\"mem_mb\":{:.1}}}",
+            first.len(),
+            verdict.starts_with("identical"),
+            median(whole) * 1e3,
+            m(|t| t.filter_bank),
+            m(|t| t.centre_response),
+            m(|t| t.neighbour_max),
+            m(|t| t.local_peaks),
+            m(|t| t.features),
+            m(|t| t.upload),
+            m(|t| t.download),
+            det.memory_in_use().unwrap_or(0) as f64 / 1e6
+        );
+    }
+    upload::<R>(device, name, s, repeat);
+}
+
+fn upload<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
+    let client = R::client(device);
+    let xs = s.x.as_standard_layout().to_owned();
+    let xs = xs.as_slice().unwrap();
+    let int16: Vec<i16> = xs.iter().map(|&v| (v * 200.0) as i16).collect();
+    let sync = || cubecl::future::block_on(client.sync()).unwrap();
+    let mut time = |f: &dyn Fn()| {
+        let mut v = Vec::new();
+        for _ in 0..repeat {
+            sync();
+            let t = Instant::now();
+            f();
+            sync();
+            v.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        median(v)
+    };
+    let a = time(&|| drop(client.create_from_slice(f32::as_bytes(xs))));
+    let b = time(&|| {
+        drop(client.create(cubecl::bytes::Bytes::from_elems(xs.to_vec())));
+    });
+    let c = time(&|| drop(client.create_from_slice(i16::as_bytes(&int16))));
+    let d = time(&|| {
+        drop(client.create(cubecl::bytes::Bytes::from_elems(int16.clone())));
+    });
+    println!("\n## {name}: upload of one window, median of {repeat} (ms)");
+    println!("| what | bytes | ms |\n|---|---|---|");
+    println!(
+        "| float32, create_from_slice (borrowed) | {} | {a:.3} |",
+        xs.len() * 4
+    );
+    println!(
+        "| float32, create(Bytes) owned (includes the Vec copy) | {} | {b:.3} |",
+        xs.len() * 4
+    );
+    println!("| int16, create_from_slice | {} | {c:.3} |", xs.len() * 2);
+    println!(
+        "| int16, create(Bytes) owned (includes the Vec copy) | {} | {d:.3} |",
+        xs.len() * 2
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    let dir = PathBuf::from(args.first().expect(
+        "usage: gpu_detect DIR [--backend cuda|wgpu|both] [--repeat N] [--kilosort-neighbourhoods]",
+    ));
+    let opt = |k: &str| {
+        args.iter()
+            .position(|a| a == k)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let backend = opt("--backend").unwrap_or_else(|| "both".into());
+    let repeat: usize = opt("--repeat").map_or(20, |v| v.parse().unwrap());
+    let ks = args.iter().any(|a| a == "--kilosort-neighbourhoods");
+    let x: Array2<f32> = npy::read(&dir.join("X.npy")).expect("X.npy");
+    let probe = Probe::load(&dir.join("probe.json")).expect("probe.json");
+    let mut settings = DetectionSettings::default();
+    let geometry = if ks {
+        let i_c = npy::read::<i64, _>(&dir.join("iC.npy"))
+            .unwrap()
+            .mapv(|v| v as u32);
+        let i_c2 = npy::read::<i64, _>(&dir.join("iC2.npy"))
+            .unwrap()
+            .mapv(|v| v as u32);
+        let weigh: Array3<f32> = npy::read(&dir.join("weigh.npy")).unwrap();
+        settings.nearest_chans = i_c.nrows();
+        Geometry::with_neighbourhoods(&probe, &settings, i_c, i_c2, weigh).unwrap()
+    } else {
+        Geometry::new(&probe, &settings).unwrap()
+    };
+    println!(
+        "window {} × {}, {} template centres, neighbourhoods: {}",
+        x.nrows(),
+        x.ncols(),
+        geometry.n_centres(),
+        if ks {
+            "Kilosort4's (iC/iC2/weigh from DIR)"
+        } else {
+            "spikecube's own"
+        }
+    );
+    let mut cpu = CpuDetector::new(
+        geometry.clone(),
+        UniversalTemplates::builtin(),
+        settings.clone(),
+    )
+    .unwrap();
+    let t = Instant::now();
+    let reference = cpu.detect(x.view(), &probe.yc).unwrap();
+    println!(
+        "CPU reference: {} detections in {:.3} s ({} threads)",
+        reference.len(),
+        t.elapsed().as_secs_f64(),
+        rayon::current_num_threads()
+    );
+    let s = Setup {
+        x,
+        probe,
+        geometry,
+        settings,
+        cpu: reference,
+    };
+    if backend == "cuda" || backend == "both" {
+        match spikecube::backend::probe_cuda() {
+            #[cfg(feature = "cuda")]
+            Ok(name) => bench::<cubecl::cuda::CudaRuntime>(
+                &Default::default(),
+                &format!("cuda {name}"),
+                &s,
+                repeat,
+            ),
+            Ok(_) => println!("cuda: not in this build"),
+            Err(why) => println!("cuda: {why}"),
+        }
+    }
+    if backend == "wgpu" || backend == "both" {
+        #[cfg(feature = "wgpu")]
+        {
+            let a = spikecube::backend::probe_wgpu();
+            match a.first() {
+                Some(a) => bench::<cubecl::wgpu::WgpuRuntime>(
+                    &Default::default(),
+                    &format!("wgpu {} ({})", a.name, a.api),
+                    &s,
+                    repeat,
+                ),
+                None => println!("wgpu: no adapter"),
+            }
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! Where detection runs: the CPU, or a GPU through CubeCL (CUDA or wgpu), chosen
+//! once per run ([`Backend`]) and wrapped in one [`Detector`] with the CPU
+//! detector's interface.
+//!
+//! CubeCL 0.10's CUDA runtime panics on a machine without an NVIDIA driver, and
+//! its wgpu runtime panics when no adapter exists, so both are probed first
+//! ([`probe_cuda`], [`probe_wgpu`]) and only then asked for a device.
+
+use ndarray::ArrayView2;
+
+use crate::detect::cpu::{CpuDetector, Detections};
+use crate::detect::{DetectionSettings, Geometry, UniversalTemplates};
+use crate::error::DetectError;
+
+/// Which device runs detection (`--backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// CUDA when a driver and an NVIDIA GPU are present, else a wgpu adapter that
+    /// is a real GPU, else the CPU.
+    Auto,
+    /// Every CPU core (rayon): the reference.
+    Cpu,
+    /// NVIDIA GPUs through CUDA (feature `cuda`).
+    Cuda,
+    /// Any GPU through wgpu: Vulkan on Linux and Windows, Metal on macOS (feature `wgpu`).
+    Wgpu,
+}
+
+impl Backend {
+    /// The back ends this build has, in `--backend`'s spelling.
+    pub fn compiled() -> Vec<&'static str> {
+        let mut v = vec!["auto", "cpu"];
+        if cfg!(feature = "cuda") {
+            v.push("cuda");
+        }
+        if cfg!(feature = "wgpu") {
+            v.push("wgpu");
+        }
+        v
+    }
+}
+
+/// What a probe found: a usable device's name, or why there is none.
+pub type Probe = Result<String, String>;
+
+/// Looks for a usable CUDA device without touching CubeCL: loads the driver
+/// library, initialises it and reads the first device's name; CubeCL 0.10 also
+/// compiles kernels at run time with NVRTC against the CUDA headers, so those are
+/// looked for too (`$CUDA_PATH/include` or `/usr/local/cuda/include`).
+pub fn probe_cuda() -> Probe {
+    #[cfg(feature = "cuda")]
+    {
+        cuda_probe::probe()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err("this build has no CUDA back end (built without the `cuda` feature)".into())
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda_probe {
+    use std::ffi::{c_char, c_int};
+    use std::path::PathBuf;
+
+    type CuInit = unsafe extern "C" fn(u32) -> c_int;
+    type CuDeviceGetCount = unsafe extern "C" fn(*mut c_int) -> c_int;
+    type CuDeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
+    type CuDeviceGetName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
+
+    pub(super) fn probe() -> super::Probe {
+        // SAFETY: loading the NVIDIA driver library runs its initialisers, which
+        // have no preconditions; the symbols below have the driver API's C signatures.
+        let lib = unsafe { libloading::Library::new("libcuda.so.1") }
+            .or_else(|_| unsafe { libloading::Library::new("libcuda.so") })
+            .map_err(|_| "no NVIDIA driver (libcuda.so.1 not found)".to_string())?;
+        let name = unsafe {
+            let init: libloading::Symbol<CuInit> =
+                lib.get(b"cuInit\0").map_err(|e| e.to_string())?;
+            let count: libloading::Symbol<CuDeviceGetCount> =
+                lib.get(b"cuDeviceGetCount\0").map_err(|e| e.to_string())?;
+            let get: libloading::Symbol<CuDeviceGet> =
+                lib.get(b"cuDeviceGet\0").map_err(|e| e.to_string())?;
+            let get_name: libloading::Symbol<CuDeviceGetName> =
+                lib.get(b"cuDeviceGetName\0").map_err(|e| e.to_string())?;
+            let rc = init(0);
+            if rc != 0 {
+                return Err(format!(
+                    "the NVIDIA driver did not initialise (CUDA error {rc})"
+                ));
+            }
+            let mut n: c_int = 0;
+            if count(&mut n) != 0 || n < 1 {
+                return Err("the NVIDIA driver reports no GPU".into());
+            }
+            let mut dev: c_int = 0;
+            if get(&mut dev, 0) != 0 {
+                return Err("the NVIDIA driver cannot open GPU 0".into());
+            }
+            let mut buf = [0 as c_char; 256];
+            if get_name(buf.as_mut_ptr(), buf.len() as c_int, dev) != 0 {
+                return Err("the NVIDIA driver cannot name GPU 0".into());
+            }
+            std::ffi::CStr::from_ptr(buf.as_ptr())
+                .to_string_lossy()
+                .into_owned()
+        };
+        let cuda_root = std::env::var_os("CUDA_PATH")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/usr/local/cuda"));
+        let header = cuda_root.join("include/cuda_runtime.h");
+        if !header.is_file() {
+            return Err(format!(
+                "{name} found, but the CUDA toolkit headers are not ({} missing; CubeCL compiles kernels at run time; set CUDA_PATH)",
+                header.display()
+            ));
+        }
+        let nvrtc = ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
+            .iter()
+            .any(|l| unsafe { libloading::Library::new(l) }.is_ok());
+        if !nvrtc {
+            return Err(format!(
+                "{name} found, but NVRTC (libnvrtc.so) is not; CubeCL compiles kernels at run time with it"
+            ));
+        }
+        Ok(name)
+    }
+}
+
+/// One wgpu adapter: its name and whether it is a real GPU (not a CPU rasteriser
+/// such as Mesa's lavapipe).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Adapter {
+    /// The adapter's name, as its driver reports it.
+    pub name: String,
+    /// False for software adapters (lavapipe, llvmpipe, SwiftShader).
+    pub is_gpu: bool,
+    /// "Vulkan", "Metal", …
+    pub api: String,
+}
+
+/// Lists the adapters CubeCL's wgpu runtime can use (Vulkan on Linux and
+/// Windows, Metal on macOS), without creating a device.
+pub fn probe_wgpu() -> Vec<Adapter> {
+    #[cfg(feature = "wgpu")]
+    {
+        let backends = if cfg!(target_os = "macos") {
+            wgpu::Backends::METAL
+        } else {
+            wgpu::Backends::VULKAN
+        };
+        let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+            backends,
+            ..wgpu::InstanceDescriptor::new_without_display_handle()
+        });
+        cubecl::future::block_on(instance.enumerate_adapters(backends))
+            .into_iter()
+            .map(|a| {
+                let info = a.get_info();
+                Adapter {
+                    name: info.name,
+                    is_gpu: info.device_type != wgpu::DeviceType::Cpu,
+                    api: format!("{:?}", info.backend),
+                }
+            })
+            .collect()
+    }
+    #[cfg(not(feature = "wgpu"))]
+    {
+        Vec::new()
+    }
+}
+
+/// The back end a run uses, and why.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Chosen {
+    /// "cpu", "cuda" or "wgpu".
+    pub backend: String,
+    /// The device's name ("CPU, N threads" for the CPU).
+    pub device: String,
+    /// Why this one (what `auto` found, or "asked for").
+    pub reason: String,
+}
+
+/// Resolves `backend` to one that can run here.
+///
+/// # Errors
+/// [`DetectError::Device`] when an explicitly requested GPU back end is missing from
+/// this build or finds no device (the message says why); `auto` never fails.
+pub fn choose(backend: Backend) -> Result<Chosen, DetectError> {
+    let cpu = |reason: String| Chosen {
+        backend: "cpu".into(),
+        device: format!("CPU, {} threads", rayon::current_num_threads()),
+        reason,
+    };
+    match backend {
+        Backend::Cpu => Ok(cpu("asked for (--backend cpu)".into())),
+        Backend::Cuda => match probe_cuda() {
+            Ok(name) => Ok(Chosen {
+                backend: "cuda".into(),
+                device: name,
+                reason: "asked for (--backend cuda)".into(),
+            }),
+            Err(why) => Err(DetectError::Device {
+                message: format!("--backend cuda: {why}"),
+            }),
+        },
+        Backend::Wgpu => {
+            if !cfg!(feature = "wgpu") {
+                return Err(DetectError::Device {
+                    message: "--backend wgpu: this build has no wgpu back end (built without the `wgpu` feature)".into(),
+                });
+            }
+            let adapters = probe_wgpu();
+            match adapters.iter().find(|a| a.is_gpu).or(adapters.first()) {
+                Some(a) => Ok(Chosen {
+                    backend: "wgpu".into(),
+                    device: format!("{} ({})", a.name, a.api),
+                    reason: if a.is_gpu {
+                        "asked for (--backend wgpu)".into()
+                    } else {
+                        "asked for (--backend wgpu); this adapter is a CPU rasteriser, far slower than --backend cpu".into()
+                    },
+                }),
+                None => Err(DetectError::Device {
+                    message: "--backend wgpu: no Vulkan/Metal adapter found (on Linux, install the GPU's Vulkan driver, or mesa-vulkan-drivers for a software one)".into(),
+                }),
+            }
+        }
+        Backend::Auto => {
+            let cuda = probe_cuda();
+            if let Ok(name) = cuda {
+                return Ok(Chosen {
+                    backend: "cuda".into(),
+                    device: name,
+                    reason: "auto: an NVIDIA GPU with a CUDA driver".into(),
+                });
+            }
+            let why_not_cuda = cuda.err().unwrap_or_default();
+            if cfg!(feature = "wgpu")
+                && let Some(a) = probe_wgpu().into_iter().find(|a| a.is_gpu)
+            {
+                return Ok(Chosen {
+                    backend: "wgpu".into(),
+                    device: format!("{} ({})", a.name, a.api),
+                    reason: format!("auto: a {} GPU; no CUDA: {why_not_cuda}", a.api),
+                });
+            }
+            Ok(cpu(format!(
+                "auto: no GPU found (CUDA: {why_not_cuda}; wgpu: {})",
+                if cfg!(feature = "wgpu") {
+                    "no hardware Vulkan/Metal adapter"
+                } else {
+                    "not in this build"
+                }
+            )))
+        }
+    }
+}
+
+/// A detector on the chosen back end, with [`CpuDetector`]'s interface.
+#[derive(Debug)]
+pub enum Detector {
+    /// The CPU reference.
+    Cpu(CpuDetector),
+    /// CUDA through CubeCL.
+    #[cfg(feature = "cuda")]
+    Cuda(Box<crate::detect::gpu::GpuDetector<cubecl::cuda::CudaRuntime>>),
+    /// wgpu through CubeCL.
+    #[cfg(feature = "wgpu")]
+    Wgpu(Box<crate::detect::gpu::GpuDetector<cubecl::wgpu::WgpuRuntime>>),
+}
+
+impl Detector {
+    /// Builds the detector for `chosen` (from [`choose`]).
+    ///
+    /// # Errors
+    /// As [`CpuDetector::new`], or [`DetectError::Device`].
+    pub fn new(
+        chosen: &Chosen,
+        geometry: Geometry,
+        templates: UniversalTemplates,
+        settings: DetectionSettings,
+    ) -> Result<Detector, DetectError> {
+        match chosen.backend.as_str() {
+            #[cfg(feature = "cuda")]
+            "cuda" => Ok(Detector::Cuda(Box::new(
+                crate::detect::gpu::GpuDetector::new(
+                    &cubecl::cuda::CudaDevice::new(0),
+                    chosen.device.clone(),
+                    geometry,
+                    templates,
+                    settings,
+                    Default::default(),
+                )?,
+            ))),
+            #[cfg(feature = "wgpu")]
+            "wgpu" => Ok(Detector::Wgpu(Box::new(
+                crate::detect::gpu::GpuDetector::new(
+                    &cubecl::wgpu::WgpuDevice::DefaultDevice,
+                    chosen.device.clone(),
+                    geometry,
+                    templates,
+                    settings,
+                    Default::default(),
+                )?,
+            ))),
+            _ => Ok(Detector::Cpu(CpuDetector::new(
+                geometry, templates, settings,
+            )?)),
+        }
+    }
+
+    /// Detects spikes in one whitened window (C sites × NT samples); see
+    /// [`CpuDetector::detect`].
+    ///
+    /// # Errors
+    /// As [`CpuDetector::detect`]; [`DetectError::Device`] when a GPU fails.
+    pub fn detect(&mut self, x: ArrayView2<f32>, yc: &[f32]) -> Result<Detections, DetectError> {
+        match self {
+            Detector::Cpu(d) => d.detect(x, yc),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.detect(x, yc),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.detect(x, yc),
+        }
+    }
+
+    /// The geometry in use.
+    pub fn geometry(&self) -> &Geometry {
+        match self {
+            Detector::Cpu(d) => d.geometry(),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.geometry(),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.geometry(),
+        }
+    }
+}

@@ -1,0 +1,45 @@
+//! `spikecube info`: the back ends this build has and the devices they find.
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use spikecube::backend::{Backend, choose, probe_cuda, probe_wgpu};
+
+pub fn run() -> Result<ExitCode> {
+    println!("spikecube {}", env!("CARGO_PKG_VERSION"));
+    println!(
+        "back ends in this build: {}",
+        Backend::compiled().join(", ")
+    );
+    println!("cpu: {} threads", rayon::current_num_threads());
+    if cfg!(feature = "cuda") {
+        match probe_cuda() {
+            Ok(name) => println!("cuda: {name}"),
+            Err(why) => println!("cuda: unavailable ({why})"),
+        }
+    }
+    if cfg!(feature = "wgpu") {
+        let adapters = probe_wgpu();
+        if adapters.is_empty() {
+            println!("wgpu: no Vulkan/Metal adapter");
+        }
+        for a in adapters {
+            println!(
+                "wgpu: {} ({}{})",
+                a.name,
+                a.api,
+                if a.is_gpu {
+                    ""
+                } else {
+                    ", software: slower than the CPU back end"
+                }
+            );
+        }
+    }
+    let auto = choose(Backend::Auto)?;
+    println!(
+        "--backend auto picks: {} ({}): {}",
+        auto.backend, auto.device, auto.reason
+    );
+    Ok(ExitCode::SUCCESS)
+}

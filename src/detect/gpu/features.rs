@@ -1,0 +1,87 @@
+//! Step 5 on the device: what Kilosort4 reports about each detection, GPU twin
+//! of [`crate::detect::cpu::features`]. One unit per detection:
+//!
+//! * `amp` = As\[j, t\], `code` = imaxs\[j, t\] = (1 + r)·sign;
+//! * `adist[c]` = sign·B\[iC\[c, j\], r mod nk, t\] (read from step 1's output);
+//! * `yct` = Σ_c w_c·yc\[iC\[c, j\]\], w = max(adist, 0)/Σ max(adist, 0) (`yweighted`);
+//! * `tf[c·npc + p]` = Σ_m X\[iC\[c, j\], t − nt/2 + m\]·wPCA\[p, m\] (zero outside the window).
+
+use cubecl::prelude::*;
+
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn features_kernel(
+    x: &Array<f32>,
+    b: &Array<f32>,
+    as_in: &Array<f32>,
+    imax_in: &Array<i32>,
+    sites: &Array<u32>,
+    yc: &Array<f32>,
+    wpca: &Array<f32>,
+    count: &Array<u32>,
+    peak_j: &Array<u32>,
+    peak_t: &Array<u32>,
+    out_amp: &mut Array<f32>,
+    out_code: &mut Array<i32>,
+    out_adist: &mut Array<f32>,
+    out_yct: &mut Array<f32>,
+    out_tf: &mut Array<f32>,
+    n_t: u32,
+    cap: u32,
+    #[comptime] nc: usize,
+    #[comptime] nk: usize,
+    #[comptime] npc: usize,
+    #[comptime] ntaps: usize,
+) {
+    let i = ABSOLUTE_POS;
+    let n = min(count[0], cap) as usize;
+    if i < n {
+        let n_t = n_t as usize;
+        let j = peak_j[i] as usize;
+        let t = peak_t[i] as usize;
+        let code = imax_in[j * n_t + t];
+        out_amp[i] = as_in[j * n_t + t];
+        out_code[i] = code;
+        let mut sign = 1.0f32;
+        let mut r = code - 1;
+        if code < 0 {
+            sign = -1.0f32;
+            r = -code - 1;
+        }
+        let k = r as usize % nk;
+        let mut wsum = 0.0f32;
+        #[unroll]
+        for c in 0..nc {
+            let s = sites[j * nc + c] as usize;
+            let a = b[(s * nk + k) * n_t + t] * sign;
+            out_adist[i * nc + c] = a;
+            wsum += max(a, 0.0f32);
+        }
+        let mut yct = 0.0f32;
+        #[unroll]
+        for c in 0..nc {
+            let s = sites[j * nc + c] as usize;
+            let a = out_adist[i * nc + c];
+            yct += (max(a, 0.0f32) / wsum) * yc[s];
+        }
+        out_yct[i] = yct;
+        let half = comptime!(ntaps / 2);
+        for c in 0..nc {
+            let s = sites[j * nc + c] as usize;
+            for p in 0..npc {
+                let mut acc = 0.0f32;
+                for m in 0..ntaps {
+                    let tt = t + m;
+                    let mut v = 0.0f32;
+                    if tt >= half {
+                        if tt - half < n_t {
+                            v = x[s * n_t + tt - half];
+                        }
+                    }
+                    acc += v * wpca[p * ntaps + m];
+                }
+                out_tf[(i * nc + c) * npc + p] = acc;
+            }
+        }
+    }
+}

@@ -1,0 +1,68 @@
+//! Step 1 on the device: the filter bank, GPU twin of [`crate::detect::cpu::filter_bank`].
+//!
+//! B\[c, k, t\] = Σ_m wTEMP\[k, m\]·X\[c, t + m − nt/2\] with X = 0 outside the window
+//! (Kilosort4's `conv1d` with zero padding: a cross-correlation), summed over m in
+//! ascending order like the CPU. Each cube loads its stretch of one channel plus
+//! nt − 1 samples of context and the 6 × nt templates into shared memory once;
+//! each unit computes the 6 outputs of one sample. The same pass writes
+//! q\[c, t\] = max_k B\[c, k, t\]², the per-channel term of the pruning bound used by
+//! [`super::centre_response`].
+
+use cubecl::prelude::*;
+
+/// Samples per cube (one unit per sample).
+pub const TILE: usize = 256;
+
+#[cube(launch)]
+pub(crate) fn filter_bank_kernel(
+    x: &Array<f32>,
+    wtemp: &Array<f32>,
+    b: &mut Array<f32>,
+    q: &mut Array<f32>,
+    n_t: u32,
+    #[comptime] nk: usize,
+    #[comptime] ntaps: usize,
+    #[comptime] tile: usize,
+) {
+    let half = comptime!(ntaps / 2);
+    let span = comptime!(tile + ntaps - 1);
+    let n_w = comptime!(nk * ntaps);
+    let mut xs = SharedMemory::<f32>::new(span);
+    let mut ws = SharedMemory::<f32>::new(n_w);
+    let ch = CUBE_POS_Y as usize;
+    let t0 = CUBE_POS_X as usize * tile;
+    let n_t = n_t as usize;
+    let u = UNIT_POS_X as usize;
+    let mut i = u;
+    while i < n_w {
+        ws[i] = wtemp[i];
+        i += tile;
+    }
+    let mut s = u;
+    while s < span {
+        let p = t0 + s;
+        let mut v = 0.0f32;
+        if p >= half {
+            if p - half < n_t {
+                v = x[ch * n_t + p - half];
+            }
+        }
+        xs[s] = v;
+        s += tile;
+    }
+    sync_cube();
+    let t = t0 + u;
+    if t < n_t {
+        let mut qm = 0.0f32;
+        #[unroll]
+        for k in 0..nk {
+            let mut acc = 0.0f32;
+            for m in 0..ntaps {
+                acc += ws[k * ntaps + m] * xs[u + m];
+            }
+            b[(ch * nk + k) * n_t + t] = acc;
+            qm = max(qm, acc * acc);
+        }
+        q[ch * n_t + t] = qm;
+    }
+}

@@ -1,0 +1,632 @@
+//! The GPU detector: the five steps of [`crate::detect::cpu`] as CubeCL kernels,
+//! one file per step beside the CPU function it mirrors:
+//!
+//! | step | CPU twin | kernel |
+//! |---|---|---|
+//! | 1 filter bank | [`cpu::filter_bank`] | [`filter_bank`] |
+//! | 2 centre response | [`cpu::centre_response`] / [`cpu::centre_response_pruned`] | [`centre_response`] |
+//! | 3 neighbour max | [`cpu::neighbour_max`] | [`neighbour_max`] |
+//! | 4 local peaks | [`cpu::local_peaks`] | [`local_peaks`] |
+//! | 5 features | [`cpu::features`] | [`features`] |
+//!
+//! [`GpuDetector`] has the interface of [`CpuDetector`](crate::detect::cpu::CpuDetector):
+//! its device buffers persist across windows, a window is one upload, five to six
+//! launches and one download of the detections.
+//!
+//! Numerics: every sum runs in the CPU's order, but GPU compilers contract
+//! `a + w·x` into fused multiply-adds (NVRTC by default; Mesa likewise), so the
+//! floats differ from the CPU's by float32 rounding (≤ 1e-5 relative is tested).
+//! Detections — (centre, sample), imax and sign — are tested identical.
+
+pub mod centre_response;
+pub mod features;
+pub mod filter_bank;
+pub mod local_peaks;
+pub mod neighbour_max;
+
+use std::time::Instant;
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use ndarray::ArrayView2;
+
+#[allow(unused_imports)]
+use crate::detect::cpu;
+use crate::detect::cpu::{Detections, NK};
+use crate::detect::geometry::Geometry;
+use crate::detect::settings::DetectionSettings;
+use crate::detect::templates::UniversalTemplates;
+use crate::error::DetectError;
+
+use neighbour_max::NeighbourBlocks;
+
+/// How steps 2–4 run on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuOptions {
+    /// Step 2 skips (j, t) whose Cauchy–Schwarz bound is below Th_universal
+    /// (as the CPU's pruned path); false computes every value (Kilosort4's arrays).
+    pub pruned: bool,
+    /// Step 3 runs only at candidates (As > Th_universal) inside step 4 instead of
+    /// as a dense pass over all centres and samples.
+    pub sparse_peaks: bool,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            pruned: true,
+            sparse_peaks: true,
+        }
+    }
+}
+
+/// Per-window buffers, sized for a window of `n_t` samples.
+struct WindowBuffers {
+    n_t: usize,
+    b: Handle,
+    q: Handle,
+    as_: Handle,
+    imax: Handle,
+    amax: Handle,
+}
+
+/// Detection outputs, sized for `cap` detections.
+struct PeakBuffers {
+    cap: usize,
+    peak_j: Handle,
+    peak_t: Handle,
+    amp: Handle,
+    code: Handle,
+    adist: Handle,
+    yct: Handle,
+    tf: Handle,
+}
+
+/// Seconds spent in each step of one window, with a device sync after each.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepTimes {
+    /// Host → device copy of the window.
+    pub upload: f64,
+    /// Step 1.
+    pub filter_bank: f64,
+    /// Step 2.
+    pub centre_response: f64,
+    /// Step 3 (0 when it runs inside step 4).
+    pub neighbour_max: f64,
+    /// Step 4.
+    pub local_peaks: f64,
+    /// Step 5.
+    pub features: f64,
+    /// Device → host copy of the detections, and sorting them.
+    pub download: f64,
+}
+
+/// A detector on one GPU for one probe geometry (generic over the CubeCL runtime:
+/// CUDA or wgpu). Same interface and detections as [`crate::detect::cpu::CpuDetector`].
+pub struct GpuDetector<R: Runtime> {
+    client: ComputeClient<R>,
+    geometry: Geometry,
+    settings: DetectionSettings,
+    options: GpuOptions,
+    device_name: String,
+    wtemp: Handle,
+    wpca: Handle,
+    sites: Handle,
+    weights: Handle,
+    weight_norm2: Handle,
+    neighbours: Handle,
+    blocks: NeighbourBlocks,
+    block_offsets: Handle,
+    block_rows: Handle,
+    block_local: Handle,
+    yc: Option<(Vec<f32>, Handle)>,
+    x: Option<Handle>,
+    count: Option<Handle>,
+    window: Option<WindowBuffers>,
+    peaks: Option<PeakBuffers>,
+}
+
+impl<R: Runtime> std::fmt::Debug for GpuDetector<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuDetector")
+            .field("device", &self.device_name)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+fn bytes_f32(v: &[f32]) -> &[u8] {
+    f32::as_bytes(v)
+}
+fn bytes_u32(v: &[u32]) -> &[u8] {
+    u32::as_bytes(v)
+}
+
+impl<R: Runtime> GpuDetector<R> {
+    /// Prepares a detector on `device` for `geometry`: uploads the templates, the
+    /// neighbourhoods and the spatial weights once.
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] for invalid settings (as the CPU detector), or for
+    /// nC·nsz·6 too large to keep in registers (nC > 32 or more than 8 sizes).
+    pub fn new(
+        device: &R::Device,
+        device_name: String,
+        geometry: Geometry,
+        templates: UniversalTemplates,
+        settings: DetectionSettings,
+        options: GpuOptions,
+    ) -> Result<Self, DetectError> {
+        settings.validate()?;
+        let nf = geometry.n_centres();
+        let nc = geometry.n_chans();
+        let nsz = geometry.n_sizes();
+        let nc2 = geometry.n_neighbours();
+        if nc > 32 {
+            return Err(DetectError::Setting {
+                name: "nearest_chans",
+                message: format!("is {nc}; the GPU back ends take at most 32 (use --backend cpu)"),
+            });
+        }
+        let client = R::client(device);
+        let mut sites = Vec::with_capacity(nf * nc);
+        let mut weights = Vec::with_capacity(nf * nc * nsz);
+        let mut neighbours = Vec::with_capacity(nf * nc2);
+        let mut weight_norm2 = Vec::with_capacity(nf);
+        for j in 0..nf {
+            let mut best = 0f64;
+            for s in 0..nsz {
+                let n2: f64 = (0..nc)
+                    .map(|c| (geometry.weigh[[s, c, j]] as f64).powi(2))
+                    .sum();
+                best = best.max(n2);
+            }
+            weight_norm2.push(best as f32);
+            for c in 0..nc {
+                sites.push(geometry.i_c[[c, j]]);
+                for s in 0..nsz {
+                    weights.push(geometry.weigh[[s, c, j]]);
+                }
+            }
+            for m in 0..nc2 {
+                neighbours.push(geometry.i_c2[[m, j]]);
+            }
+        }
+        let hw = &client.properties().hardware;
+        let max_shared = hw.max_shared_memory_size.min(48 * 1024);
+        let max_units = (hw.max_units_per_cube as usize).min(256);
+        let blocks = NeighbourBlocks::new(&neighbours, nc2, max_shared, max_units);
+        let wtemp = templates.wtemp.as_standard_layout().to_owned();
+        let wpca = templates.wpca.as_standard_layout().to_owned();
+        let up_f = |v: &[f32]| client.create_from_slice(bytes_f32(v));
+        let up_u = |v: &[u32]| client.create_from_slice(bytes_u32(v));
+        Ok(GpuDetector {
+            wtemp: up_f(wtemp.as_slice().expect("standard layout")),
+            wpca: up_f(wpca.as_slice().expect("standard layout")),
+            sites: up_u(&sites),
+            weights: up_f(&weights),
+            weight_norm2: up_f(&weight_norm2),
+            neighbours: up_u(&neighbours),
+            block_offsets: up_u(&blocks.offsets),
+            block_rows: up_u(&blocks.rows),
+            block_local: up_u(&blocks.local),
+            blocks,
+            client,
+            geometry,
+            settings,
+            options,
+            device_name,
+            yc: None,
+            x: None,
+            count: None,
+            window: None,
+            peaks: None,
+        })
+    }
+
+    /// The geometry in use.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// The device's name, as its driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// The options in use.
+    pub fn options(&self) -> GpuOptions {
+        self.options
+    }
+
+    /// Device memory in use by CubeCL's pools, bytes (None when the runtime does not say).
+    pub fn memory_in_use(&self) -> Option<u64> {
+        self.client.memory_usage().ok().map(|m| m.bytes_reserved)
+    }
+
+    /// Detects spikes in one whitened window `x` (C sites × NT samples, float32),
+    /// exactly as [`crate::detect::cpu::CpuDetector::detect`] does.
+    ///
+    /// # Errors
+    /// As the CPU detector for bad input; [`DetectError::Device`] when the device fails.
+    pub fn detect(&mut self, x: ArrayView2<f32>, yc: &[f32]) -> Result<Detections, DetectError> {
+        self.run(x, yc, None)
+    }
+
+    /// As [`GpuDetector::detect`], with a device sync after each step to time it.
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect`].
+    pub fn detect_timed(
+        &mut self,
+        x: ArrayView2<f32>,
+        yc: &[f32],
+    ) -> Result<(Detections, StepTimes), DetectError> {
+        let mut times = StepTimes::default();
+        let d = self.run(x, yc, Some(&mut times))?;
+        Ok((d, times))
+    }
+
+    /// Steps 1–2 only, densely (every centre and sample), returning As (Nf × NT)
+    /// and imaxs (Nf × NT) and the dense neighbour max before edge zeroing:
+    /// for comparison with [`crate::detect::cpu::CpuDetector::intermediates`].
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect`].
+    pub fn intermediates(
+        &mut self,
+        x: ArrayView2<f32>,
+        yc: &[f32],
+    ) -> Result<(Vec<f32>, Vec<i32>, Vec<f32>), DetectError> {
+        let saved = self.options;
+        self.options = GpuOptions {
+            pruned: false,
+            sparse_peaks: false,
+        };
+        let r = (|| {
+            cpu::check_window(&self.geometry, &self.settings, x, yc)?;
+            self.upload_window(x, yc);
+            self.steps_1_to_3(true);
+            let w = self.window.as_ref().expect("allocated");
+            let out = self
+                .client
+                .read(vec![w.as_.clone(), w.imax.clone(), w.amax.clone()]);
+            Ok((
+                f32::from_bytes(&out[0]).to_vec(),
+                i32::from_bytes(&out[1]).to_vec(),
+                f32::from_bytes(&out[2]).to_vec(),
+            ))
+        })();
+        self.options = saved;
+        r
+    }
+
+    fn sync(&self) -> Result<(), DetectError> {
+        cubecl::future::block_on(self.client.sync()).map_err(|e| DetectError::Device {
+            message: format!("{} failed: {e:?}", self.device_name),
+        })
+    }
+
+    fn upload_window(&mut self, x: ArrayView2<f32>, yc: &[f32]) {
+        let (c, n_t) = x.dim();
+        let nf = self.geometry.n_centres();
+        if self.window.as_ref().map(|w| w.n_t) != Some(n_t) {
+            let f = |n: usize| self.client.empty(n * 4);
+            self.window = Some(WindowBuffers {
+                n_t,
+                b: f(c * NK * n_t),
+                q: f(c * n_t),
+                as_: f(nf * n_t),
+                imax: f(nf * n_t),
+                amax: f(nf * n_t),
+            });
+        }
+        if self.yc.as_ref().map(|(v, _)| v.as_slice()) != Some(yc) {
+            self.yc = Some((yc.to_vec(), self.client.create_from_slice(bytes_f32(yc))));
+        }
+        let x = x.as_standard_layout();
+        let xs = x.as_slice().expect("standard layout");
+        self.x = Some(self.client.create_from_slice(bytes_f32(xs)));
+    }
+
+    fn ensure_peaks(&mut self, cap: usize) {
+        if self.peaks.as_ref().is_some_and(|p| p.cap >= cap) {
+            return;
+        }
+        let nc = self.geometry.n_chans();
+        let npc = self.settings.n_pcs;
+        let f = |n: usize| self.client.empty(n.max(1) * 4);
+        self.peaks = Some(PeakBuffers {
+            cap,
+            peak_j: f(cap),
+            peak_t: f(cap),
+            amp: f(cap),
+            code: f(cap),
+            adist: f(cap * nc),
+            yct: f(cap),
+            tf: f(cap * nc * npc),
+        });
+    }
+
+    /// Steps 1–3 (3 only when dense peaks are asked for, or `force_dense_max`).
+    fn steps_1_to_3(&mut self, force_dense_max: bool) -> [f64; 3] {
+        let mut t = [0f64; 3];
+        self.steps_timed(force_dense_max, None, &mut t);
+        t
+    }
+
+    fn steps_timed(&mut self, force_dense_max: bool, timing: Option<()>, t: &mut [f64; 3]) {
+        let timed = timing.is_some();
+        let w = self.window.as_ref().expect("allocated");
+        let x = self.x.as_ref().expect("uploaded");
+        let n_t = w.n_t;
+        let n_ch = self.yc.as_ref().expect("uploaded").0.len();
+        let nf = self.geometry.n_centres();
+        let nc = self.geometry.n_chans();
+        let nsz = self.geometry.n_sizes();
+        let nc2 = self.geometry.n_neighbours();
+        let ntaps = self.settings.nt;
+        let th = self.settings.th_universal;
+        let client = &self.client;
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let mut clock = Instant::now();
+        let mut lap = |slot: usize, t: &mut [f64; 3]| {
+            if timed {
+                cubecl::future::block_on(client.sync()).ok();
+                t[slot] = clock.elapsed().as_secs_f64();
+                clock = Instant::now();
+            }
+        };
+        filter_bank::filter_bank_kernel::launch::<R>(
+            client,
+            CubeCount::Static(n_t.div_ceil(filter_bank::TILE) as u32, n_ch as u32, 1),
+            CubeDim::new_1d(filter_bank::TILE as u32),
+            arr(x, n_ch * n_t),
+            arr(&self.wtemp, NK * ntaps),
+            arr(&w.b, n_ch * NK * n_t),
+            arr(&w.q, n_ch * n_t),
+            n_t as u32,
+            NK,
+            ntaps,
+            filter_bank::TILE,
+        );
+        lap(0, t);
+        centre_response::centre_response_kernel::launch::<R>(
+            client,
+            CubeCount::Static(nf as u32, n_t.div_ceil(centre_response::TILE) as u32, 1),
+            CubeDim::new_1d(centre_response::TILE as u32),
+            arr(&w.b, n_ch * NK * n_t),
+            arr(&w.q, n_ch * n_t),
+            arr(&self.sites, nf * nc),
+            arr(&self.weights, nf * nc * nsz),
+            arr(&self.weight_norm2, nf),
+            arr(&w.as_, nf * n_t),
+            arr(&w.imax, nf * n_t),
+            n_t as u32,
+            th * th,
+            nc,
+            nsz,
+            NK,
+            self.options.pruned,
+        );
+        lap(1, t);
+        if force_dense_max || !self.options.sparse_peaks {
+            let bl = &self.blocks;
+            neighbour_max::neighbour_max_kernel::launch::<R>(
+                client,
+                CubeCount::Static(bl.n_blocks() as u32, n_t.div_ceil(bl.tile) as u32, 1),
+                CubeDim::new_2d(bl.tile as u32, bl.per_block as u32),
+                arr(&w.as_, nf * n_t),
+                arr(&self.block_offsets, bl.offsets.len()),
+                arr(&self.block_rows, bl.rows.len()),
+                arr(&self.block_local, bl.local.len()),
+                arr(&w.amax, nf * n_t),
+                n_t as u32,
+                nf as u32,
+                nc2 as u32,
+                bl.max_union,
+                bl.tile,
+                bl.per_block,
+            );
+            lap(2, t);
+        }
+    }
+
+    fn run(
+        &mut self,
+        x: ArrayView2<f32>,
+        yc: &[f32],
+        mut times: Option<&mut StepTimes>,
+    ) -> Result<Detections, DetectError> {
+        cpu::check_window(&self.geometry, &self.settings, x, yc)?;
+        let timed = times.is_some();
+        let clock = Instant::now();
+        self.upload_window(x, yc);
+        if timed {
+            self.sync()?;
+        }
+        let upload = clock.elapsed().as_secs_f64();
+        let mut t3 = [0f64; 3];
+        self.steps_timed(false, timed.then_some(()), &mut t3);
+        let mut cap = self.peaks.as_ref().map_or(4096, |p| p.cap);
+        loop {
+            self.ensure_peaks(cap);
+            let clock = Instant::now();
+            self.launch_peaks();
+            if timed {
+                self.sync()?;
+            }
+            let t_peaks = clock.elapsed().as_secs_f64();
+            let clock = Instant::now();
+            self.launch_features();
+            if timed {
+                self.sync()?;
+            }
+            let t_features = clock.elapsed().as_secs_f64();
+            let clock = Instant::now();
+            let (n, det) = self.download()?;
+            if n > cap {
+                cap = n.next_power_of_two();
+                continue;
+            }
+            if let Some(t) = times.as_deref_mut() {
+                *t = StepTimes {
+                    upload,
+                    filter_bank: t3[0],
+                    centre_response: t3[1],
+                    neighbour_max: t3[2],
+                    local_peaks: t_peaks,
+                    features: t_features,
+                    download: clock.elapsed().as_secs_f64(),
+                };
+            }
+            return Ok(det);
+        }
+    }
+
+    fn launch_peaks(&mut self) {
+        let w = self.window.as_ref().expect("allocated");
+        let p = self.peaks.as_ref().expect("allocated");
+        let n_t = w.n_t;
+        let nf = self.geometry.n_centres();
+        let nc2 = self.geometry.n_neighbours();
+        let client = &self.client;
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let count = client.create_from_slice(bytes_u32(&[0]));
+        let nt = self.settings.nt as u32;
+        let half = self.settings.nt0min() as u32;
+        let th = self.settings.th_universal;
+        let grid = CubeCount::Static(nf as u32, n_t.div_ceil(local_peaks::TILE) as u32, 1);
+        let dim = CubeDim::new_1d(local_peaks::TILE as u32);
+        if self.options.sparse_peaks {
+            local_peaks::local_peaks_sparse_kernel::launch::<R>(
+                client,
+                grid,
+                dim,
+                arr(&w.as_, nf * n_t),
+                arr(&self.neighbours, nf * nc2),
+                arr(&count, 1),
+                arr(&p.peak_j, p.cap),
+                arr(&p.peak_t, p.cap),
+                n_t as u32,
+                nc2 as u32,
+                nt,
+                half,
+                th,
+                p.cap as u32,
+            );
+        } else {
+            local_peaks::local_peaks_kernel::launch::<R>(
+                client,
+                grid,
+                dim,
+                arr(&w.as_, nf * n_t),
+                arr(&w.amax, nf * n_t),
+                arr(&count, 1),
+                arr(&p.peak_j, p.cap),
+                arr(&p.peak_t, p.cap),
+                n_t as u32,
+                nt,
+                half,
+                th,
+                p.cap as u32,
+            );
+        }
+        self.count = Some(count);
+    }
+
+    fn launch_features(&mut self) {
+        let w = self.window.as_ref().expect("allocated");
+        let p = self.peaks.as_ref().expect("allocated");
+        let x = self.x.as_ref().expect("uploaded");
+        let (ycv, yc) = self.yc.as_ref().expect("uploaded");
+        let count = self.count.as_ref().expect("launched");
+        let n_t = w.n_t;
+        let n_ch = ycv.len();
+        let nf = self.geometry.n_centres();
+        let nc = self.geometry.n_chans();
+        let npc = self.settings.n_pcs;
+        let ntaps = self.settings.nt;
+        let client = &self.client;
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        const UNITS: usize = 64;
+        features::features_kernel::launch::<R>(
+            client,
+            CubeCount::Static(p.cap.div_ceil(UNITS) as u32, 1, 1),
+            CubeDim::new_1d(UNITS as u32),
+            arr(x, n_ch * n_t),
+            arr(&w.b, n_ch * NK * n_t),
+            arr(&w.as_, nf * n_t),
+            arr(&w.imax, nf * n_t),
+            arr(&self.sites, nf * nc),
+            arr(yc, n_ch),
+            arr(&self.wpca, npc * ntaps),
+            arr(count, 1),
+            arr(&p.peak_j, p.cap),
+            arr(&p.peak_t, p.cap),
+            arr(&p.amp, p.cap),
+            arr(&p.code, p.cap),
+            arr(&p.adist, p.cap * nc),
+            arr(&p.yct, p.cap),
+            arr(&p.tf, p.cap * nc * npc),
+            n_t as u32,
+            p.cap as u32,
+            nc,
+            NK,
+            npc,
+            ntaps,
+        );
+    }
+
+    /// The one download of a window: the count and every detection's outputs,
+    /// sorted into Kilosort4's (centre, sample) order. Returns the count found on
+    /// the device (more than the capacity means the buffers must grow).
+    fn download(&mut self) -> Result<(usize, Detections), DetectError> {
+        let p = self.peaks.as_ref().expect("allocated");
+        let count = self.count.take().expect("launched");
+        let out = self.client.read_async(vec![
+            count,
+            p.peak_j.clone(),
+            p.peak_t.clone(),
+            p.amp.clone(),
+            p.code.clone(),
+            p.adist.clone(),
+            p.yct.clone(),
+            p.tf.clone(),
+        ]);
+        let out = cubecl::future::block_on(out).map_err(|e| DetectError::Device {
+            message: format!("{} failed: {e:?}", self.device_name),
+        })?;
+        let n = u32::from_bytes(&out[0])[0] as usize;
+        let nc = self.geometry.n_chans();
+        let npc = self.settings.n_pcs;
+        let mut d = Detections {
+            n_chans: nc,
+            n_pcs: npc,
+            ..Detections::default()
+        };
+        if n > p.cap {
+            return Ok((n, d));
+        }
+        let pj = u32::from_bytes(&out[1]);
+        let pt = u32::from_bytes(&out[2]);
+        let amp = f32::from_bytes(&out[3]);
+        let code = i32::from_bytes(&out[4]);
+        let adist = f32::from_bytes(&out[5]);
+        let yct = f32::from_bytes(&out[6]);
+        let tf = f32::from_bytes(&out[7]);
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_unstable_by_key(|&i| (pj[i], pt[i]));
+        for i in order {
+            d.centre.push(pj[i]);
+            d.sample.push(pt[i] as u64);
+            d.amp.push(amp[i]);
+            d.imax.push((code[i].unsigned_abs() - 1) as u8);
+            d.sign.push(code[i].signum() as i8);
+            d.adist.extend_from_slice(&adist[i * nc..(i + 1) * nc]);
+            d.yct.push(yct[i]);
+            d.tf.extend_from_slice(&tf[i * nc * npc..(i + 1) * nc * npc]);
+        }
+        Ok((n, d))
+    }
+}

@@ -1,0 +1,325 @@
+//! The GPU detector against its CPU twin (`src/detect/cpu.rs`, itself checked
+//! against Kilosort4 in tests/fixtures.rs), on every detection fixture and on
+//! random windows and probes.
+//!
+//! Written once, generic over the CubeCL runtime, and instantiated for wgpu (in
+//! CI on Mesa's lavapipe, a software Vulkan: `.ci/run` installs it; a machine
+//! without any Vulkan adapter fails these tests with a message saying so) and for
+//! CUDA (`#[ignore]`d: they need an NVIDIA GPU; run them there with
+//! `cargo test --release --test gpu -- --include-ignored`).
+//!
+//! What must agree: the detections — (centre, sample), imax and sign — exactly;
+//! amp, adist, yct and tF within |Δ| ≤ 1e-5·max(|ref|, 1) (whitened units, noise
+//! sd 1). GPU compilers contract a + w·x into fused multiply-adds, so the floats
+//! are not the CPU's bits; the difference is float32 rounding (~1e-7 relative).
+#![cfg(any(feature = "cuda", feature = "wgpu"))]
+
+mod common;
+
+use common::{Case, Rng, inject, noise, probe};
+use cubecl::Runtime;
+use ndarray::Array2;
+use spikecube::detect::cpu::{CpuDetector, Detections};
+use spikecube::detect::gpu::{GpuDetector, GpuOptions};
+use spikecube::{DetectionSettings, Geometry, Probe, UniversalTemplates};
+
+const TOL: f32 = 1e-5;
+
+const DENSE: GpuOptions = GpuOptions {
+    pruned: false,
+    sparse_peaks: false,
+};
+const FAST: GpuOptions = GpuOptions {
+    pruned: true,
+    sparse_peaks: true,
+};
+
+fn close(what: &str, a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= TOL * x.abs().max(1.0),
+            "{what}[{i}]: CPU {x} vs GPU {y}"
+        );
+    }
+}
+
+fn same(cpu: &Detections, gpu: &Detections, label: &str) {
+    assert_eq!(cpu.len(), gpu.len(), "{label}: detection count");
+    assert_eq!(cpu.centre, gpu.centre, "{label}: centres");
+    assert_eq!(cpu.sample, gpu.sample, "{label}: samples");
+    assert_eq!(cpu.imax, gpu.imax, "{label}: imax");
+    assert_eq!(cpu.sign, gpu.sign, "{label}: sign");
+    close(&format!("{label} amp"), &cpu.amp, &gpu.amp);
+    close(&format!("{label} adist"), &cpu.adist, &gpu.adist);
+    close(&format!("{label} yct"), &cpu.yct, &gpu.yct);
+    close(&format!("{label} tF"), &cpu.tf, &gpu.tf);
+}
+
+fn gpu<R: Runtime>(
+    device: &R::Device,
+    g: &Geometry,
+    s: &DetectionSettings,
+    options: GpuOptions,
+) -> GpuDetector<R> {
+    GpuDetector::<R>::new(
+        device,
+        "test device".into(),
+        g.clone(),
+        UniversalTemplates::builtin(),
+        s.clone(),
+        options,
+    )
+    .unwrap()
+}
+
+/// Every Kilosort4 fixture, with Kilosort4's own neighbourhoods: GPU (fast and
+/// dense) equals the CPU detector.
+fn check_fixtures<R: Runtime>(device: &R::Device, cases: &[&str]) {
+    for name in cases {
+        let case = Case::load(name);
+        let g = case.kilosort_geometry();
+        let s = DetectionSettings {
+            nearest_chans: g.n_chans(),
+            ..case.settings.clone()
+        };
+        let mut cpu =
+            CpuDetector::new(g.clone(), UniversalTemplates::builtin(), s.clone()).unwrap();
+        let want = cpu.detect(case.x.view(), &case.probe.yc).unwrap();
+        assert!(!want.is_empty(), "{name}: the fixture has detections");
+        for (label, opt) in [("fast", FAST), ("dense", DENSE)] {
+            let mut det = gpu::<R>(device, &g, &s, opt);
+            let got = det.detect(case.x.view(), &case.probe.yc).unwrap();
+            same(&want, &got, &format!("{name} {label}"));
+            // Buffers persist across windows: a second window gives the same again.
+            let again = det.detect(case.x.view(), &case.probe.yc).unwrap();
+            assert_eq!(got, again, "{name} {label}: second call");
+        }
+    }
+}
+
+/// Dense intermediates (As, imaxs, neighbour max) against the CPU's dense arrays.
+fn check_intermediates<R: Runtime>(device: &R::Device, name: &str) {
+    let case = Case::load(name);
+    let g = case.kilosort_geometry();
+    let s = DetectionSettings {
+        nearest_chans: g.n_chans(),
+        ..case.settings.clone()
+    };
+    let mut cpu = CpuDetector::new(g.clone(), UniversalTemplates::builtin(), s.clone()).unwrap();
+    let want = cpu.intermediates(case.x.view(), &case.probe.yc).unwrap();
+    let mut det = gpu::<R>(device, &g, &s, DENSE);
+    let (as_, imax, amax) = det.intermediates(case.x.view(), &case.probe.yc).unwrap();
+    let nt_w = case.x.ncols();
+    let nt = s.nt;
+    let mut imax_diff = 0;
+    for j in 0..g.n_centres() {
+        for t in 0..nt_w {
+            let i = j * nt_w + t;
+            let (a, b) = (want.as_[[j, t]], as_[i]);
+            assert!(
+                (a - b).abs() <= TOL * a.max(1.0),
+                "{name} As[{j}, {t}]: {a} vs {b}"
+            );
+            if want.imax_signed[[j, t]] as i32 != imax[i] {
+                imax_diff += 1;
+            }
+            let edge = t < nt || t + nt >= nt_w;
+            if !edge {
+                let (a, b) = (want.amax_prepool[[j, t]], amax[i]);
+                assert!(
+                    (a - b).abs() <= TOL * a.max(1.0),
+                    "{name} Amax[{j}, {t}]: {a} vs {b}"
+                );
+            }
+        }
+    }
+    // A different winner is possible only where two of the 30 filters tie to float32
+    // rounding; on these windows there is none.
+    assert_eq!(imax_diff, 0, "{name}: imaxs differs at {imax_diff} points");
+}
+
+/// Random small probes and windows with odd sizes (not multiples of any tile),
+/// spikes injected at random places including the window edges.
+fn check_random<R: Runtime>(device: &R::Device, n_cases: u64) {
+    for seed in 1..=n_cases {
+        let mut rng = Rng(seed * 7919 + 13);
+        let n_col = 1 + (rng.uniform() * 3.0) as usize;
+        let n_row = 3 + (rng.uniform() * 12.0) as usize;
+        let pitch = [10.0f32, 15.0, 20.0, 25.0][(rng.uniform() * 4.0) as usize];
+        let mut xy = Vec::new();
+        for r in 0..n_row {
+            for c in 0..n_col {
+                xy.push((c as f32 * 16.0 + (r % 2) as f32 * 8.0, r as f32 * pitch));
+            }
+        }
+        let p: Probe = probe(&xy, &vec![0; xy.len()]);
+        let s = DetectionSettings {
+            nearest_chans: 10.min(xy.len()),
+            nearest_templates: 5 + (rng.uniform() * 100.0) as usize,
+            ..DetectionSettings::default()
+        };
+        let g = Geometry::new(&p, &s).unwrap();
+        let nt_w = 2 * 61 + 200 + (rng.uniform() * 900.0) as usize;
+        let mut x: Array2<f32> = noise(xy.len(), nt_w, seed);
+        for _ in 0..(3 + (rng.uniform() * 10.0) as usize) {
+            let t0 = (rng.uniform() * nt_w as f64) as usize;
+            let centre = (rng.uniform() * xy.len() as f64) as usize;
+            let (cx, cy) = xy[centre];
+            let gains: Vec<f32> = xy
+                .iter()
+                .map(|&(x, y)| (-((x - cx).powi(2) + (y - cy).powi(2)) / 900.0).exp())
+                .collect();
+            let k = (rng.uniform() * 6.0) as usize;
+            let amp =
+                (12.0 + rng.uniform() * 40.0) as f32 * if rng.uniform() < 0.2 { -1.0 } else { 1.0 };
+            inject(&mut x, t0, k, amp, &gains);
+        }
+        let mut cpu =
+            CpuDetector::new(g.clone(), UniversalTemplates::builtin(), s.clone()).unwrap();
+        let want = cpu.detect_dense(x.view(), &p.yc).unwrap();
+        for (label, opt) in [("fast", FAST), ("dense", DENSE)] {
+            let mut det = gpu::<R>(device, &g, &s, opt);
+            let got = det.detect(x.view(), &p.yc).unwrap();
+            same(
+                &want,
+                &got,
+                &format!("random case {seed} ({n_col}×{n_row}, NT {nt_w}) {label}"),
+            );
+        }
+    }
+}
+
+/// More detections than the first buffers hold: the buffers grow and nothing is dropped.
+fn check_overflow<R: Runtime>(device: &R::Device) {
+    let xy: Vec<(f32, f32)> = (0..8).map(|r| (0.0, r as f32 * 20.0)).collect();
+    let p = probe(&xy, &[0; 8]);
+    // A low threshold on noise: thousands of local maxima.
+    let s = DetectionSettings {
+        th_universal: 0.5,
+        nearest_chans: 8,
+        nearest_templates: 1,
+        ..DetectionSettings::default()
+    };
+    let g = Geometry::new(&p, &s).unwrap();
+    let x = noise(8, 2 * 61 + 40_000, 99);
+    let mut cpu = CpuDetector::new(g.clone(), UniversalTemplates::builtin(), s.clone()).unwrap();
+    let want = cpu.detect(x.view(), &p.yc).unwrap();
+    assert!(
+        want.len() > 4096,
+        "the case must overflow the first buffers: {}",
+        want.len()
+    );
+    let mut det = gpu::<R>(device, &g, &s, FAST);
+    let got = det.detect(x.view(), &p.yc).unwrap();
+    same(&want, &got, "overflow");
+}
+
+/// Bad input is the CPU's error, not a device failure.
+fn check_bad_input<R: Runtime>(device: &R::Device) {
+    let case = Case::load("tetrode_like");
+    let g = case.kilosort_geometry();
+    let s = DetectionSettings {
+        nearest_chans: g.n_chans(),
+        ..DetectionSettings::default()
+    };
+    let mut det = gpu::<R>(device, &g, &s, FAST);
+    let mut x = case.x.clone();
+    x[[1, 100]] = f32::NAN;
+    let e = det
+        .detect(x.view(), &case.probe.yc)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("non-finite"), "{e}");
+    let short = Array2::<f32>::zeros((case.x.nrows(), 100));
+    let e = det
+        .detect(short.view(), &case.probe.yc)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("2·nt + 1"), "{e}");
+}
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+
+    /// lavapipe runs about 1 GFLOP/s: the 384-channel fixtures take a few seconds each.
+    fn device() -> WgpuDevice {
+        assert!(
+            !spikecube::backend::probe_wgpu().is_empty(),
+            "no Vulkan adapter: install a Vulkan driver (CI: apt-get install mesa-vulkan-drivers libvulkan1)"
+        );
+        WgpuDevice::DefaultDevice
+    }
+
+    #[test]
+    fn fixtures_small() {
+        check_fixtures::<WgpuRuntime>(&device(), &["tetrode_like", "linear32"]);
+    }
+    #[test]
+    fn fixtures_np() {
+        check_fixtures::<WgpuRuntime>(
+            &device(),
+            &["np2_1shank", "np1", "np2_4shank", "np2_4shank_staggered"],
+        );
+    }
+    #[test]
+    fn intermediates() {
+        check_intermediates::<WgpuRuntime>(&device(), "tetrode_like");
+        check_intermediates::<WgpuRuntime>(&device(), "linear32");
+    }
+    #[test]
+    fn random() {
+        check_random::<WgpuRuntime>(&device(), 12);
+    }
+    #[test]
+    fn overflow() {
+        check_overflow::<WgpuRuntime>(&device());
+    }
+    #[test]
+    fn bad_input() {
+        check_bad_input::<WgpuRuntime>(&device());
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+
+    fn device() -> CudaDevice {
+        if let Err(why) = spikecube::backend::probe_cuda() {
+            panic!("CUDA tests need an NVIDIA GPU: {why}");
+        }
+        CudaDevice::new(0)
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
+    fn cuda_fixtures() {
+        check_fixtures::<CudaRuntime>(&device(), &common::CASES);
+    }
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
+    fn cuda_intermediates() {
+        for name in common::CASES {
+            check_intermediates::<CudaRuntime>(&device(), name);
+        }
+    }
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
+    fn cuda_random() {
+        check_random::<CudaRuntime>(&device(), 200);
+    }
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
+    fn cuda_overflow() {
+        check_overflow::<CudaRuntime>(&device());
+    }
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
+    fn cuda_bad_input() {
+        check_bad_input::<CudaRuntime>(&device());
+    }
+}
