@@ -25,6 +25,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use cubecl::Runtime;
+use cubecl::prelude::CubeElement;
 use ndarray::{Array2, Array3};
 use spikecube::detect::cpu::{CpuDetector, Detections};
 use spikecube::detect::gpu::{GpuDetector, GpuOptions, StepTimes};
@@ -165,7 +166,7 @@ fn upload<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) 
     let xs = xs.as_slice().unwrap();
     let int16: Vec<i16> = xs.iter().map(|&v| (v * 200.0) as i16).collect();
     let sync = || cubecl::future::block_on(client.sync()).unwrap();
-    let mut time = |f: &dyn Fn()| {
+    let time = |f: &dyn Fn()| {
         let mut v = Vec::new();
         for _ in 0..repeat {
             sync();
@@ -275,6 +276,7 @@ fn main() {
                 &s,
                 repeat,
             ),
+            #[cfg(not(feature = "cuda"))]
             Ok(_) => println!("cuda: not in this build"),
             Err(why) => println!("cuda: {why}"),
         }

@@ -121,8 +121,18 @@ fn check_intermediates<R: Runtime>(device: &R::Device, name: &str) {
                 (a - b).abs() <= TOL * a.max(1.0),
                 "{name} As[{j}, {t}]: {a} vs {b}"
             );
-            if want.imax_signed[[j, t]] as i32 != imax[i] {
+            let (rc, rg) = (want.imax_signed[[j, t]] as i32, imax[i]);
+            if rc != rg {
+                // Only a float tie may pick another winner: the two filters' |A|
+                // (recomputed in float64) must agree to float32 rounding.
                 imax_diff += 1;
+                let a = a_values_f64(&case.x, &g, j, t);
+                let best = a.iter().fold(0f64, |m, v| m.max(v.abs()));
+                let (vc, vg) = (a[rc.unsigned_abs() as usize - 1].abs(), a[rg.unsigned_abs() as usize - 1].abs());
+                assert!(
+                    (vc - vg).abs() <= 1e-5 * best.max(1.0) && rc.signum() == rg.signum(),
+                    "{name} imaxs[{j}, {t}]: CPU {rc} (|A| {vc}), GPU {rg} (|A| {vg}): not a tie"
+                );
             }
             let edge = t < nt || t + nt >= nt_w;
             if !edge {
@@ -135,8 +145,43 @@ fn check_intermediates<R: Runtime>(device: &R::Device, name: &str) {
         }
     }
     // A different winner is possible only where two of the 30 filters tie to float32
-    // rounding; on these windows there is none.
-    assert_eq!(imax_diff, 0, "{name}: imaxs differs at {imax_diff} points");
+    // rounding (checked above); such points are rare.
+    assert!(
+        imax_diff * 10_000 <= g.n_centres() * nt_w,
+        "{name}: imaxs differs at {imax_diff} points"
+    );
+    if imax_diff > 0 {
+        eprintln!("{name}: imaxs differs at {imax_diff} points, each a float32 tie between two filters");
+    }
+}
+
+/// The nsz·6 filter outputs A[r] at (centre j, sample t) in float64, from the window.
+fn a_values_f64(x: &Array2<f32>, g: &Geometry, j: usize, t: usize) -> Vec<f64> {
+    let tpl = UniversalTemplates::builtin();
+    let (nk, ntaps, nc, nsz) = (6, tpl.wtemp.ncols(), g.n_chans(), g.n_sizes());
+    let half = (ntaps / 2) as isize;
+    let mut b = vec![0f64; nc * nk];
+    for c in 0..nc {
+        let s = g.i_c[[c, j]] as usize;
+        for k in 0..nk {
+            b[c * nk + k] = (0..ntaps)
+                .map(|m| {
+                    let tt = t as isize + m as isize - half;
+                    if tt >= 0 && (tt as usize) < x.ncols() {
+                        tpl.wtemp[[k, m]] as f64 * x[[s, tt as usize]] as f64
+                    } else {
+                        0.0
+                    }
+                })
+                .sum();
+        }
+    }
+    (0..nsz * nk)
+        .map(|r| {
+            let (z, k) = (r / nk, r % nk);
+            (0..nc).map(|c| g.weigh[[z, c, j]] as f64 * b[c * nk + k]).sum()
+        })
+        .collect()
 }
 
 /// Random small probes and windows with odd sizes (not multiples of any tile),

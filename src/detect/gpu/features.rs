@@ -1,5 +1,6 @@
 //! Step 5 on the device: what Kilosort4 reports about each detection, GPU twin
-//! of [`crate::detect::cpu::features`]. One unit per detection:
+//! of [`crate::detect::cpu::features`]. One unit per (detection, site); the
+//! site-0 unit also writes the per-detection values:
 //!
 //! * `amp` = As\[j, t\], `code` = imaxs\[j, t\] = (1 + r)·sign;
 //! * `adist[c]` = sign·B\[iC\[c, j\], r mod nk, t\] (read from step 1's output);
@@ -33,15 +34,14 @@ pub(crate) fn features_kernel(
     #[comptime] npc: usize,
     #[comptime] ntaps: usize,
 ) {
-    let i = ABSOLUTE_POS;
+    let i = ABSOLUTE_POS / nc;
+    let c = ABSOLUTE_POS % nc;
     let n = min(count[0], cap) as usize;
     if i < n {
         let n_t = n_t as usize;
         let j = peak_j[i] as usize;
         let t = peak_t[i] as usize;
         let code = imax_in[j * n_t + t];
-        out_amp[i] = as_in[j * n_t + t];
-        out_code[i] = code;
         let mut sign = 1.0f32;
         let mut r = code - 1;
         if code < 0 {
@@ -49,39 +49,41 @@ pub(crate) fn features_kernel(
             r = -code - 1;
         }
         let k = r as usize % nk;
-        let mut wsum = 0.0f32;
-        #[unroll]
-        for c in 0..nc {
-            let s = sites[j * nc + c] as usize;
-            let a = b[(s * nk + k) * n_t + t] * sign;
-            out_adist[i * nc + c] = a;
-            wsum += max(a, 0.0f32);
-        }
-        let mut yct = 0.0f32;
-        #[unroll]
-        for c in 0..nc {
-            let s = sites[j * nc + c] as usize;
-            let a = out_adist[i * nc + c];
-            yct += (max(a, 0.0f32) / wsum) * yc[s];
-        }
-        out_yct[i] = yct;
-        let half = comptime!(ntaps / 2);
-        for c in 0..nc {
-            let s = sites[j * nc + c] as usize;
-            for p in 0..npc {
-                let mut acc = 0.0f32;
-                for m in 0..ntaps {
-                    let tt = t + m;
-                    let mut v = 0.0f32;
-                    if tt >= half {
-                        if tt - half < n_t {
-                            v = x[s * n_t + tt - half];
-                        }
-                    }
-                    acc += v * wpca[p * ntaps + m];
-                }
-                out_tf[(i * nc + c) * npc + p] = acc;
+        let s = sites[j * nc + c] as usize;
+        out_adist[i * nc + c] = b[(s * nk + k) * n_t + t] * sign;
+        if c == 0 {
+            out_amp[i] = as_in[j * n_t + t];
+            out_code[i] = code;
+            let mut wsum = 0.0f32;
+            #[unroll]
+            for cc in 0..nc {
+                let sc = sites[j * nc + cc] as usize;
+                wsum += max(b[(sc * nk + k) * n_t + t] * sign, 0.0f32);
             }
+            let mut yct = 0.0f32;
+            #[unroll]
+            for cc in 0..nc {
+                let sc = sites[j * nc + cc] as usize;
+                let a = b[(sc * nk + k) * n_t + t] * sign;
+                yct += (max(a, 0.0f32) / wsum) * yc[sc];
+            }
+            out_yct[i] = yct;
+        }
+        let half = comptime!(ntaps / 2);
+        #[unroll]
+        for p in 0..npc {
+            let mut acc = 0.0f32;
+            for m in 0..ntaps {
+                let tt = t + m;
+                let mut v = 0.0f32;
+                if tt >= half {
+                    if tt - half < n_t {
+                        v = x[s * n_t + tt - half];
+                    }
+                }
+                acc += v * wpca[p * ntaps + m];
+            }
+            out_tf[(i * nc + c) * npc + p] = acc;
         }
     }
 }

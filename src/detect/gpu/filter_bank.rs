@@ -4,14 +4,20 @@
 //! (Kilosort4's `conv1d` with zero padding: a cross-correlation), summed over m in
 //! ascending order like the CPU. Each cube loads its stretch of one channel plus
 //! nt − 1 samples of context and the 6 × nt templates into shared memory once;
-//! each unit computes the 6 outputs of one sample. The same pass writes
+//! each unit computes the 6 outputs of [`PER_UNIT`] samples, `UNITS` apart (so that
+//! neighbouring units read neighbouring shared-memory words), reusing each template
+//! tap from a register for all of them. The same pass writes
 //! q\[c, t\] = max_k B\[c, k, t\]², the per-channel term of the pruning bound used by
 //! [`super::centre_response`].
 
 use cubecl::prelude::*;
 
-/// Samples per cube (one unit per sample).
-pub const TILE: usize = 256;
+/// Units per cube.
+pub const UNITS: usize = 256;
+/// Samples per unit.
+pub const PER_UNIT: usize = 4;
+/// Samples per cube.
+pub const TILE: usize = UNITS * PER_UNIT;
 
 #[cube(launch)]
 pub(crate) fn filter_bank_kernel(
@@ -22,11 +28,14 @@ pub(crate) fn filter_bank_kernel(
     n_t: u32,
     #[comptime] nk: usize,
     #[comptime] ntaps: usize,
-    #[comptime] tile: usize,
+    #[comptime] units: usize,
+    #[comptime] per_unit: usize,
 ) {
+    let tile = comptime!(units * per_unit);
     let half = comptime!(ntaps / 2);
-    let span = comptime!(tile + ntaps - 1);
+    let span = comptime!(units * per_unit + ntaps - 1);
     let n_w = comptime!(nk * ntaps);
+    let n_acc = comptime!(nk * per_unit);
     let mut xs = SharedMemory::<f32>::new(span);
     let mut ws = SharedMemory::<f32>::new(n_w);
     let ch = CUBE_POS_Y as usize;
@@ -36,7 +45,7 @@ pub(crate) fn filter_bank_kernel(
     let mut i = u;
     while i < n_w {
         ws[i] = wtemp[i];
-        i += tile;
+        i += units;
     }
     let mut s = u;
     while s < span {
@@ -48,21 +57,36 @@ pub(crate) fn filter_bank_kernel(
             }
         }
         xs[s] = v;
-        s += tile;
+        s += units;
     }
     sync_cube();
-    let t = t0 + u;
-    if t < n_t {
-        let mut qm = 0.0f32;
+    let mut acc = Array::<f32>::new(n_acc);
+    #[unroll]
+    for a in 0..n_acc {
+        acc[a] = 0.0f32;
+    }
+    for m in 0..ntaps {
         #[unroll]
-        for k in 0..nk {
-            let mut acc = 0.0f32;
-            for m in 0..ntaps {
-                acc += ws[k * ntaps + m] * xs[u + m];
+        for r in 0..per_unit {
+            let xv = xs[u + r * units + m];
+            #[unroll]
+            for k in 0..nk {
+                acc[r * nk + k] += ws[k * ntaps + m] * xv;
             }
-            b[(ch * nk + k) * n_t + t] = acc;
-            qm = max(qm, acc * acc);
         }
-        q[ch * n_t + t] = qm;
+    }
+    #[unroll]
+    for r in 0..per_unit {
+        let t = t0 + u + r * units;
+        if t < n_t {
+            let mut qm = 0.0f32;
+            #[unroll]
+            for k in 0..nk {
+                let v = acc[r * nk + k];
+                b[(ch * nk + k) * n_t + t] = v;
+                qm = max(qm, v * v);
+            }
+            q[ch * n_t + t] = qm;
+        }
     }
 }

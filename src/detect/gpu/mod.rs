@@ -18,6 +18,7 @@
 //! floats differ from the CPU's by float32 rounding (≤ 1e-5 relative is tested).
 //! Detections — (centre, sample), imax and sign — are tested identical.
 
+pub mod blocks;
 pub mod centre_response;
 pub mod features;
 pub mod filter_bank;
@@ -38,7 +39,7 @@ use crate::detect::settings::DetectionSettings;
 use crate::detect::templates::UniversalTemplates;
 use crate::error::DetectError;
 
-use neighbour_max::NeighbourBlocks;
+use blocks::RowBlocks;
 
 /// How steps 2–4 run on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,10 +116,14 @@ pub struct GpuDetector<R: Runtime> {
     weights: Handle,
     weight_norm2: Handle,
     neighbours: Handle,
-    blocks: NeighbourBlocks,
+    blocks: RowBlocks,
     block_offsets: Handle,
     block_rows: Handle,
     block_local: Handle,
+    site_blocks: RowBlocks,
+    site_offsets: Handle,
+    site_rows: Handle,
+    site_local: Handle,
     yc: Option<(Vec<f32>, Handle)>,
     x: Option<Handle>,
     count: Option<Handle>,
@@ -195,7 +200,8 @@ impl<R: Runtime> GpuDetector<R> {
         let hw = &client.properties().hardware;
         let max_shared = hw.max_shared_memory_size.min(48 * 1024);
         let max_units = (hw.max_units_per_cube as usize).min(256);
-        let blocks = NeighbourBlocks::new(&neighbours, nc2, max_shared, max_units);
+        let blocks = RowBlocks::new(&neighbours, nc2, 1, max_shared, max_units, 16);
+        let site_blocks = RowBlocks::new(&sites, nc, NK + 1, max_shared, max_units, 16);
         let wtemp = templates.wtemp.as_standard_layout().to_owned();
         let wpca = templates.wpca.as_standard_layout().to_owned();
         let up_f = |v: &[f32]| client.create_from_slice(bytes_f32(v));
@@ -211,6 +217,10 @@ impl<R: Runtime> GpuDetector<R> {
             block_rows: up_u(&blocks.rows),
             block_local: up_u(&blocks.local),
             blocks,
+            site_offsets: up_u(&site_blocks.offsets),
+            site_rows: up_u(&site_blocks.rows),
+            site_local: up_u(&site_blocks.local),
+            site_blocks,
             client,
             geometry,
             settings,
@@ -380,7 +390,7 @@ impl<R: Runtime> GpuDetector<R> {
         filter_bank::filter_bank_kernel::launch::<R>(
             client,
             CubeCount::Static(n_t.div_ceil(filter_bank::TILE) as u32, n_ch as u32, 1),
-            CubeDim::new_1d(filter_bank::TILE as u32),
+            CubeDim::new_1d(filter_bank::UNITS as u32),
             arr(x, n_ch * n_t),
             arr(&self.wtemp, NK * ntaps),
             arr(&w.b, n_ch * NK * n_t),
@@ -388,26 +398,34 @@ impl<R: Runtime> GpuDetector<R> {
             n_t as u32,
             NK,
             ntaps,
-            filter_bank::TILE,
+            filter_bank::UNITS,
+            filter_bank::PER_UNIT,
         );
         lap(0, t);
+        let sb = &self.site_blocks;
         centre_response::centre_response_kernel::launch::<R>(
             client,
-            CubeCount::Static(nf as u32, n_t.div_ceil(centre_response::TILE) as u32, 1),
-            CubeDim::new_1d(centre_response::TILE as u32),
+            CubeCount::Static(sb.n_blocks() as u32, n_t.div_ceil(sb.tile) as u32, 1),
+            CubeDim::new_2d(sb.tile as u32, sb.per_block as u32),
             arr(&w.b, n_ch * NK * n_t),
             arr(&w.q, n_ch * n_t),
-            arr(&self.sites, nf * nc),
+            arr(&self.site_offsets, sb.offsets.len()),
+            arr(&self.site_rows, sb.rows.len()),
+            arr(&self.site_local, sb.local.len()),
             arr(&self.weights, nf * nc * nsz),
             arr(&self.weight_norm2, nf),
             arr(&w.as_, nf * n_t),
             arr(&w.imax, nf * n_t),
             n_t as u32,
+            nf as u32,
             th * th,
             nc,
             nsz,
             NK,
             self.options.pruned,
+            sb.max_union,
+            sb.tile,
+            sb.per_block,
         );
         lap(1, t);
         if force_dense_max || !self.options.sparse_peaks {
@@ -549,10 +567,10 @@ impl<R: Runtime> GpuDetector<R> {
         let ntaps = self.settings.nt;
         let client = &self.client;
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
-        const UNITS: usize = 64;
+        const UNITS: usize = 128;
         features::features_kernel::launch::<R>(
             client,
-            CubeCount::Static(p.cap.div_ceil(UNITS) as u32, 1, 1),
+            CubeCount::Static((p.cap * nc).div_ceil(UNITS) as u32, 1, 1),
             CubeDim::new_1d(UNITS as u32),
             arr(x, n_ch * n_t),
             arr(&w.b, n_ch * NK * n_t),
