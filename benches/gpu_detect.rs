@@ -74,23 +74,72 @@ struct Setup {
 }
 
 fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
+    // The straightforward port first, then one optimisation at a time, then the
+    // default without each one.
+    let plain = GpuOptions {
+        pruned: false,
+        sparse_peaks: false,
+        staged: false,
+        fb_per_unit: 1,
+    };
+    let full = GpuOptions::default();
     let variants = [
-        ("dense step 2, dense neighbour max", false, false),
-        ("pruned step 2, dense neighbour max", true, false),
-        ("dense step 2, candidates-only max", false, true),
-        ("pruned step 2, candidates-only max (default)", true, true),
+        ("A plain port (dense everything)", plain),
+        (
+            "B A + candidates-only neighbour max",
+            GpuOptions {
+                sparse_peaks: true,
+                ..plain
+            },
+        ),
+        (
+            "C B + pruned step 2",
+            GpuOptions {
+                sparse_peaks: true,
+                pruned: true,
+                ..plain
+            },
+        ),
+        (
+            "D C + step 2 staged in shared memory",
+            GpuOptions {
+                sparse_peaks: true,
+                pruned: true,
+                staged: true,
+                ..plain
+            },
+        ),
+        ("E D + 4 samples per unit in step 1 (default)", full),
+        (
+            "F default without pruning",
+            GpuOptions {
+                pruned: false,
+                ..full
+            },
+        ),
+        (
+            "G default without staging",
+            GpuOptions {
+                staged: false,
+                ..full
+            },
+        ),
+        (
+            "H default with 2 samples per unit",
+            GpuOptions {
+                fb_per_unit: 2,
+                ..full
+            },
+        ),
     ];
-    for (label, pruned, sparse_peaks) in variants {
+    for (label, options) in variants {
         let mut det = GpuDetector::<R>::new(
             device,
             name.into(),
             s.geometry.clone(),
             UniversalTemplates::builtin(),
             s.settings.clone(),
-            GpuOptions {
-                pruned,
-                sparse_peaks,
-            },
+            options,
         )
         .expect("detector");
         let first = det.detect(s.x.view(), &s.probe.yc).expect("detect");
@@ -98,26 +147,25 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
             Ok(()) => "identical to the CPU".to_string(),
             Err(e) => format!("MISMATCH: {e}"),
         };
-        let mut steps: Vec<StepTimes> = Vec::new();
-        for _ in 0..repeat {
-            steps.push(det.detect_timed(s.x.view(), &s.probe.yc).expect("detect").1);
+        let mut profiles: Vec<(StepTimes, f64)> = Vec::new();
+        for _ in 0..5 {
+            profiles.push(
+                det.profile(s.x.view(), &s.probe.yc, repeat)
+                    .expect("profile"),
+            );
         }
         let mut whole = Vec::new();
-        for _ in 0..repeat {
+        for _ in 0..repeat.min(10) {
             let t = Instant::now();
             let d = det.detect(s.x.view(), &s.probe.yc).expect("detect");
             whole.push(t.elapsed().as_secs_f64());
             assert_eq!(d, first, "repeatable");
         }
-        let m = |f: fn(&StepTimes) -> f64| median(steps.iter().map(f).collect()) * 1e3;
-        let kernels = m(|t| t.filter_bank)
-            + m(|t| t.centre_response)
-            + m(|t| t.neighbour_max)
-            + m(|t| t.local_peaks)
-            + m(|t| t.features);
+        let m = |f: fn(&StepTimes) -> f64| median(profiles.iter().map(|p| f(&p.0)).collect()) * 1e3;
+        let total = median(profiles.iter().map(|p| p.1).collect()) * 1e3;
         println!("\n## {name}: {label}");
         println!("detections: {} ({verdict})", first.len());
-        println!("| step | median ms (sync after each) |\n|---|---|");
+        println!("| step | ms per launch (median of 5 × {repeat} launches) |\n|---|---|");
         println!(
             "| upload (float32, {:.1} MB) | {:.3} |",
             (s.x.len() * 4) as f64 / 1e6,
@@ -132,18 +180,17 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
         );
         println!("| 5 features | {:.3} |", m(|t| t.features));
         println!("| download + sort | {:.3} |", m(|t| t.download));
-        println!("| kernels 1–5 (sum) | {kernels:.3} |");
+        println!("| steps 1–5 back to back, no sync between | {total:.3} |");
         println!(
-            "whole detect() without syncs, median of {repeat}: {:.3} ms (min {:.3}, max {:.3})",
-            median(whole.clone()) * 1e3,
-            whole.iter().cloned().fold(f64::INFINITY, f64::min) * 1e3,
-            whole.iter().cloned().fold(0f64, f64::max) * 1e3
+            "whole detect() (upload, kernels, download), median of {}: {:.3} ms",
+            whole.len(),
+            median(whole.clone()) * 1e3
         );
         if let Some(b) = det.memory_in_use() {
             println!("device memory held by CubeCL: {:.0} MB", b as f64 / 1e6);
         }
         println!(
-            "SUMMARY {{\"backend\":\"{name}\",\"variant\":\"{label}\",\"detections\":{},\"ok\":{},\"kernels_ms\":{kernels:.4},\"whole_ms\":{:.4},\"fb\":{:.4},\"cr\":{:.4},\"nm\":{:.4},\"lp\":{:.4},\"ft\":{:.4},\"up\":{:.4},\"down\":{:.4},\"mem_mb\":{:.1}}}",
+            "SUMMARY {{\"backend\":\"{name}\",\"variant\":\"{label}\",\"detections\":{},\"ok\":{},\"kernels_ms\":{total:.4},\"whole_ms\":{:.4},\"fb\":{:.4},\"cr\":{:.4},\"nm\":{:.4},\"lp\":{:.4},\"ft\":{:.4},\"up\":{:.4},\"down\":{:.4},\"mem_mb\":{:.1}}}",
             first.len(),
             verdict.starts_with("identical"),
             median(whole) * 1e3,

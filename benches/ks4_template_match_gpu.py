@@ -103,6 +103,19 @@ def main():
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     xy = res[0].cpu().numpy()
+    # The same window's upload through torch, for comparison with CubeCL's.
+    up = {}
+    Xpin = torch.from_numpy(X).pin_memory()
+    for label, src in (('pageable', torch.from_numpy(X)), ('pinned', Xpin)):
+        ts = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            src.to(dev, non_blocking=False)
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        ts.sort()
+        up[label] = 1e3 * ts[2]
     times.sort()
     summary = {
         'gpu': torch.cuda.get_device_name(0),
@@ -114,6 +127,7 @@ def main():
         'template_match_ms_min': 1e3 * times[0],
         'repeat': repeat,
         'peak_gpu_memory_mb': (torch.cuda.max_memory_allocated() - base) / 1e6,
+        'torch_upload_ms_median': up,
     }
     np.save(out / 'ks4_xy.npy', xy)
     (out / 'ks4_gpu.json').write_text(json.dumps(summary, indent=1))

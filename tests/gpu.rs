@@ -25,13 +25,32 @@ use spikecube::{DetectionSettings, Geometry, Probe, UniversalTemplates};
 
 const TOL: f32 = 1e-5;
 
+/// Every step in its plainest form (Kilosort4's dense arrays).
 const DENSE: GpuOptions = GpuOptions {
     pruned: false,
     sparse_peaks: false,
+    staged: false,
+    fb_per_unit: 1,
 };
+/// The default: every optimisation on.
 const FAST: GpuOptions = GpuOptions {
     pruned: true,
     sparse_peaks: true,
+    staged: true,
+    fb_per_unit: 4,
+};
+/// The other combinations, mixed.
+const MIXED: GpuOptions = GpuOptions {
+    pruned: false,
+    sparse_peaks: true,
+    staged: true,
+    fb_per_unit: 3,
+};
+const MIXED2: GpuOptions = GpuOptions {
+    pruned: true,
+    sparse_peaks: false,
+    staged: false,
+    fb_per_unit: 2,
 };
 
 fn close(what: &str, a: &[f32], b: &[f32]) {
@@ -87,7 +106,12 @@ fn check_fixtures<R: Runtime>(device: &R::Device, cases: &[&str]) {
             CpuDetector::new(g.clone(), UniversalTemplates::builtin(), s.clone()).unwrap();
         let want = cpu.detect(case.x.view(), &case.probe.yc).unwrap();
         assert!(!want.is_empty(), "{name}: the fixture has detections");
-        for (label, opt) in [("fast", FAST), ("dense", DENSE)] {
+        for (label, opt) in [
+            ("fast", FAST),
+            ("dense", DENSE),
+            ("mixed", MIXED),
+            ("mixed2", MIXED2),
+        ] {
             let mut det = gpu::<R>(device, &g, &s, opt);
             let got = det.detect(case.x.view(), &case.probe.yc).unwrap();
             same(&want, &got, &format!("{name} {label}"));
@@ -108,50 +132,57 @@ fn check_intermediates<R: Runtime>(device: &R::Device, name: &str) {
     };
     let mut cpu = CpuDetector::new(g.clone(), UniversalTemplates::builtin(), s.clone()).unwrap();
     let want = cpu.intermediates(case.x.view(), &case.probe.yc).unwrap();
-    let mut det = gpu::<R>(device, &g, &s, DENSE);
-    let (as_, imax, amax) = det.intermediates(case.x.view(), &case.probe.yc).unwrap();
-    let nt_w = case.x.ncols();
-    let nt = s.nt;
-    let mut imax_diff = 0;
-    for j in 0..g.n_centres() {
-        for t in 0..nt_w {
-            let i = j * nt_w + t;
-            let (a, b) = (want.as_[[j, t]], as_[i]);
-            assert!(
-                (a - b).abs() <= TOL * a.max(1.0),
-                "{name} As[{j}, {t}]: {a} vs {b}"
-            );
-            let (rc, rg) = (want.imax_signed[[j, t]] as i32, imax[i]);
-            if rc != rg {
-                // Only a float tie may pick another winner: the two filters' |A|
-                // (recomputed in float64) must agree to float32 rounding.
-                imax_diff += 1;
-                let a = a_values_f64(&case.x, &g, j, t);
-                let best = a.iter().fold(0f64, |m, v| m.max(v.abs()));
-                let (vc, vg) = (a[rc.unsigned_abs() as usize - 1].abs(), a[rg.unsigned_abs() as usize - 1].abs());
-                assert!(
-                    (vc - vg).abs() <= 1e-5 * best.max(1.0) && rc.signum() == rg.signum(),
-                    "{name} imaxs[{j}, {t}]: CPU {rc} (|A| {vc}), GPU {rg} (|A| {vg}): not a tie"
-                );
-            }
-            let edge = t < nt || t + nt >= nt_w;
-            if !edge {
-                let (a, b) = (want.amax_prepool[[j, t]], amax[i]);
+    for opt in [DENSE, FAST] {
+        let mut det = gpu::<R>(device, &g, &s, opt);
+        let (as_, imax, amax) = det.intermediates(case.x.view(), &case.probe.yc).unwrap();
+        let nt_w = case.x.ncols();
+        let nt = s.nt;
+        let mut imax_diff = 0;
+        for j in 0..g.n_centres() {
+            for t in 0..nt_w {
+                let i = j * nt_w + t;
+                let (a, b) = (want.as_[[j, t]], as_[i]);
                 assert!(
                     (a - b).abs() <= TOL * a.max(1.0),
-                    "{name} Amax[{j}, {t}]: {a} vs {b}"
+                    "{name} As[{j}, {t}]: {a} vs {b}"
                 );
+                let (rc, rg) = (want.imax_signed[[j, t]] as i32, imax[i]);
+                if rc != rg {
+                    // Only a float tie may pick another winner: the two filters' |A|
+                    // (recomputed in float64) must agree to float32 rounding.
+                    imax_diff += 1;
+                    let a = a_values_f64(&case.x, &g, j, t);
+                    let best = a.iter().fold(0f64, |m, v| m.max(v.abs()));
+                    let (vc, vg) = (
+                        a[rc.unsigned_abs() as usize - 1].abs(),
+                        a[rg.unsigned_abs() as usize - 1].abs(),
+                    );
+                    assert!(
+                        (vc - vg).abs() <= 1e-5 * best.max(1.0),
+                        "{name} imaxs[{j}, {t}]: CPU {rc} (|A| {vc}), GPU {rg} (|A| {vg}): not a tie"
+                    );
+                }
+                let edge = t < nt || t + nt >= nt_w;
+                if !edge {
+                    let (a, b) = (want.amax_prepool[[j, t]], amax[i]);
+                    assert!(
+                        (a - b).abs() <= TOL * a.max(1.0),
+                        "{name} Amax[{j}, {t}]: {a} vs {b}"
+                    );
+                }
             }
         }
-    }
-    // A different winner is possible only where two of the 30 filters tie to float32
-    // rounding (checked above); such points are rare.
-    assert!(
-        imax_diff * 10_000 <= g.n_centres() * nt_w,
-        "{name}: imaxs differs at {imax_diff} points"
-    );
-    if imax_diff > 0 {
-        eprintln!("{name}: imaxs differs at {imax_diff} points, each a float32 tie between two filters");
+        // A different winner is possible only where two of the 30 filters tie to float32
+        // rounding (checked above); such points are rare.
+        assert!(
+            imax_diff * 10_000 <= g.n_centres() * nt_w,
+            "{name}: imaxs differs at {imax_diff} points"
+        );
+        if imax_diff > 0 {
+            eprintln!(
+                "{name}: imaxs differs at {imax_diff} points, each a float32 tie between two filters"
+            );
+        }
     }
 }
 
@@ -179,7 +210,9 @@ fn a_values_f64(x: &Array2<f32>, g: &Geometry, j: usize, t: usize) -> Vec<f64> {
     (0..nsz * nk)
         .map(|r| {
             let (z, k) = (r / nk, r % nk);
-            (0..nc).map(|c| g.weigh[[z, c, j]] as f64 * b[c * nk + k]).sum()
+            (0..nc)
+                .map(|c| g.weigh[[z, c, j]] as f64 * b[c * nk + k])
+                .sum()
         })
         .collect()
 }
@@ -223,7 +256,12 @@ fn check_random<R: Runtime>(device: &R::Device, n_cases: u64) {
         let mut cpu =
             CpuDetector::new(g.clone(), UniversalTemplates::builtin(), s.clone()).unwrap();
         let want = cpu.detect_dense(x.view(), &p.yc).unwrap();
-        for (label, opt) in [("fast", FAST), ("dense", DENSE)] {
+        for (label, opt) in [
+            ("fast", FAST),
+            ("dense", DENSE),
+            ("mixed", MIXED),
+            ("mixed2", MIXED2),
+        ] {
             let mut det = gpu::<R>(device, &g, &s, opt);
             let got = det.detect(x.view(), &p.yc).unwrap();
             same(

@@ -54,7 +54,13 @@ impl RowBlocks {
         }
     }
 
-    fn build(lists: &[u32], per_item: usize, n_items: usize, per_block: usize, tile: usize) -> Self {
+    fn build(
+        lists: &[u32],
+        per_item: usize,
+        n_items: usize,
+        per_block: usize,
+        tile: usize,
+    ) -> Self {
         let mut offsets = vec![0u32];
         let mut rows = Vec::new();
         let mut local = vec![0u32; n_items * per_item];

@@ -20,6 +20,9 @@
 
 use cubecl::prelude::*;
 
+/// Samples per cube of [`centre_response_direct_kernel`].
+pub const TILE: usize = 256;
+
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn centre_response_kernel(
@@ -97,6 +100,87 @@ pub(crate) fn centre_response_kernel(
                 #[unroll]
                 for k in 0..nk {
                     let bv = sh[(l * nkq + k) * tile + x];
+                    #[unroll]
+                    for z in 0..nsz {
+                        acc[z * nk + k] += weights[(j * nc + c) * nsz + z] * bv;
+                    }
+                }
+            }
+            let mut best = f32::abs(acc[0]);
+            let mut r_best = 0i32;
+            let mut value = acc[0];
+            #[unroll]
+            for r in 1..nr {
+                let v = f32::abs(acc[r]);
+                if v > best {
+                    best = v;
+                    r_best = r as i32;
+                    value = acc[r];
+                }
+            }
+            let mut code = 0i32;
+            if value > 0.0f32 {
+                code = r_best + 1;
+            } else if value < 0.0f32 {
+                code = -(r_best + 1);
+            }
+            as_out[j * n_t + t] = best;
+            imax_out[j * n_t + t] = code;
+        } else {
+            as_out[j * n_t + t] = 0.0f32;
+            imax_out[j * n_t + t] = 0i32;
+        }
+    }
+}
+
+/// The same maths with B read from global memory (L2): one cube per centre and
+/// [`TILE`] samples, all centres of a time tile in flight together. Kept to measure
+/// the staged kernel against.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn centre_response_direct_kernel(
+    b: &Array<f32>,
+    q: &Array<f32>,
+    sites: &Array<u32>,
+    weights: &Array<f32>,
+    weight_norm2: &Array<f32>,
+    as_out: &mut Array<f32>,
+    imax_out: &mut Array<i32>,
+    n_t: u32,
+    th2: f32,
+    #[comptime] nc: usize,
+    #[comptime] nsz: usize,
+    #[comptime] nk: usize,
+    #[comptime] pruned: bool,
+) {
+    let j = CUBE_POS_X as usize;
+    let t = CUBE_POS_Y as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    let n_t = n_t as usize;
+    if t < n_t {
+        let mut go = true;
+        if comptime!(pruned) {
+            let mut sum = 0.0f32;
+            #[unroll]
+            for c in 0..nc {
+                let s = sites[j * nc + c] as usize;
+                sum += q[s * n_t + t];
+            }
+            let scale = weight_norm2[j] * 1.01f32;
+            go = sum * scale >= th2;
+        }
+        if go {
+            let nr = comptime!(nsz * nk);
+            let mut acc = Array::<f32>::new(nr);
+            #[unroll]
+            for r in 0..nr {
+                acc[r] = 0.0f32;
+            }
+            #[unroll]
+            for c in 0..nc {
+                let s = sites[j * nc + c] as usize;
+                #[unroll]
+                for k in 0..nk {
+                    let bv = b[(s * nk + k) * n_t + t];
                     #[unroll]
                     for z in 0..nsz {
                         acc[z * nk + k] += weights[(j * nc + c) * nsz + z] * bv;

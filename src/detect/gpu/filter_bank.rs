@@ -65,13 +65,18 @@ pub(crate) fn filter_bank_kernel(
     for a in 0..n_acc {
         acc[a] = 0.0f32;
     }
+    let mut wv = Array::<f32>::new(nk);
     for m in 0..ntaps {
+        #[unroll]
+        for k in 0..nk {
+            wv[k] = ws[k * ntaps + m];
+        }
         #[unroll]
         for r in 0..per_unit {
             let xv = xs[u + r * units + m];
             #[unroll]
             for k in 0..nk {
-                acc[r * nk + k] += ws[k * ntaps + m] * xv;
+                acc[r * nk + k] += wv[k] * xv;
             }
         }
     }

@@ -50,6 +50,10 @@ pub struct GpuOptions {
     /// Step 3 runs only at candidates (As > Th_universal) inside step 4 instead of
     /// as a dense pass over all centres and samples.
     pub sparse_peaks: bool,
+    /// Step 2 stages each block's sites in shared memory (else reads B from global memory).
+    pub staged: bool,
+    /// Samples per unit in step 1 (1 to 8).
+    pub fb_per_unit: usize,
 }
 
 impl Default for GpuOptions {
@@ -57,8 +61,20 @@ impl Default for GpuOptions {
         GpuOptions {
             pruned: true,
             sparse_peaks: true,
+            staged: true,
+            fb_per_unit: filter_bank::PER_UNIT,
         }
     }
+}
+
+/// The steps, for launching and timing them one by one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    FilterBank,
+    CentreResponse,
+    NeighbourMax,
+    LocalPeaks,
+    Features,
 }
 
 /// Per-window buffers, sized for a window of `n_t` samples.
@@ -292,6 +308,7 @@ impl<R: Runtime> GpuDetector<R> {
         self.options = GpuOptions {
             pruned: false,
             sparse_peaks: false,
+            ..saved
         };
         let r = (|| {
             cpu::check_window(&self.geometry, &self.settings, x, yc)?;
@@ -359,37 +376,39 @@ impl<R: Runtime> GpuDetector<R> {
     }
 
     /// Steps 1–3 (3 only when dense peaks are asked for, or `force_dense_max`).
-    fn steps_1_to_3(&mut self, force_dense_max: bool) -> [f64; 3] {
-        let mut t = [0f64; 3];
-        self.steps_timed(force_dense_max, None, &mut t);
-        t
+    fn steps_1_to_3(&mut self, force_dense_max: bool) {
+        self.launch_step(Step::FilterBank);
+        self.launch_step(Step::CentreResponse);
+        if force_dense_max || !self.options.sparse_peaks {
+            self.launch_step(Step::NeighbourMax);
+        }
     }
 
-    fn steps_timed(&mut self, force_dense_max: bool, timing: Option<()>, t: &mut [f64; 3]) {
-        let timed = timing.is_some();
+    fn launch_step(&mut self, step: Step) {
+        match step {
+            Step::FilterBank => self.launch_filter_bank(),
+            Step::CentreResponse => self.launch_centre_response(),
+            Step::NeighbourMax => self.launch_neighbour_max(),
+            Step::LocalPeaks => self.launch_peaks(),
+            Step::Features => self.launch_features(),
+        }
+    }
+
+    fn launch_filter_bank(&self) {
         let w = self.window.as_ref().expect("allocated");
         let x = self.x.as_ref().expect("uploaded");
         let n_t = w.n_t;
         let n_ch = self.yc.as_ref().expect("uploaded").0.len();
-        let nf = self.geometry.n_centres();
-        let nc = self.geometry.n_chans();
-        let nsz = self.geometry.n_sizes();
-        let nc2 = self.geometry.n_neighbours();
         let ntaps = self.settings.nt;
-        let th = self.settings.th_universal;
-        let client = &self.client;
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
-        let mut clock = Instant::now();
-        let mut lap = |slot: usize, t: &mut [f64; 3]| {
-            if timed {
-                cubecl::future::block_on(client.sync()).ok();
-                t[slot] = clock.elapsed().as_secs_f64();
-                clock = Instant::now();
-            }
-        };
+        let per_unit = self.options.fb_per_unit.max(1);
         filter_bank::filter_bank_kernel::launch::<R>(
-            client,
-            CubeCount::Static(n_t.div_ceil(filter_bank::TILE) as u32, n_ch as u32, 1),
+            &self.client,
+            CubeCount::Static(
+                n_t.div_ceil(filter_bank::UNITS * per_unit) as u32,
+                n_ch as u32,
+                1,
+            ),
             CubeDim::new_1d(filter_bank::UNITS as u32),
             arr(x, n_ch * n_t),
             arr(&self.wtemp, NK * ntaps),
@@ -399,55 +418,149 @@ impl<R: Runtime> GpuDetector<R> {
             NK,
             ntaps,
             filter_bank::UNITS,
-            filter_bank::PER_UNIT,
+            per_unit,
         );
-        lap(0, t);
-        let sb = &self.site_blocks;
-        centre_response::centre_response_kernel::launch::<R>(
-            client,
-            CubeCount::Static(sb.n_blocks() as u32, n_t.div_ceil(sb.tile) as u32, 1),
-            CubeDim::new_2d(sb.tile as u32, sb.per_block as u32),
-            arr(&w.b, n_ch * NK * n_t),
-            arr(&w.q, n_ch * n_t),
-            arr(&self.site_offsets, sb.offsets.len()),
-            arr(&self.site_rows, sb.rows.len()),
-            arr(&self.site_local, sb.local.len()),
-            arr(&self.weights, nf * nc * nsz),
-            arr(&self.weight_norm2, nf),
-            arr(&w.as_, nf * n_t),
-            arr(&w.imax, nf * n_t),
-            n_t as u32,
-            nf as u32,
-            th * th,
-            nc,
-            nsz,
-            NK,
-            self.options.pruned,
-            sb.max_union,
-            sb.tile,
-            sb.per_block,
-        );
-        lap(1, t);
-        if force_dense_max || !self.options.sparse_peaks {
-            let bl = &self.blocks;
-            neighbour_max::neighbour_max_kernel::launch::<R>(
-                client,
-                CubeCount::Static(bl.n_blocks() as u32, n_t.div_ceil(bl.tile) as u32, 1),
-                CubeDim::new_2d(bl.tile as u32, bl.per_block as u32),
+    }
+
+    fn launch_centre_response(&self) {
+        let w = self.window.as_ref().expect("allocated");
+        let n_t = w.n_t;
+        let n_ch = self.yc.as_ref().expect("uploaded").0.len();
+        let nf = self.geometry.n_centres();
+        let nc = self.geometry.n_chans();
+        let nsz = self.geometry.n_sizes();
+        let th = self.settings.th_universal;
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        if self.options.staged {
+            let sb = &self.site_blocks;
+            centre_response::centre_response_kernel::launch::<R>(
+                &self.client,
+                CubeCount::Static(sb.n_blocks() as u32, n_t.div_ceil(sb.tile) as u32, 1),
+                CubeDim::new_2d(sb.tile as u32, sb.per_block as u32),
+                arr(&w.b, n_ch * NK * n_t),
+                arr(&w.q, n_ch * n_t),
+                arr(&self.site_offsets, sb.offsets.len()),
+                arr(&self.site_rows, sb.rows.len()),
+                arr(&self.site_local, sb.local.len()),
+                arr(&self.weights, nf * nc * nsz),
+                arr(&self.weight_norm2, nf),
                 arr(&w.as_, nf * n_t),
-                arr(&self.block_offsets, bl.offsets.len()),
-                arr(&self.block_rows, bl.rows.len()),
-                arr(&self.block_local, bl.local.len()),
-                arr(&w.amax, nf * n_t),
+                arr(&w.imax, nf * n_t),
                 n_t as u32,
                 nf as u32,
-                nc2 as u32,
-                bl.max_union,
-                bl.tile,
-                bl.per_block,
+                th * th,
+                nc,
+                nsz,
+                NK,
+                self.options.pruned,
+                sb.max_union,
+                sb.tile,
+                sb.per_block,
             );
-            lap(2, t);
+        } else {
+            centre_response::centre_response_direct_kernel::launch::<R>(
+                &self.client,
+                CubeCount::Static(nf as u32, n_t.div_ceil(centre_response::TILE) as u32, 1),
+                CubeDim::new_1d(centre_response::TILE as u32),
+                arr(&w.b, n_ch * NK * n_t),
+                arr(&w.q, n_ch * n_t),
+                arr(&self.sites, nf * nc),
+                arr(&self.weights, nf * nc * nsz),
+                arr(&self.weight_norm2, nf),
+                arr(&w.as_, nf * n_t),
+                arr(&w.imax, nf * n_t),
+                n_t as u32,
+                th * th,
+                nc,
+                nsz,
+                NK,
+                self.options.pruned,
+            );
         }
+    }
+
+    fn launch_neighbour_max(&self) {
+        let w = self.window.as_ref().expect("allocated");
+        let n_t = w.n_t;
+        let nf = self.geometry.n_centres();
+        let nc2 = self.geometry.n_neighbours();
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let bl = &self.blocks;
+        neighbour_max::neighbour_max_kernel::launch::<R>(
+            &self.client,
+            CubeCount::Static(bl.n_blocks() as u32, n_t.div_ceil(bl.tile) as u32, 1),
+            CubeDim::new_2d(bl.tile as u32, bl.per_block as u32),
+            arr(&w.as_, nf * n_t),
+            arr(&self.block_offsets, bl.offsets.len()),
+            arr(&self.block_rows, bl.rows.len()),
+            arr(&self.block_local, bl.local.len()),
+            arr(&w.amax, nf * n_t),
+            n_t as u32,
+            nf as u32,
+            nc2 as u32,
+            bl.max_union,
+            bl.tile,
+            bl.per_block,
+        );
+    }
+
+    /// Times each step on the window last given to [`GpuDetector::detect`] (or `x`):
+    /// each step launched `reps` times back to back with one device sync at the end
+    /// (seconds per launch), the upload likewise, and all five steps together
+    /// without syncs in between (`total`). Launch overheads are included; the host's
+    /// sync latency is spread over `reps` launches.
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect`].
+    pub fn profile(
+        &mut self,
+        x: ArrayView2<f32>,
+        yc: &[f32],
+        reps: usize,
+    ) -> Result<(StepTimes, f64), DetectError> {
+        let reps = reps.max(1);
+        self.detect(x, yc)?;
+        self.sync()?;
+        let per = |me: &mut Self, f: &mut dyn FnMut(&mut Self)| -> Result<f64, DetectError> {
+            me.sync()?;
+            let t = Instant::now();
+            for _ in 0..reps {
+                f(me);
+            }
+            me.sync()?;
+            Ok(t.elapsed().as_secs_f64() / reps as f64)
+        };
+        let upload = per(self, &mut |me| me.upload_window(x, yc))?;
+        let fb = per(self, &mut |me| me.launch_step(Step::FilterBank))?;
+        let cr = per(self, &mut |me| me.launch_step(Step::CentreResponse))?;
+        let nm = if self.options.sparse_peaks {
+            0.0
+        } else {
+            per(self, &mut |me| me.launch_step(Step::NeighbourMax))?
+        };
+        let lp = per(self, &mut |me| me.launch_step(Step::LocalPeaks))?;
+        let ft = per(self, &mut |me| me.launch_step(Step::Features))?;
+        let total = per(self, &mut |me| {
+            me.steps_1_to_3(false);
+            me.launch_step(Step::LocalPeaks);
+            me.launch_step(Step::Features);
+        })?;
+        let t = Instant::now();
+        let (n, _) = self.download()?;
+        let download = t.elapsed().as_secs_f64();
+        debug_assert!(n <= self.peaks.as_ref().map_or(0, |p| p.cap));
+        Ok((
+            StepTimes {
+                upload,
+                filter_bank: fb,
+                centre_response: cr,
+                neighbour_max: nm,
+                local_peaks: lp,
+                features: ft,
+                download,
+            },
+            total,
+        ))
     }
 
     fn run(
@@ -465,7 +578,20 @@ impl<R: Runtime> GpuDetector<R> {
         }
         let upload = clock.elapsed().as_secs_f64();
         let mut t3 = [0f64; 3];
-        self.steps_timed(false, timed.then_some(()), &mut t3);
+        for (i, step) in [Step::FilterBank, Step::CentreResponse, Step::NeighbourMax]
+            .into_iter()
+            .enumerate()
+        {
+            if step == Step::NeighbourMax && self.options.sparse_peaks {
+                continue;
+            }
+            let clock = Instant::now();
+            self.launch_step(step);
+            if timed {
+                self.sync()?;
+                t3[i] = clock.elapsed().as_secs_f64();
+            }
+        }
         let mut cap = self.peaks.as_ref().map_or(4096, |p| p.cap);
         loop {
             self.ensure_peaks(cap);
@@ -503,6 +629,9 @@ impl<R: Runtime> GpuDetector<R> {
     }
 
     fn launch_peaks(&mut self) {
+        if let Some(old) = self.count.take() {
+            drop(old);
+        }
         let w = self.window.as_ref().expect("allocated");
         let p = self.peaks.as_ref().expect("allocated");
         let n_t = w.n_t;
