@@ -81,6 +81,7 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
         sparse_peaks: false,
         staged: false,
         fb_per_unit: 1,
+        upload_chunk: 0,
     };
     let full = GpuOptions::default();
     let variants = [
@@ -148,7 +149,7 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
             Err(e) => format!("MISMATCH: {e}"),
         };
         let mut profiles: Vec<(StepTimes, f64)> = Vec::new();
-        for _ in 0..5 {
+        for _ in 0..3 {
             profiles.push(
                 det.profile(s.x.view(), &s.probe.yc, repeat)
                     .expect("profile"),
@@ -165,7 +166,7 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
         let total = median(profiles.iter().map(|p| p.1).collect()) * 1e3;
         println!("\n## {name}: {label}");
         println!("detections: {} ({verdict})", first.len());
-        println!("| step | ms per launch (median of 5 × {repeat} launches) |\n|---|---|");
+        println!("| step | ms per launch (median of 3 × {repeat} launches) |\n|---|---|");
         println!(
             "| upload (float32, {:.1} MB) | {:.3} |",
             (s.x.len() * 4) as f64 / 1e6,

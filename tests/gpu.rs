@@ -31,13 +31,15 @@ const DENSE: GpuOptions = GpuOptions {
     sparse_peaks: false,
     staged: false,
     fb_per_unit: 1,
+    upload_chunk: 0,
 };
 /// The default: every optimisation on.
 const FAST: GpuOptions = GpuOptions {
     pruned: true,
     sparse_peaks: true,
-    staged: true,
+    staged: false,
     fb_per_unit: 4,
+    upload_chunk: 1 << 20,
 };
 /// The other combinations, mixed.
 const MIXED: GpuOptions = GpuOptions {
@@ -45,12 +47,14 @@ const MIXED: GpuOptions = GpuOptions {
     sparse_peaks: true,
     staged: true,
     fb_per_unit: 3,
+    upload_chunk: 1000,
 };
 const MIXED2: GpuOptions = GpuOptions {
     pruned: true,
     sparse_peaks: false,
     staged: false,
     fb_per_unit: 2,
+    upload_chunk: 0,
 };
 
 fn close(what: &str, a: &[f32], b: &[f32]) {

@@ -23,7 +23,7 @@ use cubecl::prelude::*;
 /// Samples per cube of [`centre_response_direct_kernel`].
 pub const TILE: usize = 256;
 
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn centre_response_kernel(
     b: &Array<f32>,
@@ -136,7 +136,7 @@ pub(crate) fn centre_response_kernel(
 /// The same maths with B read from global memory (L2): one cube per centre and
 /// [`TILE`] samples, all centres of a time tile in flight together. Kept to measure
 /// the staged kernel against.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn centre_response_direct_kernel(
     b: &Array<f32>,

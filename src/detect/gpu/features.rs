@@ -9,7 +9,7 @@
 
 use cubecl::prelude::*;
 
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn features_kernel(
     x: &Array<f32>,

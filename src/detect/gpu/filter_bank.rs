@@ -19,7 +19,7 @@ pub const PER_UNIT: usize = 4;
 /// Samples per cube.
 pub const TILE: usize = UNITS * PER_UNIT;
 
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub(crate) fn filter_bank_kernel(
     x: &Array<f32>,
     wtemp: &Array<f32>,

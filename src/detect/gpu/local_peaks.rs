@@ -20,7 +20,7 @@ use cubecl::prelude::*;
 /// Samples per cube.
 pub const TILE: usize = 256;
 
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn local_peaks_kernel(
     as_in: &Array<f32>,
@@ -63,7 +63,7 @@ pub(crate) fn local_peaks_kernel(
     }
 }
 
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn local_peaks_sparse_kernel(
     as_in: &Array<f32>,

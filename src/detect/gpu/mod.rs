@@ -24,6 +24,7 @@ pub mod features;
 pub mod filter_bank;
 pub mod local_peaks;
 pub mod neighbour_max;
+pub mod upload;
 
 use std::time::Instant;
 
@@ -54,6 +55,8 @@ pub struct GpuOptions {
     pub staged: bool,
     /// Samples per unit in step 1 (1 to 8).
     pub fb_per_unit: usize,
+    /// Floats per upload chunk (0: the window in one piece).
+    pub upload_chunk: usize,
 }
 
 impl Default for GpuOptions {
@@ -61,8 +64,9 @@ impl Default for GpuOptions {
         GpuOptions {
             pruned: true,
             sparse_peaks: true,
-            staged: true,
+            staged: false,
             fb_per_unit: filter_bank::PER_UNIT,
+            upload_chunk: upload::CHUNK,
         }
     }
 }
@@ -80,6 +84,7 @@ enum Step {
 /// Per-window buffers, sized for a window of `n_t` samples.
 struct WindowBuffers {
     n_t: usize,
+    x: Handle,
     b: Handle,
     q: Handle,
     as_: Handle,
@@ -341,6 +346,7 @@ impl<R: Runtime> GpuDetector<R> {
             let f = |n: usize| self.client.empty(n * 4);
             self.window = Some(WindowBuffers {
                 n_t,
+                x: f(c * n_t),
                 b: f(c * NK * n_t),
                 q: f(c * n_t),
                 as_: f(nf * n_t),
@@ -353,7 +359,29 @@ impl<R: Runtime> GpuDetector<R> {
         }
         let x = x.as_standard_layout();
         let xs = x.as_slice().expect("standard layout");
-        self.x = Some(self.client.create_from_slice(bytes_f32(xs)));
+        let chunk = self.options.upload_chunk;
+        if chunk == 0 {
+            self.x = Some(self.client.create_from_slice(bytes_f32(xs)));
+            return;
+        }
+        let dst = self.window.as_ref().expect("allocated").x.clone();
+        for (i, part) in xs.chunks(chunk).enumerate() {
+            let src = self.client.create_from_slice(bytes_f32(part));
+            // SAFETY: the kernel writes dst[offset + i] for i < len = part.len(), and
+            // offset + len ≤ xs.len(), the length of dst.
+            unsafe {
+                upload::copy_chunk_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(part.len().div_ceil(256) as u32, 1, 1),
+                    CubeDim::new_1d(256),
+                    ArrayArg::from_raw_parts(src, part.len()),
+                    ArrayArg::from_raw_parts(dst.clone(), xs.len()),
+                    (i * chunk) as u32,
+                    part.len() as u32,
+                );
+            }
+        }
+        self.x = Some(dst);
     }
 
     fn ensure_peaks(&mut self, cap: usize) {
@@ -402,24 +430,29 @@ impl<R: Runtime> GpuDetector<R> {
         let ntaps = self.settings.nt;
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let per_unit = self.options.fb_per_unit.max(1);
-        filter_bank::filter_bank_kernel::launch::<R>(
-            &self.client,
-            CubeCount::Static(
-                n_t.div_ceil(filter_bank::UNITS * per_unit) as u32,
-                n_ch as u32,
-                1,
-            ),
-            CubeDim::new_1d(filter_bank::UNITS as u32),
-            arr(x, n_ch * n_t),
-            arr(&self.wtemp, NK * ntaps),
-            arr(&w.b, n_ch * NK * n_t),
-            arr(&w.q, n_ch * n_t),
-            n_t as u32,
-            NK,
-            ntaps,
-            filter_bank::UNITS,
-            per_unit,
-        );
+        // SAFETY: every index the kernel computes is within the lengths passed
+        // (shapes fixed by the geometry and the window; checked by tests/gpu.rs
+        // against the bounds-checked CPU twin on odd sizes).
+        unsafe {
+            filter_bank::filter_bank_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(
+                    n_t.div_ceil(filter_bank::UNITS * per_unit) as u32,
+                    n_ch as u32,
+                    1,
+                ),
+                CubeDim::new_1d(filter_bank::UNITS as u32),
+                arr(x, n_ch * n_t),
+                arr(&self.wtemp, NK * ntaps),
+                arr(&w.b, n_ch * NK * n_t),
+                arr(&w.q, n_ch * n_t),
+                n_t as u32,
+                NK,
+                ntaps,
+                filter_bank::UNITS,
+                per_unit,
+            );
+        }
     }
 
     fn launch_centre_response(&self) {
@@ -433,49 +466,59 @@ impl<R: Runtime> GpuDetector<R> {
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         if self.options.staged {
             let sb = &self.site_blocks;
-            centre_response::centre_response_kernel::launch::<R>(
-                &self.client,
-                CubeCount::Static(sb.n_blocks() as u32, n_t.div_ceil(sb.tile) as u32, 1),
-                CubeDim::new_2d(sb.tile as u32, sb.per_block as u32),
-                arr(&w.b, n_ch * NK * n_t),
-                arr(&w.q, n_ch * n_t),
-                arr(&self.site_offsets, sb.offsets.len()),
-                arr(&self.site_rows, sb.rows.len()),
-                arr(&self.site_local, sb.local.len()),
-                arr(&self.weights, nf * nc * nsz),
-                arr(&self.weight_norm2, nf),
-                arr(&w.as_, nf * n_t),
-                arr(&w.imax, nf * n_t),
-                n_t as u32,
-                nf as u32,
-                th * th,
-                nc,
-                nsz,
-                NK,
-                self.options.pruned,
-                sb.max_union,
-                sb.tile,
-                sb.per_block,
-            );
+            // SAFETY: every index the kernel computes is within the lengths passed
+            // (shapes fixed by the geometry and the window; checked by tests/gpu.rs
+            // against the bounds-checked CPU twin on odd sizes).
+            unsafe {
+                centre_response::centre_response_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(sb.n_blocks() as u32, n_t.div_ceil(sb.tile) as u32, 1),
+                    CubeDim::new_2d(sb.tile as u32, sb.per_block as u32),
+                    arr(&w.b, n_ch * NK * n_t),
+                    arr(&w.q, n_ch * n_t),
+                    arr(&self.site_offsets, sb.offsets.len()),
+                    arr(&self.site_rows, sb.rows.len()),
+                    arr(&self.site_local, sb.local.len()),
+                    arr(&self.weights, nf * nc * nsz),
+                    arr(&self.weight_norm2, nf),
+                    arr(&w.as_, nf * n_t),
+                    arr(&w.imax, nf * n_t),
+                    n_t as u32,
+                    nf as u32,
+                    th * th,
+                    nc,
+                    nsz,
+                    NK,
+                    self.options.pruned,
+                    sb.max_union,
+                    sb.tile,
+                    sb.per_block,
+                );
+            }
         } else {
-            centre_response::centre_response_direct_kernel::launch::<R>(
-                &self.client,
-                CubeCount::Static(nf as u32, n_t.div_ceil(centre_response::TILE) as u32, 1),
-                CubeDim::new_1d(centre_response::TILE as u32),
-                arr(&w.b, n_ch * NK * n_t),
-                arr(&w.q, n_ch * n_t),
-                arr(&self.sites, nf * nc),
-                arr(&self.weights, nf * nc * nsz),
-                arr(&self.weight_norm2, nf),
-                arr(&w.as_, nf * n_t),
-                arr(&w.imax, nf * n_t),
-                n_t as u32,
-                th * th,
-                nc,
-                nsz,
-                NK,
-                self.options.pruned,
-            );
+            // SAFETY: every index the kernel computes is within the lengths passed
+            // (shapes fixed by the geometry and the window; checked by tests/gpu.rs
+            // against the bounds-checked CPU twin on odd sizes).
+            unsafe {
+                centre_response::centre_response_direct_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(nf as u32, n_t.div_ceil(centre_response::TILE) as u32, 1),
+                    CubeDim::new_1d(centre_response::TILE as u32),
+                    arr(&w.b, n_ch * NK * n_t),
+                    arr(&w.q, n_ch * n_t),
+                    arr(&self.sites, nf * nc),
+                    arr(&self.weights, nf * nc * nsz),
+                    arr(&self.weight_norm2, nf),
+                    arr(&w.as_, nf * n_t),
+                    arr(&w.imax, nf * n_t),
+                    n_t as u32,
+                    th * th,
+                    nc,
+                    nsz,
+                    NK,
+                    self.options.pruned,
+                );
+            }
         }
     }
 
@@ -486,22 +529,27 @@ impl<R: Runtime> GpuDetector<R> {
         let nc2 = self.geometry.n_neighbours();
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let bl = &self.blocks;
-        neighbour_max::neighbour_max_kernel::launch::<R>(
-            &self.client,
-            CubeCount::Static(bl.n_blocks() as u32, n_t.div_ceil(bl.tile) as u32, 1),
-            CubeDim::new_2d(bl.tile as u32, bl.per_block as u32),
-            arr(&w.as_, nf * n_t),
-            arr(&self.block_offsets, bl.offsets.len()),
-            arr(&self.block_rows, bl.rows.len()),
-            arr(&self.block_local, bl.local.len()),
-            arr(&w.amax, nf * n_t),
-            n_t as u32,
-            nf as u32,
-            nc2 as u32,
-            bl.max_union,
-            bl.tile,
-            bl.per_block,
-        );
+        // SAFETY: every index the kernel computes is within the lengths passed
+        // (shapes fixed by the geometry and the window; checked by tests/gpu.rs
+        // against the bounds-checked CPU twin on odd sizes).
+        unsafe {
+            neighbour_max::neighbour_max_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(bl.n_blocks() as u32, n_t.div_ceil(bl.tile) as u32, 1),
+                CubeDim::new_2d(bl.tile as u32, bl.per_block as u32),
+                arr(&w.as_, nf * n_t),
+                arr(&self.block_offsets, bl.offsets.len()),
+                arr(&self.block_rows, bl.rows.len()),
+                arr(&self.block_local, bl.local.len()),
+                arr(&w.amax, nf * n_t),
+                n_t as u32,
+                nf as u32,
+                nc2 as u32,
+                bl.max_union,
+                bl.tile,
+                bl.per_block,
+            );
+        }
     }
 
     /// Times each step on the window last given to [`GpuDetector::detect`] (or `x`):
@@ -646,38 +694,48 @@ impl<R: Runtime> GpuDetector<R> {
         let grid = CubeCount::Static(nf as u32, n_t.div_ceil(local_peaks::TILE) as u32, 1);
         let dim = CubeDim::new_1d(local_peaks::TILE as u32);
         if self.options.sparse_peaks {
-            local_peaks::local_peaks_sparse_kernel::launch::<R>(
-                client,
-                grid,
-                dim,
-                arr(&w.as_, nf * n_t),
-                arr(&self.neighbours, nf * nc2),
-                arr(&count, 1),
-                arr(&p.peak_j, p.cap),
-                arr(&p.peak_t, p.cap),
-                n_t as u32,
-                nc2 as u32,
-                nt,
-                half,
-                th,
-                p.cap as u32,
-            );
+            // SAFETY: every index the kernel computes is within the lengths passed
+            // (shapes fixed by the geometry and the window; checked by tests/gpu.rs
+            // against the bounds-checked CPU twin on odd sizes).
+            unsafe {
+                local_peaks::local_peaks_sparse_kernel::launch_unchecked::<R>(
+                    client,
+                    grid,
+                    dim,
+                    arr(&w.as_, nf * n_t),
+                    arr(&self.neighbours, nf * nc2),
+                    arr(&count, 1),
+                    arr(&p.peak_j, p.cap),
+                    arr(&p.peak_t, p.cap),
+                    n_t as u32,
+                    nc2 as u32,
+                    nt,
+                    half,
+                    th,
+                    p.cap as u32,
+                );
+            }
         } else {
-            local_peaks::local_peaks_kernel::launch::<R>(
-                client,
-                grid,
-                dim,
-                arr(&w.as_, nf * n_t),
-                arr(&w.amax, nf * n_t),
-                arr(&count, 1),
-                arr(&p.peak_j, p.cap),
-                arr(&p.peak_t, p.cap),
-                n_t as u32,
-                nt,
-                half,
-                th,
-                p.cap as u32,
-            );
+            // SAFETY: every index the kernel computes is within the lengths passed
+            // (shapes fixed by the geometry and the window; checked by tests/gpu.rs
+            // against the bounds-checked CPU twin on odd sizes).
+            unsafe {
+                local_peaks::local_peaks_kernel::launch_unchecked::<R>(
+                    client,
+                    grid,
+                    dim,
+                    arr(&w.as_, nf * n_t),
+                    arr(&w.amax, nf * n_t),
+                    arr(&count, 1),
+                    arr(&p.peak_j, p.cap),
+                    arr(&p.peak_t, p.cap),
+                    n_t as u32,
+                    nt,
+                    half,
+                    th,
+                    p.cap as u32,
+                );
+            }
         }
         self.count = Some(count);
     }
@@ -697,32 +755,37 @@ impl<R: Runtime> GpuDetector<R> {
         let client = &self.client;
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         const UNITS: usize = 128;
-        features::features_kernel::launch::<R>(
-            client,
-            CubeCount::Static((p.cap * nc).div_ceil(UNITS) as u32, 1, 1),
-            CubeDim::new_1d(UNITS as u32),
-            arr(x, n_ch * n_t),
-            arr(&w.b, n_ch * NK * n_t),
-            arr(&w.as_, nf * n_t),
-            arr(&w.imax, nf * n_t),
-            arr(&self.sites, nf * nc),
-            arr(yc, n_ch),
-            arr(&self.wpca, npc * ntaps),
-            arr(count, 1),
-            arr(&p.peak_j, p.cap),
-            arr(&p.peak_t, p.cap),
-            arr(&p.amp, p.cap),
-            arr(&p.code, p.cap),
-            arr(&p.adist, p.cap * nc),
-            arr(&p.yct, p.cap),
-            arr(&p.tf, p.cap * nc * npc),
-            n_t as u32,
-            p.cap as u32,
-            nc,
-            NK,
-            npc,
-            ntaps,
-        );
+        // SAFETY: every index the kernel computes is within the lengths passed
+        // (shapes fixed by the geometry and the window; checked by tests/gpu.rs
+        // against the bounds-checked CPU twin on odd sizes).
+        unsafe {
+            features::features_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static((p.cap * nc).div_ceil(UNITS) as u32, 1, 1),
+                CubeDim::new_1d(UNITS as u32),
+                arr(x, n_ch * n_t),
+                arr(&w.b, n_ch * NK * n_t),
+                arr(&w.as_, nf * n_t),
+                arr(&w.imax, nf * n_t),
+                arr(&self.sites, nf * nc),
+                arr(yc, n_ch),
+                arr(&self.wpca, npc * ntaps),
+                arr(count, 1),
+                arr(&p.peak_j, p.cap),
+                arr(&p.peak_t, p.cap),
+                arr(&p.amp, p.cap),
+                arr(&p.code, p.cap),
+                arr(&p.adist, p.cap * nc),
+                arr(&p.yct, p.cap),
+                arr(&p.tf, p.cap * nc * npc),
+                n_t as u32,
+                p.cap as u32,
+                nc,
+                NK,
+                npc,
+                ntaps,
+            );
+        }
     }
 
     /// The one download of a window: the count and every detection's outputs,

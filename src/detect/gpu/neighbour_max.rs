@@ -10,7 +10,7 @@
 
 use cubecl::prelude::*;
 
-#[cube(launch)]
+#[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn neighbour_max_kernel(
     as_in: &Array<f32>,
