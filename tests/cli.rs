@@ -21,7 +21,7 @@ fn s(p: &Path) -> &str {
 
 #[test]
 fn detect_window_reproduces_a_fixture_with_its_neighbourhoods() {
-    let case = common::shared().join("fixtures/detection/np2_4shank");
+    let case = common::data("fixtures/detection/np2_4shank");
     let out = tempfile::tempdir().unwrap();
     let o = spikecube(&[
         "detect-window",
@@ -72,7 +72,7 @@ fn detect_window_reproduces_a_fixture_with_its_neighbourhoods() {
 #[test]
 fn detect_window_bad_inputs_are_one_clear_error() {
     let dir = tempfile::tempdir().unwrap();
-    let probe = common::shared().join("fixtures/detection/tetrode_like/probe.json");
+    let probe = common::data("fixtures/detection/tetrode_like/probe.json");
     let write = |name: &str, f: &dyn Fn(&Path)| {
         let p = dir.path().join(name);
         f(&p);

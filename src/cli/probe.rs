@@ -264,14 +264,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
     settings.validate()?;
     let (r, geometry) = report(&probe, &settings);
     for l in &r.lines {
-        println!("{l}");
+        say!("{l}");
     }
     for w in &r.warnings {
-        println!("warning: {w}");
+        say!("warning: {w}");
     }
     if let Some(p) = &args.png {
         draw(&probe, geometry.as_ref(), p)?;
-        println!("picture      {}", p.display());
+        say!("picture      {}", p.display());
     }
     Ok(if geometry.is_some() {
         ExitCode::SUCCESS
