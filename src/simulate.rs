@@ -356,10 +356,10 @@ pub fn np_layout(probe: &Probe, n_ap: usize) -> Option<NpLayout> {
 /// ([`np_layout`]) it has the fields of a real SpikeGLX file of that probe,
 /// consistent with each other (part number and type, `~imroTbl`, gain, ADC
 /// range and resolution, `~snsGeomMap` naming the part); for any other layout
-/// only the geometry (`~snsGeomMap` with the part `spikecube_sim`). The
-/// `~snsGeomMap` positions are the probe's own (those of `probe.json`), so
-/// every reader, whether it uses `~snsGeomMap` or `~imroTbl`, places the sites
-/// alike; a real SpikeGLX file measures x from the shank's edge instead.
+/// only the geometry (`~snsGeomMap` with the part `spikecube_sim`). As in a
+/// real SpikeGLX file, a Neuropixels `~snsGeomMap` measures x from the shank's
+/// left edge (probeinterface's x plus 27 µm on NP2.0, 11 µm on NP1.0), so
+/// readers that use it and readers that use `~imroTbl` place the sites alike.
 fn meta_text(probe: &Probe, cfg: &SimConfig, n_ap: usize, n_samples: u64, file_bytes: u64) -> String {
     let n_cols = n_ap + 1;
     let chan_map: String = (0..n_ap)
@@ -375,11 +375,10 @@ fn meta_text(probe: &Probe, cfg: &SimConfig, n_ap: usize, n_samples: u64, file_b
                 .enumerate()
                 .map(|(c, &e)| format!("({c} {} 0 {e})", 1u32 << (e / 384).min(2)))
                 .collect();
-            let entries = &geom[geom.find(')').map_or(0, |k| k + 1)..];
             (
                 "imAiRangeMax=0.62\nimAiRangeMin=-0.62\nimChan0apGain=100\nimDatPrb_pn=NP2003\nimDatPrb_sn=0\nimDatPrb_type=2003\nimMaxInt=2048\n".to_string(),
                 Some(format!("(2003,384){imro}")),
-                format!("(NP2003,1,0,70){entries}"),
+                format!("(NP2003,1,0,70){}", np_geom_entries(probe, 27.0)),
             )
         }
         Some(NpLayout::Np1 { banks }) => {
@@ -388,11 +387,10 @@ fn meta_text(probe: &Probe, cfg: &SimConfig, n_ap: usize, n_samples: u64, file_b
                 .enumerate()
                 .map(|(c, &b)| format!("({c} {b} 0 500 250 1)"))
                 .collect();
-            let entries = &geom[geom.find(')').map_or(0, |k| k + 1)..];
             (
                 "imAiRangeMax=0.6\nimAiRangeMin=-0.6\nimChan0apGain=500\nimDatPrb_pn=PRB_1_4_0480_1\nimDatPrb_sn=0\nimDatPrb_type=0\nimMaxInt=512\n".to_string(),
                 Some(format!("(0,384){imro}")),
-                format!("(PRB_1_4_0480_1,1,0,70){entries}"),
+                format!("(PRB_1_4_0480_1,1,0,70){}", np_geom_entries(probe, 11.0)),
             )
         }
         None => (
@@ -427,6 +425,18 @@ fn meta_text(probe: &Probe, cfg: &SimConfig, n_ap: usize, n_samples: u64, file_b
     }
     text.push_str(&format!("~snsChanMap=({n_ap},0,1){chan_map}\n~snsGeomMap={geom}\n"));
     text
+}
+
+/// `~snsGeomMap` entries `(0:x:z:1)` of a single-shank Neuropixels layout with
+/// 384 channels: the site read by each channel, x = xc + `edge` (µm from the
+/// shank's left edge, as SpikeGLX writes it), z = yc.
+fn np_geom_entries(probe: &Probe, edge: f32) -> String {
+    let mut entries = vec![String::new(); 384];
+    for i in 0..probe.n_sites() {
+        entries[probe.chan_map[i] as usize] =
+            format!("(0:{}:{}:1)", probe.xc[i] + edge, probe.yc[i]);
+    }
+    entries.concat()
 }
 
 /// Writes `probe` as Kilosort JSON (`chanMap`, `xc`, `yc`, `kcoords`, `n_chan`).
