@@ -128,3 +128,24 @@ fn detect_window_bad_inputs_are_one_clear_error() {
         assert!(!out.join("xy.npy").exists(), "no output after an error");
     }
 }
+
+/// `probe --png` draws the 384-site probe and the tetrode with plotters and the
+/// embedded font: a picture of a sensible size with text in its title band.
+#[test]
+fn probe_pictures_are_drawn_with_text() {
+    let out = tempfile::tempdir().unwrap();
+    for case in ["np2_1shank", "tetrode_like"] {
+        let png = out.path().join(format!("{case}.png"));
+        let probe = common::data(&format!("fixtures/detection/{case}/probe.json"));
+        let o = spikecube(&["probe", s(&probe), "--png", s(&png)]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let img = image::open(&png).unwrap().to_rgb8();
+        assert!(img.width() >= 600 && img.height() >= 600, "{case}: {:?}", img.dimensions());
+        // Dark pixels in the title band: the title was drawn with the font.
+        let dark = (0..img.width())
+            .flat_map(|x| (5..45).map(move |y| (x, y)))
+            .filter(|&(x, y)| img.get_pixel(x, y).0.iter().all(|&c| c < 100))
+            .count();
+        assert!(dark > 100, "{case}: {dark} dark pixels in the title band");
+    }
+}
