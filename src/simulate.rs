@@ -285,7 +285,7 @@ pub enum NpLayout {
 /// `~snsGeomMap` measures x from the shank's left edge instead: 11 µm more.)
 fn np1_xy(e: u32) -> (f32, f32) {
     let row = e / 2;
-    let x0 = if row % 2 == 0 { 16.0 } else { 0.0 };
+    let x0 = if row.is_multiple_of(2) { 16.0 } else { 0.0 };
     (x0 + 32.0 * (e % 2) as f32, 20.0 * row as f32)
 }
 
@@ -360,7 +360,13 @@ pub fn np_layout(probe: &Probe, n_ap: usize) -> Option<NpLayout> {
 /// real SpikeGLX file, a Neuropixels `~snsGeomMap` measures x from the shank's
 /// left edge (probeinterface's x plus 27 µm on NP2.0, 11 µm on NP1.0), so
 /// readers that use it and readers that use `~imroTbl` place the sites alike.
-fn meta_text(probe: &Probe, cfg: &SimConfig, n_ap: usize, n_samples: u64, file_bytes: u64) -> String {
+fn meta_text(
+    probe: &Probe,
+    cfg: &SimConfig,
+    n_ap: usize,
+    n_samples: u64,
+    file_bytes: u64,
+) -> String {
     let n_cols = n_ap + 1;
     let chan_map: String = (0..n_ap)
         .map(|i| format!("(AP{i};{i}:{i})"))
@@ -423,7 +429,9 @@ fn meta_text(probe: &Probe, cfg: &SimConfig, n_ap: usize, n_samples: u64, file_b
     if let Some(imro) = imro {
         text.push_str(&format!("~imroTbl={imro}\n"));
     }
-    text.push_str(&format!("~snsChanMap=({n_ap},0,1){chan_map}\n~snsGeomMap={geom}\n"));
+    text.push_str(&format!(
+        "~snsChanMap=({n_ap},0,1){chan_map}\n~snsGeomMap={geom}\n"
+    ));
     text
 }
 

@@ -140,7 +140,11 @@ fn probe_pictures_are_drawn_with_text() {
         let o = spikecube(&["probe", s(&probe), "--png", s(&png)]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         let img = image::open(&png).unwrap().to_rgb8();
-        assert!(img.width() >= 600 && img.height() >= 600, "{case}: {:?}", img.dimensions());
+        assert!(
+            img.width() >= 600 && img.height() >= 600,
+            "{case}: {:?}",
+            img.dimensions()
+        );
         // Dark pixels in the title band: the title was drawn with the font.
         let dark = (0..img.width())
             .flat_map(|x| (5..45).map(move |y| (x, y)))

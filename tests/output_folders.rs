@@ -260,7 +260,10 @@ fn sigint_and_sigterm_leave_nothing_behind() {
     let d = dir.path();
     let sim = simulate(d, "sim", "10");
     for which in ["detect", "preprocess", "simulate"] {
-        for (sig, name, code) in [(libc::SIGINT, "SIGINT", 130), (libc::SIGTERM, "SIGTERM", 143)] {
+        for (sig, name, code) in [
+            (libc::SIGINT, "SIGINT", 130),
+            (libc::SIGTERM, "SIGTERM", 143),
+        ] {
             let parent = d.join(format!("runs-{which}-{name}"));
             std::fs::create_dir(&parent).unwrap();
             let out = parent.join("out");
@@ -286,8 +289,15 @@ fn sigint_and_sigterm_leave_nothing_behind() {
             );
             let lines: Vec<&str> = err.lines().filter(|l| l.contains("interrupted")).collect();
             assert_eq!(lines.len(), 1, "{which} {name}: {err}");
-            assert!(lines[0].contains(name) && lines[0].contains("removed"), "{err}");
-            assert!(leftovers(&parent).is_empty(), "{which} {name}: {:?}", leftovers(&parent));
+            assert!(
+                lines[0].contains(name) && lines[0].contains("removed"),
+                "{err}"
+            );
+            assert!(
+                leftovers(&parent).is_empty(),
+                "{which} {name}: {:?}",
+                leftovers(&parent)
+            );
             assert!(!out.exists(), "{which} {name}: {out:?} exists");
         }
     }
@@ -324,7 +334,10 @@ fn a_killed_runs_temporary_folder_is_removed_by_the_next_run() {
             err.contains("removed") && err.contains(&format!(".partial-{dead}")),
             "{which}: {err}"
         );
-        assert!(live.is_dir(), "{which}: the folder of a running process was removed");
+        assert!(
+            live.is_dir(),
+            "{which}: the folder of a running process was removed"
+        );
         std::fs::remove_dir(&live).unwrap();
         assert!(out.join("spikecube.json").is_file());
     }
@@ -359,7 +372,10 @@ fn a_closed_standard_output_never_stops_a_run() {
             serde_json::from_str(&std::fs::read_to_string(out.join("spikecube.json")).unwrap())
                 .unwrap();
         for f in manifest["files"].as_array().unwrap() {
-            assert!(out.join(f.as_str().unwrap()).is_file(), "{which}: {f} missing");
+            assert!(
+                out.join(f.as_str().unwrap()).is_file(),
+                "{which}: {f} missing"
+            );
         }
     }
     // `| head -1` as in the issue: the one line is read, the run ends normally.
@@ -391,11 +407,13 @@ fn errors_name_flags_paths_and_counts_as_a_user_reads_them() {
     };
     // A path that does not exist: "no such file" first.
     let absent = d.join("absent.bin");
-    let e = first_error(&spikecube(&["detect", s(&absent), "--out", s(&d.join("o"))]));
-    assert!(
-        e.starts_with("spikecube: error: no such file"),
-        "{e}"
-    );
+    let e = first_error(&spikecube(&[
+        "detect",
+        s(&absent),
+        "--out",
+        s(&d.join("o")),
+    ]));
+    assert!(e.starts_with("spikecube: error: no such file"), "{e}");
     assert!(e.contains("absent.bin"), "{e}");
     // A .bin without its .meta: the .meta path looked for, and the flags to use instead.
     let lone = d.join("lone_g0_t0.imec0.ap.bin");
@@ -416,14 +434,20 @@ fn errors_name_flags_paths_and_counts_as_a_user_reads_them() {
         "--out",
         s(&d.join("o")),
     ]));
-    assert!(e.contains("--n-channels") && !e.contains("n_chan_bin"), "{e}");
+    assert!(
+        e.contains("--n-channels") && !e.contains("n_chan_bin"),
+        "{e}"
+    );
     let sim = simulate(d, "sim", "1");
     let e = first_error(&run(&{
         let mut a = command("detect", &sim, &d.join("o"), 1);
         a.extend(["--nearest-chans".into(), "0".into()]);
         a
     }));
-    assert!(e.contains("--nearest-chans") && !e.contains("`nearest_chans`"), "{e}");
+    assert!(
+        e.contains("--nearest-chans") && !e.contains("`nearest_chans`"),
+        "{e}"
+    );
 
     // Counts: "1 window", never "1 windows"; log lines carry a level and no
     // module path (unless -v).

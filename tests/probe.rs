@@ -40,9 +40,9 @@ fn probeinterface_library_probes_load() {
 #[test]
 fn kilosort_fixture_probes_load_as_kilosort_does() {
     for case in common::CASES {
-        let p = Probe::load(
-            &common::data(&format!("fixtures/detection/{case}/probe.json")),
-        )
+        let p = Probe::load(&common::data(&format!(
+            "fixtures/detection/{case}/probe.json"
+        )))
         .unwrap();
         assert_eq!(p.n_chan as usize, p.n_sites(), "{case}");
         assert!(p.chan_map.iter().enumerate().all(|(i, &c)| c == i as u64));
@@ -182,7 +182,10 @@ fn prb_constructs_that_are_not_data_name_themselves() {
             "`y`",
         ),
         ("channel_groups = {0: {'channels': range(10**9)}}\n", "`**`"),
-        ("channel_groups = {0: {'channels': range(10000000)}}\n", "more than"),
+        (
+            "channel_groups = {0: {'channels': range(10000000)}}\n",
+            "more than",
+        ),
         ("for i in range(4): pass\n", "`for` statements"),
     ] {
         let p = dir.path().join("bad.prb");

@@ -308,7 +308,13 @@ fn neuropixels_layouts_get_a_meta_other_readers_accept() {
         for f in &fields {
             assert!(meta.contains(f), "{name}: `{f}` not in the .meta");
         }
-        for f in ["imSampRate=30000\n", "nSavedChans=", "snsApLfSy=", "typeThis=imec\n", "fileSizeBytes="] {
+        for f in [
+            "imSampRate=30000\n",
+            "nSavedChans=",
+            "snsApLfSy=",
+            "typeThis=imec\n",
+            "fileSizeBytes=",
+        ] {
             assert!(meta.contains(f), "{name}: `{f}` not in the .meta");
         }
         if name == "custom" {
@@ -322,7 +328,7 @@ fn neuropixels_layouts_get_a_meta_other_readers_accept() {
             let mut v: Vec<(u64, f32, f32)> = (0..p.n_sites())
                 .map(|i| (p.chan_map[i], p.xc[i], p.yc[i]))
                 .collect();
-            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v.sort_by_key(|a| a.0);
             v
         };
         assert_eq!(by_channel(&read), by_channel(&json), "{name}");

@@ -287,7 +287,9 @@ fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
                 .collect();
             let (lo, hi) = xs
                 .iter()
-                .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
+                    (a.min(x), b.max(x))
+                });
             mid.insert(k, (lo + hi) / 2.0);
         }
         let label_size = if scale >= 2.0 { 16 } else { 13 };
@@ -312,7 +314,11 @@ fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
 
         // Legend: one entry per shank, then the symbols.
         let text = |s: &str, x: i32, y: i32, size: u32| {
-            Text::new(s.to_string(), (x, y), (FONT, size).into_font().color(&BLACK))
+            Text::new(
+                s.to_string(),
+                (x, y),
+                (FONT, size).into_font().color(&BLACK),
+            )
         };
         let mut y = top as i32;
         side.draw(&text("shank", 10, y, 18)).map_err(&err)?;
@@ -335,7 +341,10 @@ fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
         for line in [
             "squares: sites".to_string(),
             "numbers: channel".to_string(),
-            format!("  (file column){}", if step > 1 { ", every 10th" } else { "" }),
+            format!(
+                "  (file column){}",
+                if step > 1 { ", every 10th" } else { "" }
+            ),
             "dots: template".to_string(),
             "  centres".to_string(),
         ] {

@@ -8,7 +8,9 @@
 pub fn install() {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) else {
-        tracing::debug!("cannot install the SIGINT/SIGTERM handler; interrupts stop without cleaning up");
+        tracing::debug!(
+            "cannot install the SIGINT/SIGTERM handler; interrupts stop without cleaning up"
+        );
         return;
     };
     std::thread::spawn(move || {

@@ -175,11 +175,7 @@ impl DriftMap {
                 .draw_series(order.iter().map(|&i| {
                     let (s, y, a) = self.points[i];
                     let c = plot::colour_map((a as f64 - a0) / (a1 - a0));
-                    Circle::new(
-                        (s as f64 / fs, y as f64),
-                        radius,
-                        c.mix(alpha).filled(),
-                    )
+                    Circle::new((s as f64 / fs, y as f64), radius, c.mix(alpha).filled())
                 }))
                 .map_err(&err)?;
 

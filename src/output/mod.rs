@@ -513,7 +513,6 @@ impl OutputWriter {
             per_template: self.per_template.clone(),
         })
     }
-
 }
 
 impl Drop for OutputWriter {

@@ -25,8 +25,10 @@ pub fn register_font() -> Result<()> {
     static ONCE: Once = Once::new();
     let mut result = Ok(());
     ONCE.call_once(|| {
-        result = plotters::style::register_font(FONT, FontStyle::Normal, FONT_BYTES)
-            .map_err(|_| anyhow!("the embedded font data/fonts/DejaVuSans.ttf is not a valid font"));
+        result =
+            plotters::style::register_font(FONT, FontStyle::Normal, FONT_BYTES).map_err(|_| {
+                anyhow!("the embedded font data/fonts/DejaVuSans.ttf is not a valid font")
+            });
     });
     result
 }
@@ -35,7 +37,11 @@ pub fn register_font() -> Result<()> {
 /// from its dark purple to green (the part up to 0.85), so that both ends stay
 /// visible on a white background (viridis' last, light yellow part is left out).
 pub fn colour_map(t: f64) -> RGBColor {
-    let t = if t.is_finite() { t.clamp(0.0, 1.0) } else { 0.0 };
+    let t = if t.is_finite() {
+        t.clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
     ViridisRGB::get_color(0.85 * t as f32)
 }
 

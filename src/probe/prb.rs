@@ -287,12 +287,7 @@ impl<'a> Parser<'a> {
                 let first = self.value()?;
                 if self.keyword("for") {
                     let (var, iter) = self.comp_tail(b']')?;
-                    return Ok(Expr::ListComp(
-                        Box::new(first),
-                        var,
-                        Box::new(iter),
-                        line,
-                    ));
+                    return Ok(Expr::ListComp(Box::new(first), var, Box::new(iter), line));
                 }
                 Ok(Expr::List(self.seq(b']', Some(first))?.0))
             }
@@ -573,7 +568,9 @@ fn assignments(text: &str) -> Result<Vec<(String, Lit)>, String> {
             name.as_str(),
             "for" | "def" | "if" | "while" | "class" | "with" | "lambda"
         ) {
-            return Err(p.err(&format!("`{name}` statements are not supported; {REWRITE_HINT}")));
+            return Err(p.err(&format!(
+                "`{name}` statements are not supported; {REWRITE_HINT}"
+            )));
         }
         if p.peek() != Some(b'=') || p.s.get(p.i + 1) == Some(&b'=') {
             return Err(p.err(&format!(
