@@ -2,6 +2,56 @@
 
 use std::path::PathBuf;
 
+/// The command-line flag that sets the setting Kilosort4 calls `name`
+/// (`n_chan_bin` → `--n-channels`), or `None` when no flag sets it.
+pub fn cli_flag(name: &str) -> Option<&'static str> {
+    Some(match name {
+        "n_chan_bin" | "n_channels" | "nSavedChans" => "--n-channels",
+        "fs" => "--fs",
+        "dtype" => "--dtype",
+        "offset" => "--offset",
+        "scale" => "--scale",
+        "shift" => "--shift",
+        "tmin" => "--tmin",
+        "tmax" => "--tmax",
+        "batch_size" => "--batch-size",
+        "highpass_cutoff" => "--highpass-cutoff",
+        "whitening_range" => "--whitening-range",
+        "nskip" => "--nskip",
+        "do_CAR" | "do_car" => "--do-car",
+        "artifact_threshold" => "--artifact-threshold",
+        "Th_universal" | "th_universal" => "--th-universal",
+        "dmin" => "--dmin",
+        "dminx" => "--dminx",
+        "min_template_size" => "--min-template-size",
+        "template_sizes" => "--template-sizes",
+        "nearest_chans" => "--nearest-chans",
+        "nearest_templates" => "--nearest-templates",
+        "max_channel_distance" => "--max-channel-distance",
+        _ => return None,
+    })
+}
+
+/// How an error names a setting: its command-line flag (`--n-channels`) when
+/// one sets it, else `` setting `name` ``.
+pub fn setting_label(name: &str) -> String {
+    match cli_flag(name) {
+        Some(flag) => flag.to_string(),
+        None => format!("setting `{name}`"),
+    }
+}
+
+/// `n` and `word`, plural when `n` ≠ 1: `count(1, "window")` = `1 window`,
+/// `count(3, "window")` = `3 windows`.
+pub fn count(n: impl Into<u128>, word: &str) -> String {
+    let n = n.into();
+    if n == 1 {
+        format!("1 {word}")
+    } else {
+        format!("{n} {word}s")
+    }
+}
+
 /// Errors raised while loading or validating a probe (site geometry).
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
@@ -36,8 +86,8 @@ pub enum ProbeError {
 /// Errors raised by detection: bad settings or inputs that do not fit each other.
 #[derive(Debug, thiserror::Error)]
 pub enum DetectError {
-    /// A setting is out of range.
-    #[error("setting `{name}`: {message}")]
+    /// A setting is out of range (shown with its command-line flag).
+    #[error("{}: {message}", setting_label(name))]
     Setting {
         /// Kilosort4's name of the setting.
         name: &'static str,
@@ -117,6 +167,12 @@ pub enum RecordingError {
         /// What is wrong, with the numbers.
         message: String,
     },
+    /// The recording path given does not exist.
+    #[error("no such file or folder: {path}")]
+    NotFound {
+        /// The path given.
+        path: PathBuf,
+    },
     /// A companion file (e.g. the `.meta` beside a SpikeGLX `.bin`) is missing.
     #[error("{path}: {message}")]
     Missing {
@@ -126,7 +182,7 @@ pub enum RecordingError {
         message: String,
     },
     /// A setting given by the user contradicts the file or its metadata.
-    #[error("{path}: setting `{setting}`: {message}")]
+    #[error("{path}: {}: {message}", setting_label(setting))]
     Setting {
         /// The file (or the first file) concerned.
         path: PathBuf,
@@ -155,8 +211,8 @@ pub enum RecordingError {
 /// whitening and the whitening fit).
 #[derive(Debug, thiserror::Error)]
 pub enum PreprocessError {
-    /// A setting is out of range.
-    #[error("setting `{name}`: {message}")]
+    /// A setting is out of range (shown with its command-line flag).
+    #[error("{}: {message}", setting_label(name))]
     Setting {
         /// Kilosort4's name of the setting.
         name: &'static str,
@@ -184,7 +240,7 @@ pub enum PreprocessError {
         message: String,
     },
     /// The recording has no window at all, so nothing can be fitted.
-    #[error("cannot fit the whitening matrix: the recording has {n_windows} windows")]
+    #[error("cannot fit the whitening matrix: the recording has {}", count(*n_windows, "window"))]
     NoWindows {
         /// The number of windows reported by the caller.
         n_windows: u64,

@@ -109,8 +109,8 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // So does an output folder that cannot be written.
     let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
     tracing::info!(
-        "{} windows of {} samples; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
-        plan.n_windows,
+        "{} of {} samples; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
+        crate::error::count(plan.n_windows, "window"),
         plan.window_len(),
         memory_estimate(n_sites, plan.window_len(), n_centres) as f64 / 1e6
     );

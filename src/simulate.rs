@@ -15,7 +15,8 @@
 //!   sample of the trough, unit x (µm), unit y (µm), trough amplitude at the
 //!   unit's position (counts, negative);
 //! * `probe.json`: the probe in Kilosort's JSON format, with `n_chan` = the
-//!   file's channel count (sync included).
+//!   file's channel count (sync included);
+//! * `spikecube.json`: the settings, and the list of files written.
 //!
 //! The signal is: Gaussian noise (sd `noise_sd` counts, independent per
 //! channel and sample), a slow common LFP-like oscillation (3 and 7 Hz, a few
@@ -120,10 +121,11 @@ pub struct SimSummary {
     pub units: Vec<Unit>,
 }
 
-/// The default probe of `simulate`: a Neuropixels 2.0-like single shank with
-/// 384 sites in two columns (x = 0 and 32 µm) and rows every 15 µm
-/// (y = 0 … 2865 µm); site i at x = 32·(i mod 2), y = 15·⌊i/2⌋, file column i,
-/// `n_chan` = 385 (the last column is the sync channel).
+/// The default probe of `simulate`: a Neuropixels 2.0 single shank (NP2003)
+/// reading its first 384 electrodes, in probeinterface's frame: two columns
+/// (x = 0 and 32 µm) and rows every 15 µm (y = 0 … 2865 µm); site i at
+/// x = 32·(i mod 2), y = 15·⌊i/2⌋, file column i, `n_chan` = 385 (the last
+/// column is the sync channel).
 pub fn default_probe() -> Probe {
     let n = 384;
     Probe {
@@ -132,7 +134,7 @@ pub fn default_probe() -> Probe {
         kcoords: vec![0; n],
         chan_map: (0..n as u64).collect(),
         n_chan: n as u64 + 1,
-        source: PathBuf::from("built-in Neuropixels 2.0-like single shank (384 sites)"),
+        source: PathBuf::from("built-in Neuropixels 2.0 single shank (NP2003, 384 sites)"),
     }
 }
 
@@ -260,6 +262,191 @@ pub fn geom_map(probe: &Probe, n_ap: usize) -> String {
     )
 }
 
+/// A Neuropixels probe type the simulated layout is, for the `.meta`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NpLayout {
+    /// Neuropixels 1.0 (`imDatPrb_type=0`, part PRB_1_4_0480_1): the bank of
+    /// each of the 384 channels (electrode = channel + 384·bank).
+    Np1 {
+        /// Bank of channel c, 0–2.
+        banks: Vec<u32>,
+    },
+    /// Neuropixels 2.0 single shank (`imDatPrb_type=2003`, part NP2003): the
+    /// electrode each of the 384 channels reads.
+    Np2 {
+        /// Electrode of channel c, 0–1279.
+        electrodes: Vec<u32>,
+    },
+}
+
+/// Position, µm, of Neuropixels 1.0 electrode `e` in probeinterface's frame
+/// (the leftmost column at x = 0, the first row at y = 0): staggered columns,
+/// x = 16 or 0 (alternate rows) + 32·(e mod 2), y = 20·⌊e/2⌋. (SpikeGLX's
+/// `~snsGeomMap` measures x from the shank's left edge instead: 11 µm more.)
+fn np1_xy(e: u32) -> (f32, f32) {
+    let row = e / 2;
+    let x0 = if row.is_multiple_of(2) { 16.0 } else { 0.0 };
+    (x0 + 32.0 * (e % 2) as f32, 20.0 * row as f32)
+}
+
+/// Position, µm, of Neuropixels 2.0 single-shank electrode `e` in
+/// probeinterface's frame: x = 32·(e mod 2), y = 15·⌊e/2⌋. (SpikeGLX's
+/// `~snsGeomMap` measures x from the shank's left edge instead: 27 µm more.)
+fn np2_xy(e: u32) -> (f32, f32) {
+    (32.0 * (e % 2) as f32, 15.0 * (e / 2) as f32)
+}
+
+/// Which Neuropixels layout `probe` is, if any: 384 data channels on one
+/// shank, each site exactly (±0.01 µm) at an electrode of a Neuropixels 2.0
+/// single shank, else of a Neuropixels 1.0 probe (whose channel c can only
+/// read electrodes c, c + 384, c + 768). `None` for any other layout.
+pub fn np_layout(probe: &Probe, n_ap: usize) -> Option<NpLayout> {
+    if n_ap != 384 || probe.n_sites() != 384 {
+        return None;
+    }
+    if probe.kcoords.iter().any(|&k| k != probe.kcoords[0]) {
+        return None;
+    }
+    let at = |xy: (f32, f32), i: usize| {
+        (xy.0 - probe.xc[i]).abs() < 0.01 && (xy.1 - probe.yc[i]).abs() < 0.01
+    };
+    let mut seen = [false; 384];
+    for &c in &probe.chan_map {
+        if c >= 384 || std::mem::replace(&mut seen[c as usize], true) {
+            return None;
+        }
+    }
+    let mut electrodes = vec![0u32; 384];
+    let np2 = (0..384).all(|i| {
+        // Rows are 15 µm apart: the electrode is found from y directly.
+        let row = (probe.yc[i] / 15.0).round();
+        if !(0.0..640.0).contains(&row) {
+            return false;
+        }
+        (0..2).any(|col| {
+            let e = 2 * row as u32 + col;
+            at(np2_xy(e), i) && {
+                electrodes[probe.chan_map[i] as usize] = e;
+                true
+            }
+        })
+    });
+    if np2 {
+        let mut sorted = electrodes.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() == 384 {
+            return Some(NpLayout::Np2 { electrodes });
+        }
+    }
+    let mut banks = vec![0u32; 384];
+    let np1 = (0..384).all(|i| {
+        let c = probe.chan_map[i] as u32;
+        (0..3).any(|b| {
+            at(np1_xy(c + 384 * b), i) && {
+                banks[c as usize] = b;
+                true
+            }
+        })
+    });
+    np1.then_some(NpLayout::Np1 { banks })
+}
+
+/// The `.meta` text of a simulated recording. For a Neuropixels layout
+/// ([`np_layout`]) it has the fields of a real SpikeGLX file of that probe,
+/// consistent with each other (part number and type, `~imroTbl`, gain, ADC
+/// range and resolution, `~snsGeomMap` naming the part); for any other layout
+/// only the geometry (`~snsGeomMap` with the part `spikecube_sim`). As in a
+/// real SpikeGLX file, a Neuropixels `~snsGeomMap` measures x from the shank's
+/// left edge (probeinterface's x plus 27 µm on NP2.0, 11 µm on NP1.0), so
+/// readers that use it and readers that use `~imroTbl` place the sites alike.
+fn meta_text(
+    probe: &Probe,
+    cfg: &SimConfig,
+    n_ap: usize,
+    n_samples: u64,
+    file_bytes: u64,
+) -> String {
+    let n_cols = n_ap + 1;
+    let chan_map: String = (0..n_ap)
+        .map(|i| format!("(AP{i};{i}:{i})"))
+        .chain(std::iter::once(format!("(SY0;{n_ap}:{n_ap})")))
+        .collect();
+    let geom = geom_map(probe, n_ap);
+    // Neuropixels fields, sorted by key as SpikeGLX writes them.
+    let (probe_fields, imro, geom) = match np_layout(probe, n_ap) {
+        Some(NpLayout::Np2 { electrodes }) => {
+            let imro: String = electrodes
+                .iter()
+                .enumerate()
+                .map(|(c, &e)| format!("({c} {} 0 {e})", 1u32 << (e / 384).min(2)))
+                .collect();
+            (
+                "imAiRangeMax=0.62\nimAiRangeMin=-0.62\nimChan0apGain=100\nimDatPrb_pn=NP2003\nimDatPrb_sn=0\nimDatPrb_type=2003\nimMaxInt=2048\n".to_string(),
+                Some(format!("(2003,384){imro}")),
+                format!("(NP2003,1,0,70){}", np_geom_entries(probe, 27.0)),
+            )
+        }
+        Some(NpLayout::Np1 { banks }) => {
+            let imro: String = banks
+                .iter()
+                .enumerate()
+                .map(|(c, &b)| format!("({c} {b} 0 500 250 1)"))
+                .collect();
+            (
+                "imAiRangeMax=0.6\nimAiRangeMin=-0.6\nimChan0apGain=500\nimDatPrb_pn=PRB_1_4_0480_1\nimDatPrb_sn=0\nimDatPrb_type=0\nimMaxInt=512\n".to_string(),
+                Some(format!("(0,384){imro}")),
+                format!("(PRB_1_4_0480_1,1,0,70){}", np_geom_entries(probe, 11.0)),
+            )
+        }
+        None => (
+            "imAiRangeMax=0.62\nimAiRangeMin=-0.62\nimChan0apGain=100\nimMaxInt=2048\n".to_string(),
+            None,
+            geom,
+        ),
+    };
+    let mut text = format!(
+        "acqApLfSy={n_ap},0,1\n\
+         fileName={STEM}.bin\n\
+         fileSizeBytes={file_bytes}\n\
+         fileTimeSecs={secs}\n\
+         firstSample=0\n\
+         {probe_fields}\
+         imSampRate={fs}\n\
+         nSavedChans={n_cols}\n\
+         snsApLfSy={n_ap},0,1\n\
+         snsSaveChanSubset=all\n\
+         typeThis=imec\n\
+         userNotes=synthetic recording written by spikecube {ver} simulate: seed {seed}, {units} units at {rate} Hz, noise sd {sd} counts\n",
+        secs = n_samples as f64 / cfg.fs,
+        fs = cfg.fs,
+        ver = env!("CARGO_PKG_VERSION"),
+        seed = cfg.seed,
+        units = cfg.n_units,
+        rate = cfg.rate_hz,
+        sd = cfg.noise_sd,
+    );
+    if let Some(imro) = imro {
+        text.push_str(&format!("~imroTbl={imro}\n"));
+    }
+    text.push_str(&format!(
+        "~snsChanMap=({n_ap},0,1){chan_map}\n~snsGeomMap={geom}\n"
+    ));
+    text
+}
+
+/// `~snsGeomMap` entries `(0:x:z:1)` of a single-shank Neuropixels layout with
+/// 384 channels: the site read by each channel, x = xc + `edge` (µm from the
+/// shank's left edge, as SpikeGLX writes it), z = yc.
+fn np_geom_entries(probe: &Probe, edge: f32) -> String {
+    let mut entries = vec![String::new(); 384];
+    for i in 0..probe.n_sites() {
+        entries[probe.chan_map[i] as usize] =
+            format!("(0:{}:{}:1)", probe.xc[i] + edge, probe.yc[i]);
+    }
+    entries.concat()
+}
+
 /// Writes `probe` as Kilosort JSON (`chanMap`, `xc`, `yc`, `kcoords`, `n_chan`).
 ///
 /// # Errors
@@ -331,8 +518,10 @@ fn draw_spikes(probe: &Probe, cfg: &SimConfig, n_samples: u64) -> (Vec<Unit>, Ve
     (units, spikes)
 }
 
-/// Writes a simulated recording of `probe` into `dir` (created if missing);
-/// see the module docs for the files and the signal.
+/// Writes a simulated recording of `probe` into the folder `dir`, staged and
+/// published by [`crate::output::folder::StagedFolder`] (an existing `dir` is
+/// replaced only when empty or an earlier `simulate` result); see the module
+/// docs for the files and the signal.
 ///
 /// # Errors
 /// When `seconds`, `fs` or `rate_hz` are not finite and positive (rate may be 0),
@@ -361,7 +550,9 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
     }
     let n_ap = probe.chan_map.iter().max().map_or(0, |&m| m as usize + 1);
     let n_cols = n_ap + 1;
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let staged = crate::output::folder::StagedFolder::create(dir, "simulate")?;
+    let final_dir = dir;
+    let dir = staged.path();
 
     let (units, spikes) = draw_spikes(probe, cfg, n_samples);
     let feet: Vec<Vec<(usize, f32)>> = units.iter().map(|u| footprint(probe, u)).collect();
@@ -503,43 +694,21 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
     write_probe_json(&written, &dir.join("probe.json"))?;
 
     let meta_path = dir.join(format!("{STEM}.meta"));
-    let chan_map: String = (0..n_ap)
-        .map(|i| format!("(AP{i};{i}:{i})"))
-        .chain(std::iter::once(format!("(SY0;{n_ap}:{n_ap})")))
-        .collect();
-    let meta = format!(
-        "acqApLfSy={n_ap},0,1\n\
-         fileName={STEM}.bin\n\
-         fileSizeBytes={file_bytes}\n\
-         fileTimeSecs={secs}\n\
-         firstSample=0\n\
-         imAiRangeMax=0.62\n\
-         imAiRangeMin=-0.62\n\
-         imChan0apGain=80\n\
-         imMaxInt=2048\n\
-         imSampRate={fs}\n\
-         nSavedChans={n_cols}\n\
-         snsApLfSy={n_ap},0,1\n\
-         snsSaveChanSubset=all\n\
-         typeThis=imec\n\
-         userNotes=synthetic recording written by spikecube {ver} simulate: seed {seed}, {units} units at {rate} Hz, noise sd {sd} counts\n\
-         ~snsChanMap=({n_ap},0,1){chan_map}\n\
-         ~snsGeomMap={geom}\n",
-        secs = n_samples as f64 / cfg.fs,
-        fs = cfg.fs,
-        ver = env!("CARGO_PKG_VERSION"),
-        seed = cfg.seed,
-        units = cfg.n_units,
-        rate = cfg.rate_hz,
-        sd = cfg.noise_sd,
-        geom = geom_map(probe, n_ap),
-    );
+    let meta = meta_text(probe, cfg, n_ap, n_samples, file_bytes);
     std::fs::write(&meta_path, meta)
         .with_context(|| format!("cannot write {}", meta_path.display()))?;
+    staged.publish(serde_json::json!({
+        "program": "spikecube",
+        "version": env!("CARGO_PKG_VERSION"),
+        "config": cfg,
+        "n_samples": n_samples,
+        "n_channels": n_cols,
+        "n_spikes": spikes.len(),
+    }))?;
 
     Ok(SimSummary {
-        bin_path,
-        meta_path,
+        bin_path: final_dir.join(format!("{STEM}.bin")),
+        meta_path: final_dir.join(format!("{STEM}.meta")),
         n_samples,
         n_channels: n_cols,
         n_spikes: spikes.len(),

@@ -21,7 +21,7 @@ fn s(p: &Path) -> &str {
 
 #[test]
 fn detect_window_reproduces_a_fixture_with_its_neighbourhoods() {
-    let case = common::shared().join("fixtures/detection/np2_4shank");
+    let case = common::data("fixtures/detection/np2_4shank");
     let out = tempfile::tempdir().unwrap();
     let o = spikecube(&[
         "detect-window",
@@ -72,7 +72,7 @@ fn detect_window_reproduces_a_fixture_with_its_neighbourhoods() {
 #[test]
 fn detect_window_bad_inputs_are_one_clear_error() {
     let dir = tempfile::tempdir().unwrap();
-    let probe = common::shared().join("fixtures/detection/tetrode_like/probe.json");
+    let probe = common::data("fixtures/detection/tetrode_like/probe.json");
     let write = |name: &str, f: &dyn Fn(&Path)| {
         let p = dir.path().join(name);
         f(&p);
@@ -126,5 +126,30 @@ fn detect_window_bad_inputs_are_one_clear_error() {
             assert!(err.contains(n), "{window:?}: `{n}` not in: {err}");
         }
         assert!(!out.join("xy.npy").exists(), "no output after an error");
+    }
+}
+
+/// `probe --png` draws the 384-site probe and the tetrode with plotters and the
+/// embedded font: a picture of a sensible size with text in its title band.
+#[test]
+fn probe_pictures_are_drawn_with_text() {
+    let out = tempfile::tempdir().unwrap();
+    for case in ["np2_1shank", "tetrode_like"] {
+        let png = out.path().join(format!("{case}.png"));
+        let probe = common::data(&format!("fixtures/detection/{case}/probe.json"));
+        let o = spikecube(&["probe", s(&probe), "--png", s(&png)]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let img = image::open(&png).unwrap().to_rgb8();
+        assert!(
+            img.width() >= 600 && img.height() >= 600,
+            "{case}: {:?}",
+            img.dimensions()
+        );
+        // Dark pixels in the title band: the title was drawn with the font.
+        let dark = (0..img.width())
+            .flat_map(|x| (5..45).map(move |y| (x, y)))
+            .filter(|&(x, y)| img.get_pixel(x, y).0.iter().all(|&c| c < 100))
+            .count();
+        assert!(dark > 100, "{case}: {dark} dark pixels in the title band");
     }
 }

@@ -180,7 +180,7 @@ fn simulated_spikeglx_recording_to_spikes_on_disk() {
 
 #[test]
 fn real_recordings_with_shipped_probes() {
-    let real = common::shared().join("data/real");
+    let real = common::data("data/real");
     let probes = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/probes");
     let dir = tempfile::tempdir().unwrap();
     let oe =
@@ -251,7 +251,16 @@ fn bad_inputs_give_one_error_line_and_no_output() {
     let not_writable = a_file.join("out");
     let absent = d.join("absent.bin");
     let cases: Vec<(Vec<&str>, &str, &Path)> = vec![
-        (vec!["detect", s(&lonely), "--out", s(&out)], "n_chan", &out),
+        (
+            vec!["detect", s(&lonely), "--out", s(&out)],
+            "no such file",
+            &out,
+        ),
+        (
+            vec!["detect", s(&lonely), "--out", s(&out)],
+            "lonely.ap.meta",
+            &out,
+        ),
         (
             vec!["detect", s(&bin), "--n-channels", "32", "--out", s(&out)],
             "nSavedChans = 33",
@@ -314,7 +323,7 @@ fn bad_inputs_give_one_error_line_and_no_output() {
 
 #[test]
 fn preprocess_writes_kilosorts_whitened_recording() {
-    let fx = common::shared().join("fixtures/preprocessing");
+    let fx = common::data("fixtures/preprocessing");
     let dir = tempfile::tempdir().unwrap();
     let rec = fx.join("recording.bin");
     let probe = fx.join("probe.json");

@@ -1,4 +1,4 @@
-//! The CPU detector against Kilosort4 4.1.7's own outputs (`../shared/fixtures/detection`).
+//! The CPU detector against Kilosort4 4.1.7's own outputs (`tests/data/fixtures/detection`).
 //!
 //! Tolerance for float outputs: |ours − Kilosort| ≤ 1e-5 · max(|Kilosort|, 1). The
 //! values are in whitened units (noise sd = 1; detections have |A| > 9), so this is

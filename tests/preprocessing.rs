@@ -1,5 +1,5 @@
 //! Kilosort4 preprocessing, stage by stage, against the reference fixtures in
-//! `shared/fixtures/preprocessing/` (outputs of Kilosort4 4.1.7 itself; see its
+//! `tests/data/fixtures/preprocessing/` (outputs of Kilosort4 4.1.7 itself; see its
 //! README and `shared/docs/preprocessing-spec.md`).
 //!
 //! Tolerance rule used everywhere: an element passes when
@@ -23,31 +23,16 @@ use spikecube::preprocess::{
 
 const REL_TOL: f64 = 1e-4;
 
-/// The fixture folder. Looks in `$SPIKECUBE_SHARED/fixtures/preprocessing`,
-/// then `shared/fixtures/preprocessing` next to the crate root or any folder
-/// above it (CI: `../shared`). Panics, never skips, when it is missing.
+/// The fixture folder, `tests/data/fixtures/preprocessing` in the repository.
+/// Panics, never skips, when it is missing.
 fn fixture_dir() -> PathBuf {
-    let rel = Path::new("fixtures").join("preprocessing");
-    if let Ok(root) = std::env::var("SPIKECUBE_SHARED") {
-        let p = Path::new(&root).join(&rel);
-        assert!(
-            p.is_dir(),
-            "SPIKECUBE_SHARED is set but {} is missing",
-            p.display()
-        );
-        return p;
-    }
-    let crate_root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    for dir in crate_root.ancestors() {
-        let p = dir.join("shared").join(&rel);
-        if p.is_dir() {
-            return p;
-        }
-    }
-    panic!(
-        "preprocessing fixtures not found: expected shared/fixtures/preprocessing beside {} or a folder above it (or set SPIKECUBE_SHARED)",
-        crate_root.display()
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/fixtures/preprocessing");
+    assert!(
+        p.is_dir(),
+        "preprocessing fixtures missing: expected {} (the repository's tests/data/ should hold them)",
+        p.display()
     );
+    p
 }
 
 fn read1(path: &Path) -> Array1<f32> {

@@ -1,8 +1,8 @@
 //! Recording layer: readers, SpikeGLX geometry, windows, loader; field-failure
 //! regressions BR-08 … BR-18.
 //!
-//! Tests that need the shared data look for it at `$SPIKECUBE_SHARED`, else at
-//! `../shared` next to the crate root, and fail (not skip) when it is missing.
+//! Tests that need real files read them from the repository's `tests/data/`,
+//! and fail (not skip) when they are missing.
 
 use std::collections::BTreeSet;
 use std::io::{Seek, SeekFrom, Write};
@@ -19,20 +19,16 @@ use spikecube::recording::{
 
 // ---------------------------------------------------------------- helpers
 
+/// The test data carried in the repository (`tests/data/`); a missing folder is
+/// a failure naming where it was expected, never a skip.
 fn shared() -> PathBuf {
-    let cands: Vec<PathBuf> = std::env::var_os("SPIKECUBE_SHARED")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared")])
-        .collect();
-    for c in &cands {
-        if c.join("data").is_dir() {
-            return c.clone();
-        }
-    }
-    panic!(
-        "shared data not found at any of {cands:?}; set SPIKECUBE_SHARED or place it at ../shared"
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data");
+    assert!(
+        p.join("data").is_dir(),
+        "test data missing: expected {}/data (the repository's tests/data/ should hold it)",
+        p.display()
     );
+    p
 }
 
 /// Collects the text of every tracing event emitted while `f` runs.
@@ -398,9 +394,10 @@ fn br13_size_mismatch_message_and_meta_contradiction() {
     .unwrap_err();
     assert!(matches!(err, RecordingError::Missing { .. }), "{err}");
     assert!(err.to_string().contains("lone.meta"));
-    // Flat binary without the channel count names the setting.
+    // Flat binary without the channel count names the flag, not Kilosort's name.
     let err = recording::open(&lone, &OpenOptions::default()).unwrap_err();
-    assert!(err.to_string().contains("n_chan_bin"), "{err}");
+    assert!(err.to_string().contains("--n-channels"), "{err}");
+    assert!(!err.to_string().contains("n_chan_bin"), "{err}");
 }
 
 // ---------------------------------------------------------------- BR-14

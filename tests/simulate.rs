@@ -255,3 +255,83 @@ fn simulated_spikes_are_detected() {
     assert!(total > 20, "{total} spikes");
     assert!(found * 10 >= total * 8, "found {found} of {total}");
 }
+
+/// The `.meta` of a Neuropixels layout has every field neo and probeinterface
+/// need (part number, type, `~imroTbl`, gain, ADC range and resolution,
+/// consistent with each other), and spikecube's own reader gives back the
+/// positions of `probe.json`. (`tests/python/` checks SpikeInterface itself.)
+#[test]
+fn neuropixels_layouts_get_a_meta_other_readers_accept() {
+    use spikecube::recording::{OpenOptions, open};
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = cfg(1);
+    c.seconds = 0.2;
+    // NP1.0: electrodes 0..383, staggered rows 20 µm apart.
+    let mut np1 = default_probe();
+    for i in 0..384 {
+        let row = i / 2;
+        np1.xc[i] = if row % 2 == 0 { 16.0 } else { 0.0 } + 32.0 * (i % 2) as f32;
+        np1.yc[i] = 20.0 * row as f32;
+    }
+    let custom = probe32();
+    for (name, probe, fields) in [
+        (
+            "np2",
+            default_probe(),
+            vec![
+                "imDatPrb_pn=NP2003\n",
+                "imDatPrb_type=2003\n",
+                "imAiRangeMax=0.62\n",
+                "imMaxInt=2048\n",
+                "imChan0apGain=100\n",
+                "~imroTbl=(2003,384)(0 1 0 0)(1 1 0 1)",
+                "~snsGeomMap=(NP2003,1,0,70)(0:27:0:1)(0:59:0:1)",
+            ],
+        ),
+        (
+            "np1",
+            np1,
+            vec![
+                "imDatPrb_pn=PRB_1_4_0480_1\n",
+                "imDatPrb_type=0\n",
+                "imAiRangeMax=0.6\n",
+                "imMaxInt=512\n",
+                "~imroTbl=(0,384)(0 0 0 500 250 1)",
+                "~snsGeomMap=(PRB_1_4_0480_1,1,0,70)(0:27:0:1)(0:59:0:1)(0:11:20:1)",
+            ],
+        ),
+        ("custom", custom, vec!["~snsGeomMap=(spikecube_sim,"]),
+    ] {
+        let dir = tmp.path().join(name);
+        let s = simulate(&probe, &c, &dir).unwrap();
+        let meta = std::fs::read_to_string(&s.meta_path).unwrap();
+        for f in &fields {
+            assert!(meta.contains(f), "{name}: `{f}` not in the .meta");
+        }
+        for f in [
+            "imSampRate=30000\n",
+            "nSavedChans=",
+            "snsApLfSy=",
+            "typeThis=imec\n",
+            "fileSizeBytes=",
+        ] {
+            assert!(meta.contains(f), "{name}: `{f}` not in the .meta");
+        }
+        if name == "custom" {
+            assert!(!meta.contains("imDatPrb_pn"), "{name}");
+        }
+        let opened = open(&s.bin_path, &OpenOptions::default()).unwrap();
+        let read = opened.probe.expect("the .meta gives the geometry");
+        let json = Probe::load(&dir.join("probe.json")).unwrap();
+        // Site positions by file column, from the .meta, probe.json and the probe given.
+        let by_channel = |p: &Probe| {
+            let mut v: Vec<(u64, f32, f32)> = (0..p.n_sites())
+                .map(|i| (p.chan_map[i], p.xc[i], p.yc[i]))
+                .collect();
+            v.sort_by_key(|a| a.0);
+            v
+        };
+        assert_eq!(by_channel(&read), by_channel(&json), "{name}");
+        assert_eq!(by_channel(&read), by_channel(&probe), "{name}");
+    }
+}

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
+use spikecube::error::count;
 use spikecube::output::RunInfo;
 use spikecube::pipeline::{DetectJob, run_detection};
 
@@ -92,14 +93,14 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             "template_centres": report.n_centres,
             "time_sorted": s.time_sorted,
         });
-        println!("{v}");
+        say!("{v}");
     } else if !quiet {
         eprintln!(
-            "spikecube: {} spikes in {:.1} s of recording ({} windows, {} template centres) in {:.1} s, {:.1}× realtime → {}",
-            s.n_spikes,
+            "spikecube: {} in {:.1} s of recording ({}, {}) in {:.1} s, {:.1}× realtime → {}",
+            count(s.n_spikes, "spike"),
             report.seconds,
-            report.n_windows,
-            report.n_centres,
+            count(report.n_windows, "window"),
+            count(report.n_centres as u64, "template centre"),
             report.wall,
             report.seconds / report.wall.max(1e-9),
             s.path.display()

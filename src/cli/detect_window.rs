@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use ndarray::{Array1, Array2, Array3};
 use spikecube::backend::{Detector, choose};
+use spikecube::output::folder::StagedFolder;
 use spikecube::{DetectionSettings, Geometry, Probe, UniversalTemplates, npy};
 
 /// Flags of `detect-window`.
@@ -21,7 +22,8 @@ pub struct Args {
     /// Take iC.npy, iC2.npy and weigh.npy from this folder instead of computing them.
     #[arg(long)]
     neighbourhoods: Option<PathBuf>,
-    /// Output folder (created if missing).
+    /// Output folder (created; an existing one is replaced only when it is an
+    /// earlier `detect-window` result).
     #[arg(long)]
     out: PathBuf,
     /// Detection threshold (Kilosort4's Th_universal).
@@ -73,9 +75,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         .detect(x.view(), &probe.yc)
         .with_context(|| format!("detecting in {}", args.window.display()))?;
     let g = detector.geometry();
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("cannot create {}", args.out.display()))?;
-    let out = |name: &str| args.out.join(name);
+    let staged = StagedFolder::create(&args.out, "detect-window")?;
+    let dir = staged.path().to_path_buf();
+    let out = |name: &str| dir.join(name);
     let n = det.len();
     let xy = Array2::from_shape_fn((n, 2), |(i, c)| {
         if c == 0 {
@@ -99,11 +101,16 @@ pub fn run(args: Args) -> Result<ExitCode> {
     npy::write(&out("iC.npy"), &g.i_c.mapv(|v| v as i64))?;
     npy::write(&out("iC2.npy"), &g.i_c2.mapv(|v| v as i64))?;
     npy::write(&out("weigh.npy"), &g.weigh)?;
-    std::fs::write(
-        out("backend.json"),
-        serde_json::to_string_pretty(&chosen).expect("serialisable"),
-    )
-    .with_context(|| format!("cannot write {}", out("backend.json").display()))?;
+    staged.publish(serde_json::json!({
+        "program": "spikecube",
+        "version": env!("CARGO_PKG_VERSION"),
+        "window": args.window,
+        "probe": args.probe,
+        "neighbourhoods": args.neighbourhoods,
+        "th_universal": args.th_universal,
+        "n_detections": n,
+        "backend": chosen,
+    }))?;
     tracing::info!("{n} detections written to {}", args.out.display());
     Ok(ExitCode::SUCCESS)
 }

@@ -1,11 +1,21 @@
 //! Subcommands, one file each. Flags are kebab-case versions of Kilosort4's setting names.
 
+/// `println!` that never panics and never stops the run: a closed standard
+/// output (`spikecube detect … | head -1`) is ignored.
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
 mod common;
 mod detect;
 mod detect_window;
 mod info;
 mod preprocess;
 mod probe;
+mod signals;
 mod simulate;
 
 use std::process::ExitCode;
@@ -19,6 +29,9 @@ pub struct Cli {
     /// Log less (errors only).
     #[arg(short, long, global = true)]
     quiet: bool,
+    /// Log more (debug messages, with the module that wrote each line).
+    #[arg(short, long, global = true, conflicts_with = "quiet")]
+    verbose: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -42,14 +55,24 @@ enum Command {
 /// Parses the command line and runs the subcommand.
 pub fn run() -> anyhow::Result<ExitCode> {
     let cli = Cli::parse();
-    let level = if cli.quiet { "error" } else { "info" };
+    signals::install();
+    let level = if cli.quiet {
+        "error"
+    } else if cli.verbose {
+        "debug"
+    } else {
+        "info"
+    };
+    // A filter from the environment (SPIKECUBE_LOG, else RUST_LOG) or -v is for
+    // debugging: lines then name the module that wrote them.
+    let env_filter = tracing_subscriber::EnvFilter::try_from_env("SPIKECUBE_LOG")
+        .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env());
+    let show_target = cli.verbose || env_filter.is_ok();
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("SPIKECUBE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
-        )
+        .with_env_filter(env_filter.unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(show_target)
         .without_time()
         .try_init();
     match cli.command {

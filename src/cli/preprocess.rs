@@ -4,9 +4,11 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use ndarray::Array1;
+use spikecube::error::count;
 use spikecube::npy;
+use spikecube::output::folder::StagedFolder;
 use spikecube::pipeline::{WhitenedFormat, write_whitened};
 use spikecube::preprocess::highpass_kernel;
 
@@ -18,7 +20,8 @@ pub struct Args {
     /// The recording (as for `detect`); several files are read as one.
     #[arg(required = true)]
     recording: Vec<PathBuf>,
-    /// Output folder: whitening_mat.npy, hp_filter.npy and temp_wh.dat.
+    /// Output folder: whitening_mat.npy, hp_filter.npy, temp_wh.dat and spikecube.json.
+    /// An existing folder is replaced only when it is an earlier `preprocess` result.
     #[arg(long)]
     out: PathBuf,
     /// Write temp_wh.dat as float32 instead of int16 holding 200 × the whitened value.
@@ -34,8 +37,8 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     let (opened, probe) = args.rec.open(&args.recording)?;
     let rec = opened.recording.clone();
     let settings = args.pre.settings(rec.fs());
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let staged = StagedFolder::create(&args.out, "preprocess")?;
+    let dir = staged.path().to_path_buf();
     let bar = progress_bar(quiet);
     let format = if args.float32 {
         WhitenedFormat::Float32
@@ -47,7 +50,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         &probe,
         &settings,
         format,
-        &args.out.join("temp_wh.dat"),
+        &dir.join("temp_wh.dat"),
         &mut |p| {
             bar.set_length(p.windows_total);
             bar.set_position(p.windows_done);
@@ -58,15 +61,25 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         },
     )?;
     bar.finish_and_clear();
-    npy::write(&args.out.join("whitening_mat.npy"), &report.whitening)?;
+    npy::write(&dir.join("whitening_mat.npy"), &report.whitening)?;
     let kernel = highpass_kernel(settings.fs, settings.highpass_cutoff)?;
-    npy::write(&args.out.join("hp_filter.npy"), &Array1::from(kernel))?;
+    npy::write(&dir.join("hp_filter.npy"), &Array1::from(kernel))?;
+    staged.publish(serde_json::json!({
+        "program": "spikecube",
+        "version": env!("CARGO_PKG_VERSION"),
+        "input": rec.describe(),
+        "temp_wh_dtype": if args.float32 { "float32" } else { "int16 holding 200 x the whitened value" },
+        "n_samples": report.n_samples,
+        "n_sites": report.n_sites,
+        "saturated": report.saturated,
+        "settings": settings,
+    }))?;
     if !quiet {
         eprintln!(
-            "spikecube: {} samples × {} channels whitened ({} windows, {}) in {:.1} s → {}",
-            report.n_samples,
-            report.n_sites,
-            report.n_windows,
+            "spikecube: {} × {} whitened ({}, {}) in {:.1} s → {}",
+            count(report.n_samples, "sample"),
+            count(report.n_sites as u64, "channel"),
+            count(report.n_windows, "window"),
             if args.float32 {
                 "float32"
             } else {

@@ -8,7 +8,6 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use spikecube::detect::geometry::template_centers;
-use spikecube::output::plot::{BLACK, Canvas, WHITE, category_colour, tick_label, ticks};
 use spikecube::{DetectionSettings, Geometry, Probe};
 
 /// Flags of `probe`.
@@ -181,8 +180,15 @@ fn report(probe: &Probe, settings: &DetectionSettings) -> (Report, Option<Geomet
     (Report { lines, warnings }, geometry)
 }
 
-/// Draws sites and centres to scale.
+/// Draws sites (squares, coloured by shank, with their channel numbers: every
+/// site up to 64 sites, else every 10th) and template centres (dots) to scale,
+/// with a shank legend, axes in µm and a title naming the probe.
 fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    use plotters::style::text_anchor::{HPos, Pos, VPos};
+    use spikecube::output::plot::{self, FONT, category_colour, plot_err};
+    plot::register_font()?;
+    let err = plot_err(path);
     let (x0, x1, y0, y1) = probe.extent();
     let (x0, x1, y0, y1) = (
         x0 as f64 - 20.0,
@@ -192,64 +198,162 @@ fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
     );
     let (wu, hu) = ((x1 - x0).max(1.0), (y1 - y0).max(1.0));
     let scale = (1800.0 / hu).min(1400.0 / wu).min(12.0);
-    let (left, top, bottom_margin, right_margin) = (110i64, 50i64, 60i64, 30i64);
-    let w = (wu * scale).ceil() as i64 + left + right_margin;
-    let h = (hu * scale).ceil() as i64 + top + bottom_margin;
-    let w = w.max(420);
-    let mut c = Canvas::new(w as u32, h as u32, WHITE);
-    let bottom = top + (hu * scale).ceil() as i64;
-    let px = |x: f64| left as f64 + (x - x0) * scale;
-    let py = |y: f64| bottom as f64 - (y - y0) * scale;
+    // At least 420 px wide: a narrow probe is widened around its middle (still
+    // to scale) so its labels and ticks fit.
+    let plot_w = (wu * scale).max(420.0);
+    let plot_h = (hu * scale).max(200.0);
+    let xm = (x0 + x1) / 2.0;
+    let (x0, x1) = (xm - plot_w / scale / 2.0, xm + plot_w / scale / 2.0);
+    let ym = (y0 + y1) / 2.0;
+    let (y0, y1) = (ym - plot_h / scale / 2.0, ym + plot_h / scale / 2.0);
+    let (left, bottom, top, legend_w) = (100u32, 70u32, 70u32, 200u32);
+    let w = plot_w.ceil() as u32 + left + 30 + legend_w;
+    let h = plot_h.ceil() as u32 + top + bottom;
 
     let mut ids = probe.kcoords.clone();
     ids.sort_unstable();
     ids.dedup();
     let colour = |k: i64| category_colour(ids.binary_search(&k).unwrap_or(0));
-    let half = (6.0 * scale).max(1.5);
-    for i in 0..probe.n_sites() {
-        let (cx, cy) = (px(probe.xc[i] as f64), py(probe.yc[i] as f64));
-        c.rect(
-            (cx - half).round() as i64,
-            (cy - half).round() as i64,
-            (cx + half).round() as i64,
-            (cy + half).round() as i64,
-            colour(probe.kcoords[i]),
-            0.45,
-        );
-    }
-    if let Some(g) = geometry {
-        for j in 0..g.n_centres() {
-            c.disc(
-                px(g.xcup[j]),
-                py(g.ycup[j]),
-                (2.0 * scale).clamp(1.0, 4.0),
-                colour(g.centre_shank[j]),
-                1.0,
-            );
+    // The file and its folder (`tetrode_like/probe.json`), enough to tell probes apart.
+    let comps: Vec<String> = probe
+        .source
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    let name = comps[comps.len().saturating_sub(2)..].join("/");
+    let title = format!(
+        "{name}: {}, {}",
+        spikecube::error::count(probe.n_sites() as u64, "site"),
+        spikecube::error::count(ids.len() as u64, "shank")
+    );
+    let title_size = plot::fitting_size(&title, (w - 40) as f64, 26.0);
+
+    let mut buf = vec![255u8; (w * h * 3) as usize];
+    {
+        let root = BitMapBackend::with_buffer(&mut buf, (w, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(&err)?;
+        let (main, side) = root.split_horizontally(w - legend_w);
+        let mut chart = ChartBuilder::on(&main)
+            .caption(&title, (FONT, title_size))
+            .margin(15)
+            .x_label_area_size(bottom - 15)
+            .y_label_area_size(left - 15)
+            .build_cartesian_2d(x0..x1, y0..y1)
+            .map_err(&err)?;
+        chart
+            .configure_mesh()
+            .x_desc("x (µm)")
+            .y_desc("y (µm)")
+            .label_style((FONT, 16))
+            .axis_desc_style((FONT, 20))
+            .light_line_style(WHITE)
+            .bold_line_style(BLACK.mix(0.06))
+            .x_labels(((plot_w / 60.0) as usize).max(4))
+            .y_labels(((plot_h / 60.0) as usize).max(3))
+            .x_label_formatter(&plot::tick_text)
+            .y_label_formatter(&plot::tick_text)
+            .draw()
+            .map_err(&err)?;
+        let half = 6.0;
+        chart
+            .draw_series((0..probe.n_sites()).map(|i| {
+                let (x, y) = (probe.xc[i] as f64, probe.yc[i] as f64);
+                Rectangle::new(
+                    [(x - half, y - half), (x + half, y + half)],
+                    colour(probe.kcoords[i]).mix(0.55).filled(),
+                )
+            }))
+            .map_err(&err)?;
+        if let Some(g) = geometry {
+            let r = (2.0 * scale).clamp(1.0, 4.0).round() as i32;
+            chart
+                .draw_series((0..g.n_centres()).map(|j| {
+                    Circle::new(
+                        (g.xcup[j], g.ycup[j]),
+                        r,
+                        colour(g.centre_shank[j]).filled(),
+                    )
+                }))
+                .map_err(&err)?;
         }
+        // Channel numbers (file columns): left of sites in the left half of
+        // their shank, right of the others.
+        let step = if probe.n_sites() <= 64 { 1 } else { 10 };
+        let mut mid = std::collections::HashMap::new();
+        for &k in &ids {
+            let xs: Vec<f32> = (0..probe.n_sites())
+                .filter(|&i| probe.kcoords[i] == k)
+                .map(|i| probe.xc[i])
+                .collect();
+            let (lo, hi) = xs
+                .iter()
+                .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
+                    (a.min(x), b.max(x))
+                });
+            mid.insert(k, (lo + hi) / 2.0);
+        }
+        let label_size = if scale >= 2.0 { 16 } else { 13 };
+        chart
+            .draw_series((0..probe.n_sites()).step_by(step).map(|i| {
+                let right = probe.xc[i] > mid[&probe.kcoords[i]];
+                let (dx, hpos) = if right {
+                    (half + 3.0 / scale, HPos::Left)
+                } else {
+                    (-half - 3.0 / scale, HPos::Right)
+                };
+                Text::new(
+                    probe.chan_map[i].to_string(),
+                    (probe.xc[i] as f64 + dx, probe.yc[i] as f64),
+                    (FONT, label_size)
+                        .into_font()
+                        .color(&BLACK)
+                        .pos(Pos::new(hpos, VPos::Center)),
+                )
+            }))
+            .map_err(&err)?;
+
+        // Legend: one entry per shank, then the symbols.
+        let text = |s: &str, x: i32, y: i32, size: u32| {
+            Text::new(
+                s.to_string(),
+                (x, y),
+                (FONT, size).into_font().color(&BLACK),
+            )
+        };
+        let mut y = top as i32;
+        side.draw(&text("shank", 10, y, 18)).map_err(&err)?;
+        y += 28;
+        for (n, &k) in ids.iter().enumerate().take(24) {
+            side.draw(&Rectangle::new(
+                [(12, y + 2), (26, y + 16)],
+                category_colour(n).mix(0.55).filled(),
+            ))
+            .map_err(&err)?;
+            side.draw(&text(&k.to_string(), 34, y, 16)).map_err(&err)?;
+            y += 22;
+        }
+        if ids.len() > 24 {
+            side.draw(&text(&format!("… {} more", ids.len() - 24), 12, y, 16))
+                .map_err(&err)?;
+            y += 22;
+        }
+        y += 16;
+        for line in [
+            "squares: sites".to_string(),
+            "numbers: channel".to_string(),
+            format!(
+                "  (file column){}",
+                if step > 1 { ", every 10th" } else { "" }
+            ),
+            "dots: template".to_string(),
+            "  centres".to_string(),
+        ] {
+            side.draw(&text(&line, 10, y, 15)).map_err(&err)?;
+            y += 20;
+        }
+        root.present().map_err(&err)?;
     }
-    let xt = ticks(x0, x1, ((wu * scale) / 120.0).max(1.0) as usize);
-    let yt = ticks(y0, y1, ((hu * scale) / 80.0).max(2.0) as usize);
-    let xs = if xt.len() > 1 { xt[1] - xt[0] } else { 1.0 };
-    let ys = if yt.len() > 1 { yt[1] - yt[0] } else { 1.0 };
-    let right = left + (wu * scale).ceil() as i64;
-    for &x in &xt {
-        let p = px(x).round() as i64;
-        c.line(p, bottom, p, bottom + 5, BLACK);
-        let s = tick_label(x, xs);
-        c.text(p - Canvas::text_width(&s, 2) / 2, bottom + 9, &s, 2, BLACK);
-    }
-    for &y in &yt {
-        let p = py(y).round() as i64;
-        c.line(left - 5, p, left, p, BLACK);
-        let s = tick_label(y, ys);
-        c.text(left - 9 - Canvas::text_width(&s, 2), p - 7, &s, 2, BLACK);
-    }
-    c.frame(left, top, right, bottom, BLACK);
-    c.text(left, bottom + 34, "x (µm)", 2, BLACK);
-    c.text_vertical(12, (top + bottom) / 2 + 30, "y (µm)", 2, BLACK);
-    c.text(left, 16, "sites: squares, centres: dots", 2, BLACK);
-    c.save_png(path)
+    plot::save_png(path, buf, w, h)
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -264,14 +368,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
     settings.validate()?;
     let (r, geometry) = report(&probe, &settings);
     for l in &r.lines {
-        println!("{l}");
+        say!("{l}");
     }
     for w in &r.warnings {
-        println!("warning: {w}");
+        say!("warning: {w}");
     }
     if let Some(p) = &args.png {
         draw(&probe, geometry.as_ref(), p)?;
-        println!("picture      {}", p.display());
+        say!("picture      {}", p.display());
     }
     Ok(if geometry.is_some() {
         ExitCode::SUCCESS

@@ -57,7 +57,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let s = simulate(&probe, &cfg, &args.out)
         .with_context(|| format!("simulating into {}", args.out.display()))?;
     let dt = t0.elapsed().as_secs_f64();
-    println!(
+    say!(
         "{}: {} channels × {} samples ({:.1} s), {} spikes from {} units; {:.1} MB in {:.2} s ({:.0}× realtime)",
         s.bin_path.display(),
         s.n_channels,

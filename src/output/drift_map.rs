@@ -9,7 +9,7 @@ use std::path::Path;
 
 use anyhow::Result;
 
-use super::plot::{BLACK, Canvas, GREY, WHITE, colour_scale, tick_label, ticks};
+use super::plot;
 
 /// Default number of spikes kept for the picture.
 pub const DEFAULT_CAPACITY: usize = 200_000;
@@ -80,18 +80,20 @@ impl DriftMap {
         z ^ (z >> 31)
     }
 
-    /// Draws the picture (1400 × 900 pixels): time in seconds along x, depth in
-    /// µm up the y axis (deeper sites, larger y, at the top, as on the probe),
-    /// one translucent dot per kept spike coloured by amplitude (colour bar on
-    /// the right, clipped at the 1st and 99th percentiles), and writes it as PNG.
+    /// Draws the picture (1400 × 900 pixels) with plotters: time in seconds
+    /// along x, depth along the probe in µm up the y axis (larger y, higher on
+    /// the probe, at the top), one translucent dot per kept spike coloured by
+    /// amplitude on a perceptually uniform map (viridis, clipped so both ends
+    /// show on white), a colour bar labelled "amplitude (whitened units)"
+    /// (clipped at the 1st and 99th percentiles), a title that is shrunk to
+    /// fit, and writes it as PNG.
     ///
     /// # Errors
-    /// When the file cannot be written.
+    /// When the picture cannot be drawn or the file cannot be written.
     pub fn render(&self, path: &Path, axes: &DriftAxes) -> Result<()> {
+        use plotters::prelude::*;
+        plot::register_font()?;
         let (w, h) = (1400u32, 900u32);
-        let (left, right, top, bottom) = (110i64, 1230i64, 60i64, 800i64);
-        let mut c = Canvas::new(w, h, WHITE);
-
         let fs = if axes.fs.is_finite() && axes.fs > 0.0 {
             axes.fs
         } else {
@@ -114,32 +116,9 @@ impl DriftMap {
                 });
             (y0, y1) = if lo < hi { (lo, hi) } else { (0.0, 1.0) };
         }
-        let pad = (y1 - y0) * 0.02;
+        let pad = ((y1 - y0) * 0.02).max(1.0);
         let (y0, y1) = (y0 - pad, y1 + pad);
-        let px_x = |t: f64| left as f64 + t / t_max * (right - left) as f64;
-        let px_y = |y: f64| bottom as f64 - (y - y0) / (y1 - y0) * (bottom - top) as f64;
 
-        // Grid and ticks.
-        let xt = ticks(0.0, t_max, 8);
-        let yt = ticks(y0, y1, 8);
-        let xstep = if xt.len() > 1 { xt[1] - xt[0] } else { 1.0 };
-        let ystep = if yt.len() > 1 { yt[1] - yt[0] } else { 1.0 };
-        for &t in &xt {
-            let x = px_x(t).round() as i64;
-            c.line(x, top, x, bottom, GREY);
-            c.line(x, bottom, x, bottom + 6, BLACK);
-            let s = tick_label(t, xstep);
-            c.text(x - Canvas::text_width(&s, 2) / 2, bottom + 12, &s, 2, BLACK);
-        }
-        for &y in &yt {
-            let py = px_y(y).round() as i64;
-            c.line(left, py, right, py, GREY);
-            c.line(left - 6, py, left, py, BLACK);
-            let s = tick_label(y, ystep);
-            c.text(left - 12 - Canvas::text_width(&s, 2), py - 7, &s, 2, BLACK);
-        }
-
-        // Dots, weakest first so strong spikes stay visible.
         let mut amps: Vec<f32> = self.points.iter().map(|p| p.2).collect();
         amps.sort_by(f32::total_cmp);
         let q = |f: f64| -> f64 {
@@ -150,53 +129,90 @@ impl DriftMap {
             }
         };
         let (a0, a1) = (q(0.01), q(0.99).max(q(0.01) + 1e-6));
+        // Largest amplitudes drawn last, on top.
         let mut order: Vec<usize> = (0..self.points.len()).collect();
         order.sort_by(|&i, &j| self.points[i].2.total_cmp(&self.points[j].2));
-        let alpha = (30_000.0 / self.points.len().max(1) as f32).clamp(0.15, 0.7);
-        // Bigger dots when there are few, so sparse maps stay readable.
+        let alpha = (30_000.0 / self.points.len().max(1) as f64).clamp(0.15, 0.7);
         let radius = match self.points.len() {
-            0..5_000 => 2.6,
-            5_000..50_000 => 2.0,
-            _ => 1.6,
+            0..5_000 => 3,
+            _ => 2,
         };
-        for i in order {
-            let (s, y, a) = self.points[i];
-            let colour = colour_scale((a as f64 - a0) / (a1 - a0));
-            c.disc(px_x(s as f64 / fs), px_y(y as f64), radius, colour, alpha);
-        }
-        c.frame(left, top, right, bottom, BLACK);
 
-        // Colour bar.
-        let (bx0, bx1) = (1262i64, 1282i64);
-        for py in top..=bottom {
-            let t = (bottom - py) as f64 / (bottom - top) as f64;
-            c.rect(bx0, py, bx1, py, colour_scale(t), 1.0);
-        }
-        c.frame(bx0, top, bx1, bottom, BLACK);
-        let at = ticks(a0, a1, 6);
-        let astep = if at.len() > 1 { at[1] - at[0] } else { 1.0 };
-        for &a in &at {
-            let py = (bottom as f64 - (a - a0) / (a1 - a0) * (bottom - top) as f64).round() as i64;
-            c.line(bx1, py, bx1 + 5, py, BLACK);
-            c.text(bx1 + 9, py - 7, &tick_label(a, astep), 2, BLACK);
-        }
-        c.text_vertical(1365, (top + bottom) / 2 + 50, "amplitude", 2, BLACK);
-
-        // Titles.
-        c.text(
-            (left + right) / 2 - Canvas::text_width("time (s)", 3) / 2,
-            bottom + 42,
-            "time (s)",
-            3,
-            BLACK,
-        );
-        c.text_vertical(20, (top + bottom) / 2 + 75, "depth (µm)", 3, BLACK);
         let title = format!(
-            "drift map: {} spikes, {} shown",
-            self.seen,
+            "drift map: {} detected, {} shown",
+            crate::error::count(self.seen, "spike"),
             self.points.len()
         );
-        c.text(left, 18, &title, 3, BLACK);
-        c.save_png(path)
+        let title_size = plot::fitting_size(&title, 1150.0, 30.0);
+        let err = plot::plot_err(path);
+        let mut buf = vec![255u8; (w * h * 3) as usize];
+        {
+            let root = BitMapBackend::with_buffer(&mut buf, (w, h)).into_drawing_area();
+            root.fill(&WHITE).map_err(&err)?;
+            let (main, bar) = root.split_horizontally(1210);
+            let mut chart = ChartBuilder::on(&main)
+                .caption(&title, (plot::FONT, title_size))
+                .margin(20)
+                .x_label_area_size(70)
+                .y_label_area_size(100)
+                .build_cartesian_2d(0f64..t_max, y0..y1)
+                .map_err(&err)?;
+            chart
+                .configure_mesh()
+                .x_desc("time (s)")
+                .y_desc("depth along the probe (µm)")
+                .label_style((plot::FONT, 20))
+                .axis_desc_style((plot::FONT, 24))
+                .light_line_style(WHITE)
+                .bold_line_style(BLACK.mix(0.08))
+                .x_labels(10)
+                .y_labels(10)
+                .x_label_formatter(&plot::tick_text)
+                .y_label_formatter(&plot::tick_text)
+                .draw()
+                .map_err(&err)?;
+            chart
+                .draw_series(order.iter().map(|&i| {
+                    let (s, y, a) = self.points[i];
+                    let c = plot::colour_map((a as f64 - a0) / (a1 - a0));
+                    Circle::new((s as f64 / fs, y as f64), radius, c.mix(alpha).filled())
+                }))
+                .map_err(&err)?;
+
+            // The colour bar, its plot area level with the main one.
+            let mut cb = ChartBuilder::on(&bar)
+                .caption(" ", (plot::FONT, title_size))
+                .margin_top(20)
+                .margin_bottom(20)
+                .margin_left(10)
+                .margin_right(10)
+                .x_label_area_size(70)
+                .right_y_label_area_size(110)
+                .build_cartesian_2d(0f64..1f64, a0..a1)
+                .map_err(&err)?;
+            cb.configure_mesh()
+                .disable_x_mesh()
+                .disable_y_mesh()
+                .disable_x_axis()
+                .y_desc("amplitude (whitened units)")
+                .label_style((plot::FONT, 18))
+                .axis_desc_style((plot::FONT, 22))
+                .y_labels(8)
+                .y_label_formatter(&plot::tick_text)
+                .draw()
+                .map_err(&err)?;
+            let n = 256;
+            cb.draw_series((0..n).map(|k| {
+                let lo = a0 + (a1 - a0) * k as f64 / n as f64;
+                let hi = a0 + (a1 - a0) * (k + 1) as f64 / n as f64;
+                Rectangle::new(
+                    [(0.0, lo), (1.0, hi)],
+                    plot::colour_map(k as f64 / (n - 1) as f64).filled(),
+                )
+            }))
+            .map_err(&err)?;
+            root.present().map_err(&err)?;
+        }
+        plot::save_png(path, buf, w, h)
     }
 }

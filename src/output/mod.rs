@@ -3,11 +3,13 @@
 //!
 //! [`OutputWriter`] streams detections to disk window by window, so memory does
 //! not grow with the spike count (field failure BR-23), and publishes the
-//! folder atomically: everything is written into a sibling folder
-//! `<out>.partial-<pid>`, which is renamed to `<out>` only by
-//! [`OutputWriter::finish`]. A writer dropped without `finish` removes its
+//! folder atomically through a [`folder::StagedFolder`]: everything is written
+//! into a sibling folder `<out>.partial-<pid>`, which is renamed to `<out>` only
+//! by [`OutputWriter::finish`]. A writer dropped without `finish` removes its
 //! partial folder; a killed process leaves only the `.partial-<pid>` folder,
-//! which never looks like a finished result.
+//! which never looks like a finished result and is removed by the next run into
+//! the same place. An existing `<out>` is replaced only when it is an earlier
+//! `detect` result holding nothing but the files it lists (see [`folder`]).
 //!
 //! # Files
 //!
@@ -33,13 +35,14 @@
 //! | `channel_shanks.npy` | int64 | (n_sites,) | the probe's own shank id of each site, unchanged, in channel-map order (BR-21) |
 //! | `whitening_mat.npy` | float32 | (n_sites, n_sites) | the whitening matrix applied (identity when none was given) |
 //! | `params.py` | text | | Phy's parameters (raw file, channels, dtype, offset, sample rate) |
-//! | `spikecube.json` | JSON | | settings, versions, input, sizes, timings, counts |
+//! | `spikecube.json` | JSON | | settings, versions, input, sizes, timings, counts; `command` (`detect`) and `files` (every file spikecube wrote in the folder) |
 //! | `drift_map.png` | PNG | 1400 × 900 | depth against time, coloured by amplitude |
 //!
 //! Rows are in time order (then by centre) when windows are appended in time
 //! order; `spikecube.json` records whether they were (`counts.time_sorted`).
 
 mod drift_map;
+pub mod folder;
 pub mod npy_stream;
 pub mod params;
 pub mod plot;
@@ -141,6 +144,7 @@ struct Streams {
 pub struct OutputWriter {
     out: PathBuf,
     tmp: PathBuf,
+    staged: Option<folder::StagedFolder>,
     streams: Option<Streams>,
     n_sites: usize,
     n_chans: usize,
@@ -167,66 +171,13 @@ impl OutputWriter {
     /// When `out` has no file name, the temporary folder cannot be created or a
     /// file cannot be written, or `geometry` does not fit `probe`.
     pub fn create(out: &Path, probe: &Probe, geometry: &Geometry, n_pcs: usize) -> Result<Self> {
-        let name = out
-            .file_name()
-            .with_context(|| format!("output folder {} has no name", out.display()))?;
-        let parent = match out.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        // Only an earlier spikecube result (or an empty folder) is ever replaced:
-        // anything else at `out` is the user's and is left alone.
-        if let Ok(meta) = std::fs::symlink_metadata(out) {
-            if !meta.is_dir() {
-                bail!(
-                    "output folder {} already exists as a file; choose another --out",
-                    out.display()
-                );
-            }
-            let empty = std::fs::read_dir(out)
-                .map(|mut d| d.next().is_none())
-                .unwrap_or(false);
-            if !empty && !out.join("spikecube.json").is_file() {
-                bail!(
-                    "output folder {} already exists and is not an earlier spikecube result (it has no spikecube.json); choose another --out or empty it",
-                    out.display()
-                );
-            }
-        }
-        if parent.exists() && !parent.is_dir() {
-            bail!(
-                "cannot create the output folder {}: {} is a file, not a folder",
-                out.display(),
-                parent.display()
-            );
-        }
-        std::fs::create_dir_all(&parent).with_context(|| {
-            format!(
-                "cannot create the output folder {}: cannot create {}",
-                out.display(),
-                parent.display()
-            )
-        })?;
-        let mut tmp_name = name.to_os_string();
-        tmp_name.push(format!(".partial-{}", std::process::id()));
-        let tmp = parent.join(tmp_name);
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp)
-                .with_context(|| format!("cannot remove stale {}", tmp.display()))?;
-        }
-        std::fs::create_dir(&tmp).with_context(|| {
-            format!(
-                "cannot create the output folder {} (written first as {})",
-                out.display(),
-                tmp.display()
-            )
-        })?;
+        let staged = folder::StagedFolder::create(out, "detect")?;
+        let tmp = staged.path().to_path_buf();
 
         let n_sites = probe.n_sites();
         let nc = geometry.n_chans();
         let nf = geometry.n_centres();
         if let Some(&bad) = geometry.i_c.iter().find(|&&s| s as usize >= n_sites) {
-            let _ = std::fs::remove_dir_all(&tmp);
             bail!(
                 "geometry names site {bad}, but the probe {} has {n_sites} sites",
                 probe.source.display()
@@ -235,6 +186,7 @@ impl OutputWriter {
         let mut w = OutputWriter {
             out: out.to_path_buf(),
             tmp: tmp.clone(),
+            staged: Some(staged),
             streams: None,
             n_sites,
             n_chans: nc,
@@ -539,10 +491,6 @@ impl OutputWriter {
                 "whitening_mat": whitening_note,
             },
         });
-        let text = serde_json::to_string_pretty(&json).context("cannot encode spikecube.json")?;
-        std::fs::write(f("spikecube.json"), text + "\n")
-            .with_context(|| format!("cannot write {}", f("spikecube.json").display()))?;
-
         self.drift.render(
             &f("drift_map.png"),
             &DriftAxes {
@@ -552,7 +500,11 @@ impl OutputWriter {
             },
         )?;
 
-        self.publish()?;
+        let staged = self
+            .staged
+            .take()
+            .context("output writer already finished")?;
+        staged.publish(json)?;
         Ok(Summary {
             path: self.out.clone(),
             n_spikes: self.n_spikes,
@@ -561,51 +513,13 @@ impl OutputWriter {
             per_template: self.per_template.clone(),
         })
     }
-
-    /// Renames the temporary folder to the final one, replacing an older one.
-    fn publish(&mut self) -> Result<()> {
-        let out = &self.out;
-        if out.exists() {
-            let mut old_name = out.file_name().unwrap_or_default().to_os_string();
-            old_name.push(format!(".old-{}", std::process::id()));
-            let old = out.with_file_name(old_name);
-            if old.exists() {
-                std::fs::remove_dir_all(&old)
-                    .with_context(|| format!("cannot remove {}", old.display()))?;
-            }
-            std::fs::rename(out, &old).with_context(|| {
-                format!(
-                    "cannot move the earlier {} aside to {}",
-                    out.display(),
-                    old.display()
-                )
-            })?;
-            if let Err(e) = std::fs::rename(&self.tmp, out) {
-                // Put the earlier result back.
-                let _ = std::fs::rename(&old, out);
-                return Err(e).with_context(|| {
-                    format!("cannot rename {} to {}", self.tmp.display(), out.display())
-                });
-            }
-            std::fs::remove_dir_all(&old)
-                .with_context(|| format!("cannot remove the earlier result {}", old.display()))?;
-        } else {
-            std::fs::rename(&self.tmp, out).with_context(|| {
-                format!("cannot rename {} to {}", self.tmp.display(), out.display())
-            })?;
-        }
-        // Nothing left to clean up.
-        self.tmp = PathBuf::new();
-        Ok(())
-    }
 }
 
 impl Drop for OutputWriter {
-    /// Removes the temporary folder when the writer was not finished.
+    /// Closes the files, then removes the temporary folder when the writer was
+    /// not finished.
     fn drop(&mut self) {
         self.streams = None;
-        if !self.tmp.as_os_str().is_empty() && self.tmp.exists() {
-            let _ = std::fs::remove_dir_all(&self.tmp);
-        }
+        self.staged = None;
     }
 }

@@ -278,6 +278,13 @@ pub fn open_many(paths: &[PathBuf], opts: &OpenOptions) -> Result<Opened, Record
 }
 
 fn open_untrimmed(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
+    if let Err(e) = std::fs::metadata(path)
+        && e.kind() == std::io::ErrorKind::NotFound
+    {
+        return Err(RecordingError::NotFound {
+            path: path.to_owned(),
+        });
+    }
     let format = match opts.format {
         Format::Auto => {
             if path.is_dir() || path.extension().is_some_and(|e| e == "oebin") {
@@ -297,7 +304,10 @@ fn open_untrimmed(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingEr
             let n_channels = opts.n_channels.ok_or_else(|| RecordingError::Setting {
                 path: path.to_owned(),
                 setting: "n_chan_bin",
-                message: "no SpikeGLX .meta or Open Ephys structure.oebin found for it, so it is read as a flat binary file, which needs the number of channels in the file (--n-channels) and the sampling rate (--fs)".into(),
+                message: format!(
+                    "no such file {} (its SpikeGLX metadata), nor an Open Ephys structure.oebin, so it is read as a flat binary file, which needs the number of channels in the file (--n-channels) and the sampling rate (--fs)",
+                    path.with_extension("meta").display()
+                ),
             })?;
             let fs = opts.fs.ok_or_else(|| RecordingError::Setting {
                 path: path.to_owned(),

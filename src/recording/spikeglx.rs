@@ -638,7 +638,7 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
         return Err(RecordingError::Missing {
             path: meta_path,
             message: format!(
-                "SpikeGLX metadata not found beside {}; it gives the channel count and rate (or open the file as flat binary with n_chan_bin and fs)",
+                "no such file: the SpikeGLX metadata of {} was looked for here; it gives the channel count and rate (put the .meta beside the .bin, or read the file as flat binary with --n-channels and --fs)",
                 bin.display()
             ),
         });

@@ -47,7 +47,7 @@ impl WindowPlan {
             return Err(RecordingError::Setting {
                 path: Default::default(),
                 setting: "batch_size",
-                message: "batch_size must be at least 1 sample".into(),
+                message: "must be at least 1 sample".into(),
             });
         }
         let mut n_windows = n_samples.div_ceil(batch_size);
@@ -56,7 +56,8 @@ impl WindowPlan {
             if tail < nt {
                 n_windows -= 1;
                 tracing::warn!(
-                    "the last {tail} samples (of {n_samples}) are fewer than nt = {nt} and are skipped, as Kilosort4 does; {n_windows} windows of {batch_size} samples remain"
+                    "the last {tail} samples (of {n_samples}) are fewer than nt = {nt} and are skipped, as Kilosort4 does; {} of {batch_size} samples remain",
+                    crate::error::count(n_windows, "window")
                 );
             }
         }

@@ -7,13 +7,19 @@ use std::path::PathBuf;
 use ndarray::{Array1, Array2, Array3};
 use spikecube::{DetectionSettings, Geometry, Probe, npy};
 
-/// `../shared` beside the repository (CI lays a copy there). Missing fixtures are
-/// a failure, never a skip.
-pub fn shared() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared");
+/// The test data carried in the repository (`tests/data/`: Kilosort4 fixtures
+/// under `fixtures/`, real recordings and probe files under `data/`).
+pub fn test_data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data")
+}
+
+/// `rel` under [`test_data`], which must exist: a missing file or folder is a
+/// failure naming the path where it was expected, never a skip.
+pub fn data(rel: &str) -> PathBuf {
+    let p = test_data().join(rel);
     assert!(
-        p.join("fixtures").is_dir(),
-        "the Kilosort4 fixtures are missing: expected {}/fixtures",
+        p.exists(),
+        "test data missing: expected {} (the repository's tests/data/ should hold it)",
         p.display()
     );
     p
@@ -40,7 +46,7 @@ pub struct Case {
 
 impl Case {
     pub fn load(name: &str) -> Case {
-        let dir = shared().join("fixtures/detection").join(name);
+        let dir = data(&format!("fixtures/detection/{name}"));
         let probe = Probe::load(&dir.join("probe.json")).unwrap();
         let x = npy::read(&dir.join("X.npy")).unwrap();
         Case {
