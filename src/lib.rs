@@ -56,6 +56,7 @@
 //! * [`simulate`]: synthetic SpikeGLX recordings with ground truth.
 #![deny(missing_docs)]
 
+pub mod checks;
 pub mod detect;
 pub mod error;
 pub mod npy;

@@ -7,7 +7,9 @@ use anyhow::{Result, bail};
 use spikecube::output::RunInfo;
 use spikecube::pipeline::{DetectJob, run_detection};
 
-use super::common::{DetectionArgs, PreprocessArgs, RecordingArgs, default_out, progress_bar};
+use super::common::{
+    CheckArgs, DetectionArgs, PreprocessArgs, RecordingArgs, default_out, progress_bar,
+};
 
 /// Which device runs detection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -45,6 +47,8 @@ pub struct Args {
     pre: PreprocessArgs,
     #[command(flatten)]
     det: DetectionArgs,
+    #[command(flatten)]
+    checks: CheckArgs,
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
@@ -60,6 +64,9 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         ),
     }
     let (opened, probe) = args.rec.open(&args.recording)?;
+    let (probe, checks) = args
+        .checks
+        .apply(&args.rec, &args.recording[0], &opened, probe)?;
     let rec = opened.recording.clone();
     let out = match &args.out {
         Some(o) => o.clone(),
@@ -90,6 +97,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         preprocess: args.pre.settings(fs),
         out,
         run_info,
+        checks,
     };
     let bar = progress_bar(quiet);
     let report = run_detection(job, &mut |p| {
@@ -113,6 +121,10 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             "realtime": report.seconds / report.wall.max(1e-9),
             "template_centres": report.n_centres,
             "time_sorted": s.time_sorted,
+            "boundary_duplicates_removed": report.boundary_duplicates_removed,
+            "clipped_samples_masked": report.clipped_samples_masked,
+            "scale_factor": report.scale_factor,
+            "warnings": report.warnings,
         });
         println!("{v}");
     } else if !quiet {
@@ -126,6 +138,19 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             report.seconds / report.wall.max(1e-9),
             s.path.display()
         );
+        if report.boundary_duplicates_removed > 0 || report.clipped_samples_masked > 0 {
+            eprintln!(
+                "spikecube: {} boundary duplicates removed, {} clipped samples masked",
+                report.boundary_duplicates_removed, report.clipped_samples_masked
+            );
+        }
+    }
+    if !args.json && !report.warnings.is_empty() {
+        // Warnings are not progress: repeated here even with -q.
+        eprintln!("spikecube: {} warning(s):", report.warnings.len());
+        for w in &report.warnings {
+            eprintln!("  warning: {w}");
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -15,7 +15,7 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "spikecube", version, about, long_about = None)]
 pub struct Cli {
-    /// Log less (errors only).
+    /// Log less (warnings and errors only).
     #[arg(short, long, global = true)]
     quiet: bool,
     #[command(subcommand)]
@@ -39,7 +39,8 @@ enum Command {
 /// Parses the command line and runs the subcommand.
 pub fn run() -> anyhow::Result<ExitCode> {
     let cli = Cli::parse();
-    let level = if cli.quiet { "error" } else { "info" };
+    // Warnings are not progress: -q hides progress and information only.
+    let level = if cli.quiet { "warn" } else { "info" };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("SPIKECUBE_LOG")

@@ -10,7 +10,7 @@ use spikecube::npy;
 use spikecube::pipeline::{WhitenedFormat, write_whitened};
 use spikecube::preprocess::highpass_kernel;
 
-use super::common::{PreprocessArgs, RecordingArgs, progress_bar};
+use super::common::{CheckArgs, PreprocessArgs, RecordingArgs, progress_bar};
 
 /// Flags of `preprocess`.
 #[derive(Debug, clap::Args)]
@@ -28,10 +28,15 @@ pub struct Args {
     rec: RecordingArgs,
     #[command(flatten)]
     pre: PreprocessArgs,
+    #[command(flatten)]
+    checks: CheckArgs,
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     let (opened, probe) = args.rec.open(&args.recording)?;
+    let (probe, checks) = args
+        .checks
+        .apply(&args.rec, &args.recording[0], &opened, probe)?;
     let rec = opened.recording.clone();
     let settings = args.pre.settings(rec.fs());
     std::fs::create_dir_all(&args.out)
@@ -48,6 +53,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         &settings,
         format,
         &args.out.join("temp_wh.dat"),
+        &checks,
         &mut |p| {
             bar.set_length(p.windows_total);
             bar.set_position(p.windows_done);
