@@ -164,7 +164,13 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     )?;
     let chan_map = job.probe.chan_map.clone();
     let n_sites = job.probe.n_sites();
-    layout_checks(rec.as_ref(), &job.probe, &job.preprocess, &job.checks, &mut warnings)?;
+    layout_checks(
+        rec.as_ref(),
+        &job.probe,
+        &job.preprocess,
+        &job.checks,
+        &mut warnings,
+    )?;
 
     // Geometry first: a probe that cannot work fails before any data is read.
     let geometry = Geometry::new(&job.probe, &job.detection)?;
@@ -213,22 +219,11 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         let mut w = window?;
         let t0 = Instant::now();
         let cols = WindowColumns::of(&plan, w.index);
-        let runs = if job.checks.mask_clipped {
-            let raw = w.data.clone();
-            let runs =
-                checks::mask_stuck_runs(&mut w.data, cols.lo, cols.hi, cols.pad_repeats, min_run);
-            health.observe(raw.view(), cols.own, w.first_sample, &runs);
-            runs
-        } else {
-            let runs: Vec<Vec<(usize, usize)>> = w
-                .data
-                .outer_iter()
-                .map(|r| checks::stuck_runs(&r.to_vec(), cols.lo, cols.hi, min_run))
-                .collect();
-            health.observe(w.data.view(), cols.own, w.first_sample, &runs);
-            runs
-        };
-        drop(runs);
+        let runs = checks::find_stuck_runs(&w.data, cols.lo, cols.hi, min_run);
+        health.observe(w.data.view(), cols.own, w.first_sample, &runs);
+        if job.checks.mask_clipped {
+            checks::fill_stuck_runs(&mut w.data, &runs, cols.lo, cols.hi, cols.pad_repeats);
+        }
         pre.apply(&mut w.data).with_context(|| {
             format!(
                 "preprocessing window {} (samples from {})",
@@ -422,10 +417,11 @@ fn remove_boundary_duplicates(
         let mut near = Vec::new();
         for i in 0..d.len() {
             let t = first + d.sample[i] as i64;
+            // Candidates within nt0min of the boundary, partners within 3·nt0min.
             let close = if left {
-                t >= boundary - nt0min as i64
+                t >= boundary - 3 * nt0min as i64
             } else {
-                t < boundary + nt0min as i64
+                t < boundary + 3 * nt0min as i64
             };
             if close {
                 idx.push(i);
@@ -443,7 +439,7 @@ fn remove_boundary_duplicates(
     if ln.is_empty() || rn.is_empty() {
         return 0;
     }
-    let (rl, rr) = checks::boundary_duplicates(&ln, &rn, geometry, nt0min);
+    let (rl, rr) = checks::boundary_duplicates(&ln, &rn, boundary, geometry, nt0min);
     let mut removed = 0u64;
     for (d, idx, flags) in [(prev, li, rl), (next, ri, rr)] {
         let mut drop = vec![false; d.len()];
@@ -547,13 +543,7 @@ pub fn write_whitened(
             let mut win = window?;
             if checks.mask_clipped {
                 let cols = WindowColumns::of(&plan, win.index);
-                checks::mask_stuck_runs(
-                    &mut win.data,
-                    cols.lo,
-                    cols.hi,
-                    cols.pad_repeats,
-                    min_run,
-                );
+                checks::mask_stuck_runs(&mut win.data, cols.lo, cols.hi, cols.pad_repeats, min_run);
             }
             pre.apply(&mut win.data)?;
             let own = win.own_len as usize;
@@ -728,15 +718,11 @@ fn fit(
             read_window(rec.as_ref(), plan, i, &probe.chan_map, &mut w)?;
             let cols = WindowColumns::of(plan, i);
             let first = rec.first_sample() as i64 + plan.window_first_column(i);
-            let raw = checks.mask_clipped.then(|| w.clone());
-            let runs = if checks.mask_clipped {
-                checks::mask_stuck_runs(&mut w, cols.lo, cols.hi, cols.pad_repeats, min_run)
-            } else {
-                w.outer_iter()
-                    .map(|r| checks::stuck_runs(&r.to_vec(), cols.lo, cols.hi, min_run))
-                    .collect()
-            };
-            health.observe(raw.as_ref().unwrap_or(&w).view(), cols.own, first, &runs);
+            let runs = checks::find_stuck_runs(&w, cols.lo, cols.hi, min_run);
+            health.observe(w.view(), cols.own, first, &runs);
+            if checks.mask_clipped {
+                checks::fill_stuck_runs(&mut w, &runs, cols.lo, cols.hi, cols.pad_repeats);
+            }
             Ok(w)
         },
         probe,
@@ -784,10 +770,7 @@ pub fn channel_check(
     for i in crate::preprocess::covariance_windows(plan.n_windows, settings.nskip as u64) {
         read_window(rec, &plan, i, &probe.chan_map, &mut w)?;
         let cols = WindowColumns::of(&plan, i);
-        let runs: Vec<Vec<(usize, usize)>> = w
-            .outer_iter()
-            .map(|r| checks::stuck_runs(&r.to_vec(), cols.lo, cols.hi, min_run))
-            .collect();
+        let runs = checks::find_stuck_runs(&w, cols.lo, cols.hi, min_run);
         let first = rec.first_sample() as i64 + plan.window_first_column(i);
         health.observe(w.view(), cols.own, first, &runs);
     }
