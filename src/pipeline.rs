@@ -7,6 +7,12 @@
 //!    ([`Preprocessor`]: channel means, median CAR, high-pass, whitening), detect
 //!    ([`CpuDetector`]) and stream the spikes to the output folder ([`OutputWriter`]).
 //!
+//! Before and during the run, the input checks of [`crate::checks`] run (see
+//! [`Checks`]): the data's scale, channel health and stuck stretches, the
+//! layout against the file, common referencing over too few sites; duplicate
+//! detections of one event across a window boundary are removed. Their
+//! warnings end up in [`Report::warnings`] and `spikecube.json`.
+//!
 //! Only detections within a window's own samples are kept, so every spike time t
 //! satisfies 0 ≤ t < n_samples and no spike is reported twice (field failures
 //! BR-17, BR-18). The last window's right pad repeats the last sample; Kilosort4
@@ -492,6 +498,12 @@ pub struct PreprocessReport {
 /// fit, then every window's own samples (channel means, median CAR, high-pass,
 /// whitening) in order, sample-major (`n_samples × n_sites`, interleaved like the
 /// input), to `out`, written under a temporary name and renamed when complete.
+///
+/// `checks` apply as in [`run_detection`]: a recording shorter than one batch is
+/// one window of its own length, stuck stretches are masked
+/// (`checks.mask_clipped`), data far from int16 scale are rescaled
+/// (`checks.auto_scale`), and the layout warnings are logged and returned
+/// ([`PreprocessReport::warnings`]). [`Checks::kilosort`] gives Kilosort4's output.
 ///
 /// # Errors
 /// As [`run_detection`] for the recording, probe and settings; when `out` cannot be written.

@@ -537,11 +537,11 @@ fn br19_an_event_on_a_window_boundary_is_detected_once() {
 /// BR-19's second case: 135 events at random times, with `--batch-size` 1000,
 /// 1024, 6000 and 60 000: every event is detected exactly once with each.
 ///
-/// Stated edge effect: the detection time of an event may differ by one sample
-/// between batch sizes (measured: at most 1) (the circular high-pass sees different window
+/// Stated edge effect: the detection time of an event may differ by one
+/// sample between batch sizes (the circular high-pass sees different window
 /// edges, and the whitening is fitted on different windows), so events are
-/// compared by matching, not by exact time; detections that match no event
-/// (noise near threshold) are bounded, not compared.
+/// matched, not compared by exact time; measured: at most 1 sample, and no
+/// detection other than the 135 events.
 #[test]
 fn br19_the_spike_set_does_not_depend_on_the_batch_size() {
     let dir = tempfile::tempdir().unwrap();
