@@ -518,7 +518,7 @@ pub fn channel_count_warning(rec: &dyn Recording) -> anyhow::Result<Option<Strin
         }
     }
     let r_frame = lag_correlation(&s, n, n);
-    let mut lags: Vec<usize> = (1..n).filter(|l| n % l == 0).collect();
+    let mut lags: Vec<usize> = (1..n).filter(|&l| n.is_multiple_of(l)).collect();
     lags.extend([n - 1, n + 1]);
     lags.sort_unstable();
     lags.dedup();

@@ -248,9 +248,9 @@ impl CheckArgs {
         ) {
             warnings.push(w);
         }
-        let flat = !recording.is_dir()
-            && !recording.extension().is_some_and(|e| e == "oebin")
-            && !recording.with_extension("meta").is_file();
+        let structured = recording.is_dir()
+            || recording.extension().is_some_and(|e| e == "oebin")
+            || recording.with_extension("meta").is_file();
         Ok((
             probe,
             Checks {
@@ -258,7 +258,7 @@ impl CheckArgs {
                 auto_scale: rec.scale.is_none(),
                 mask_clipped: self.mask_clipped,
                 remove_boundary_duplicates: !self.keep_boundary_duplicates,
-                check_channel_count: flat,
+                check_channel_count: !structured,
             },
         ))
     }
