@@ -717,6 +717,38 @@ mod tests {
     }
 
     #[test]
+    fn channel_health_names_zero_flat_duplicate_and_stuck_channels() {
+        let n = 200;
+        let mut x = Array2::<f32>::zeros((5, n));
+        for t in 0..n {
+            let v = ((t * 37) % 23) as f32 - 11.0;
+            x[(1, t)] = 7.0;
+            x[(2, t)] = v;
+            x[(3, t)] = v;
+            x[(4, t)] = if (50..100).contains(&t) { 40.0 } else { -v };
+        }
+        let runs = find_stuck_runs(&x, 0, n, 8);
+        assert_eq!(runs[4], vec![(50, 100)]);
+        assert!(runs[..4].iter().all(Vec::is_empty));
+        let mut h = ChannelHealth::new(&[10, 11, 12, 13, 14]);
+        h.observe(x.view(), (0, n), 1000, &runs);
+        let kinds: Vec<(u64, &str)> = h.findings().iter().map(|f| (f.channel, f.kind)).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                (10, "zero"),
+                (11, "flat"),
+                (13, "duplicate"),
+                (14, "clipped")
+            ]
+        );
+        assert_eq!(h.stuck_samples(), 50);
+        let w = h.warning("test").unwrap();
+        assert!(w.contains("first at sample 1050"), "{w}");
+        assert!(w.contains("--exclude-channels 10,11,13"), "{w}");
+    }
+
+    #[test]
     fn scale_factor_regimes() {
         let cc = |v: f64| Array2::from_diag(&ndarray::arr1(&[v, v, v]));
         assert!(scale_factor(&cc(100.0)).is_none());

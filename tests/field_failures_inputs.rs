@@ -720,6 +720,56 @@ fn br26_layouts_that_disagree_with_the_file_are_warned_about() {
     let r = detect(&bin4, 4, fs, &probe4, &d.join("o4"), &["--do-car", "false"]);
     assert!(r.warnings().is_empty(), "{:?}", r.warnings());
 
+    // SpikeGLX: the sync channel the metadata's own probe leaves out is
+    // expected; a probe with fewer sites than the metadata's is not.
+    let probe8b = write_probe(&d.join("p8b.json"), &column(8, 20.0));
+    let sim = d.join("sim");
+    ok(&spikecube(&[
+        "simulate",
+        "--probe",
+        s(&probe8b),
+        "--seconds",
+        "3",
+        "--out",
+        s(&sim),
+        "-q",
+    ]));
+    let sbin = std::fs::read_dir(&sim)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.to_string_lossy().ends_with(".ap.bin"))
+        .expect("simulate wrote an .ap.bin");
+    let o = spikecube(&[
+        "detect",
+        s(&sbin),
+        "--out",
+        s(&d.join("o6")),
+        "-q",
+        "--json",
+    ]);
+    ok(&o);
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ws = j["warnings"].as_array().unwrap();
+    assert!(
+        !ws.iter()
+            .any(|w| w.as_str().unwrap().contains("channels (columns")),
+        "{ws:?}"
+    );
+    let o = spikecube(&[
+        "detect",
+        s(&sbin),
+        "--probe",
+        s(&tet),
+        "--out",
+        s(&d.join("o7")),
+        "-q",
+        "--json",
+    ]);
+    ok(&o);
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let ws = j["warnings"].to_string();
+    assert!(ws.contains("uses 4 of the file's 9 channels"), "{ws}");
+
     // A probe in millimetres, in detect.
     let mm = write_probe(&d.join("mm.json"), &column(16, 0.015));
     let r = detect(&bin16, 16, fs, &mm, &d.join("o5"), &[]);

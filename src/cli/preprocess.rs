@@ -82,5 +82,12 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             args.out.join("temp_wh.dat").display()
         );
     }
+    if !report.warnings.is_empty() {
+        // Warnings are not progress: repeated here even with -q.
+        eprintln!("spikecube: {} warning(s):", report.warnings.len());
+        for w in &report.warnings {
+            eprintln!("  warning: {w}");
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
