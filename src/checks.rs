@@ -34,44 +34,47 @@ pub fn stuck_runs(row: &[f32], lo: usize, hi: usize, min_run: usize) -> Vec<(usi
         return Vec::new();
     }
     let seg = &row[lo..hi];
-    // Eight lanes of compare-and-select: vectorises, unlike f32::min.
-    let (mut mn, mut mx) = ([seg[0]; 8], [seg[0]; 8]);
-    let mut chunks = seg.chunks_exact(8);
-    for c in &mut chunks {
-        for k in 0..8 {
-            mn[k] = if c[k] < mn[k] { c[k] } else { mn[k] };
-            mx[k] = if c[k] > mx[k] { c[k] } else { mx[k] };
-        }
-    }
-    let (mut mn, mut mx) = (
-        mn.iter().copied().fold(seg[0], f32::min),
-        mx.iter().copied().fold(seg[0], f32::max),
-    );
-    for &v in chunks.remainder() {
-        mn = mn.min(v);
-        mx = mx.max(v);
-    }
-    if mn == mx || !mn.is_finite() || !mx.is_finite() {
-        return Vec::new();
-    }
-    // Only runs of the extreme values count: skip everything else quickly.
-    let mut runs = Vec::new();
-    let mut i = 0;
-    while i < seg.len() {
-        let v = seg[i];
-        if v != mn && v != mx {
-            i += 1;
+    // Any run of at least min_run ≥ 2h identical values holds two samples h
+    // apart at a multiple of h: look only there first, so a healthy row costs
+    // a strided pass over 1/h of its samples.
+    let h = (min_run / 2).max(1);
+    let mut constant = Vec::new();
+    let mut m = 0;
+    while m + h < seg.len() {
+        let v = seg[m];
+        if seg[m + h] != v || !seg[m + 1..m + h].iter().all(|&u| u == v) {
+            m += h;
             continue;
         }
-        let mut end = i + 1;
+        let mut start = m;
+        while start > 0 && seg[start - 1] == v {
+            start -= 1;
+        }
+        let mut end = m + h + 1;
         while end < seg.len() && seg[end] == v {
             end += 1;
         }
-        if end - i >= min_run {
-            runs.push((lo + i, lo + end));
+        if end - start >= min_run {
+            constant.push((start, end, v));
         }
-        i = end;
+        m = end.div_ceil(h) * h;
     }
+    if constant.is_empty() {
+        return Vec::new();
+    }
+    let (mut mn, mut mx) = (seg[0], seg[0]);
+    for &v in seg {
+        mn = mn.min(v);
+        mx = mx.max(v);
+    }
+    if mn == mx {
+        return Vec::new();
+    }
+    let runs: Vec<(usize, usize)> = constant
+        .into_iter()
+        .filter(|&(_, _, v)| v == mn || v == mx)
+        .map(|(a, b, _)| (lo + a, lo + b))
+        .collect();
     runs
 }
 
@@ -746,6 +749,59 @@ mod tests {
         let w = h.warning("test").unwrap();
         assert!(w.contains("first at sample 1050"), "{w}");
         assert!(w.contains("--exclude-channels 10,11,13"), "{w}");
+    }
+
+    /// The plain definition: maximal runs of ≥ min_run equal values at an extreme.
+    fn naive(row: &[f32], min_run: usize) -> Vec<(usize, usize)> {
+        let mn = row.iter().copied().fold(f32::INFINITY, f32::min);
+        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut out = Vec::new();
+        if mn == mx {
+            return out;
+        }
+        let mut i = 0;
+        while i < row.len() {
+            let mut e = i + 1;
+            while e < row.len() && row[e] == row[i] {
+                e += 1;
+            }
+            if e - i >= min_run && (row[i] == mn || row[i] == mx) {
+                out.push((i, e));
+            }
+            i = e;
+        }
+        out
+    }
+
+    #[test]
+    fn strided_run_search_equals_the_definition() {
+        let mut s = 7u64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for case in 0..400 {
+            let n = 50 + (next() % 400) as usize;
+            let levels = 2 + next() % 6;
+            let mut row: Vec<f32> = (0..n).map(|_| (next() % levels) as f32).collect();
+            for _ in 0..(next() % 4) {
+                let a = (next() % n as u64) as usize;
+                let len = (next() % 60) as usize;
+                let v = [-5.0, 99.0, 1.0][(next() % 3) as usize];
+                for x in row.iter_mut().skip(a).take(len) {
+                    *x = v;
+                }
+            }
+            for min_run in [8, 9, 30, 31] {
+                assert_eq!(
+                    stuck_runs(&row, 0, n, min_run),
+                    naive(&row, min_run),
+                    "case {case}, min_run {min_run}"
+                );
+            }
+        }
     }
 
     #[test]
