@@ -356,26 +356,40 @@ impl ChannelHealth {
         out
     }
 
-    /// One warning line naming the unhealthy channels, or `None` when all are fine.
-    /// `scope` says which samples were read (e.g. "the whole recording").
-    pub fn warning(&self, scope: &str) -> Option<String> {
+    /// One warning line naming the unhealthy channels, or `None` when all are
+    /// fine. `scope` says which samples were read (e.g. "the whole recording");
+    /// `masked` whether stuck stretches are masked in this run.
+    pub fn warning(&self, scope: &str, masked: bool) -> Option<String> {
         let f = self.findings();
         if f.is_empty() {
             return None;
         }
-        let list = f
-            .iter()
-            .map(|x| format!("ch{} {} ({})", x.channel, x.kind, x.detail))
-            .collect::<Vec<_>>()
-            .join("; ");
-        Some(format!(
-            "channel check over {scope}: {list}; stuck stretches are replaced by the channel's median before filtering (--mask-clipped false keeps them, as Kilosort4 does); remove bad channels with --exclude-channels {}",
+        let mut text = format!(
+            "channel check over {scope}: {}",
             f.iter()
-                .filter(|x| x.kind != "clipped")
-                .map(|x| x.channel.to_string())
+                .map(|x| format!("ch{} {} ({})", x.channel, x.kind, x.detail))
                 .collect::<Vec<_>>()
-                .join(",")
-        ))
+                .join("; ")
+        );
+        if f.iter().any(|x| x.kind == "clipped") {
+            text += if masked {
+                "; stuck stretches are replaced by the channel's median before filtering (--mask-clipped false keeps them, as Kilosort4 does)"
+            } else {
+                "; stuck stretches are kept (--mask-clipped false): their steps ring through the high-pass and wrap around their windows as false spikes"
+            };
+        }
+        let bad: Vec<String> = f
+            .iter()
+            .filter(|x| x.kind != "clipped")
+            .map(|x| x.channel.to_string())
+            .collect();
+        if !bad.is_empty() {
+            text += &format!(
+                "; leave bad channels out with --exclude-channels {}",
+                bad.join(",")
+            );
+        }
+        Some(text)
     }
 }
 
@@ -746,7 +760,7 @@ mod tests {
             ]
         );
         assert_eq!(h.stuck_samples(), 50);
-        let w = h.warning("test").unwrap();
+        let w = h.warning("test", true).unwrap();
         assert!(w.contains("first at sample 1050"), "{w}");
         assert!(w.contains("--exclude-channels 10,11,13"), "{w}");
     }

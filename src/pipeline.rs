@@ -2,7 +2,7 @@
 //! and including the first detection pass, without drift correction).
 //!
 //! 1. Plan the windows ([`WindowPlan`]: `batch_size` own samples, `nt` on each side).
-//! 2. Fit the whitening matrix on every `nskip`-th window ([`fit_whitening`]).
+//! 2. Fit the whitening matrix on every `nskip`-th window ([`fit_whitening`](crate::preprocess::fit_whitening)).
 //! 3. For every window, read ahead on a thread ([`WindowLoader`]), preprocess
 //!    ([`Preprocessor`]: channel means, median CAR, high-pass, whitening), detect
 //!    ([`CpuDetector`]) and stream the spikes to the output folder ([`OutputWriter`]).
@@ -192,7 +192,10 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
 
     let t_fit = Instant::now();
     let fitted = fit(&rec, &plan, &job.probe, &job.preprocess, &job.checks)?;
-    if let Some(w) = fitted.health.warning("the windows of the whitening fit") {
+    if let Some(w) = fitted
+        .health
+        .warning("the windows of the whitening fit", job.checks.mask_clipped)
+    {
         tracing::warn!("{w}");
     }
     if let Some(m) = &fitted.scale_message {
@@ -297,7 +300,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         );
     }
     let clipped = health.stuck_samples();
-    if let Some(w) = health.warning("the whole recording") {
+    if let Some(w) = health.warning("the whole recording", job.checks.mask_clipped) {
         warnings.push(w);
     }
     let mut info = job.run_info;
@@ -544,7 +547,10 @@ pub fn write_whitened(
         if let Some(m) = &fitted.scale_message {
             warnings.push(m.clone());
         }
-        if let Some(w) = fitted.health.warning("the windows of the whitening fit") {
+        if let Some(w) = fitted
+            .health
+            .warning("the windows of the whitening fit", checks.mask_clipped)
+        {
             warnings.push(w);
         }
         let whiten_mat = fitted.whitening;

@@ -68,7 +68,7 @@ fn recording_check(path: &Path, probe: &Probe) -> Result<Option<String>> {
         "channels     checked over {} samples (the windows of the whitening fit)",
         health.samples()
     );
-    Ok(health.warning("the windows of the whitening fit"))
+    Ok(health.warning("the windows of the whitening fit", true))
 }
 
 /// The report's findings.

@@ -236,7 +236,7 @@ pub fn accumulate_covariance(
 /// The matrix then comes from [`whitening_from_covariance`].
 ///
 /// A 1-window recording (where Kilosort divides 0 by 0 and fails) uses its
-/// only window and logs a warning.
+/// only window and logs it (info).
 ///
 /// Returns W, (C × C) f32.
 ///
@@ -295,7 +295,7 @@ where
     let hp = HighpassFilter::new(&kernel, n)?;
     let windows = covariance_windows(n_windows, settings.nskip as u64);
     if n_windows == 1 {
-        tracing::warn!(
+        tracing::info!(
             "the recording has a single window: the whitening covariance uses it alone \
              (Kilosort4 cannot whiten such a recording; it averages over no window)"
         );
