@@ -495,8 +495,15 @@ pub fn car_warning(probe: &Probe, do_car: bool) -> Option<String> {
     if n >= MIN_CAR_SITES && 2 * crowd < n {
         return None;
     }
+    let why = if 2 * crowd >= n {
+        format!(
+            "{crowd} of which lie within {SAME_SPIKE_UM} µm of one site and see the same spikes"
+        )
+    } else {
+        format!("fewer than {MIN_CAR_SITES}: a spike seen on a few of them moves the median")
+    };
     Some(format!(
-        "the median common reference (do_CAR) is taken over {n} sites, {crowd} of which lie within {SAME_SPIKE_UM} µm of one site and see the same spikes: it removes part of every such spike and can invert its sign; --do-car false turns it off"
+        "the median common reference (do_CAR) is taken over {n} sites, {why}: it removes part of such spikes and can invert their sign; --do-car false turns it off"
     ))
 }
 
