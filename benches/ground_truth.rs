@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use ndarray::{Array1, Array2};
 use spikecube::npy;
 use spikecube::output::RunInfo;
-use spikecube::pipeline::{DetectJob, run_detection};
+use spikecube::pipeline::{Checks, DetectJob, run_detection};
 use spikecube::preprocess::PreprocessSettings;
 use spikecube::recording::{OpenOptions, open};
 use spikecube::simulate::{SimConfig, default_probe, simulate};
@@ -58,6 +58,7 @@ fn main() -> anyhow::Result<()> {
             preprocess: PreprocessSettings::default(),
             out: out.clone(),
             run_info: RunInfo::default(),
+            checks: Checks::default(),
         },
         &mut |_| {},
     )?;

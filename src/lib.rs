@@ -57,6 +57,7 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod checks;
 pub mod detect;
 pub mod error;
 pub mod npy;

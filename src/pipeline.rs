@@ -2,10 +2,16 @@
 //! and including the first detection pass, without drift correction).
 //!
 //! 1. Plan the windows ([`WindowPlan`]: `batch_size` own samples, `nt` on each side).
-//! 2. Fit the whitening matrix on every `nskip`-th window ([`fit_whitening`]).
+//! 2. Fit the whitening matrix on every `nskip`-th window ([`fit_whitening`](crate::preprocess::fit_whitening)).
 //! 3. For every window, read ahead on a thread ([`WindowLoader`]), preprocess
 //!    ([`Preprocessor`]: channel means, median CAR, high-pass, whitening), detect
 //!    ([`Detector`]: CPU or GPU) and stream the spikes to the output folder ([`OutputWriter`]).
+//!
+//! Before and during the run, the input checks of [`crate::checks`] run (see
+//! [`Checks`]): the data's scale, channel health and stuck stretches, the
+//! layout against the file, common referencing over too few sites; duplicate
+//! detections of one event across a window boundary are removed. Their
+//! warnings end up in [`Report::warnings`] and `spikecube.json`.
 //!
 //! Only detections within a window's own samples are kept, so every spike time t
 //! satisfies 0 ≤ t < n_samples and no spike is reported twice (field failures
@@ -20,9 +26,13 @@ use anyhow::{Context, Result, bail};
 use ndarray::Array2;
 
 use crate::backend::{Backend, Detector};
+use crate::checks::{self, ChannelHealth, Near};
+use crate::detect::cpu::Detections;
 use crate::detect::{DetectionSettings, Geometry, UniversalTemplates};
 use crate::output::{OutputWriter, RunInfo, Summary};
-use crate::preprocess::{PreprocessSettings, Preprocessor, fit_whitening};
+use crate::preprocess::{
+    PreprocessSettings, Preprocessor, whitening_covariance, whitening_from_covariance,
+};
 use crate::probe::Probe;
 use crate::recording::{Recording, WindowLoader, WindowPlan, read_window};
 
@@ -42,6 +52,54 @@ pub struct DetectJob {
     pub run_info: RunInfo,
     /// Where detection runs (resolved with [`crate::backend::choose`]).
     pub backend: Backend,
+    /// Input checks and the corrections that go beyond Kilosort4.
+    pub checks: Checks,
+}
+
+/// Input checks of a run and the corrections spikecube makes where Kilosort4
+/// would return a quietly wrong result (README, "Where spikecube differs").
+#[derive(Debug, Clone)]
+pub struct Checks {
+    /// Warnings found before the run (e.g. by the command line about the probe
+    /// and the file); they are logged again and kept in `spikecube.json`.
+    pub warnings: Vec<String>,
+    /// Rescale data whose filtered channel sd is far outside int16 counts
+    /// ([`checks::scale_factor`], BR-12). The command line turns it off when
+    /// `--scale` is given.
+    pub auto_scale: bool,
+    /// Replace stuck (clipped) stretches by the channel's median before
+    /// filtering ([`checks::mask_stuck_runs`], BR-22). `--mask-clipped false`.
+    pub mask_clipped: bool,
+    /// Remove duplicate detections of one event across window boundaries
+    /// ([`checks::boundary_duplicates`], BR-19). `--keep-boundary-duplicates`.
+    pub remove_boundary_duplicates: bool,
+    /// The recording is a flat binary file: check that its channel count
+    /// looks right ([`checks::channel_count_warning`], BR-26).
+    pub check_channel_count: bool,
+}
+
+impl Default for Checks {
+    fn default() -> Self {
+        Checks {
+            warnings: Vec::new(),
+            auto_scale: true,
+            mask_clipped: true,
+            remove_boundary_duplicates: true,
+            check_channel_count: false,
+        }
+    }
+}
+
+impl Checks {
+    /// Kilosort4's behaviour: no correction (warnings are still collected).
+    pub fn kilosort() -> Self {
+        Checks {
+            auto_scale: false,
+            mask_clipped: false,
+            remove_boundary_duplicates: false,
+            ..Checks::default()
+        }
+    }
 }
 
 /// Progress of a run, reported once per window.
@@ -74,6 +132,14 @@ pub struct Report {
     pub n_centres: usize,
     /// Detections dropped because they fell in the padding past the recording's end.
     pub dropped_in_padding: u64,
+    /// Duplicate detections of one event across a window boundary that were removed.
+    pub boundary_duplicates_removed: u64,
+    /// Stuck (clipped) samples replaced before filtering, summed over channels.
+    pub clipped_samples_masked: u64,
+    /// The factor the data were multiplied by before whitening (1 when none).
+    pub scale_factor: f64,
+    /// Warnings of the run, in the order raised (also in `spikecube.json`).
+    pub warnings: Vec<String>,
 }
 
 /// Runs whitening fit, preprocessing and detection over the whole recording and
@@ -94,6 +160,11 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     job.preprocess.nt = job.detection.nt;
     job.detection.validate()?;
     job.preprocess.validate()?;
+    let mut warnings = Warnings::default();
+    for w in std::mem::take(&mut job.checks.warnings) {
+        warnings.push(w);
+    }
+    fit_batch_to_recording(rec.as_ref(), &mut job.preprocess);
     let plan = plan_windows(
         rec.as_ref(),
         &job.probe,
@@ -102,6 +173,13 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     )?;
     let chan_map = job.probe.chan_map.clone();
     let n_sites = job.probe.n_sites();
+    layout_checks(
+        rec.as_ref(),
+        &job.probe,
+        &job.preprocess,
+        &job.checks,
+        &mut warnings,
+    )?;
 
     // Geometry first: a probe that cannot work fails before any data is read.
     let geometry = Geometry::new(&job.probe, &job.detection)?;
@@ -116,7 +194,17 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     );
 
     let t_fit = Instant::now();
-    let whiten_mat = fit(&rec, &plan, &job.probe, &job.preprocess)?;
+    let fitted = fit(&rec, &plan, &job.probe, &job.preprocess, &job.checks)?;
+    if let Some(w) = fitted
+        .health
+        .warning("the windows of the whitening fit", job.checks.mask_clipped)
+    {
+        tracing::warn!("{w}");
+    }
+    if let Some(m) = &fitted.scale_message {
+        warnings.push(m.clone());
+    }
+    let whiten_mat = fitted.whitening;
     let fit_s = t_fit.elapsed().as_secs_f64();
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
 
@@ -134,15 +222,28 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         job.detection.clone(),
     )?;
     let nt = job.detection.nt as u64;
+    let nt0min = job.detection.nt0min();
+    let min_run = checks::stuck_min_run(fs);
+    let mut health = ChannelHealth::new(&chan_map);
     let t_detect = Instant::now();
     let (mut t_pre, mut t_det, mut t_write) = (0f64, 0f64, 0f64);
     let mut spikes = 0u64;
     let mut dropped = 0u64;
+    let mut duplicates = 0u64;
     let mut seconds_done = 0f64;
+    // The previous window's detections, held back until the next window has
+    // been compared with them (boundary duplicates), with its first sample.
+    let mut pending: Option<(Detections, i64)> = None;
     let loader = WindowLoader::all(rec.clone(), plan, chan_map)?;
     for (done, window) in loader.enumerate() {
         let mut w = window?;
         let t0 = Instant::now();
+        let cols = WindowColumns::of(&plan, w.index);
+        let runs = checks::find_stuck_runs(&w.data, cols.lo, cols.hi, min_run);
+        health.observe(w.data.view(), cols.own, w.first_sample, &runs);
+        if job.checks.mask_clipped {
+            checks::fill_stuck_runs(&mut w.data, &runs, cols.lo, cols.hi, cols.pad_repeats);
+        }
         pre.apply(&mut w.data).with_context(|| {
             format!(
                 "preprocessing window {} (samples from {})",
@@ -163,24 +264,55 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         det.retain(|_, t| t >= nt && t < own_end);
         dropped += (before - det.len()) as u64;
         let t2 = Instant::now();
-        writer.append(&det, w.first_sample)?;
+        if job.checks.remove_boundary_duplicates {
+            if let Some((mut prev, prev_first)) = pending.take() {
+                duplicates += remove_boundary_duplicates(
+                    &mut prev,
+                    prev_first,
+                    &mut det,
+                    w.first_sample,
+                    w.own_start as i64,
+                    &geometry,
+                    nt0min,
+                );
+                writer.append(&prev, prev_first)?;
+                spikes += prev.len() as u64;
+            }
+            pending = Some((det, w.first_sample));
+        } else {
+            writer.append(&det, w.first_sample)?;
+            spikes += det.len() as u64;
+        }
         t_write += t2.elapsed().as_secs_f64();
         t_pre += (t1 - t0).as_secs_f64();
         t_det += (t2 - t1).as_secs_f64();
-        spikes += det.len() as u64;
         seconds_done += w.own_len as f64 / fs;
         progress(Progress {
             windows_done: done as u64 + 1,
             windows_total: plan.n_windows,
-            spikes,
+            spikes: spikes + pending.as_ref().map_or(0, |p| p.0.len() as u64),
             seconds_done,
             elapsed: t_detect.elapsed().as_secs_f64(),
         });
     }
+    if let Some((prev, prev_first)) = pending.take() {
+        writer.append(&prev, prev_first)?;
+        spikes += prev.len() as u64;
+    }
+    let _ = spikes;
     if dropped > 0 {
         tracing::info!(
             "{dropped} detections in the last window's padding (past the end of the recording) were dropped"
         );
+    }
+    if duplicates > 0 {
+        tracing::info!(
+            "{duplicates} duplicate detections of events straddling a window boundary were removed (--keep-boundary-duplicates keeps them, as Kilosort4 does)"
+        );
+    }
+    let clipped = health.stuck_samples();
+    if let Some(w) = health.warning("the whole recording", job.checks.mask_clipped) {
+        warnings.push(w);
     }
     let mut info = job.run_info;
     info.fs = fs;
@@ -194,7 +326,17 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         "nearest_chans_used": geometry.n_chans(),
         "dmin_used": geometry.dmin,
         "detections_dropped_in_padding": dropped,
+        "checks": {
+            "auto_scale": job.checks.auto_scale,
+            "scale_factor_applied": fitted.scale_factor,
+            "mask_clipped": job.checks.mask_clipped,
+            "clipped_samples_masked": clipped,
+            "remove_boundary_duplicates": job.checks.remove_boundary_duplicates,
+            "boundary_duplicates_removed": duplicates,
+            "channel_findings": health.findings(),
+        },
     });
+    info.warnings = warnings.0.clone();
     info.versions
         .insert("spikecube".into(), env!("CARGO_PKG_VERSION").into());
     info.versions
@@ -221,7 +363,124 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         wall: t_start.elapsed().as_secs_f64(),
         n_centres,
         dropped_in_padding: dropped,
+        boundary_duplicates_removed: duplicates,
+        clipped_samples_masked: clipped,
+        scale_factor: fitted.scale_factor,
+        warnings: warnings.0,
     })
+}
+
+/// Warnings of a run: each is logged (`tracing::warn!`, shown even with `-q`)
+/// when raised and kept for `spikecube.json` and the final summary.
+#[derive(Debug, Default)]
+struct Warnings(Vec<String>);
+
+impl Warnings {
+    fn push(&mut self, w: String) {
+        tracing::warn!("{w}");
+        self.0.push(w);
+    }
+}
+
+/// A recording shorter than one batch is processed as one window of exactly
+/// its own length (BR-24): Kilosort4 would pad it (with zeros) to `batch_size`,
+/// and the padding would then enter the whitening covariance and the channel
+/// means, so the whitened scale, and the spike count, would depend on how far
+/// the batch overhangs the data. Kilosort4 itself cannot whiten a
+/// single-window recording (its covariance average is 0/0).
+fn fit_batch_to_recording(rec: &dyn Recording, settings: &mut PreprocessSettings) {
+    let n = rec.n_samples();
+    if n > 0 && n < settings.batch_size as u64 && n >= settings.nt as u64 {
+        tracing::info!(
+            "the recording ({n} samples) is shorter than one batch ({}): batch_size is set to {n}, so the whitening is fitted on real samples only",
+            settings.batch_size
+        );
+        settings.batch_size = n as usize;
+    }
+}
+
+/// The layout checks (BR-26, BR-27) that need only the probe, the settings
+/// and the file: millimetre coordinates, median CAR over too few sites, and
+/// (flat binary files) a channel count that looks wrong.
+fn layout_checks(
+    rec: &dyn Recording,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    checks: &Checks,
+    warnings: &mut Warnings,
+) -> Result<()> {
+    if let Some(w) = checks::millimetre_warning(probe) {
+        warnings.push(w);
+    }
+    if let Some(w) = checks::car_warning(probe, settings.do_car) {
+        warnings.push(w);
+    }
+    if checks.check_channel_count
+        && let Some(w) = checks::channel_count_warning(rec)?
+    {
+        warnings.push(w);
+    }
+    Ok(())
+}
+
+/// Removes duplicates of one event detected on both sides of the boundary at
+/// absolute sample `boundary` ([`checks::boundary_duplicates`]); `prev` and
+/// `next` hold window-relative samples, their windows' column 0 at `prev_first`
+/// and `next_first`. Returns how many were removed.
+fn remove_boundary_duplicates(
+    prev: &mut Detections,
+    prev_first: i64,
+    next: &mut Detections,
+    next_first: i64,
+    boundary: i64,
+    geometry: &Geometry,
+    nt0min: usize,
+) -> u64 {
+    let near = |d: &Detections, first: i64, left: bool| -> (Vec<usize>, Vec<Near>) {
+        let mut idx = Vec::new();
+        let mut near = Vec::new();
+        for i in 0..d.len() {
+            let t = first + d.sample[i] as i64;
+            // Candidates within nt0min of the boundary, partners within 3·nt0min.
+            let close = if left {
+                t >= boundary - 3 * nt0min as i64
+            } else {
+                t < boundary + 3 * nt0min as i64
+            };
+            if close {
+                idx.push(i);
+                near.push(Near {
+                    t,
+                    centre: d.centre[i],
+                    amp: d.amp[i].abs(),
+                });
+            }
+        }
+        (idx, near)
+    };
+    let (li, ln) = near(prev, prev_first, true);
+    let (ri, rn) = near(next, next_first, false);
+    if ln.is_empty() || rn.is_empty() {
+        return 0;
+    }
+    let (rl, rr) = checks::boundary_duplicates(&ln, &rn, boundary, geometry, nt0min);
+    let mut removed = 0u64;
+    for (d, idx, flags) in [(prev, li, rl), (next, ri, rr)] {
+        let mut drop = vec![false; d.len()];
+        for (k, &i) in idx.iter().enumerate() {
+            drop[i] = flags[k];
+        }
+        removed += drop.iter().filter(|&&x| x).count() as u64;
+        if drop.iter().any(|&x| x) {
+            let pos = std::cell::Cell::new(0usize);
+            d.retain(|_, _| {
+                let k = pos.get();
+                pos.set(k + 1);
+                !drop[k]
+            });
+        }
+    }
+    removed
 }
 
 /// Sample type of the whitened recording written by [`write_whitened`].
@@ -249,12 +508,20 @@ pub struct PreprocessReport {
     pub whitening: Array2<f32>,
     /// Wall time, seconds.
     pub wall: f64,
+    /// Warnings of the run (input checks), in the order raised.
+    pub warnings: Vec<String>,
 }
 
 /// Kilosort4's preprocessing over a whole recording, written out: the whitening
 /// fit, then every window's own samples (channel means, median CAR, high-pass,
 /// whitening) in order, sample-major (`n_samples × n_sites`, interleaved like the
 /// input), to `out`, written under a temporary name and renamed when complete.
+///
+/// `checks` apply as in [`run_detection`]: a recording shorter than one batch is
+/// one window of its own length, stuck stretches are masked
+/// (`checks.mask_clipped`), data far from int16 scale are rescaled
+/// (`checks.auto_scale`), and the layout warnings are logged and returned
+/// ([`PreprocessReport::warnings`]). [`Checks::kilosort`] gives Kilosort4's output.
 ///
 /// # Errors
 /// As [`run_detection`] for the recording, probe and settings; when `out` cannot be written.
@@ -264,6 +531,7 @@ pub fn write_whitened(
     settings: &PreprocessSettings,
     format: WhitenedFormat,
     out: &std::path::Path,
+    checks: &Checks,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<PreprocessReport> {
     use std::io::Write;
@@ -271,6 +539,13 @@ pub fn write_whitened(
     let mut settings = settings.clone();
     settings.fs = recording.fs();
     settings.validate()?;
+    fit_batch_to_recording(recording.as_ref(), &mut settings);
+    let mut warnings = Warnings::default();
+    for w in &checks.warnings {
+        warnings.push(w.clone());
+    }
+    layout_checks(recording.as_ref(), probe, &settings, checks, &mut warnings)?;
+    let min_run = checks::stuck_min_run(settings.fs);
     let plan = plan_windows(recording.as_ref(), probe, settings.batch_size, settings.nt)?;
     let chan_map = probe.chan_map.clone();
     let n_sites = probe.n_sites();
@@ -283,12 +558,26 @@ pub fn write_whitened(
     let mut written = 0u64;
     let mut bytes = Vec::new();
     let result: Result<Array2<f32>> = (|| {
-        let whiten_mat = fit(&recording, &plan, probe, &settings)?;
+        let fitted = fit(&recording, &plan, probe, &settings, checks)?;
+        if let Some(m) = &fitted.scale_message {
+            warnings.push(m.clone());
+        }
+        if let Some(w) = fitted
+            .health
+            .warning("the windows of the whitening fit", checks.mask_clipped)
+        {
+            warnings.push(w);
+        }
+        let whiten_mat = fitted.whitening;
         let pre = Preprocessor::new(&settings, whiten_mat.clone())?;
         for (done, window) in
             WindowLoader::all(recording.clone(), plan, chan_map.clone())?.enumerate()
         {
             let mut win = window?;
+            if checks.mask_clipped {
+                let cols = WindowColumns::of(&plan, win.index);
+                checks::mask_stuck_runs(&mut win.data, cols.lo, cols.hi, cols.pad_repeats, min_run);
+            }
             pre.apply(&mut win.data)?;
             let own = win.own_len as usize;
             bytes.clear();
@@ -345,6 +634,7 @@ pub fn write_whitened(
         saturated,
         whitening: whiten_mat,
         wall: t_start.elapsed().as_secs_f64(),
+        warnings: warnings.0,
     })
 }
 
@@ -396,23 +686,126 @@ fn plan_windows(
     Ok(plan)
 }
 
+/// The columns of window `i` that hold real samples (`lo..hi`), its own
+/// columns, and whether the columns past `hi` repeat the last sample.
+#[derive(Debug, Clone, Copy)]
+struct WindowColumns {
+    lo: usize,
+    hi: usize,
+    own: (usize, usize),
+    pad_repeats: bool,
+}
+
+impl WindowColumns {
+    fn of(plan: &WindowPlan, i: u64) -> Self {
+        let s0 = plan.window_first_column(i);
+        let limit = if plan.n_windows == 1 {
+            plan.n_samples
+        } else {
+            plan.n_used
+        } as i64;
+        let n = plan.window_len() as i64;
+        let lo = (-s0).clamp(0, n) as usize;
+        let hi = (limit - s0).clamp(lo as i64, n) as usize;
+        let nt = plan.nt as usize;
+        WindowColumns {
+            lo,
+            hi,
+            own: (nt, nt + plan.own_len(i) as usize),
+            pad_repeats: plan.n_windows > 1,
+        }
+    }
+}
+
+/// What [`fit`] found.
+struct Fitted {
+    /// W to apply to the (unscaled) data: `k·W(k²·C)`.
+    whitening: Array2<f32>,
+    /// The factor k (1 when the scale was fine or auto-scaling is off).
+    scale_factor: f64,
+    /// Why the data were rescaled.
+    scale_message: Option<String>,
+    /// Channel check over the windows of the fit.
+    health: ChannelHealth,
+}
+
 /// Kilosort4's whitening fit over the planned windows of `rec` (raw windows read
-/// with the probe's channel map).
+/// with the probe's channel map; stuck stretches masked when
+/// `checks.mask_clipped`), with the scale check: when the covariance says the
+/// data are far from int16 scale ([`checks::scale_factor`]) and
+/// `checks.auto_scale`, W is fitted to the data times k and multiplied by k,
+/// which whitens exactly as scaling the input by k would.
 fn fit(
     rec: &Arc<dyn Recording>,
     plan: &WindowPlan,
     probe: &Probe,
     settings: &PreprocessSettings,
-) -> Result<Array2<f32>> {
-    fit_whitening(
+    checks: &Checks,
+) -> Result<Fitted> {
+    let min_run = checks::stuck_min_run(rec.fs());
+    let mut health = ChannelHealth::new(&probe.chan_map);
+    let cc = whitening_covariance(
         plan.n_windows,
         |i| -> Result<Array2<f32>> {
             let mut w = Array2::zeros((probe.n_sites(), plan.window_len()));
             read_window(rec.as_ref(), plan, i, &probe.chan_map, &mut w)?;
+            let cols = WindowColumns::of(plan, i);
+            let first = rec.first_sample() as i64 + plan.window_first_column(i);
+            let runs = checks::find_stuck_runs(&w, cols.lo, cols.hi, min_run);
+            health.observe(w.view(), cols.own, first, &runs);
+            if checks.mask_clipped {
+                checks::fill_stuck_runs(&mut w, &runs, cols.lo, cols.hi, cols.pad_repeats);
+            }
             Ok(w)
         },
         probe,
         settings,
     )
-    .context("fitting the whitening matrix")
+    .context("fitting the whitening matrix")?;
+    let (k, message) = match checks::scale_factor(&cc) {
+        Some((k, sd)) if checks.auto_scale => (k, Some(checks::scale_message(k, sd))),
+        _ => (1.0, None),
+    };
+    let whitening = if k == 1.0 {
+        whitening_from_covariance(&cc, probe, settings.whitening_range)
+    } else {
+        whitening_from_covariance(&cc.mapv(|v| v * k * k), probe, settings.whitening_range)
+            .map(|w| w.mapv(|v| (f64::from(v) * k) as f32))
+    }
+    .context("fitting the whitening matrix")?;
+    Ok(Fitted {
+        whitening,
+        scale_factor: k,
+        scale_message: message,
+        health,
+    })
+}
+
+/// The channel check of a run before it starts (BR-22): reads the windows the
+/// whitening fit reads (every `nskip`-th window, as planned for `settings`'s
+/// batch size) and returns what [`ChannelHealth`] finds there: all-zero,
+/// constant and duplicated channels, stuck (clipped) stretches. `spikecube
+/// probe REC` reports it; `detect` repeats it over the whole recording.
+///
+/// # Errors
+/// As [`run_detection`] for the probe against the recording; when a read fails.
+pub fn channel_check(
+    rec: &dyn Recording,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+) -> Result<ChannelHealth> {
+    let mut settings = settings.clone();
+    fit_batch_to_recording(rec, &mut settings);
+    let plan = plan_windows(rec, probe, settings.batch_size, settings.nt)?;
+    let min_run = checks::stuck_min_run(rec.fs());
+    let mut health = ChannelHealth::new(&probe.chan_map);
+    let mut w = Array2::zeros((probe.n_sites(), plan.window_len()));
+    for i in crate::preprocess::covariance_windows(plan.n_windows, settings.nskip as u64) {
+        read_window(rec, &plan, i, &probe.chan_map, &mut w)?;
+        let cols = WindowColumns::of(&plan, i);
+        let runs = checks::find_stuck_runs(&w, cols.lo, cols.hi, min_run);
+        let first = rec.first_sample() as i64 + plan.window_first_column(i);
+        health.observe(w.view(), cols.own, first, &runs);
+    }
+    Ok(health)
 }

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::builder::TypedValueParser;
+use spikecube::pipeline::Checks;
 use spikecube::preprocess::PreprocessSettings;
 use spikecube::recording::{self, Dtype, OpenOptions, Opened};
 use spikecube::{DetectionSettings, Probe};
@@ -216,5 +217,70 @@ fn parse_backend(s: &str) -> spikecube::backend::Backend {
         "cuda" => Backend::Cuda,
         "wgpu" => Backend::Wgpu,
         _ => Backend::Auto,
+    }
+}
+
+/// Input checks and corrections beyond Kilosort4 (README, "Where spikecube differs").
+#[derive(Debug, Clone, clap::Args)]
+pub struct CheckArgs {
+    /// Leave out these file channels (columns of the raw file, comma-separated),
+    /// e.g. dead, bridged or saturated channels named by the channel check.
+    #[arg(long, value_delimiter = ',')]
+    pub exclude_channels: Vec<u64>,
+    /// Replace stuck (clipped) stretches by the channel's median before
+    /// filtering (false: Kilosort4's behaviour).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub mask_clipped: bool,
+    /// Keep both detections of an event that straddles a window boundary, as
+    /// Kilosort4 does (default: keep the larger).
+    #[arg(long)]
+    pub keep_boundary_duplicates: bool,
+}
+
+impl CheckArgs {
+    /// The probe with the excluded channels removed, and the checks of the run:
+    /// warnings about the probe against the file (sites that leave file channels
+    /// unread), automatic rescaling unless `--scale` was given, and the
+    /// channel-count check for flat binary files.
+    pub fn apply(
+        &self,
+        rec: &RecordingArgs,
+        recording: &Path,
+        opened: &Opened,
+        probe: Probe,
+    ) -> Result<(Probe, Checks)> {
+        let probe = if self.exclude_channels.is_empty() {
+            probe
+        } else {
+            spikecube::checks::exclude_channels(&probe, &self.exclude_channels)?
+        };
+        let mut warnings = Vec::new();
+        let n_file = opened.recording.n_channels();
+        // SpikeGLX: the channels its metadata's own probe leaves out (sync, LF)
+        // are expected to be unread.
+        let expected_unused = opened
+            .probe
+            .as_ref()
+            .map_or(0, |p| n_file.saturating_sub(p.n_sites()));
+        if let Some(w) = spikecube::checks::unused_channels_warning(
+            &probe,
+            n_file,
+            expected_unused + self.exclude_channels.len(),
+        ) {
+            warnings.push(w);
+        }
+        let structured = recording.is_dir()
+            || recording.extension().is_some_and(|e| e == "oebin")
+            || recording.with_extension("meta").is_file();
+        Ok((
+            probe,
+            Checks {
+                warnings,
+                auto_scale: rec.scale.is_none(),
+                mask_clipped: self.mask_clipped,
+                remove_boundary_duplicates: !self.keep_boundary_duplicates,
+                check_channel_count: !structured,
+            },
+        ))
     }
 }

@@ -9,7 +9,8 @@ use spikecube::output::RunInfo;
 use spikecube::pipeline::{DetectJob, run_detection};
 
 use super::common::{
-    BackendArg, DetectionArgs, PreprocessArgs, RecordingArgs, default_out, progress_bar,
+    BackendArg, CheckArgs, DetectionArgs, PreprocessArgs, RecordingArgs, default_out,
+    progress_bar,
 };
 
 /// Flags of `detect`.
@@ -34,10 +35,15 @@ pub struct Args {
     pre: PreprocessArgs,
     #[command(flatten)]
     det: DetectionArgs,
+    #[command(flatten)]
+    checks: CheckArgs,
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     let (opened, probe) = args.rec.open(&args.recording)?;
+    let (probe, checks) = args
+        .checks
+        .apply(&args.rec, &args.recording[0], &opened, probe)?;
     let rec = opened.recording.clone();
     let out = match &args.out {
         Some(o) => o.clone(),
@@ -69,6 +75,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         out,
         run_info,
         backend: args.backend.backend,
+        checks,
     };
     let bar = progress_bar(quiet);
     let report = run_detection(job, &mut |p| {
@@ -92,6 +99,10 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             "realtime": report.seconds / report.wall.max(1e-9),
             "template_centres": report.n_centres,
             "time_sorted": s.time_sorted,
+            "boundary_duplicates_removed": report.boundary_duplicates_removed,
+            "clipped_samples_masked": report.clipped_samples_masked,
+            "scale_factor": report.scale_factor,
+            "warnings": report.warnings,
         });
         say!("{v}");
     } else if !quiet {
@@ -105,6 +116,19 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             report.seconds / report.wall.max(1e-9),
             s.path.display()
         );
+        if report.boundary_duplicates_removed > 0 || report.clipped_samples_masked > 0 {
+            eprintln!(
+                "spikecube: {} boundary duplicates removed, {} clipped samples masked",
+                report.boundary_duplicates_removed, report.clipped_samples_masked
+            );
+        }
+    }
+    if !args.json && !report.warnings.is_empty() {
+        // Warnings are not progress: repeated here even with -q.
+        eprintln!("spikecube: {} warning(s):", report.warnings.len());
+        for w in &report.warnings {
+            eprintln!("  warning: {w}");
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

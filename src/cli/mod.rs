@@ -26,7 +26,7 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "spikecube", version, about, long_about = None)]
 pub struct Cli {
-    /// Log less (errors only).
+    /// Log less (warnings and errors only).
     #[arg(short, long, global = true)]
     quiet: bool,
     /// Log more (debug messages, with the module that wrote each line).
@@ -56,8 +56,9 @@ enum Command {
 pub fn run() -> anyhow::Result<ExitCode> {
     let cli = Cli::parse();
     signals::install();
+    // Warnings are not progress: -q hides progress and information only.
     let level = if cli.quiet {
-        "error"
+        "warn"
     } else if cli.verbose {
         "debug"
     } else {

@@ -12,7 +12,7 @@ use spikecube::output::folder::StagedFolder;
 use spikecube::pipeline::{WhitenedFormat, write_whitened};
 use spikecube::preprocess::highpass_kernel;
 
-use super::common::{PreprocessArgs, RecordingArgs, progress_bar};
+use super::common::{CheckArgs, PreprocessArgs, RecordingArgs, progress_bar};
 
 /// Flags of `preprocess`.
 #[derive(Debug, clap::Args)]
@@ -31,10 +31,15 @@ pub struct Args {
     rec: RecordingArgs,
     #[command(flatten)]
     pre: PreprocessArgs,
+    #[command(flatten)]
+    checks: CheckArgs,
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     let (opened, probe) = args.rec.open(&args.recording)?;
+    let (probe, checks) = args
+        .checks
+        .apply(&args.rec, &args.recording[0], &opened, probe)?;
     let rec = opened.recording.clone();
     let settings = args.pre.settings(rec.fs());
     let staged = StagedFolder::create(&args.out, "preprocess")?;
@@ -51,6 +56,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         &settings,
         format,
         &dir.join("temp_wh.dat"),
+        &checks,
         &mut |p| {
             bar.set_length(p.windows_total);
             bar.set_position(p.windows_done);
@@ -88,6 +94,13 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             report.wall,
             args.out.join("temp_wh.dat").display()
         );
+    }
+    if !report.warnings.is_empty() {
+        // Warnings are not progress: repeated here even with -q.
+        eprintln!("spikecube: {} warning(s):", report.warnings.len());
+        for w in &report.warnings {
+            eprintln!("  warning: {w}");
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -47,6 +47,29 @@ fn load_probe(path: &std::path::Path) -> Result<Probe> {
     Ok(Probe::load(path)?)
 }
 
+/// For a SpikeGLX recording (`.bin` with its `.meta`): the channel check that
+/// `detect` runs before it starts (the windows of the whitening fit, default
+/// batch size and nskip), as a warning line when it finds anything.
+fn recording_check(path: &Path, probe: &Probe) -> Result<Option<String>> {
+    let is_bin = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("bin"));
+    if !is_bin || !path.with_extension("meta").is_file() {
+        return Ok(None);
+    }
+    let opened = spikecube::recording::open(path, &spikecube::recording::OpenOptions::default())?;
+    let settings = spikecube::preprocess::PreprocessSettings {
+        fs: opened.recording.fs(),
+        ..Default::default()
+    };
+    let health = spikecube::pipeline::channel_check(opened.recording.as_ref(), probe, &settings)?;
+    println!(
+        "channels     checked over {} samples (the windows of the whitening fit)",
+        health.samples()
+    );
+    Ok(health.warning("the windows of the whitening fit", true))
+}
+
 /// The report's findings.
 struct Report {
     lines: Vec<String>,
@@ -372,6 +395,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     for w in &r.warnings {
         say!("warning: {w}");
+    }
+    if let Some(w) = recording_check(&args.probe, &probe)? {
+        println!("warning: {w}");
     }
     if let Some(p) = &args.png {
         draw(&probe, geometry.as_ref(), p)?;

@@ -35,7 +35,7 @@
 //! | `channel_shanks.npy` | int64 | (n_sites,) | the probe's own shank id of each site, unchanged, in channel-map order (BR-21) |
 //! | `whitening_mat.npy` | float32 | (n_sites, n_sites) | the whitening matrix applied (identity when none was given) |
 //! | `params.py` | text | | Phy's parameters (raw file, channels, dtype, offset, sample rate) |
-//! | `spikecube.json` | JSON | | settings, versions, input, sizes, timings, counts; `command` (`detect`) and `files` (every file spikecube wrote in the folder) |
+//! | `spikecube.json` | JSON | | settings, versions, back end and device, input, sizes, warnings, timings, counts; `command` (`detect`) and `files` (every file spikecube wrote in the folder) |
 //! | `drift_map.png` | PNG | 1400 × 900 | depth against time, coloured by amplitude |
 //!
 //! Rows are in time order (then by centre) when windows are appended in time
@@ -105,6 +105,8 @@ pub struct RunInfo {
     pub timings: BTreeMap<String, f64>,
     /// Whitening matrix applied, n_sites × n_sites; empty when none (an identity is written).
     pub whitening: Array2<f32>,
+    /// Warnings of the run (input checks), one line each; `"warnings"` in `spikecube.json`.
+    pub warnings: Vec<String>,
 }
 
 /// What [`OutputWriter::finish`] wrote.
@@ -474,6 +476,7 @@ impl OutputWriter {
                 "n_chans_per_spike": self.n_chans,
                 "n_pcs": self.n_pcs,
             },
+            "warnings": run.warnings,
             "timings_s": run.timings,
             "counts": {
                 "n_spikes": self.n_spikes,

@@ -38,7 +38,7 @@ pub use highpass::{
 };
 pub use whitening::{
     WHITENING_EPS, Whitening, accumulate_covariance, covariance_windows, fit_whitening,
-    whitening_from_covariance, whitening_neighbours,
+    whitening_covariance, whitening_from_covariance, whitening_neighbours,
 };
 
 use ndarray::Array2;

@@ -236,7 +236,7 @@ pub fn accumulate_covariance(
 /// The matrix then comes from [`whitening_from_covariance`].
 ///
 /// A 1-window recording (where Kilosort divides 0 by 0 and fails) uses its
-/// only window and logs a warning.
+/// only window and logs it (info).
 ///
 /// Returns W, (C × C) f32.
 ///
@@ -246,10 +246,34 @@ pub fn accumulate_covariance(
 /// with no sites, or a failed decomposition.
 pub fn fit_whitening<E, F>(
     n_windows: u64,
-    mut read_raw_window: F,
+    read_raw_window: F,
     probe: &Probe,
     settings: &PreprocessSettings,
 ) -> Result<Array2<f32>, E>
+where
+    F: FnMut(u64) -> Result<Array2<f32>, E>,
+    E: From<PreprocessError>,
+{
+    let cc = whitening_covariance(n_windows, read_raw_window, probe, settings)?;
+    Ok(whitening_from_covariance(
+        &cc,
+        probe,
+        settings.whitening_range,
+    )?)
+}
+
+/// The covariance [`fit_whitening`] turns into W: the mean of `X·Xᵀ/NT` over
+/// the windows of [`covariance_windows`], each preprocessed as described
+/// there. (C × C), f64, file units² (after `shift`/`scale`).
+///
+/// # Errors
+/// As [`fit_whitening`], except for the decomposition.
+pub fn whitening_covariance<E, F>(
+    n_windows: u64,
+    mut read_raw_window: F,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+) -> Result<Array2<f64>, E>
 where
     F: FnMut(u64) -> Result<Array2<f32>, E>,
     E: From<PreprocessError>,
@@ -271,7 +295,7 @@ where
     let hp = HighpassFilter::new(&kernel, n)?;
     let windows = covariance_windows(n_windows, settings.nskip as u64);
     if n_windows == 1 {
-        tracing::warn!(
+        tracing::info!(
             "the recording has a single window: the whitening covariance uses it alone \
              (Kilosort4 cannot whiten such a recording; it averages over no window)"
         );
@@ -311,11 +335,7 @@ where
         accumulate_covariance(&mut cc, central)?;
     }
     cc.mapv_inplace(|v| v / windows.len() as f64);
-    Ok(whitening_from_covariance(
-        &cc,
-        probe,
-        settings.whitening_range,
-    )?)
+    Ok(cc)
 }
 
 /// Columns per block in [`Whitening::apply`]: a (C × block) copy stays in cache.

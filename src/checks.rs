@@ -1,0 +1,838 @@
+//! Checks on inputs that would otherwise fool detection quietly (field failures
+//! BR-12, BR-19, BR-22, BR-26, BR-27): channel health, stuck (clipped) stretches,
+//! the data's scale, layouts that disagree with the file, common referencing over
+//! too few sites, and duplicate detections of one event across a window boundary.
+//!
+//! Each check either corrects the input (with a logged message) or returns a
+//! one-line warning saying what was assumed and which flag changes it. The
+//! pipeline collects the warnings into `spikecube.json` (`"warnings"`).
+
+use std::collections::BTreeMap;
+
+use ndarray::{Array2, ArrayView2};
+
+use crate::detect::Geometry;
+use crate::preprocess::WHITENING_EPS;
+use crate::probe::Probe;
+use crate::recording::Recording;
+
+/// Shortest run of identical samples at a channel's window extreme counted as
+/// stuck (clipped, saturated): 1 ms of samples, at least 8.
+pub fn stuck_min_run(fs: f64) -> usize {
+    ((fs * 1e-3).round() as usize).max(8)
+}
+
+/// The stuck runs of one channel's row: maximal runs of at least `min_run`
+/// identical values, equal to the row's largest or smallest value in
+/// `row[lo..hi]` (the columns that hold real samples). A row that is constant
+/// over `lo..hi` has no runs (it is reported as zero or flat, not clipped).
+///
+/// Returns half-open column ranges inside `lo..hi`, in order.
+pub fn stuck_runs(row: &[f32], lo: usize, hi: usize, min_run: usize) -> Vec<(usize, usize)> {
+    let hi = hi.min(row.len());
+    if hi <= lo || hi - lo < min_run {
+        return Vec::new();
+    }
+    let seg = &row[lo..hi];
+    // Any run of at least min_run ≥ 2h identical values holds two samples h
+    // apart at a multiple of h: look only there first, so a healthy row costs
+    // a strided pass over 1/h of its samples.
+    let h = (min_run / 2).max(1);
+    let mut constant = Vec::new();
+    let mut m = 0;
+    while m + h < seg.len() {
+        let v = seg[m];
+        if seg[m + h] != v || !seg[m + 1..m + h].iter().all(|&u| u == v) {
+            m += h;
+            continue;
+        }
+        let mut start = m;
+        while start > 0 && seg[start - 1] == v {
+            start -= 1;
+        }
+        let mut end = m + h + 1;
+        while end < seg.len() && seg[end] == v {
+            end += 1;
+        }
+        if end - start >= min_run {
+            constant.push((start, end, v));
+        }
+        m = end.div_ceil(h) * h;
+    }
+    if constant.is_empty() {
+        return Vec::new();
+    }
+    let (mut mn, mut mx) = (seg[0], seg[0]);
+    for &v in seg {
+        mn = mn.min(v);
+        mx = mx.max(v);
+    }
+    if mn == mx {
+        return Vec::new();
+    }
+    let runs: Vec<(usize, usize)> = constant
+        .into_iter()
+        .filter(|&(_, _, v)| v == mn || v == mx)
+        .map(|(a, b, _)| (lo + a, lo + b))
+        .collect();
+    runs
+}
+
+/// The stuck runs ([`stuck_runs`]) of every row of a raw window, over the
+/// columns `lo..hi` that hold real samples.
+pub fn find_stuck_runs(
+    window: &Array2<f32>,
+    lo: usize,
+    hi: usize,
+    min_run: usize,
+) -> Vec<Vec<(usize, usize)>> {
+    use rayon::prelude::*;
+    (0..window.nrows())
+        .into_par_iter()
+        .map(|r| {
+            let row = window.row(r);
+            match row.as_slice() {
+                Some(s) => stuck_runs(s, lo, hi, min_run),
+                None => stuck_runs(&row.to_vec(), lo, hi, min_run),
+            }
+        })
+        .collect()
+}
+
+/// Replaces the stuck runs `runs` (from [`find_stuck_runs`]) of each row of a
+/// raw window by the median of that row's other real samples (columns
+/// `lo..hi`), so the filters see no step: a rail-to-rail step would otherwise
+/// ring for milliseconds and, through the circular FFT high-pass, reappear at
+/// the window's other end (BR-22). A run touching `lo` (or `hi`, when
+/// `pad_repeats` says the columns past `hi` repeat the last sample) also fills
+/// the repeated pad columns. A row with nothing but stuck samples is left alone.
+pub fn fill_stuck_runs(
+    window: &mut Array2<f32>,
+    runs: &[Vec<(usize, usize)>],
+    lo: usize,
+    hi: usize,
+    pad_repeats: bool,
+) {
+    let n = window.ncols();
+    for (mut row, runs) in window.outer_iter_mut().zip(runs) {
+        if runs.is_empty() {
+            continue;
+        }
+        let mut rest: Vec<f32> = Vec::with_capacity(hi.saturating_sub(lo));
+        let mut k = 0;
+        for c in lo..hi.min(n) {
+            while k < runs.len() && runs[k].1 <= c {
+                k += 1;
+            }
+            if k < runs.len() && runs[k].0 <= c {
+                continue;
+            }
+            rest.push(row[c]);
+        }
+        if rest.is_empty() {
+            continue;
+        }
+        let mid = (rest.len() - 1) / 2;
+        let (_, m, _) = rest.select_nth_unstable_by(mid, f32::total_cmp);
+        let fill = *m;
+        for &(a, b) in runs {
+            let a = if a == lo { 0 } else { a };
+            let b = if b == hi && pad_repeats { n } else { b };
+            row.slice_mut(ndarray::s![a..b]).fill(fill);
+        }
+    }
+}
+
+/// [`find_stuck_runs`] then [`fill_stuck_runs`]; returns the runs found.
+pub fn mask_stuck_runs(
+    window: &mut Array2<f32>,
+    lo: usize,
+    hi: usize,
+    pad_repeats: bool,
+    min_run: usize,
+) -> Vec<Vec<(usize, usize)>> {
+    let runs = find_stuck_runs(window, lo, hi, min_run);
+    fill_stuck_runs(window, &runs, lo, hi, pad_repeats);
+    runs
+}
+
+/// Per-channel facts gathered over the samples seen: all zero, constant,
+/// identical to another channel, stuck runs.
+#[derive(Debug, Clone)]
+pub struct ChannelHealth {
+    /// File column of each row (the probe's channel map).
+    chan_map: Vec<u64>,
+    rows: Vec<RowHealth>,
+    /// Own samples seen per row.
+    samples: u64,
+}
+
+/// What [`ChannelHealth`] knows about one row.
+#[derive(Debug, Clone)]
+struct RowHealth {
+    zero: bool,
+    first: Option<f32>,
+    flat: bool,
+    /// Four interleaved FNV-style lanes over the sample bits (independent
+    /// chains, so the pass is not latency-bound).
+    hash: [u64; 4],
+    /// Stuck own samples.
+    stuck: u64,
+    /// First stuck own sample (absolute) and its value.
+    first_stuck: Option<(u64, f32)>,
+}
+
+impl RowHealth {
+    fn observe(
+        &mut self,
+        own: &[f32],
+        first_own: i64,
+        runs: &[(usize, usize)],
+        a: usize,
+        row: &[f32],
+    ) {
+        if self.zero && own.iter().any(|&v| v != 0.0) {
+            self.zero = false;
+        }
+        if let (Some(&v0), None) = (own.first(), self.first) {
+            self.first = Some(v0);
+        }
+        if self.flat
+            && let Some(f) = self.first
+            && own.iter().any(|v| v.to_bits() != f.to_bits())
+        {
+            self.flat = false;
+        }
+        let mut h = self.hash;
+        let mut quads = own.chunks_exact(4);
+        for q in &mut quads {
+            for k in 0..4 {
+                h[k] = (h[k] ^ u64::from(q[k].to_bits())).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        for &v in quads.remainder() {
+            h[0] = (h[0] ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3);
+        }
+        self.hash = h;
+        let b = a + own.len();
+        for &(s, e) in runs {
+            let (s, e) = (s.max(a), e.min(b));
+            if e > s {
+                self.stuck += (e - s) as u64;
+                if self.first_stuck.is_none() {
+                    let t = first_own + (s - a) as i64;
+                    self.first_stuck = Some((t.max(0) as u64, row[s]));
+                }
+            }
+        }
+    }
+
+    fn key(&self) -> [u64; 4] {
+        self.hash
+    }
+}
+
+/// One finding of [`ChannelHealth`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ChannelFinding {
+    /// File column (index in the raw file).
+    pub channel: u64,
+    /// Probe site (row in channel-map order).
+    pub site: usize,
+    /// `"zero"`, `"flat"`, `"duplicate"` or `"clipped"`.
+    pub kind: &'static str,
+    /// Details: the channel duplicated, the stuck value and sample counts.
+    pub detail: String,
+}
+
+impl ChannelHealth {
+    /// An empty check for the rows of `chan_map` (file columns).
+    pub fn new(chan_map: &[u64]) -> Self {
+        let row = RowHealth {
+            zero: true,
+            first: None,
+            flat: true,
+            hash: [0xcbf2_9ce4_8422_2325; 4],
+            stuck: 0,
+            first_stuck: None,
+        };
+        ChannelHealth {
+            chan_map: chan_map.to_vec(),
+            rows: vec![row; chan_map.len()],
+            samples: 0,
+        }
+    }
+
+    /// Adds a raw window's own columns `own.0..own.1` (absolute sample of
+    /// column 0: `first_sample`) and the stuck runs found in it (as returned by
+    /// [`find_stuck_runs`], before masking). Rows run in parallel.
+    pub fn observe(
+        &mut self,
+        raw: ArrayView2<'_, f32>,
+        own: (usize, usize),
+        first_sample: i64,
+        runs: &[Vec<(usize, usize)>],
+    ) {
+        use rayon::prelude::*;
+        let (a, b) = (own.0.min(raw.ncols()), own.1.min(raw.ncols()));
+        if b <= a {
+            return;
+        }
+        let none: Vec<(usize, usize)> = Vec::new();
+        self.rows.par_iter_mut().enumerate().for_each(|(r, h)| {
+            let row = raw.row(r);
+            let owned;
+            let row: &[f32] = match row.as_slice() {
+                Some(s) => s,
+                None => {
+                    owned = row.to_vec();
+                    &owned
+                }
+            };
+            let rr = runs.get(r).unwrap_or(&none);
+            h.observe(&row[a..b], first_sample + a as i64, rr, a, row);
+        });
+        self.samples += (b - a) as u64;
+    }
+
+    /// Own samples seen per channel.
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+
+    /// Stuck (masked) own samples summed over channels.
+    pub fn stuck_samples(&self) -> u64 {
+        self.rows.iter().map(|r| r.stuck).sum()
+    }
+
+    /// The findings, by site: all-zero channels, constant channels, exact
+    /// duplicates of an earlier channel, channels with stuck stretches.
+    pub fn findings(&self) -> Vec<ChannelFinding> {
+        let mut out = Vec::new();
+        if self.samples == 0 {
+            return out;
+        }
+        let mut seen: BTreeMap<[u64; 4], usize> = BTreeMap::new();
+        for (r, h) in self.rows.iter().enumerate() {
+            let ch = self.chan_map[r];
+            if h.zero {
+                out.push(ChannelFinding {
+                    channel: ch,
+                    site: r,
+                    kind: "zero",
+                    detail: "all samples are 0".into(),
+                });
+                continue;
+            }
+            if h.flat {
+                out.push(ChannelFinding {
+                    channel: ch,
+                    site: r,
+                    kind: "flat",
+                    detail: format!("every sample is {}", h.first.unwrap_or(0.0)),
+                });
+                continue;
+            }
+            if let Some(&o) = seen.get(&h.key()) {
+                out.push(ChannelFinding {
+                    channel: ch,
+                    site: r,
+                    kind: "duplicate",
+                    detail: format!("identical to ch{}", self.chan_map[o]),
+                });
+            } else {
+                seen.insert(h.key(), r);
+            }
+            if h.stuck > 0 {
+                let (t, v) = h.first_stuck.unwrap_or((0, 0.0));
+                out.push(ChannelFinding {
+                    channel: ch,
+                    site: r,
+                    kind: "clipped",
+                    detail: format!("stuck at {v} for {} samples (first at sample {t})", h.stuck),
+                });
+            }
+        }
+        out
+    }
+
+    /// One warning line naming the unhealthy channels, or `None` when all are
+    /// fine. `scope` says which samples were read (e.g. "the whole recording");
+    /// `masked` whether stuck stretches are masked in this run.
+    pub fn warning(&self, scope: &str, masked: bool) -> Option<String> {
+        let f = self.findings();
+        if f.is_empty() {
+            return None;
+        }
+        let mut text = format!(
+            "channel check over {scope}: {}",
+            f.iter()
+                .map(|x| format!("ch{} {} ({})", x.channel, x.kind, x.detail))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+        if f.iter().any(|x| x.kind == "clipped") {
+            text += if masked {
+                "; stuck stretches are replaced by the channel's median before filtering (--mask-clipped false keeps them, as Kilosort4 does)"
+            } else {
+                "; stuck stretches are kept (--mask-clipped false): their steps ring through the high-pass and wrap around their windows as false spikes"
+            };
+        }
+        let bad: Vec<String> = f
+            .iter()
+            .filter(|x| x.kind != "clipped")
+            .map(|x| x.channel.to_string())
+            .collect();
+        if !bad.is_empty() {
+            text += &format!(
+                "; leave bad channels out with --exclude-channels {}",
+                bad.join(",")
+            );
+        }
+        Some(text)
+    }
+}
+
+/// Typical noise standard deviation spikecube rescales data to when the data's
+/// scale is out of range (int16 counts of a Neuropixels recording), file units.
+pub const TARGET_SD: f64 = 10.0;
+/// Below this median channel sd (filtered, file units) the whitening
+/// regulariser eps = 1e-6 is no longer negligible (it is then ≥ 1e-4 of the variance).
+pub const MIN_SD: f64 = 0.1;
+/// Above this median channel sd the data cannot be int16 counts.
+pub const MAX_SD: f64 = 32_767.0;
+
+/// The factor that brings data whose whitening covariance is `cc` (filtered,
+/// file units²) back to int16-like scale, when its median channel variance
+/// (over channels with any) is outside [`MIN_SD`]², [`MAX_SD`]²: the power of
+/// ten nearest to [`TARGET_SD`] / median sd. Returns `(factor, median sd)`;
+/// `None` when the scale is fine or no channel varies.
+pub fn scale_factor(cc: &Array2<f64>) -> Option<(f64, f64)> {
+    let mut v: Vec<f64> = cc.diag().iter().copied().filter(|v| *v > 0.0).collect();
+    if v.is_empty() {
+        return None;
+    }
+    let mid = (v.len() - 1) / 2;
+    let (_, m, _) = v.select_nth_unstable_by(mid, f64::total_cmp);
+    let sd = m.sqrt();
+    if (MIN_SD..=MAX_SD).contains(&sd) {
+        return None;
+    }
+    let k = 10f64.powi((TARGET_SD / sd).log10().round() as i32);
+    Some((k, sd))
+}
+
+/// The message logged when [`scale_factor`] rescales.
+pub fn scale_message(k: f64, sd: f64) -> String {
+    let why = if sd < MIN_SD {
+        format!(
+            "far below int16 counts: the whitening regulariser eps = {WHITENING_EPS:e} would swamp the variance and nothing would be detected"
+        )
+    } else {
+        "far above int16 counts".to_string()
+    };
+    format!(
+        "the filtered channels have a median sd of {sd:.3e} file units, {why}; the data were multiplied by {k:e} before whitening (as --scale {k:e} would); give --scale yourself to choose the factor (--scale 1 keeps Kilosort4's behaviour)"
+    )
+}
+
+/// A warning when the probe's coordinates look like millimetres: the median
+/// distance from a site to its nearest other site is below 1 µm.
+pub fn millimetre_warning(probe: &Probe) -> Option<String> {
+    let n = probe.n_sites();
+    if n < 2 {
+        return None;
+    }
+    let mut nn: Vec<f32> = (0..n)
+        .map(|i| {
+            (0..n)
+                .filter(|&k| k != i)
+                .map(|k| {
+                    let dx = probe.xc[k] - probe.xc[i];
+                    let dy = probe.yc[k] - probe.yc[i];
+                    (dx * dx + dy * dy).sqrt()
+                })
+                .fold(f32::INFINITY, f32::min)
+        })
+        .collect();
+    let mid = (nn.len() - 1) / 2;
+    let (_, m, _) = nn.select_nth_unstable_by(mid, f32::total_cmp);
+    let m = *m;
+    (m > 0.0 && m < 1.0).then(|| {
+        format!(
+            "probe {}: the sites are {m} apart (median nearest-site distance): the coordinates look like millimetres, read as µm; multiply them by 1000 in the probe file",
+            probe.source.display()
+        )
+    })
+}
+
+/// Distance within which every site sees the same spike, µm.
+pub const SAME_SPIKE_UM: f32 = 50.0;
+/// Fewest sites for a median common reference that leaves spikes alone.
+pub const MIN_CAR_SITES: usize = 8;
+
+/// A warning when a median common reference (do_CAR) is taken over so few
+/// sites, or over sites so close together, that it removes part of the spikes:
+/// fewer than [`MIN_CAR_SITES`] sites, or one site with half the probe's sites
+/// within [`SAME_SPIKE_UM`] (e.g. one tetrode, where every site sees every spike).
+pub fn car_warning(probe: &Probe, do_car: bool) -> Option<String> {
+    if !do_car {
+        return None;
+    }
+    let n = probe.n_sites();
+    let crowd = (0..n)
+        .map(|i| {
+            (0..n)
+                .filter(|&k| {
+                    let dx = probe.xc[k] - probe.xc[i];
+                    let dy = probe.yc[k] - probe.yc[i];
+                    (dx * dx + dy * dy).sqrt() <= SAME_SPIKE_UM
+                })
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    if n >= MIN_CAR_SITES && 2 * crowd < n {
+        return None;
+    }
+    let why = if 2 * crowd >= n {
+        format!(
+            "{crowd} of which lie within {SAME_SPIKE_UM} µm of one site and see the same spikes"
+        )
+    } else {
+        format!("fewer than {MIN_CAR_SITES}: a spike seen on a few of them moves the median")
+    };
+    Some(format!(
+        "the median common reference (do_CAR) is taken over {n} sites, {why}: it removes part of such spikes and can invert their sign; --do-car false turns it off"
+    ))
+}
+
+/// A warning when the probe reads fewer of the file's channels than expected:
+/// `expected_unused` channels (sync, LF) are normal.
+pub fn unused_channels_warning(
+    probe: &Probe,
+    n_file_channels: usize,
+    expected_unused: usize,
+) -> Option<String> {
+    let used = probe.n_sites();
+    if used + expected_unused >= n_file_channels {
+        return None;
+    }
+    let mut cols: Vec<u64> = probe.chan_map.clone();
+    cols.sort_unstable();
+    let shown = if cols.len() > 12 {
+        format!(
+            "{} … {}",
+            cols[..6]
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            cols[cols.len() - 3..]
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    } else {
+        cols.iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    Some(format!(
+        "the probe {} uses {used} of the file's {n_file_channels} channels (columns {shown}); the other {} are not read — give a probe that covers them if they hold data",
+        probe.source.display(),
+        n_file_channels - used
+    ))
+}
+
+/// Frames read by [`channel_count_warning`].
+const LAYOUT_FRAMES: u64 = 4000;
+
+/// Pearson correlation of the interleaved values `s[e]` and `s[e + lag]`,
+/// averaged over the `n` column classes `e ≡ j (mod n)`.
+fn lag_correlation(s: &[f32], n: usize, lag: usize) -> f64 {
+    let mut total = 0.0;
+    let mut classes = 0;
+    for j in 0..n {
+        let (mut sa, mut sb, mut saa, mut sbb, mut sab, mut m) = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+        let mut e = j;
+        while e + lag < s.len() {
+            let (a, b) = (f64::from(s[e]), f64::from(s[e + lag]));
+            sa += a;
+            sb += b;
+            saa += a * a;
+            sbb += b * b;
+            sab += a * b;
+            m += 1.0;
+            e += n;
+        }
+        if m < 2.0 {
+            continue;
+        }
+        let va = saa - sa * sa / m;
+        let vb = sbb - sb * sb / m;
+        if va <= 0.0 || vb <= 0.0 {
+            continue;
+        }
+        total += (sab - sa * sb / m) / (va * vb).sqrt();
+        classes += 1;
+    }
+    if classes == 0 {
+        0.0
+    } else {
+        total / classes as f64
+    }
+}
+
+/// A warning when a flat binary file's channel count looks wrong: some value
+/// lag L ≠ n in the interleaved file (L a divisor of n, or n ± 1) is far more
+/// alike than a column with itself one frame later (lag n), which is where
+/// the next sample of the same channel should be. "Far more": correlation
+/// above 0.5 and 1 − r(L) < 0.8·(1 − r(n)). Reads the first 4000 frames.
+///
+/// # Errors
+/// When the read fails.
+pub fn channel_count_warning(rec: &dyn Recording) -> anyhow::Result<Option<String>> {
+    let n = rec.n_channels();
+    let frames = rec.n_samples().min(LAYOUT_FRAMES) as usize;
+    if n < 2 || frames < 16 {
+        return Ok(None);
+    }
+    let cols: Vec<u64> = (0..n as u64).collect();
+    let mut rows = vec![0f32; n * frames];
+    rec.read_channels(0, frames, &cols, &mut rows)?;
+    let mut s = vec![0f32; n * frames];
+    for c in 0..n {
+        for t in 0..frames {
+            s[t * n + c] = rows[c * frames + t];
+        }
+    }
+    let r_frame = lag_correlation(&s, n, n);
+    let mut lags: Vec<usize> = (1..n).filter(|&l| n.is_multiple_of(l)).collect();
+    lags.extend([n - 1, n + 1]);
+    lags.sort_unstable();
+    lags.dedup();
+    let best = lags
+        .iter()
+        .filter(|&&l| l >= 1 && l != n)
+        .map(|&l| (l, lag_correlation(&s, n, l)))
+        .max_by(|a, b| a.1.total_cmp(&b.1));
+    Ok(best.and_then(|(l, r)| {
+        (r > 0.5 && (1.0 - r) < 0.8 * (1.0 - r_frame)).then(|| {
+            format!(
+                "{}: read as {n} channels, but values {l} apart in the file are more alike (r = {r:.2}) than a channel with its own next sample {n} apart (r = {r_frame:.2}): the file probably has {l} channels, not {n}; check --n-channels",
+                rec.describe()
+            )
+        })
+    }))
+}
+
+/// Removes the sites that read file channels `exclude` from `probe`.
+///
+/// # Errors
+/// When a listed channel is not read by the probe, or nothing would remain.
+pub fn exclude_channels(probe: &Probe, exclude: &[u64]) -> anyhow::Result<Probe> {
+    for &c in exclude {
+        if !probe.chan_map.contains(&c) {
+            anyhow::bail!(
+                "--exclude-channels {c}: the probe {} reads no file channel {c} (it reads {} channels, {} … {})",
+                probe.source.display(),
+                probe.n_sites(),
+                probe.chan_map.iter().min().copied().unwrap_or(0),
+                probe.chan_map.iter().max().copied().unwrap_or(0)
+            );
+        }
+    }
+    let keep: Vec<usize> = (0..probe.n_sites())
+        .filter(|&i| !exclude.contains(&probe.chan_map[i]))
+        .collect();
+    if keep.is_empty() {
+        anyhow::bail!(
+            "--exclude-channels removes every site of the probe {}",
+            probe.source.display()
+        );
+    }
+    Ok(Probe {
+        xc: keep.iter().map(|&i| probe.xc[i]).collect(),
+        yc: keep.iter().map(|&i| probe.yc[i]).collect(),
+        kcoords: keep.iter().map(|&i| probe.kcoords[i]).collect(),
+        chan_map: keep.iter().map(|&i| probe.chan_map[i]).collect(),
+        n_chan: probe.n_chan,
+        source: probe.source.clone(),
+    })
+}
+
+/// One detection near a window boundary, for [`boundary_duplicates`].
+#[derive(Debug, Clone, Copy)]
+pub struct Near {
+    /// Absolute sample.
+    pub t: i64,
+    /// Template centre.
+    pub centre: u32,
+    /// |amplitude|, whitened units.
+    pub amp: f32,
+}
+
+/// Duplicate detections of one event on both sides of a window boundary
+/// (BR-19). The detector zeroes a window's values outside its own samples, so
+/// a detection within `nt0min` samples of the boundary had its ±`nt0min`
+/// max-pool cut off there: it may be the rising or falling edge of an event
+/// whose peak lies in the other window, which detects it too.
+///
+/// `left` holds detections of the earlier window, `right` of the later one
+/// (absolute samples, boundary at `boundary`, the later window's first own
+/// sample). A detection within `nt0min` samples of the boundary (left:
+/// `t ≥ boundary − nt0min`; right: `t < boundary + nt0min`) is removed when a
+/// detection on the other side lies within 2·`nt0min` samples of it, their
+/// centres' neighbourhoods (iC sites) share a site, and the other one has the
+/// larger |amplitude| (on a tie the left one is kept).
+///
+/// Returns the flags (true = remove) for `left` and `right`.
+pub fn boundary_duplicates(
+    left: &[Near],
+    right: &[Near],
+    boundary: i64,
+    geometry: &Geometry,
+    nt0min: usize,
+) -> (Vec<bool>, Vec<bool>) {
+    let h = nt0min as i64;
+    let mut rl = vec![false; left.len()];
+    let mut rr = vec![false; right.len()];
+    let share = |a: u32, b: u32| {
+        let ca = geometry.i_c.column(a as usize);
+        let cb = geometry.i_c.column(b as usize);
+        ca.iter().any(|x| cb.iter().any(|y| x == y))
+    };
+    for (i, a) in left.iter().enumerate() {
+        for (k, b) in right.iter().enumerate() {
+            if (a.t - b.t).abs() > 2 * h || !share(a.centre, b.centre) {
+                continue;
+            }
+            if b.amp > a.amp {
+                if a.t >= boundary - h {
+                    rl[i] = true;
+                }
+            } else if b.t < boundary + h {
+                rr[k] = true;
+            }
+        }
+    }
+    (rl, rr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stuck_runs_at_extremes_only() {
+        let mut row = vec![1.0f32, -2.0, 3.0, 0.5];
+        row.extend(std::iter::repeat_n(9.0, 10));
+        row.extend([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]);
+        // Ten 0.0s are not at an extreme: not stuck.
+        assert_eq!(stuck_runs(&row, 0, row.len(), 8), vec![(4, 14)]);
+        assert!(stuck_runs(&[5.0; 20], 0, 20, 8).is_empty());
+        let mut w = Array2::from_shape_vec((1, row.len()), row.clone()).unwrap();
+        let runs = mask_stuck_runs(&mut w, 0, row.len(), true, 8);
+        assert_eq!(runs[0], vec![(4, 14)]);
+        assert!(w.iter().all(|&v| v != 9.0));
+    }
+
+    #[test]
+    fn channel_health_names_zero_flat_duplicate_and_stuck_channels() {
+        let n = 200;
+        let mut x = Array2::<f32>::zeros((5, n));
+        for t in 0..n {
+            let v = ((t * 37) % 23) as f32 - 11.0;
+            x[(1, t)] = 7.0;
+            x[(2, t)] = v;
+            x[(3, t)] = v;
+            x[(4, t)] = if (50..100).contains(&t) { 40.0 } else { -v };
+        }
+        let runs = find_stuck_runs(&x, 0, n, 8);
+        assert_eq!(runs[4], vec![(50, 100)]);
+        assert!(runs[..4].iter().all(Vec::is_empty));
+        let mut h = ChannelHealth::new(&[10, 11, 12, 13, 14]);
+        h.observe(x.view(), (0, n), 1000, &runs);
+        let kinds: Vec<(u64, &str)> = h.findings().iter().map(|f| (f.channel, f.kind)).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                (10, "zero"),
+                (11, "flat"),
+                (13, "duplicate"),
+                (14, "clipped")
+            ]
+        );
+        assert_eq!(h.stuck_samples(), 50);
+        let w = h.warning("test", true).unwrap();
+        assert!(w.contains("first at sample 1050"), "{w}");
+        assert!(w.contains("--exclude-channels 10,11,13"), "{w}");
+    }
+
+    /// The plain definition: maximal runs of ≥ min_run equal values at an extreme.
+    fn naive(row: &[f32], min_run: usize) -> Vec<(usize, usize)> {
+        let mn = row.iter().copied().fold(f32::INFINITY, f32::min);
+        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut out = Vec::new();
+        if mn == mx {
+            return out;
+        }
+        let mut i = 0;
+        while i < row.len() {
+            let mut e = i + 1;
+            while e < row.len() && row[e] == row[i] {
+                e += 1;
+            }
+            if e - i >= min_run && (row[i] == mn || row[i] == mx) {
+                out.push((i, e));
+            }
+            i = e;
+        }
+        out
+    }
+
+    #[test]
+    fn strided_run_search_equals_the_definition() {
+        let mut s = 7u64;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        for case in 0..400 {
+            let n = 50 + (next() % 400) as usize;
+            let levels = 2 + next() % 6;
+            let mut row: Vec<f32> = (0..n).map(|_| (next() % levels) as f32).collect();
+            for _ in 0..(next() % 4) {
+                let a = (next() % n as u64) as usize;
+                let len = (next() % 60) as usize;
+                let v = [-5.0, 99.0, 1.0][(next() % 3) as usize];
+                for x in row.iter_mut().skip(a).take(len) {
+                    *x = v;
+                }
+            }
+            for min_run in [8, 9, 30, 31] {
+                assert_eq!(
+                    stuck_runs(&row, 0, n, min_run),
+                    naive(&row, min_run),
+                    "case {case}, min_run {min_run}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn scale_factor_regimes() {
+        let cc = |v: f64| Array2::from_diag(&ndarray::arr1(&[v, v, v]));
+        assert!(scale_factor(&cc(100.0)).is_none());
+        assert!(scale_factor(&cc(3.8)).is_none());
+        let (k, _) = scale_factor(&cc(3.8e-12)).unwrap();
+        assert_eq!(k, 1e7);
+        let (k, _) = scale_factor(&cc(1e12)).unwrap();
+        assert!((k / 1e-5 - 1.0).abs() < 1e-12);
+    }
+}
