@@ -102,7 +102,7 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
             },
         ),
         (
-            "D C + step 2 staged in shared memory",
+            "D C + step 2 staged in shared memory (measured slower: not default)",
             GpuOptions {
                 sparse_peaks: true,
                 pruned: true,
@@ -110,7 +110,10 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
                 ..plain
             },
         ),
-        ("E D + 4 samples per unit in step 1 (default)", full),
+        (
+            "E default: C + 4 samples per unit in step 1 + chunked upload",
+            full,
+        ),
         (
             "F default without pruning",
             GpuOptions {
@@ -119,14 +122,7 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
             },
         ),
         (
-            "G default without staging",
-            GpuOptions {
-                staged: false,
-                ..full
-            },
-        ),
-        (
-            "H default with 2 samples per unit",
+            "G default with 2 samples per unit",
             GpuOptions {
                 fb_per_unit: 2,
                 ..full

@@ -59,6 +59,7 @@ fn main() -> anyhow::Result<()> {
             out: out.clone(),
             run_info: RunInfo::default(),
             checks: Checks::default(),
+            backend: spikecube::backend::Backend::Cpu,
         },
         &mut |_| {},
     )?;

@@ -263,7 +263,7 @@ pub fn choose(backend: Backend) -> Result<Chosen, DetectError> {
 #[derive(Debug)]
 pub enum Detector {
     /// The CPU reference.
-    Cpu(CpuDetector),
+    Cpu(Box<CpuDetector>),
     /// CUDA through CubeCL.
     #[cfg(feature = "cuda")]
     Cuda(Box<crate::detect::gpu::GpuDetector<cubecl::cuda::CudaRuntime>>),
@@ -306,9 +306,9 @@ impl Detector {
                     Default::default(),
                 )?,
             ))),
-            _ => Ok(Detector::Cpu(CpuDetector::new(
+            _ => Ok(Detector::Cpu(Box::new(CpuDetector::new(
                 geometry, templates, settings,
-            )?)),
+            )?))),
         }
     }
 

@@ -9,8 +9,7 @@ use spikecube::output::RunInfo;
 use spikecube::pipeline::{DetectJob, run_detection};
 
 use super::common::{
-    BackendArg, CheckArgs, DetectionArgs, PreprocessArgs, RecordingArgs, default_out,
-    progress_bar,
+    BackendArg, CheckArgs, DetectionArgs, PreprocessArgs, RecordingArgs, default_out, progress_bar,
 };
 
 /// Flags of `detect`.

@@ -10,6 +10,8 @@
 use cubecl::prelude::*;
 
 #[cube(launch_unchecked)]
+// Nested ifs: the bound test must not evaluate `p - half` for p < half.
+#[allow(clippy::collapsible_if)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn features_kernel(
     x: &Array<f32>,

@@ -20,6 +20,8 @@ pub const PER_UNIT: usize = 4;
 pub const TILE: usize = UNITS * PER_UNIT;
 
 #[cube(launch_unchecked)]
+// Nested ifs: the bound test must not evaluate `p - half` for p < half.
+#[allow(clippy::collapsible_if)]
 pub(crate) fn filter_bank_kernel(
     x: &Array<f32>,
     wtemp: &Array<f32>,

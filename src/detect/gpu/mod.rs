@@ -71,6 +71,10 @@ impl Default for GpuOptions {
     }
 }
 
+/// Dense step 2–3 arrays downloaded by [`GpuDetector::intermediates`]: As, imaxs and
+/// the neighbour max, each Nf × NT row-major.
+pub type DenseArrays = (Vec<f32>, Vec<i32>, Vec<f32>);
+
 /// The steps, for launching and timing them one by one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Step {
@@ -308,7 +312,7 @@ impl<R: Runtime> GpuDetector<R> {
         &mut self,
         x: ArrayView2<f32>,
         yc: &[f32],
-    ) -> Result<(Vec<f32>, Vec<i32>, Vec<f32>), DetectError> {
+    ) -> Result<DenseArrays, DetectError> {
         let saved = self.options;
         self.options = GpuOptions {
             pruned: false,
