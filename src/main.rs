@@ -5,7 +5,32 @@ mod cli;
 
 use std::process::ExitCode;
 
+/// Mesa's Vulkan drivers print "XDG_RUNTIME_DIR is invalid or not set" on every
+/// adapter query when the variable is missing (servers, containers, cron). Give
+/// them a private runtime folder before any thread starts, so that probing the GPU
+/// back ends prints nothing.
+#[cfg(all(unix, feature = "wgpu"))]
+fn quiet_vulkan_probe() {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    if std::env::var_os("XDG_RUNTIME_DIR").is_some() {
+        return;
+    }
+    let uid = std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!("spikecube-runtime-{uid}"));
+    let _ = std::fs::DirBuilder::new().mode(0o700).create(&dir);
+    let ok = std::fs::metadata(&dir)
+        .is_ok_and(|m| m.is_dir() && m.uid() == uid && m.permissions().mode() & 0o777 == 0o700);
+    if ok {
+        // SAFETY: called first thing in main, before any other thread exists.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", &dir) };
+    }
+}
+
 fn main() -> ExitCode {
+    #[cfg(all(unix, feature = "wgpu"))]
+    quiet_vulkan_probe();
     match cli::run() {
         Ok(code) => code,
         Err(err) => {
