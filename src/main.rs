@@ -6,13 +6,15 @@ mod cli;
 use std::process::ExitCode;
 
 /// Mesa's Vulkan drivers print "XDG_RUNTIME_DIR is invalid or not set" on every
-/// adapter query when the variable is missing (servers, containers, cron). Give
+/// adapter query when the variable is missing or invalid (servers, containers, cron). Give
 /// them a private runtime folder before any thread starts, so that probing the GPU
 /// back ends prints nothing.
 #[cfg(all(unix, feature = "wgpu"))]
 fn quiet_vulkan_probe() {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-    if std::env::var_os("XDG_RUNTIME_DIR").is_some() {
+    if std::env::var_os("XDG_RUNTIME_DIR")
+        .is_some_and(|d| !d.is_empty() && std::path::Path::new(&d).is_dir())
+    {
         return;
     }
     let uid = std::fs::metadata("/proc/self")
