@@ -368,6 +368,77 @@ mod wgpu {
     fn bad_input() {
         check_bad_input::<WgpuRuntime>(&device());
     }
+
+    /// The whole `spikecube detect` run with `--backend wgpu` writes the same
+    /// spikes as `--backend cpu` (a simulated 32-site recording, 10 windows).
+    #[test]
+    fn detect_command_matches_cpu() {
+        device();
+        let exe = env!("CARGO_BIN_EXE_spikecube");
+        let dir = tempfile::tempdir().unwrap();
+        let probe = common::data("fixtures/detection/linear32/probe.json");
+        let sim = dir.path().join("sim");
+        let run = |args: &[&str]| {
+            let o = std::process::Command::new(exe).args(args).output().unwrap();
+            assert!(
+                o.status.success(),
+                "{args:?}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        };
+        run(&[
+            "simulate",
+            "--seconds",
+            "2",
+            "--probe",
+            probe.to_str().unwrap(),
+            "--n-units",
+            "8",
+            "--rate",
+            "15",
+            "--seed",
+            "3",
+            "--out",
+            sim.to_str().unwrap(),
+            "-q",
+        ]);
+        let bin = sim.join("sim_g0_t0.imec0.ap.bin");
+        for b in ["cpu", "wgpu"] {
+            let out = dir.path().join(b);
+            run(&[
+                "detect",
+                bin.to_str().unwrap(),
+                "--batch-size",
+                "6000",
+                "--backend",
+                b,
+                "--out",
+                out.to_str().unwrap(),
+                "-q",
+            ]);
+        }
+        let read = |b: &str, f: &str| std::fs::read(dir.path().join(b).join(f)).unwrap();
+        for f in [
+            "spike_times.npy",
+            "spike_centers.npy",
+            "spike_detection_templates.npy",
+            "spike_signs.npy",
+        ] {
+            assert_eq!(
+                read("cpu", f),
+                read("wgpu", f),
+                "{f} differs between cpu and wgpu"
+            );
+        }
+        let amp = |b: &str| -> ndarray::Array1<f32> {
+            spikecube::npy::read(&dir.path().join(b).join("amplitudes.npy")).unwrap()
+        };
+        let (a, g) = (amp("cpu"), amp("wgpu"));
+        assert!(a.len() > 50, "the recording has spikes: {}", a.len());
+        close("amplitudes", a.as_slice().unwrap(), g.as_slice().unwrap());
+        let json = String::from_utf8(read("wgpu", "spikecube.json")).unwrap();
+        assert!(json.contains("\"backend\": \"wgpu\""), "{json}");
+    }
 }
 
 #[cfg(feature = "cuda")]
