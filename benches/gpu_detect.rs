@@ -1,7 +1,7 @@
 //! GPU detection benchmark (issue: GPU detection with CubeCL).
 //!
 //! `cargo bench --bench gpu_detect -- DIR [--backend cuda|wgpu|both] [--repeat N]
-//! [--kilosort-neighbourhoods]` on a folder holding `X.npy` (a whitened window,
+//! [--kilosort-neighbourhoods] [--default-only]` on a folder holding `X.npy` (a whitened window,
 //! channels × samples, float32) and `probe.json`, e.g. the full 384 × 60 122 window
 //! on the two-column 1149-centre probe written by
 //! `../shared/tools/ks4ref/make_window.py np2_1shank 60000 1500 1 DIR`. With
@@ -73,7 +73,7 @@ struct Setup {
     cpu: Detections,
 }
 
-fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
+fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize, only_default: bool) {
     // The straightforward port first, then one optimisation at a time, then the
     // default without each one.
     let plain = GpuOptions {
@@ -130,6 +130,9 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) {
         ),
     ];
     for (label, options) in variants {
+        if only_default && options != full {
+            continue;
+        }
         let mut det = GpuDetector::<R>::new(
             device,
             name.into(),
@@ -263,6 +266,7 @@ fn main() {
     let backend = opt("--backend").unwrap_or_else(|| "both".into());
     let repeat: usize = opt("--repeat").map_or(20, |v| v.parse().unwrap());
     let ks = args.iter().any(|a| a == "--kilosort-neighbourhoods");
+    let only_default = args.iter().any(|a| a == "--default-only");
     let x: Array2<f32> = npy::read(&dir.join("X.npy")).expect("X.npy");
     let probe = Probe::load(&dir.join("probe.json")).expect("probe.json");
     let mut settings = DetectionSettings::default();
@@ -319,6 +323,7 @@ fn main() {
                 &format!("cuda {name}"),
                 &s,
                 repeat,
+                only_default,
             ),
             #[cfg(not(feature = "cuda"))]
             Ok(_) => println!("cuda: not in this build"),
@@ -335,6 +340,7 @@ fn main() {
                     &format!("wgpu {} ({})", a.name, a.api),
                     &s,
                     repeat,
+                    only_default,
                 ),
                 None => println!("wgpu: no adapter"),
             }

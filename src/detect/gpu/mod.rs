@@ -93,7 +93,8 @@ struct WindowBuffers {
     q: Handle,
     as_: Handle,
     imax: Handle,
-    amax: Handle,
+    /// Only for the dense neighbour max (not allocated by default).
+    amax: Option<Handle>,
 }
 
 /// Detection outputs, sized for `cap` detections.
@@ -324,9 +325,13 @@ impl<R: Runtime> GpuDetector<R> {
             self.upload_window(x, yc);
             self.steps_1_to_3(true);
             let w = self.window.as_ref().expect("allocated");
-            let out = self
-                .client
-                .read(vec![w.as_.clone(), w.imax.clone(), w.amax.clone()]);
+            let out = self.client.read(vec![
+                w.as_.clone(),
+                w.imax.clone(),
+                w.amax
+                    .clone()
+                    .expect("allocated for the dense neighbour max"),
+            ]);
             Ok((
                 f32::from_bytes(&out[0]).to_vec(),
                 i32::from_bytes(&out[1]).to_vec(),
@@ -355,8 +360,14 @@ impl<R: Runtime> GpuDetector<R> {
                 q: f(c * n_t),
                 as_: f(nf * n_t),
                 imax: f(nf * n_t),
-                amax: f(nf * n_t),
+                amax: None,
             });
+        }
+        if !self.options.sparse_peaks {
+            let w = self.window.as_mut().expect("allocated");
+            if w.amax.is_none() {
+                w.amax = Some(self.client.empty(nf * n_t * 4));
+            }
         }
         if self.yc.as_ref().map(|(v, _)| v.as_slice()) != Some(yc) {
             self.yc = Some((yc.to_vec(), self.client.create_from_slice(bytes_f32(yc))));
@@ -545,7 +556,12 @@ impl<R: Runtime> GpuDetector<R> {
                 arr(&self.block_offsets, bl.offsets.len()),
                 arr(&self.block_rows, bl.rows.len()),
                 arr(&self.block_local, bl.local.len()),
-                arr(&w.amax, nf * n_t),
+                arr(
+                    w.amax
+                        .as_ref()
+                        .expect("allocated for the dense neighbour max"),
+                    nf * n_t,
+                ),
                 n_t as u32,
                 nf as u32,
                 nc2 as u32,
@@ -729,7 +745,12 @@ impl<R: Runtime> GpuDetector<R> {
                     grid,
                     dim,
                     arr(&w.as_, nf * n_t),
-                    arr(&w.amax, nf * n_t),
+                    arr(
+                        w.amax
+                            .as_ref()
+                            .expect("allocated for the dense neighbour max"),
+                        nf * n_t,
+                    ),
                     arr(&count, 1),
                     arr(&p.peak_j, p.cap),
                     arr(&p.peak_t, p.cap),
