@@ -327,6 +327,18 @@ impl Detector {
         }
     }
 
+    /// The longest window (samples, padding included) this back end can take for
+    /// `n_sites` channels; `usize::MAX` on the CPU.
+    pub fn max_window_samples(&self, n_sites: usize) -> usize {
+        match self {
+            Detector::Cpu(_) => usize::MAX,
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.max_window_samples(n_sites),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.max_window_samples(n_sites),
+        }
+    }
+
     /// The geometry in use.
     pub fn geometry(&self) -> &Geometry {
         match self {

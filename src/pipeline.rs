@@ -193,6 +193,47 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         memory_estimate(n_sites, plan.window_len(), n_centres) as f64 / 1e6
     );
 
+    // The back end next, before any data is read: a missing or too small device
+    // fails (or, with `auto`, falls back to the CPU) at once.
+    let mut chosen = crate::backend::choose(job.backend)?;
+    let mut detector = Detector::new(
+        &chosen,
+        geometry.clone(),
+        UniversalTemplates::builtin(),
+        job.detection.clone(),
+    )?;
+    let max_len = detector.max_window_samples(n_sites);
+    if plan.window_len() > max_len {
+        let why = format!(
+            "{} holds windows of at most {max_len} samples for {n_sites} channels, these have {}",
+            chosen.device,
+            plan.window_len()
+        );
+        if job.backend == Backend::Auto {
+            tracing::warn!("{why}; detecting on the CPU instead");
+            chosen = crate::backend::choose(Backend::Cpu)?;
+            chosen.reason = format!("auto: {why}");
+            detector = Detector::new(
+                &chosen,
+                geometry.clone(),
+                UniversalTemplates::builtin(),
+                job.detection.clone(),
+            )?;
+        } else {
+            bail!(
+                "--backend {}: {why}; use --batch-size {} or less, or --backend cpu",
+                chosen.backend,
+                max_len.saturating_sub(2 * job.detection.nt) / 1000 * 1000
+            );
+        }
+    }
+    tracing::info!(
+        "detection on {} ({}): {}",
+        chosen.backend,
+        chosen.device,
+        chosen.reason
+    );
+
     let t_fit = Instant::now();
     let fitted = fit(&rec, &plan, &job.probe, &job.preprocess, &job.checks)?;
     if let Some(w) = fitted
@@ -208,19 +249,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let fit_s = t_fit.elapsed().as_secs_f64();
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
 
-    let chosen = crate::backend::choose(job.backend)?;
-    tracing::info!(
-        "detection on {} ({}): {}",
-        chosen.backend,
-        chosen.device,
-        chosen.reason
-    );
-    let mut detector = Detector::new(
-        &chosen,
-        geometry.clone(),
-        UniversalTemplates::builtin(),
-        job.detection.clone(),
-    )?;
     let nt = job.detection.nt as u64;
     let nt0min = job.detection.nt0min();
     let min_run = checks::stuck_min_run(fs);

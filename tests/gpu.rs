@@ -318,6 +318,20 @@ fn check_bad_input<R: Runtime>(device: &R::Device) {
         .unwrap_err()
         .to_string();
     assert!(e.contains("non-finite"), "{e}");
+    // A window larger than the device's largest buffer is an error that names
+    // the batch size that fits, never a failure inside the GPU library.
+    let too_long = det.max_window_samples(case.x.nrows()) + 1;
+    if too_long < 50_000_000 {
+        let big = Array2::<f32>::zeros((case.x.nrows(), too_long));
+        let e = det
+            .detect(big.view(), &case.probe.yc)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--batch-size") && e.contains("--backend cpu"),
+            "{e}"
+        );
+    }
     let short = Array2::<f32>::zeros((case.x.nrows(), 100));
     let e = det
         .detect(short.view(), &case.probe.yc)

@@ -70,7 +70,12 @@ pub fn run() -> anyhow::Result<ExitCode> {
         .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env());
     let show_target = cli.verbose || env_filter.is_ok();
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(env_filter.unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)))
+        .with_env_filter(env_filter.unwrap_or_else(|_| {
+            // The GPU libraries' own info lines (adapter dumps) are for debugging.
+            tracing_subscriber::EnvFilter::new(format!(
+                "{level},cubecl_wgpu=warn,cubecl_cuda=warn,cubecl_runtime=warn,wgpu_core=warn,wgpu_hal=warn,naga=warn"
+            ))
+        }))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(show_target)

@@ -265,6 +265,32 @@ impl<R: Runtime> GpuDetector<R> {
         &self.geometry
     }
 
+    /// The longest window (samples, padding included) whose buffers this device
+    /// can hold for `n_sites` channels: the largest buffer, B (C × 6 × NT floats)
+    /// or As (Nf × NT floats), must fit the device's largest buffer.
+    pub fn max_window_samples(&self, n_sites: usize) -> usize {
+        let per_sample = (n_sites * NK).max(self.geometry.n_centres()) * 4;
+        (self.client.properties().memory.max_page_size as usize / per_sample.max(1)).max(1)
+    }
+
+    fn check_size(&self, n_sites: usize, n_t: usize) -> Result<(), DetectError> {
+        let max = self.max_window_samples(n_sites);
+        if n_t <= max {
+            return Ok(());
+        }
+        let per_sample = (n_sites * NK).max(self.geometry.n_centres()) * 4;
+        let pad = 2 * self.settings.nt;
+        let fit = max.saturating_sub(pad) / 1000 * 1000;
+        Err(DetectError::Device {
+            message: format!(
+                "a window of {n_sites} channels × {n_t} samples needs a {:.0} MB buffer, but {} allows at most {:.0} MB per buffer; use --batch-size {fit} or less, or --backend cpu",
+                (per_sample * n_t) as f64 / 1e6,
+                self.device_name,
+                self.client.properties().memory.max_page_size as f64 / 1e6
+            ),
+        })
+    }
+
     /// The device's name, as its driver reports it.
     pub fn device_name(&self) -> &str {
         &self.device_name
@@ -322,6 +348,7 @@ impl<R: Runtime> GpuDetector<R> {
         };
         let r = (|| {
             cpu::check_window(&self.geometry, &self.settings, x, yc)?;
+            self.check_size(x.nrows(), x.ncols())?;
             self.upload_window(x, yc);
             self.steps_1_to_3(true);
             let w = self.window.as_ref().expect("allocated");
@@ -638,6 +665,7 @@ impl<R: Runtime> GpuDetector<R> {
         mut times: Option<&mut StepTimes>,
     ) -> Result<Detections, DetectError> {
         cpu::check_window(&self.geometry, &self.settings, x, yc)?;
+        self.check_size(x.nrows(), x.ncols())?;
         let timed = times.is_some();
         let clock = Instant::now();
         self.upload_window(x, yc);
