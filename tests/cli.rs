@@ -153,3 +153,38 @@ fn probe_pictures_are_drawn_with_text() {
         assert!(dark > 100, "{case}: {dark} dark pixels in the title band");
     }
 }
+
+/// Settings that cannot give a meaningful result are refused before any work:
+/// a batch shorter than one waveform, a scale factor of 0.
+#[test]
+fn nonsense_batch_size_and_scale_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("rec.bin");
+    std::fs::write(&bin, vec![0u8; 4 * 2 * 3000]).unwrap();
+    let probe = common::data("fixtures/detection/tetrode_like/probe.json");
+    let base = [
+        "detect",
+        s(&bin),
+        "--n-channels",
+        "4",
+        "--fs",
+        "30000",
+        "--probe",
+        s(&probe),
+    ];
+    for (extra, needle) in [
+        (["--batch-size", "10"], "at least nt = 61"),
+        (["--scale", "0"], "non-zero"),
+    ] {
+        let out = dir.path().join("out");
+        let mut args = base.to_vec();
+        args.extend_from_slice(&extra);
+        args.extend_from_slice(&["--out", s(&out)]);
+        let o = spikecube(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.contains(needle), "{extra:?}: `{needle}` not in {err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!out.exists(), "no output after {extra:?}");
+    }
+}

@@ -26,8 +26,8 @@ pub struct RecordingArgs {
     /// Bytes to skip at the start of a flat binary file.
     #[arg(long, default_value_t = 0)]
     pub offset: u64,
-    /// Multiply raw values by this (Kilosort4's scale).
-    #[arg(long)]
+    /// Multiply raw values by this (Kilosort4's scale); a non-zero number.
+    #[arg(long, value_parser = parse_scale)]
     pub scale: Option<f32>,
     /// Add this to raw values after scaling (Kilosort4's shift).
     #[arg(long)]
@@ -42,6 +42,16 @@ pub struct RecordingArgs {
     /// SpikeGLX .meta. Default: the geometry in the recording's SpikeGLX metadata.
     #[arg(long)]
     pub probe: Option<PathBuf>,
+}
+
+fn parse_scale(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() && v != 0.0 => Ok(v),
+        Ok(v) => Err(format!(
+            "{v} would make every sample 0 or non-finite; give a finite, non-zero factor"
+        )),
+        Err(e) => Err(format!("{s:?} is not a number ({e})")),
+    }
 }
 
 fn parse_dtype(s: &str) -> Result<Dtype, String> {

@@ -108,7 +108,7 @@ impl PreprocessSettings {
     /// # Errors
     /// [`PreprocessError::Setting`] naming the setting: `fs` not positive and
     /// finite; `highpass_cutoff` not in (0, fs/2); `batch_size`, `nskip` or
-    /// `whitening_range` 0; `artifact_threshold` NaN or ≤ 0.
+    /// `whitening_range` 0; `batch_size` below `nt`; `artifact_threshold` NaN or ≤ 0.
     pub fn validate(&self) -> Result<(), PreprocessError> {
         butterworth_highpass(self.fs, self.highpass_cutoff)?;
         for (name, v) in [
@@ -122,6 +122,15 @@ impl PreprocessSettings {
                     message: "is 0; it must be at least 1".into(),
                 });
             }
+        }
+        if self.batch_size < self.nt {
+            return Err(PreprocessError::Setting {
+                name: "batch_size",
+                message: format!(
+                    "is {}; it must be at least nt = {} samples, so that a window holds a whole waveform",
+                    self.batch_size, self.nt
+                ),
+            });
         }
         if let Some(t) = self.artifact_threshold
             && (t.is_nan() || t <= 0.0)
