@@ -118,6 +118,60 @@ pub struct Intermediates {
     pub amax_prepool: Array2<f32>,
 }
 
+/// The geometry's per-centre arrays laid out centre-major, as every back end's
+/// steps 2–3 read them.
+#[derive(Debug, Clone)]
+pub(crate) struct CentreMajor {
+    /// Per centre, its nC sites (iC\[:, j\]): Nf × nC.
+    pub sites: Vec<u32>,
+    /// Per centre and site, the nsz spatial weights (weigh\[:, c, j\]): Nf × nC × nsz.
+    pub weights: Vec<f32>,
+    /// Per centre, its nC2 neighbour centres (iC2\[:, j\]): Nf × nC2.
+    pub neighbours: Vec<u32>,
+    /// Per centre, max over sizes of Σ_c weigh², for the pruning bound.
+    pub weight_norm2: Vec<f32>,
+}
+
+impl CentreMajor {
+    pub(crate) fn new(geometry: &Geometry) -> CentreMajor {
+        let nf = geometry.n_centres();
+        let nc = geometry.n_chans();
+        let nsz = geometry.n_sizes();
+        let nc2 = geometry.n_neighbours();
+        let mut sites = Vec::with_capacity(nf * nc);
+        let mut weights = Vec::with_capacity(nf * nc * nsz);
+        let mut neighbours = Vec::with_capacity(nf * nc2);
+        let weight_norm2: Vec<f32> = (0..nf)
+            .map(|j| {
+                (0..nsz)
+                    .map(|s| {
+                        (0..nc)
+                            .map(|c| (geometry.weigh[[s, c, j]] as f64).powi(2))
+                            .sum::<f64>()
+                    })
+                    .fold(0f64, f64::max) as f32
+            })
+            .collect();
+        for j in 0..nf {
+            for c in 0..nc {
+                sites.push(geometry.i_c[[c, j]]);
+                for s in 0..nsz {
+                    weights.push(geometry.weigh[[s, c, j]]);
+                }
+            }
+            for m in 0..nc2 {
+                neighbours.push(geometry.i_c2[[m, j]]);
+            }
+        }
+        CentreMajor {
+            sites,
+            weights,
+            neighbours,
+            weight_norm2,
+        }
+    }
+}
+
 /// A CPU detector for one probe geometry; its buffers persist across windows.
 #[derive(Debug)]
 pub struct CpuDetector {
@@ -150,35 +204,12 @@ impl CpuDetector {
         settings: DetectionSettings,
     ) -> Result<CpuDetector, DetectError> {
         settings.validate()?;
-        let nf = geometry.n_centres();
-        let nc = geometry.n_chans();
-        let nsz = geometry.n_sizes();
-        let nc2 = geometry.n_neighbours();
-        let mut sites = Vec::with_capacity(nf * nc);
-        let mut weights = Vec::with_capacity(nf * nc * nsz);
-        let mut neighbours = Vec::with_capacity(nf * nc2);
-        let weight_norm2: Vec<f32> = (0..nf)
-            .map(|j| {
-                (0..nsz)
-                    .map(|s| {
-                        (0..nc)
-                            .map(|c| (geometry.weigh[[s, c, j]] as f64).powi(2))
-                            .sum::<f64>()
-                    })
-                    .fold(0f64, f64::max) as f32
-            })
-            .collect();
-        for j in 0..nf {
-            for c in 0..nc {
-                sites.push(geometry.i_c[[c, j]]);
-                for s in 0..nsz {
-                    weights.push(geometry.weigh[[s, c, j]]);
-                }
-            }
-            for m in 0..nc2 {
-                neighbours.push(geometry.i_c2[[m, j]]);
-            }
-        }
+        let CentreMajor {
+            sites,
+            weights,
+            neighbours,
+            weight_norm2,
+        } = CentreMajor::new(&geometry);
         Ok(CpuDetector {
             geometry,
             templates,

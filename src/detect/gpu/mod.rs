@@ -189,9 +189,7 @@ impl<R: Runtime> GpuDetector<R> {
         options: GpuOptions,
     ) -> Result<Self, DetectError> {
         settings.validate()?;
-        let nf = geometry.n_centres();
         let nc = geometry.n_chans();
-        let nsz = geometry.n_sizes();
         let nc2 = geometry.n_neighbours();
         if nc > 32 {
             return Err(DetectError::Setting {
@@ -200,29 +198,12 @@ impl<R: Runtime> GpuDetector<R> {
             });
         }
         let client = R::client(device);
-        let mut sites = Vec::with_capacity(nf * nc);
-        let mut weights = Vec::with_capacity(nf * nc * nsz);
-        let mut neighbours = Vec::with_capacity(nf * nc2);
-        let mut weight_norm2 = Vec::with_capacity(nf);
-        for j in 0..nf {
-            let mut best = 0f64;
-            for s in 0..nsz {
-                let n2: f64 = (0..nc)
-                    .map(|c| (geometry.weigh[[s, c, j]] as f64).powi(2))
-                    .sum();
-                best = best.max(n2);
-            }
-            weight_norm2.push(best as f32);
-            for c in 0..nc {
-                sites.push(geometry.i_c[[c, j]]);
-                for s in 0..nsz {
-                    weights.push(geometry.weigh[[s, c, j]]);
-                }
-            }
-            for m in 0..nc2 {
-                neighbours.push(geometry.i_c2[[m, j]]);
-            }
-        }
+        let cpu::CentreMajor {
+            sites,
+            weights,
+            neighbours,
+            weight_norm2,
+        } = cpu::CentreMajor::new(&geometry);
         let hw = &client.properties().hardware;
         let max_shared = hw.max_shared_memory_size.min(48 * 1024);
         let max_units = (hw.max_units_per_cube as usize).min(256);
