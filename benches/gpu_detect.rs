@@ -79,7 +79,6 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize, o
     let plain = GpuOptions {
         pruned: false,
         sparse_peaks: false,
-        staged: false,
         fb_per_unit: 1,
         upload_chunk: 0,
     };
@@ -98,15 +97,6 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize, o
             GpuOptions {
                 sparse_peaks: true,
                 pruned: true,
-                ..plain
-            },
-        ),
-        (
-            "D C + step 2 staged in shared memory (measured slower: not default)",
-            GpuOptions {
-                sparse_peaks: true,
-                pruned: true,
-                staged: true,
                 ..plain
             },
         ),

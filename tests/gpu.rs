@@ -29,7 +29,6 @@ const TOL: f32 = 1e-5;
 const DENSE: GpuOptions = GpuOptions {
     pruned: false,
     sparse_peaks: false,
-    staged: false,
     fb_per_unit: 1,
     upload_chunk: 0,
 };
@@ -37,7 +36,6 @@ const DENSE: GpuOptions = GpuOptions {
 const FAST: GpuOptions = GpuOptions {
     pruned: true,
     sparse_peaks: true,
-    staged: false,
     fb_per_unit: 4,
     upload_chunk: 1 << 20,
 };
@@ -45,14 +43,12 @@ const FAST: GpuOptions = GpuOptions {
 const MIXED: GpuOptions = GpuOptions {
     pruned: false,
     sparse_peaks: true,
-    staged: true,
     fb_per_unit: 3,
     upload_chunk: 1000,
 };
 const MIXED2: GpuOptions = GpuOptions {
     pruned: true,
     sparse_peaks: false,
-    staged: false,
     fb_per_unit: 2,
     upload_chunk: 0,
 };

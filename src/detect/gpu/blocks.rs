@@ -1,6 +1,6 @@
 //! Grouping consecutive template centres so that a cube stages the rows its
-//! centres share in shared memory once: the sites of `centre_response` (iC) and
-//! the neighbour centres of `neighbour_max` (iC2).
+//! centres share in shared memory once: the neighbour centres (iC2) of the dense
+//! `neighbour_max`.
 
 /// Consecutive items (template centres) grouped into blocks, each with the
 /// union of the rows (sites or centres) its items read.

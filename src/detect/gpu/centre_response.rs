@@ -8,11 +8,10 @@
 //! constants, the loops unrolled), then As = max |A|, the first r attaining it
 //! and its sign: imaxs = (1 + r)·sign (Kilosort4's `template_match`).
 //!
-//! Consecutive centres share most of their sites, so a cube takes a block of
-//! consecutive centres ([`super::blocks::RowBlocks`] over iC) and a tile of samples,
-//! and first stages B (and q) of the union of their sites for those samples in
-//! shared memory: each unit then reads its 6·nC values of B there instead of from
-//! L2 (on the 1149-centre NP2 probe, about a fifth of the global reads).
+//! One cube per centre and [`TILE`] samples, centre-fastest (CUBE_POS_X = centre),
+//! so all centres of one time tile run together and that tile of B stays in L2.
+//! (Staging a block of centres' sites in shared memory instead was measured 3.5×
+//! slower on the H200: BENCHMARKS.md.)
 //!
 //! Pruned: where the Cauchy–Schwarz bound max_s ‖weigh\[s, :, j\]‖²·Σ_c q\[iC\[c, j\], t\]
 //! (1 % margin) stays below Th_universal², no |A| can exceed the threshold and the
@@ -20,125 +19,12 @@
 
 use cubecl::prelude::*;
 
-/// Samples per cube of [`centre_response_direct_kernel`].
+/// Samples per cube.
 pub const TILE: usize = 256;
 
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn centre_response_kernel(
-    b: &Array<f32>,
-    q: &Array<f32>,
-    offsets: &Array<u32>,
-    rows: &Array<u32>,
-    local: &Array<u32>,
-    weights: &Array<f32>,
-    weight_norm2: &Array<f32>,
-    as_out: &mut Array<f32>,
-    imax_out: &mut Array<i32>,
-    n_t: u32,
-    nf: u32,
-    th2: f32,
-    #[comptime] nc: usize,
-    #[comptime] nsz: usize,
-    #[comptime] nk: usize,
-    #[comptime] pruned: bool,
-    #[comptime] max_union: usize,
-    #[comptime] tile: usize,
-    #[comptime] per_block: usize,
-) {
-    let nkq = comptime!(nk + 1);
-    let mut sh = SharedMemory::<f32>::new(comptime!(max_union * (nk + 1) * tile));
-    let blk = CUBE_POS_X as usize;
-    let t0 = CUBE_POS_Y as usize * tile;
-    let n_t = n_t as usize;
-    let off = offsets[blk] as usize;
-    let len = offsets[blk + 1] as usize - off;
-    let units = comptime!(tile * per_block);
-    let mut i = UNIT_POS as usize;
-    while i < len * nkq * tile {
-        let row = i / tile;
-        let t = t0 + i % tile;
-        let site = rows[off + row / nkq] as usize;
-        let k = row % nkq;
-        let mut v = 0.0f32;
-        if t < n_t {
-            if k < nk {
-                v = b[(site * nk + k) * n_t + t];
-            } else {
-                v = q[site * n_t + t];
-            }
-        }
-        sh[i] = v;
-        i += units;
-    }
-    sync_cube();
-    let x = UNIT_POS_X as usize;
-    let j = blk * per_block + UNIT_POS_Y as usize;
-    let t = t0 + x;
-    if j < nf as usize && t < n_t {
-        let mut go = true;
-        if comptime!(pruned) {
-            let mut sum = 0.0f32;
-            #[unroll]
-            for c in 0..nc {
-                let l = local[j * nc + c] as usize;
-                sum += sh[(l * nkq + nk) * tile + x];
-            }
-            let scale = weight_norm2[j] * 1.01f32;
-            go = sum * scale >= th2;
-        }
-        if go {
-            let nr = comptime!(nsz * nk);
-            let mut acc = Array::<f32>::new(nr);
-            #[unroll]
-            for r in 0..nr {
-                acc[r] = 0.0f32;
-            }
-            #[unroll]
-            for c in 0..nc {
-                let l = local[j * nc + c] as usize;
-                #[unroll]
-                for k in 0..nk {
-                    let bv = sh[(l * nkq + k) * tile + x];
-                    #[unroll]
-                    for z in 0..nsz {
-                        acc[z * nk + k] += weights[(j * nc + c) * nsz + z] * bv;
-                    }
-                }
-            }
-            let mut best = f32::abs(acc[0]);
-            let mut r_best = 0i32;
-            let mut value = acc[0];
-            #[unroll]
-            for r in 1..nr {
-                let v = f32::abs(acc[r]);
-                if v > best {
-                    best = v;
-                    r_best = r as i32;
-                    value = acc[r];
-                }
-            }
-            let mut code = 0i32;
-            if value > 0.0f32 {
-                code = r_best + 1;
-            } else if value < 0.0f32 {
-                code = -(r_best + 1);
-            }
-            as_out[j * n_t + t] = best;
-            imax_out[j * n_t + t] = code;
-        } else {
-            as_out[j * n_t + t] = 0.0f32;
-            imax_out[j * n_t + t] = 0i32;
-        }
-    }
-}
-
-/// The same maths with B read from global memory (L2): one cube per centre and
-/// [`TILE`] samples, all centres of a time tile in flight together. Kept to measure
-/// the staged kernel against.
-#[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn centre_response_direct_kernel(
     b: &Array<f32>,
     q: &Array<f32>,
     sites: &Array<u32>,

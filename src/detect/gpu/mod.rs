@@ -51,8 +51,6 @@ pub struct GpuOptions {
     /// Step 3 runs only at candidates (As > Th_universal) inside step 4 instead of
     /// as a dense pass over all centres and samples.
     pub sparse_peaks: bool,
-    /// Step 2 stages each block's sites in shared memory (else reads B from global memory).
-    pub staged: bool,
     /// Samples per unit in step 1 (1 to 8).
     pub fb_per_unit: usize,
     /// Floats per upload chunk (0: the window in one piece).
@@ -64,7 +62,6 @@ impl Default for GpuOptions {
         GpuOptions {
             pruned: true,
             sparse_peaks: true,
-            staged: false,
             fb_per_unit: filter_bank::PER_UNIT,
             upload_chunk: upload::CHUNK,
         }
@@ -146,10 +143,6 @@ pub struct GpuDetector<R: Runtime> {
     block_offsets: Handle,
     block_rows: Handle,
     block_local: Handle,
-    site_blocks: RowBlocks,
-    site_offsets: Handle,
-    site_rows: Handle,
-    site_local: Handle,
     yc: Option<(Vec<f32>, Handle)>,
     x: Option<Handle>,
     count: Option<Handle>,
@@ -208,7 +201,6 @@ impl<R: Runtime> GpuDetector<R> {
         let max_shared = hw.max_shared_memory_size.min(48 * 1024);
         let max_units = (hw.max_units_per_cube as usize).min(256);
         let blocks = RowBlocks::new(&neighbours, nc2, 1, max_shared, max_units, 16);
-        let site_blocks = RowBlocks::new(&sites, nc, NK + 1, max_shared, max_units, 16);
         let wtemp = templates.wtemp.as_standard_layout().to_owned();
         let wpca = templates.wpca.as_standard_layout().to_owned();
         let up_f = |v: &[f32]| client.create_from_slice(bytes_f32(v));
@@ -224,10 +216,6 @@ impl<R: Runtime> GpuDetector<R> {
             block_rows: up_u(&blocks.rows),
             block_local: up_u(&blocks.local),
             blocks,
-            site_offsets: up_u(&site_blocks.offsets),
-            site_rows: up_u(&site_blocks.rows),
-            site_local: up_u(&site_blocks.local),
-            site_blocks,
             client,
             geometry,
             settings,
@@ -487,61 +475,28 @@ impl<R: Runtime> GpuDetector<R> {
         let nsz = self.geometry.n_sizes();
         let th = self.settings.th_universal;
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
-        if self.options.staged {
-            let sb = &self.site_blocks;
-            // SAFETY: every index the kernel computes is within the lengths passed
-            // (shapes fixed by the geometry and the window; checked by tests/gpu.rs
-            // against the bounds-checked CPU twin on odd sizes).
-            unsafe {
-                centre_response::centre_response_kernel::launch_unchecked::<R>(
-                    &self.client,
-                    CubeCount::Static(sb.n_blocks() as u32, n_t.div_ceil(sb.tile) as u32, 1),
-                    CubeDim::new_2d(sb.tile as u32, sb.per_block as u32),
-                    arr(&w.b, n_ch * NK * n_t),
-                    arr(&w.q, n_ch * n_t),
-                    arr(&self.site_offsets, sb.offsets.len()),
-                    arr(&self.site_rows, sb.rows.len()),
-                    arr(&self.site_local, sb.local.len()),
-                    arr(&self.weights, nf * nc * nsz),
-                    arr(&self.weight_norm2, nf),
-                    arr(&w.as_, nf * n_t),
-                    arr(&w.imax, nf * n_t),
-                    n_t as u32,
-                    nf as u32,
-                    th * th,
-                    nc,
-                    nsz,
-                    NK,
-                    self.options.pruned,
-                    sb.max_union,
-                    sb.tile,
-                    sb.per_block,
-                );
-            }
-        } else {
-            // SAFETY: every index the kernel computes is within the lengths passed
-            // (shapes fixed by the geometry and the window; checked by tests/gpu.rs
-            // against the bounds-checked CPU twin on odd sizes).
-            unsafe {
-                centre_response::centre_response_direct_kernel::launch_unchecked::<R>(
-                    &self.client,
-                    CubeCount::Static(nf as u32, n_t.div_ceil(centre_response::TILE) as u32, 1),
-                    CubeDim::new_1d(centre_response::TILE as u32),
-                    arr(&w.b, n_ch * NK * n_t),
-                    arr(&w.q, n_ch * n_t),
-                    arr(&self.sites, nf * nc),
-                    arr(&self.weights, nf * nc * nsz),
-                    arr(&self.weight_norm2, nf),
-                    arr(&w.as_, nf * n_t),
-                    arr(&w.imax, nf * n_t),
-                    n_t as u32,
-                    th * th,
-                    nc,
-                    nsz,
-                    NK,
-                    self.options.pruned,
-                );
-            }
+        // SAFETY: every index the kernel computes is within the lengths passed
+        // (shapes fixed by the geometry and the window; checked by tests/gpu.rs
+        // against the bounds-checked CPU twin on odd sizes).
+        unsafe {
+            centre_response::centre_response_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(nf as u32, n_t.div_ceil(centre_response::TILE) as u32, 1),
+                CubeDim::new_1d(centre_response::TILE as u32),
+                arr(&w.b, n_ch * NK * n_t),
+                arr(&w.q, n_ch * n_t),
+                arr(&self.sites, nf * nc),
+                arr(&self.weights, nf * nc * nsz),
+                arr(&self.weight_norm2, nf),
+                arr(&w.as_, nf * n_t),
+                arr(&w.imax, nf * n_t),
+                n_t as u32,
+                th * th,
+                nc,
+                nsz,
+                NK,
+                self.options.pruned,
+            );
         }
     }
 
