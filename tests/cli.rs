@@ -2,22 +2,12 @@
 
 mod common;
 
+use common::{s, spikecube};
+
 use std::path::Path;
-use std::process::Command;
 
 use ndarray::{Array1, Array2};
 use spikecube::npy;
-
-fn spikecube(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_spikecube"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 #[test]
 fn detect_window_reproduces_a_fixture_with_its_neighbourhoods() {

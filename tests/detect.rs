@@ -4,22 +4,13 @@
 
 mod common;
 
+use common::{s, spikecube};
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use ndarray::{Array1, Array2, Array3};
 use spikecube::npy;
-
-fn spikecube(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_spikecube"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
 
 fn ok(o: &Output) {
     assert!(

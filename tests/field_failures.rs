@@ -1,4 +1,4 @@
-//! Field failures from real users (`../shared/docs/field-failures.md`), geometry and
+//! Field failures from real users (the field-failures list in the project's shared docs, `field-failures.md`), geometry and
 //! detection parts, as tests. Each test is named after its row.
 
 mod common;

@@ -3,27 +3,16 @@
 //! each as a test of its right behaviour. Every recording is synthetic and
 //! written to a temporary folder; `spikecube` runs as a user runs it.
 
+mod common;
+
+use common::{Rng, s, spikecube};
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use ndarray::Array1;
 use spikecube::npy;
 use spikecube::simulate::waveform;
-
-/// Small deterministic generator (xorshift64*) with Box–Muller normals.
-struct Rng(u64);
-impl Rng {
-    fn uniform(&mut self) -> f64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        ((self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-    fn normal(&mut self) -> f64 {
-        let (u, v) = (self.uniform(), self.uniform());
-        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
-    }
-}
 
 /// A recording in memory: `n_ch` channels, interleaved (sample-major), counts.
 struct Rec {
@@ -96,17 +85,6 @@ fn write_probe(path: &Path, xy: &[(f64, f64)]) -> PathBuf {
 
 fn column(n: usize, pitch: f64) -> Vec<(f64, f64)> {
     (0..n).map(|i| (0.0, pitch * i as f64)).collect()
-}
-
-fn spikecube(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_spikecube"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 fn ok(o: &Output) -> String {

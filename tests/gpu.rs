@@ -384,12 +384,11 @@ mod wgpu {
     #[test]
     fn detect_command_matches_cpu() {
         device();
-        let exe = env!("CARGO_BIN_EXE_spikecube");
         let dir = tempfile::tempdir().unwrap();
         let probe = common::data("fixtures/detection/linear32/probe.json");
         let sim = dir.path().join("sim");
         let run = |args: &[&str]| {
-            let o = std::process::Command::new(exe).args(args).output().unwrap();
+            let o = common::spikecube(args);
             assert!(
                 o.status.success(),
                 "{args:?}: {}",

@@ -7,20 +7,14 @@
 
 mod common;
 
+use common::{s, spikecube};
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_spikecube")
-}
-
-fn spikecube(args: &[&str]) -> Output {
-    Command::new(bin()).args(args).output().unwrap()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 fn ok(o: &Output) {

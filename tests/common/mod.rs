@@ -2,7 +2,8 @@
 //! and how to load a fixture case.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
 use ndarray::{Array1, Array2, Array3};
 use spikecube::{DetectionSettings, Geometry, Probe, npy};
@@ -124,4 +125,17 @@ pub fn inject(x: &mut Array2<f32>, t0: usize, k: usize, amp: f32, gains: &[f32])
             }
         }
     }
+}
+
+/// Runs the `spikecube` binary of this build with `args`.
+pub fn spikecube(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_spikecube"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// A path as a command-line argument.
+pub fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
 }
