@@ -60,6 +60,8 @@ fn main() -> anyhow::Result<()> {
             run_info: RunInfo::default(),
             checks: Checks::default(),
             backend: spikecube::backend::Backend::Cpu,
+            // The default, as `spikecube detect`: learned from the data.
+            templates: spikecube::universal::TemplateSource::Learned(Default::default()),
         },
         &mut |_| {},
     )?;

@@ -28,6 +28,9 @@ pub fn cli_flag(name: &str) -> Option<&'static str> {
         "nearest_chans" => "--nearest-chans",
         "nearest_templates" => "--nearest-templates",
         "max_channel_distance" => "--max-channel-distance",
+        "Th_single_ch" | "th_single_ch" => "--th-single-ch",
+        "n_templates" => "--n-templates",
+        "n_pcs" => "--n-pcs",
         _ => return None,
     })
 }

@@ -54,6 +54,8 @@ pub struct DetectJob {
     pub backend: Backend,
     /// Input checks and the corrections that go beyond Kilosort4.
     pub checks: Checks,
+    /// Universal templates: learned from the data (Kilosort4's default), built-in or a file (issue 11).
+    pub templates: crate::universal::TemplateSource,
 }
 
 /// Input checks of a run and the corrections spikecube makes where Kilosort4
@@ -249,6 +251,44 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let fit_s = t_fit.elapsed().as_secs_f64();
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
 
+    // ---- issue 11: universal templates learned from the data (or built-in, or a file) ----
+    // Learning reads every 25th window, preprocessed exactly as detection sees it.
+    let t_learn = Instant::now();
+    let chosen_templates = {
+        let min_run = checks::stuck_min_run(fs);
+        crate::universal::choose(
+            &job.templates,
+            plan.n_windows,
+            job.detection.nt,
+            job.detection.nt0min(),
+            |i| {
+                let mut w = Array2::zeros((n_sites, plan.window_len()));
+                read_window(rec.as_ref(), &plan, i, &chan_map, &mut w)?;
+                if job.checks.mask_clipped {
+                    let cols = WindowColumns::of(&plan, i);
+                    checks::mask_stuck_runs(&mut w, cols.lo, cols.hi, cols.pad_repeats, min_run);
+                }
+                pre.apply(&mut w)
+                    .with_context(|| format!("preprocessing window {i} for learning templates"))?;
+                Ok(w)
+            },
+        )?
+    };
+    if let Some(w) = &chosen_templates.warning {
+        warnings.push(w.clone());
+    }
+    if chosen_templates.templates != UniversalTemplates::builtin() {
+        detector = Detector::new(
+            &chosen,
+            geometry.clone(),
+            chosen_templates.templates.clone(),
+            job.detection.clone(),
+        )?;
+    }
+    crate::universal::write_outputs(writer.partial_path(), &chosen_templates)?;
+    let learn_s = t_learn.elapsed().as_secs_f64();
+    // ---- end issue 11 ----
+
     let nt = job.detection.nt as u64;
     let nt0min = job.detection.nt0min();
     let min_run = checks::stuck_min_run(fs);
@@ -354,6 +394,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         "nearest_chans_used": geometry.n_chans(),
         "dmin_used": geometry.dmin,
         "detections_dropped_in_padding": dropped,
+        "templates": chosen_templates.description, // issue 11
         "checks": {
             "auto_scale": job.checks.auto_scale,
             "scale_factor_applied": fitted.scale_factor,
@@ -376,6 +417,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         .insert("backend_reason".into(), chosen.reason.clone());
     for (k, v) in [
         ("whitening_fit", fit_s),
+        ("templates", learn_s), // issue 11
         ("preprocess", t_pre),
         ("detect", t_det),
         ("write", t_write),

@@ -36,6 +36,8 @@ pub struct Args {
     det: DetectionArgs,
     #[command(flatten)]
     checks: CheckArgs,
+    #[command(flatten)]
+    templates: super::templates::TemplateArgs,
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
@@ -66,10 +68,13 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             probe.source.display()
         );
     }
+    let mut detection = args.det.settings();
+    let templates = args.templates.apply(&mut detection)?;
     let job = DetectJob {
         recording: rec,
         probe,
-        detection: args.det.settings(),
+        detection,
+        templates,
         preprocess: args.pre.settings(fs),
         out,
         run_info,

@@ -17,6 +17,7 @@ mod preprocess;
 mod probe;
 mod signals;
 mod simulate;
+mod templates;
 
 use std::process::ExitCode;
 

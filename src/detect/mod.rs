@@ -2,12 +2,14 @@
 //!
 //! * [`settings`]: [`DetectionSettings`] with Kilosort4's names and defaults.
 //! * [`templates`]: the built-in universal templates wTEMP and wPCA.
+//! * [`learn`]: wTEMP and wPCA learned from the recording (`templates_from_data`).
 //! * [`geometry`]: `template_centers`, `nearest_chans` (iC, iC2) and the spatial weights.
 //! * [`cpu`]: the reference detector, one function per step.
 //! * `gpu` (features `cuda`, `wgpu`): the same steps as CubeCL kernels, `GpuDetector`.
 
 pub mod cpu;
 pub mod geometry;
+pub mod learn;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 pub mod gpu;
 pub mod settings;

@@ -1,0 +1,63 @@
+//! Flags choosing the universal templates of `detect` (issue 11).
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use spikecube::DetectionSettings;
+use spikecube::detect::learn::LearnSettings;
+use spikecube::universal::{TemplateSource, load_npz};
+
+/// Universal templates: learned from the data (Kilosort4's default), built-in, or a file.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TemplateArgs {
+    /// Learn the universal templates (wTEMP, wPCA) from isolated peaks of the
+    /// recording, as Kilosort4 does by default (templates_from_data); false
+    /// detects with Kilosort4's built-in templates.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub templates_from_data: bool,
+    /// Threshold for the single-channel peaks templates are learned from, whitened units (Kilosort4's Th_single_ch).
+    #[arg(long, default_value_t = 6.0)]
+    pub th_single_ch: f32,
+    /// Temporal templates (Kilosort4's n_templates; the detector takes 6).
+    #[arg(long, default_value_t = 6)]
+    pub n_templates: usize,
+    /// PC features per site (Kilosort4's n_pcs, 1–6).
+    #[arg(long, default_value_t = 6)]
+    pub n_pcs: usize,
+    /// Seed of the k-means++ draws when learning templates (same seed, same templates on any machine and thread count).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Use wTEMP and wPCA from this .npz file (Kilosort4's wTEMP.npz layout, or
+    /// a spikecube output's wTEMP.npy/wPCA.npy saved with np.savez) instead of
+    /// learning them.
+    #[arg(long, value_name = "FILE.npz")]
+    pub templates: Option<PathBuf>,
+}
+
+impl TemplateArgs {
+    /// Sets `n_templates` and `n_pcs` in `det` and returns the template source.
+    ///
+    /// # Errors
+    /// When the `--templates` file cannot be read or does not fit.
+    pub fn apply(&self, det: &mut DetectionSettings) -> Result<TemplateSource> {
+        det.n_templates = self.n_templates;
+        det.n_pcs = self.n_pcs;
+        det.validate()?;
+        Ok(if let Some(path) = &self.templates {
+            TemplateSource::File {
+                path: std::fs::canonicalize(path).unwrap_or_else(|_| path.clone()),
+                templates: load_npz(path, det.n_templates, det.n_pcs, det.nt)?,
+            }
+        } else if self.templates_from_data {
+            TemplateSource::Learned(LearnSettings {
+                th_single_ch: self.th_single_ch,
+                n_templates: self.n_templates,
+                n_pcs: self.n_pcs,
+                seed: self.seed,
+                ..LearnSettings::default()
+            })
+        } else {
+            TemplateSource::Builtin
+        })
+    }
+}

@@ -1,0 +1,256 @@
+//! Which universal templates (wTEMP, wPCA) a run detects with: learned from the
+//! recording (Kilosort4's default, `templates_from_data = True`, see
+//! [`crate::detect::learn`]), Kilosort4's built-in ones, or a file; and the
+//! files that record the choice in the output folder (`wTEMP.npy`, `wPCA.npy`,
+//! `templates.png`, `"templates"` in `spikecube.json`).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use ndarray::Array2;
+
+use crate::detect::UniversalTemplates;
+use crate::detect::learn::{LEARN_NSKIP, LearnSettings, learn_from_windows};
+
+/// Where a run's universal templates come from.
+#[derive(Debug, Clone)]
+pub enum TemplateSource {
+    /// Learned from every 25th whitened window (Kilosort4's default);
+    /// built-in ones when too few isolated peaks are found.
+    Learned(LearnSettings),
+    /// Kilosort4's built-in templates (`templates_from_data = False`).
+    Builtin,
+    /// Read from a file ([`load_npz`]).
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Its templates.
+        templates: UniversalTemplates,
+    },
+}
+
+/// The templates a run uses, with what to record about them.
+#[derive(Debug, Clone)]
+pub struct ChosenTemplates {
+    /// wTEMP (n_templates × nt) and wPCA (n_pcs × nt).
+    pub templates: UniversalTemplates,
+    /// `"templates"` of `spikecube.json`: `source` (`learned`, `builtin`, `file`)
+    /// and its details.
+    pub description: serde_json::Value,
+    /// Why learned templates could not be used, when so.
+    pub warning: Option<String>,
+}
+
+/// Reads `wTEMP` and `wPCA` from a `.npz` file in Kilosort4's `wTEMP.npz`
+/// layout (float32 or float64 arrays, n_templates × nt and n_pcs × nt; the
+/// file `np.savez` writes, not compressed) and checks them against the
+/// detector: `n_templates` rows of `nt` samples in wTEMP, at least `n_pcs` rows
+/// in wPCA, finite values.
+///
+/// # Errors
+/// Naming the file: it cannot be read, lacks a key, or the shapes or values do
+/// not fit.
+pub fn load_npz(path: &Path, n_templates: usize, n_pcs: usize, nt: usize) -> Result<UniversalTemplates> {
+    use ndarray_npy::NpzReader;
+    let f = std::fs::File::open(path)
+        .with_context(|| format!("--templates {}: cannot open the file", path.display()))?;
+    let mut npz = NpzReader::new(f).with_context(|| {
+        format!(
+            "--templates {}: not an .npz file (np.savez, uncompressed)",
+            path.display()
+        )
+    })?;
+    let mut read = |key: &str| -> Result<Array2<f32>> {
+        if let Ok(a) = npz.by_name::<ndarray::OwnedRepr<f32>, ndarray::Ix2>(key) {
+            return Ok(a);
+        }
+        let b: Array2<f64> = npz.by_name(key).with_context(|| {
+            format!(
+                "--templates {}: no 2-D float32 or float64 array `{key}` (Kilosort4's wTEMP.npz holds wTEMP and wPCA)",
+                path.display()
+            )
+        })?;
+        Ok(b.mapv(|v| v as f32))
+    };
+    let wtemp = read("wTEMP")?;
+    let wpca = read("wPCA")?;
+    if wtemp.dim() != (n_templates, nt) {
+        bail!(
+            "--templates {}: wTEMP is {} × {}; the detector needs n_templates × nt = {n_templates} × {nt}",
+            path.display(),
+            wtemp.nrows(),
+            wtemp.ncols()
+        );
+    }
+    if wpca.ncols() != nt || wpca.nrows() < n_pcs {
+        bail!(
+            "--templates {}: wPCA is {} × {}; the features need at least n_pcs × nt = {n_pcs} × {nt}",
+            path.display(),
+            wpca.nrows(),
+            wpca.ncols()
+        );
+    }
+    if wtemp.iter().chain(wpca.iter()).any(|v| !v.is_finite()) {
+        bail!(
+            "--templates {}: wTEMP or wPCA holds a non-finite value",
+            path.display()
+        );
+    }
+    Ok(UniversalTemplates {
+        wtemp,
+        wpca: wpca.slice(ndarray::s![..n_pcs, ..]).to_owned(),
+    })
+}
+
+/// Chooses the run's templates. For [`TemplateSource::Learned`], `window(j)`
+/// must return the whitened window j exactly as detection sees it; it is called
+/// for j = 0, 25, 50, … < `n_windows`. With fewer isolated clips than
+/// [`LearnSettings::min_clips`] the built-in templates are used and
+/// [`ChosenTemplates::warning`] says why.
+///
+/// # Errors
+/// Whatever `window` returns; invalid learning settings; a failed SVD.
+pub fn choose(
+    source: &TemplateSource,
+    n_windows: u64,
+    nt: usize,
+    nt0min: usize,
+    window: impl FnMut(u64) -> Result<Array2<f32>>,
+) -> Result<ChosenTemplates> {
+    Ok(match source {
+        TemplateSource::Builtin => ChosenTemplates {
+            templates: UniversalTemplates::builtin(),
+            description: serde_json::json!({"source": "builtin"}),
+            warning: None,
+        },
+        TemplateSource::File { path, templates } => ChosenTemplates {
+            templates: templates.clone(),
+            description: serde_json::json!({"source": "file", "path": path}),
+            warning: None,
+        },
+        TemplateSource::Learned(settings) => {
+            let learned = learn_from_windows(n_windows, nt, nt0min, settings, window)?;
+            let details = serde_json::json!({
+                "n_clips": learned.n_clips,
+                "n_windows": learned.n_windows,
+                "windows_read": learned.windows_read,
+                "every_nth_window": LEARN_NSKIP,
+                "min_clips": learned.min_clips,
+                "seed": settings.seed,
+                "learn_settings": settings,
+                "kmeans_inertia": learned.inertia,
+            });
+            match learned.templates {
+                Some(t) => {
+                    tracing::info!(
+                        "universal templates learned from {} isolated peaks in {} (seed {})",
+                        learned.n_clips,
+                        crate::error::count(learned.n_windows, "window"),
+                        settings.seed
+                    );
+                    let mut d = details;
+                    d["source"] = "learned".into();
+                    ChosenTemplates {
+                        templates: t,
+                        description: d,
+                        warning: None,
+                    }
+                }
+                None => {
+                    let why = format!(
+                        "only {} isolated single-channel peaks (|x| > Th_single_ch = {}, alone within ±6 sites and ±30 samples) in {} of every {LEARN_NSKIP}th; learning templates needs at least {}: detecting with the built-in universal templates instead (as --templates-from-data false)",
+                        learned.n_clips,
+                        settings.th_single_ch,
+                        crate::error::count(learned.windows_read, "window"),
+                        learned.min_clips
+                    );
+                    let mut d = details;
+                    d["source"] = "builtin".into();
+                    d["fallback_from_learned"] = why.clone().into();
+                    ChosenTemplates {
+                        templates: UniversalTemplates::builtin(),
+                        description: d,
+                        warning: Some(why),
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Writes `wTEMP.npy`, `wPCA.npy` (float32) and `templates.png` into `dir`.
+///
+/// # Errors
+/// When a file cannot be written (its path is named).
+pub fn write_outputs(dir: &Path, chosen: &ChosenTemplates) -> Result<()> {
+    use ndarray_npy::WriteNpyExt;
+    for (name, a) in [
+        ("wTEMP.npy", &chosen.templates.wtemp),
+        ("wPCA.npy", &chosen.templates.wpca),
+    ] {
+        let p = dir.join(name);
+        let f = std::fs::File::create(&p).with_context(|| format!("cannot write {}", p.display()))?;
+        a.as_standard_layout()
+            .write_npy(std::io::BufWriter::new(f))
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    let source = chosen.description["source"].as_str().unwrap_or("?");
+    let title = match source {
+        "learned" => format!(
+            "wTEMP learned from {} clips (seed {})",
+            chosen.description["n_clips"], chosen.description["seed"]
+        ),
+        "file" => "wTEMP from a file".to_string(),
+        _ => "wTEMP: Kilosort4's built-in templates".to_string(),
+    };
+    draw(&dir.join("templates.png"), &chosen.templates.wtemp, &title)
+}
+
+/// The temporal templates, one line each, against the sample (0 … nt − 1).
+fn draw(path: &Path, wtemp: &Array2<f32>, title: &str) -> Result<()> {
+    use crate::output::plot;
+    use plotters::prelude::*;
+    plot::register_font()?;
+    let (w, h) = (800u32, 500u32);
+    let nt = wtemp.ncols();
+    let lim = wtemp.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6) as f64 * 1.05;
+    let err = plot::plot_err(path);
+    let mut buf = vec![255u8; (w * h * 3) as usize];
+    {
+        let root = BitMapBackend::with_buffer(&mut buf, (w, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(&err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(title, (plot::FONT, plot::fitting_size(title, 760.0, 24.0)))
+            .margin(15)
+            .x_label_area_size(50)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0f64..(nt - 1) as f64, -lim..lim)
+            .map_err(&err)?;
+        chart
+            .configure_mesh()
+            .x_desc("sample")
+            .y_desc("weight (unit norm)")
+            .label_style((plot::FONT, 16))
+            .axis_desc_style((plot::FONT, 18))
+            .light_line_style(WHITE)
+            .bold_line_style(BLACK.mix(0.08))
+            .x_label_formatter(&plot::tick_text)
+            .y_label_formatter(&plot::tick_text)
+            .draw()
+            .map_err(&err)?;
+        for (k, row) in wtemp.rows().into_iter().enumerate() {
+            let c = plot::category_colour(k);
+            chart
+                .draw_series(std::iter::once(PathElement::new(
+                    row.iter()
+                        .enumerate()
+                        .map(|(t, &v)| (t as f64, v as f64))
+                        .collect::<Vec<_>>(),
+                    c.stroke_width(2),
+                )))
+                .map_err(&err)?;
+        }
+        root.present().map_err(&err)?;
+    }
+    plot::save_png(path, buf, w, h)
+}
