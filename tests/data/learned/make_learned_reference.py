@@ -13,7 +13,8 @@ Run with the Kilosort4 venv from the repository root:
    wPCA/wTEMP steps (TruncatedSVD(n_components=6), KMeans(6, n_init=10), centroids
    divided by their norm) on those clips with numpy seeds 0..4, the same calls
    extract_wPCA_wTEMP makes, and each run's k-means objective of its normalised
-   centroids on the clips.
+   centroids on the clips; and numpy's exact float64 SVD of those clips (its first 6
+   right singular vectors and all singular values).
 """
 import sys
 from pathlib import Path
@@ -71,6 +72,10 @@ def main():
         np.save(HERE / 'kmeans/wTEMP_runs.npy', np.array(wT))
         np.save(HERE / 'kmeans/wPCA_runs.npy', np.array(wP))
         np.save(HERE / 'kmeans/inertia_runs.npy', np.array(inertia))
+        # numpy's exact (LAPACK) SVD of the same clips, float64: the reference subspace
+        _, sv, vt = np.linalg.svd(C.astype(np.float64), full_matrices=False)
+        np.save(HERE / 'kmeans/svd_exact_vt.npy', vt[:6])
+        np.save(HERE / 'kmeans/singular_values.npy', sv)
         print(f'{len(C)} clips; inertia per run: {np.round(inertia, 3).tolist()}')
 
 
