@@ -158,7 +158,7 @@ pub fn choose(
                 }
                 None => {
                     let why = format!(
-                        "only {} isolated single-channel peaks (|x| > Th_single_ch = {}, alone within ±6 sites and ±30 samples) in {} of every {LEARN_NSKIP}th; learning templates needs at least {}: detecting with the built-in universal templates instead (as --templates-from-data false)",
+                        "only {} isolated single-channel peaks (|x| > Th_single_ch = {}, alone within ±6 sites and ±30 samples) in {} of every {LEARN_NSKIP}th; learning templates needs at least {} (--min-learn-clips): detecting with the built-in universal templates instead (as --templates-from-data false)",
                         learned.n_clips,
                         settings.th_single_ch,
                         crate::error::count(learned.windows_read, "window"),

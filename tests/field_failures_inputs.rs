@@ -136,6 +136,10 @@ fn detect(bin: &Path, n_ch: usize, fs: f64, probe: &Path, out: &Path, extra: &[&
         "--out",
         s(out),
         "-q",
+        // These cases are about the input checks, written for Kilosort4's
+        // built-in templates; learning is tested in tests/learned.rs.
+        "--templates-from-data",
+        "false",
     ];
     args.extend_from_slice(extra);
     let stderr = ok(&spikecube(&args));

@@ -243,3 +243,154 @@ fn kmeans_depends_only_on_the_seed() {
     assert_eq!(a.centres, b.centres);
     assert_eq!(a.inertia.to_bits(), b.inertia.to_bits());
 }
+
+/// `spikecube detect` on the tetrode example (4 sites, 15 kHz) into `out`.
+fn detect_locust(out: &std::path::Path, extra: &[&str], threads: Option<&str>) -> serde_json::Value {
+    let rec = data("data/real/locust_tetrode_tridesclous/locust_trial_01.raw");
+    let probe =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/probes/locust_tetrode.json");
+    let mut args = vec![
+        "detect",
+        common::s(&rec),
+        "--n-channels",
+        "4",
+        "--fs",
+        "15000",
+        "--probe",
+        common::s(&probe),
+        "--out",
+        common::s(out),
+        "-q",
+    ];
+    args.extend_from_slice(extra);
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_spikecube"));
+    cmd.args(&args);
+    if let Some(t) = threads {
+        cmd.env("RAYON_NUM_THREADS", t);
+    }
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(out.join("spikecube.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+const SPIKE_FILES: [&str; 7] = [
+    "spike_times.npy",
+    "spike_centers.npy",
+    "amplitudes.npy",
+    "spike_detection_templates.npy",
+    "spike_signs.npy",
+    "spike_positions.npy",
+    "pc_features.npy",
+];
+
+fn same_files(a: &std::path::Path, b: &std::path::Path, files: &[&str]) {
+    for f in files {
+        assert_eq!(
+            std::fs::read(a.join(f)).unwrap(),
+            std::fs::read(b.join(f)).unwrap(),
+            "{f} differs between {} and {}",
+            a.display(),
+            b.display()
+        );
+    }
+}
+
+/// Too few isolated peaks on the tetrode example (Kilosort4 4.1.7 finds the
+/// same 66 in the one window it reads): the default run warns, says so in
+/// spikecube.json, and gives exactly the spikes of `--templates-from-data false`.
+#[test]
+fn tetrode_example_falls_back_to_builtin_templates_with_a_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("default"), dir.path().join("builtin"));
+    let ja = detect_locust(&a, &[], None);
+    let jb = detect_locust(&b, &["--templates-from-data", "false"], None);
+    let t = &ja["settings"]["templates"];
+    assert_eq!(t["source"], "builtin");
+    assert_eq!(t["n_clips"], 66);
+    assert_eq!(t["n_windows"], 1);
+    let warnings = ja["warnings"].to_string();
+    assert!(
+        warnings.contains("only 66 isolated single-channel peaks"),
+        "{warnings}"
+    );
+    assert_eq!(jb["settings"]["templates"]["source"], "builtin");
+    assert!(!jb["warnings"].to_string().contains("isolated"));
+    same_files(&a, &b, &SPIKE_FILES);
+    same_files(&a, &b, &["wTEMP.npy", "wPCA.npy"]);
+    let files = ja["files"].to_string();
+    for f in ["wTEMP.npy", "wPCA.npy", "templates.png"] {
+        assert!(files.contains(f), "{f} not listed: {files}");
+    }
+    let w: Array2<f32> = npy::read(&a.join("wTEMP.npy")).unwrap();
+    assert_eq!(w, spikecube::UniversalTemplates::builtin().wtemp);
+}
+
+/// Templates learned on the tetrode example (allowed with --min-learn-clips):
+/// the same with 1 and 2 threads, byte for byte; saved with np.savez's layout
+/// and given back with --templates, the same spikes.
+#[test]
+fn learned_templates_are_thread_independent_and_reusable_from_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let learn = ["--min-learn-clips", "60"];
+    let j1 = detect_locust(&d.join("t1"), &learn, Some("1"));
+    detect_locust(&d.join("t2"), &learn, Some("2"));
+    let t = &j1["settings"]["templates"];
+    assert_eq!(t["source"], "learned", "{t}");
+    assert_eq!(t["n_clips"], 66);
+    assert_eq!(t["seed"], 1);
+    let mut all = SPIKE_FILES.to_vec();
+    all.extend(["wTEMP.npy", "wPCA.npy"]);
+    same_files(&d.join("t1"), &d.join("t2"), &all);
+    let wtemp: Array2<f32> = npy::read(&d.join("t1/wTEMP.npy")).unwrap();
+    let wpca: Array2<f32> = npy::read(&d.join("t1/wPCA.npy")).unwrap();
+    assert_ne!(wtemp, spikecube::UniversalTemplates::builtin().wtemp);
+    assert_eq!((wtemp.dim(), wpca.dim()), ((6, 61), (6, 61)));
+
+    let npz = d.join("learned.npz");
+    let mut w = ndarray_npy::NpzWriter::new(std::fs::File::create(&npz).unwrap());
+    w.add_array("wTEMP", &wtemp).unwrap();
+    w.add_array("wPCA", &wpca).unwrap();
+    w.finish().unwrap();
+    let jf = detect_locust(&d.join("file"), &["--templates", common::s(&npz)], None);
+    assert_eq!(jf["settings"]["templates"]["source"], "file");
+    same_files(&d.join("t1"), &d.join("file"), &all);
+
+    // A different seed is recorded (and may give other templates).
+    let j3 = detect_locust(&d.join("s2"), &["--min-learn-clips", "60", "--seed", "2"], None);
+    assert_eq!(j3["settings"]["templates"]["seed"], 2);
+}
+
+/// A --templates file that does not fit is refused, naming the file and the shapes.
+#[test]
+fn a_templates_file_of_the_wrong_shape_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let npz = dir.path().join("bad.npz");
+    let mut w = ndarray_npy::NpzWriter::new(std::fs::File::create(&npz).unwrap());
+    w.add_array("wTEMP", &Array2::<f32>::zeros((6, 50))).unwrap();
+    w.add_array("wPCA", &Array2::<f32>::zeros((6, 61))).unwrap();
+    w.finish().unwrap();
+    let rec = data("data/real/locust_tetrode_tridesclous/locust_trial_01.raw");
+    let o = common::spikecube(&[
+        "detect",
+        common::s(&rec),
+        "--n-channels",
+        "4",
+        "--fs",
+        "15000",
+        "--probe",
+        common::s(
+            &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("data/probes/locust_tetrode.json"),
+        ),
+        "--templates",
+        common::s(&npz),
+        "--out",
+        common::s(&dir.path().join("o")),
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("bad.npz") && err.contains("6 × 50"), "{err}");
+    assert!(!dir.path().join("o").exists());
+}

@@ -27,6 +27,10 @@ pub struct TemplateArgs {
     /// Seed of the k-means++ draws when learning templates (same seed, same templates on any machine and thread count).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Fewer isolated clips than this: use the built-in templates, with a
+    /// warning (spikecube's; Kilosort4 learns from any number: 6 comes closest).
+    #[arg(long, default_value_t = spikecube::detect::learn::DEFAULT_MIN_CLIPS)]
+    pub min_learn_clips: usize,
     /// Use wTEMP and wPCA from this .npz file (Kilosort4's wTEMP.npz layout, or
     /// a spikecube output's wTEMP.npy/wPCA.npy saved with np.savez) instead of
     /// learning them.
@@ -54,6 +58,7 @@ impl TemplateArgs {
                 n_templates: self.n_templates,
                 n_pcs: self.n_pcs,
                 seed: self.seed,
+                min_clips: self.min_learn_clips,
                 ..LearnSettings::default()
             })
         } else {

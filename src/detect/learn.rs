@@ -37,10 +37,11 @@ pub const MAX_CLIPS: usize = 500_000;
 pub const PEAK_BOX: (usize, usize) = (4, 5);
 /// Half-size (rows, samples) of the box in which a peak must be the only one.
 pub const ISOLATION_BOX: (usize, usize) = (6, 30);
-/// Clips per template below which spikecube does not learn (falls back to the
-/// built-in templates): with 6 templates, 300 clips. Not a Kilosort4 setting;
-/// Kilosort4 learns from any number and fails in its SVD with none.
-pub const MIN_CLIPS_PER_TEMPLATE: usize = 50;
+/// Default of [`LearnSettings::min_clips`]: below 300 isolated clips (50 per
+/// template with 6 templates) spikecube does not learn and falls back to the
+/// built-in templates. Not a Kilosort4 setting: Kilosort4 learns from any number
+/// (and fails with fewer clips than templates).
+pub const DEFAULT_MIN_CLIPS: usize = 300;
 /// Clips per chunk of every sum over clips: the chunks' partial sums are added
 /// in chunk order, so results do not depend on the thread count.
 const CHUNK: usize = 4096;
@@ -65,6 +66,10 @@ pub struct LearnSettings {
     /// squared shifts) by at most `tol` × the mean per-sample variance of the
     /// clips. Default 1e-4 (scikit-learn's).
     pub tol: f64,
+    /// Fewest clips to learn from ([`DEFAULT_MIN_CLIPS`]); with fewer the
+    /// built-in templates are used. Raised to `max(n_templates, n_pcs)` when
+    /// lower (the least k-means and the SVD can work with).
+    pub min_clips: usize,
 }
 
 impl Default for LearnSettings {
@@ -77,15 +82,15 @@ impl Default for LearnSettings {
             n_init: 10,
             max_iter: 300,
             tol: 1e-4,
+            min_clips: DEFAULT_MIN_CLIPS,
         }
     }
 }
 
 impl LearnSettings {
-    /// Fewest clips to learn from: `MIN_CLIPS_PER_TEMPLATE · n_templates`, and at
-    /// least `nt` (so that the clip matrix can have `nt` independent rows).
-    pub fn min_clips(&self, nt: usize) -> usize {
-        (MIN_CLIPS_PER_TEMPLATE * self.n_templates).max(nt)
+    /// Fewest clips to learn from: `min_clips`, at least `max(n_templates, n_pcs)`.
+    pub fn min_clips(&self) -> usize {
+        self.min_clips.max(self.n_templates).max(self.n_pcs)
     }
 
     /// Checks the ranges.
@@ -687,7 +692,7 @@ where
         }
         j += LEARN_NSKIP;
     }
-    let min_clips = settings.min_clips(nt);
+    let min_clips = settings.min_clips();
     let mut learned = Learned {
         templates: None,
         n_clips: pool.len(),
