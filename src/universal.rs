@@ -50,7 +50,12 @@ pub struct ChosenTemplates {
 /// # Errors
 /// Naming the file: it cannot be read, lacks a key, or the shapes or values do
 /// not fit.
-pub fn load_npz(path: &Path, n_templates: usize, n_pcs: usize, nt: usize) -> Result<UniversalTemplates> {
+pub fn load_npz(
+    path: &Path,
+    n_templates: usize,
+    n_pcs: usize,
+    nt: usize,
+) -> Result<UniversalTemplates> {
     use ndarray_npy::NpzReader;
     let f = std::fs::File::open(path)
         .with_context(|| format!("--templates {}: cannot open the file", path.display()))?;
@@ -189,7 +194,8 @@ pub fn write_outputs(dir: &Path, chosen: &ChosenTemplates) -> Result<()> {
         ("wPCA.npy", &chosen.templates.wpca),
     ] {
         let p = dir.join(name);
-        let f = std::fs::File::create(&p).with_context(|| format!("cannot write {}", p.display()))?;
+        let f =
+            std::fs::File::create(&p).with_context(|| format!("cannot write {}", p.display()))?;
         a.as_standard_layout()
             .write_npy(std::io::BufWriter::new(f))
             .with_context(|| format!("cannot write {}", p.display()))?;

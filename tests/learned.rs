@@ -68,7 +68,11 @@ fn normalised_clips_are_unit_norm_and_keep_the_sign() {
 }
 
 fn cos(a: ndarray::ArrayView1<f32>, b: ndarray::ArrayView1<f32>) -> f64 {
-    let d: f64 = a.iter().zip(b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
+    let d: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| f64::from(x) * f64::from(y))
+        .sum();
     let na: f64 = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
     let nb: f64 = b.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
     d / (na * nb)
@@ -131,7 +135,10 @@ fn wpca_spans_kilosort4s_subspace() {
     let exact = exact.mapv(|v| v as f32);
     for k in 0..6 {
         let c = cos(ours.row(k), exact.row(k)).abs();
-        assert!(c >= 0.9999, "component {k}: |cos| = {c:.6} with the exact SVD");
+        assert!(
+            c >= 0.9999,
+            "component {k}: |cos| = {c:.6} with the exact SVD"
+        );
     }
     // Against Kilosort4's randomized TruncatedSVD runs: |cos| ≥ 0.99 for every
     // component whose singular value is separated from its neighbours by more
@@ -139,8 +146,7 @@ fn wpca_spans_kilosort4s_subspace() {
     // spectrum, where Kilosort4's own runs disagree with each other (|cos| down
     // to 0.14 on this reference); there, ours captures at least as much of the
     // clips' energy as any Kilosort4 run (it is the exact optimum).
-    let sv: ndarray::Array1<f64> =
-        npy::read(&data("learned/kmeans/singular_values.npy")).unwrap();
+    let sv: ndarray::Array1<f64> = npy::read(&data("learned/kmeans/singular_values.npy")).unwrap();
     let separated = |k: usize| {
         let gap_above = k == 0 || sv[k - 1] > 1.05 * sv[k];
         gap_above && sv[k] > 1.05 * sv[k + 1]
@@ -175,9 +181,16 @@ fn wpca_spans_kilosort4s_subspace() {
             );
         }
         let e = energy(run);
-        assert!(ours_e >= e * (1.0 - 1e-6), "energy {ours_e} < Kilosort4's {e}");
+        assert!(
+            ours_e >= e * (1.0 - 1e-6),
+            "energy {ours_e} < Kilosort4's {e}"
+        );
     }
-    assert_eq!(n_separated, 5 * 3, "components 0-2 are the separated ones here");
+    assert_eq!(
+        n_separated,
+        5 * 3,
+        "components 0-2 are the separated ones here"
+    );
 }
 
 #[test]
@@ -245,10 +258,14 @@ fn kmeans_depends_only_on_the_seed() {
 }
 
 /// `spikecube detect` on the tetrode example (4 sites, 15 kHz) into `out`.
-fn detect_locust(out: &std::path::Path, extra: &[&str], threads: Option<&str>) -> serde_json::Value {
+fn detect_locust(
+    out: &std::path::Path,
+    extra: &[&str],
+    threads: Option<&str>,
+) -> serde_json::Value {
     let rec = data("data/real/locust_tetrode_tridesclous/locust_trial_01.raw");
-    let probe =
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/probes/locust_tetrode.json");
+    let probe = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("data/probes/locust_tetrode.json");
     let mut args = vec![
         "detect",
         common::s(&rec),
@@ -358,7 +375,11 @@ fn learned_templates_are_thread_independent_and_reusable_from_a_file() {
     same_files(&d.join("t1"), &d.join("file"), &all);
 
     // A different seed is recorded (and may give other templates).
-    let j3 = detect_locust(&d.join("s2"), &["--min-learn-clips", "60", "--seed", "2"], None);
+    let j3 = detect_locust(
+        &d.join("s2"),
+        &["--min-learn-clips", "60", "--seed", "2"],
+        None,
+    );
     assert_eq!(j3["settings"]["templates"]["seed"], 2);
 }
 
@@ -368,7 +389,8 @@ fn a_templates_file_of_the_wrong_shape_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let npz = dir.path().join("bad.npz");
     let mut w = ndarray_npy::NpzWriter::new(std::fs::File::create(&npz).unwrap());
-    w.add_array("wTEMP", &Array2::<f32>::zeros((6, 50))).unwrap();
+    w.add_array("wTEMP", &Array2::<f32>::zeros((6, 50)))
+        .unwrap();
     w.add_array("wPCA", &Array2::<f32>::zeros((6, 61))).unwrap();
     w.finish().unwrap();
     let rec = data("data/real/locust_tetrode_tridesclous/locust_trial_01.raw");

@@ -143,14 +143,15 @@ pub fn isolated_peaks(x: ArrayView2<f32>, th_single_ch: f32, nt: usize) -> Vec<(
             let mut out = Vec::new();
             for t in 0..n_t {
                 let a = row[t].abs();
-                if !(a > th_single_ch) {
+                // Only cells above the threshold (never NaN) can be peaks.
+                if a.is_nan() || a <= th_single_ch {
                     continue;
                 }
                 let (r0, r1) = (c.saturating_sub(pr), (c + pr).min(n_rows - 1));
                 let (t0, t1) = (t.saturating_sub(pt), (t + pt).min(n_t - 1));
                 let is_max = (r0..=r1).all(|r| {
                     let rr = x.row(r);
-                    (t0..=t1).all(|s| !(rr[s].abs() > a))
+                    (t0..=t1).all(|s| rr[s].abs() <= a)
                 });
                 if is_max {
                     out.push(t);
@@ -328,12 +329,10 @@ pub fn learn_wpca(clips: ArrayView2<f32>, n_pcs: usize) -> Result<Array2<f32>, D
     }
     let g = gram(clips);
     let m = faer::Mat::<f64>::from_fn(d, d, |i, j| g[[i, j]]);
-    let svd = m
-        .svd()
-        .map_err(|e| DetectError::Input {
-            what: "wPCA".into(),
-            message: format!("the SVD did not converge ({e:?})"),
-        })?;
+    let svd = m.svd().map_err(|e| DetectError::Input {
+        what: "wPCA".into(),
+        message: format!("the SVD did not converge ({e:?})"),
+    })?;
     let v = svd.V();
     let mut out = Array2::<f32>::zeros((n_pcs, d));
     for k in 0..n_pcs {
@@ -446,7 +445,7 @@ struct Assignment {
 
 fn assign(x: &[f32], d: usize, centres: &[f32]) -> Assignment {
     let k = centres.len() / d;
-    let parts: Vec<(Vec<u32>, Vec<f32>, Vec<f64>, Vec<u64>, f64)> = x
+    let parts: Vec<Assignment> = x
         .par_chunks(CHUNK * d)
         .map(|chunk| {
             let m = chunk.len() / d;
@@ -473,7 +472,13 @@ fn assign(x: &[f32], d: usize, centres: &[f32]) -> Assignment {
                     *s += f64::from(v);
                 }
             }
-            (labels, dist, sums, counts, inertia)
+            Assignment {
+                labels,
+                dist,
+                sums,
+                counts,
+                inertia,
+            }
         })
         .collect();
     let mut out = Assignment {
@@ -483,16 +488,16 @@ fn assign(x: &[f32], d: usize, centres: &[f32]) -> Assignment {
         counts: vec![0u64; k],
         inertia: 0.0,
     };
-    for (l, di, s, c, i) in parts {
-        out.labels.extend(l);
-        out.dist.extend(di);
-        for (a, b) in out.sums.iter_mut().zip(&s) {
+    for p in parts {
+        out.labels.extend(p.labels);
+        out.dist.extend(p.dist);
+        for (a, b) in out.sums.iter_mut().zip(&p.sums) {
             *a += b;
         }
-        for (a, b) in out.counts.iter_mut().zip(&c) {
+        for (a, b) in out.counts.iter_mut().zip(&p.counts) {
             *a += b;
         }
-        out.inertia += i;
+        out.inertia += p.inertia;
     }
     out
 }
@@ -629,11 +634,7 @@ pub fn learn_wtemp(
     let mut w = Array2::<f32>::zeros((settings.n_templates, d));
     for (r, &j) in order.iter().enumerate() {
         let c = km.centres.row(j);
-        let norm = c
-            .iter()
-            .map(|&v| f64::from(v).powi(2))
-            .sum::<f64>()
-            .sqrt();
+        let norm = c.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
         for i in 0..d {
             w[[r, i]] = if norm > 0.0 {
                 (f64::from(c[i]) / norm) as f32

@@ -9,9 +9,9 @@
 
 pub mod cpu;
 pub mod geometry;
-pub mod learn;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 pub mod gpu;
+pub mod learn;
 pub mod settings;
 pub mod templates;
 
