@@ -513,6 +513,8 @@ pub struct KMeans {
     pub inertia: f64,
     /// The restart kept (0-based).
     pub restart: usize,
+    /// Lloyd iterations of each restart.
+    pub iterations: Vec<usize>,
 }
 
 /// k-means of the rows of `x` (n × d) into `k` clusters: for each of `n_init`
@@ -556,12 +558,15 @@ pub fn kmeans(
         / d as f64;
     let tol = tol * var;
     let mut best: Option<KMeans> = None;
+    let mut iterations = Vec::with_capacity(n_init);
     for restart in 0..n_init {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         rng.set_stream(restart as u64);
         let mut centres = kmeans_pp(xs, d, k, &mut rng);
         let mut labels: Vec<u32> = Vec::new();
+        let mut iters = 0;
         for _ in 0..max_iter {
+            iters += 1;
             let a = assign(xs, d, &centres);
             let same = a.labels == labels;
             labels = a.labels;
@@ -597,6 +602,7 @@ pub fn kmeans(
                 break;
             }
         }
+        iterations.push(iters);
         let a = assign(xs, d, &centres);
         if best.as_ref().is_none_or(|b| a.inertia < b.inertia) {
             best = Some(KMeans {
@@ -604,10 +610,13 @@ pub fn kmeans(
                 counts: a.counts,
                 inertia: a.inertia,
                 restart,
+                iterations: Vec::new(),
             });
         }
     }
-    Ok(best.expect("n_init ≥ 1"))
+    let mut best = best.expect("n_init ≥ 1");
+    best.iterations = iterations;
+    Ok(best)
 }
 
 /// wTEMP: the [`kmeans`] centroids of the normalised clips, each divided by its
