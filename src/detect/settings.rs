@@ -100,7 +100,7 @@ impl DetectionSettings {
             return bad(
                 "n_templates",
                 format!(
-                    "is {}; the built-in templates have 6 rows",
+                    "is {}; the detector's filter bank takes 6 temporal templates (built-in or learned)",
                     self.n_templates
                 ),
             );

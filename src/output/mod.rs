@@ -37,6 +37,8 @@
 //! | `params.py` | text | | Phy's parameters (raw file, channels, dtype, offset, sample rate) |
 //! | `spikecube.json` | JSON | | settings, versions, back end and device, input, sizes, warnings, timings, counts; `command` (`detect`) and `files` (every file spikecube wrote in the folder) |
 //! | `drift_map.png` | PNG | 1400 × 900 | depth against time, coloured by amplitude |
+//! | `wTEMP.npy`, `wPCA.npy` | float32 | (6, 61), (npc, 61) | the universal templates detection used, written by `run_detection` ([`crate::universal`]) |
+//! | `templates.png` | PNG | 800 × 500 | the temporal templates (wTEMP) |
 //!
 //! Rows are in time order (then by centre) when windows are appended in time
 //! order; `spikecube.json` records whether they were (`counts.time_sorted`).
