@@ -60,6 +60,8 @@ fn main() -> anyhow::Result<()> {
             run_info: RunInfo::default(),
             checks: Checks::default(),
             backend: spikecube::backend::Backend::Cpu,
+            // No drift in this simulation: one detection pass, as before.
+            drift: spikecube::drift::DriftSettings::off(),
         },
         &mut |_| {},
     )?;

@@ -54,6 +54,9 @@ pub struct DetectJob {
     pub backend: Backend,
     /// Input checks and the corrections that go beyond Kilosort4.
     pub checks: Checks,
+    /// Drift estimation and correction (issue 12, [`crate::drift`]);
+    /// [`crate::drift::DriftSettings::off`] for a single pass.
+    pub drift: crate::drift::DriftSettings,
 }
 
 /// Input checks of a run and the corrections spikecube makes where Kilosort4
@@ -249,6 +252,33 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let fit_s = t_fit.elapsed().as_secs_f64();
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
 
+    // ---- drift (issue 12, src/drift): first pass, estimate, drift files ----
+    let drift = {
+        let fp = crate::drift::FirstPass {
+            recording: &rec,
+            plan: &plan,
+            probe: &job.probe,
+            pre: &pre,
+            nt: job.detection.nt as u64,
+            mask_clipped: job.checks.mask_clipped,
+        };
+        let staged = writer.partial_path().to_path_buf();
+        let mut found = Vec::new();
+        let th = f64::from(job.detection.th_universal);
+        let run = crate::drift::prepare(
+            &fp,
+            &job.drift,
+            th,
+            &mut detector,
+            &staged,
+            &mut |d, first| writer.append(d, first),
+            &mut |w| found.push(w),
+        )?;
+        found.into_iter().for_each(|w| warnings.push(w));
+        run
+    };
+    // ---- end drift ----
+
     let nt = job.detection.nt as u64;
     let nt0min = job.detection.nt0min();
     let min_run = checks::stuck_min_run(fs);
@@ -263,7 +293,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // been compared with them (boundary duplicates), with its first sample.
     let mut pending: Option<(Detections, i64)> = None;
     let loader = WindowLoader::all(rec.clone(), plan, chan_map)?;
-    for (done, window) in loader.enumerate() {
+    for (done, window) in loader.take(drift.windows_to_detect()).enumerate() {
         let mut w = window?;
         let t0 = Instant::now();
         let cols = WindowColumns::of(&plan, w.index);
@@ -278,6 +308,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
                 w.index, w.own_start
             )
         })?;
+        drift.apply(w.index, &mut w.data)?; // drift correction (issue 12)
         let t1 = Instant::now();
         let mut det = detector
             .detect(w.data.view(), &job.probe.yc)
@@ -383,6 +414,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     ] {
         info.timings.insert(k.into(), v);
     }
+    drift.record(&mut info, writer.n_spikes()); // drift (issue 12)
     let summary = writer.finish(&info)?;
     Ok(Report {
         summary,

@@ -36,6 +36,8 @@ pub struct Args {
     det: DetectionArgs,
     #[command(flatten)]
     checks: CheckArgs,
+    #[command(flatten)]
+    drift: super::drift::DriftArgs,
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
@@ -75,6 +77,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         run_info,
         backend: args.backend.backend,
         checks,
+        drift: args.drift.settings(),
     };
     let bar = progress_bar(quiet);
     let report = run_detection(job, &mut |p| {

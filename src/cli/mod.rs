@@ -11,6 +11,7 @@ macro_rules! say {
 
 mod common;
 mod detect;
+mod drift;
 mod detect_window;
 mod info;
 mod preprocess;

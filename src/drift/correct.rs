@@ -1,0 +1,261 @@
+//! Drift correction of whitened windows (Kilosort4 4.1.7's
+//! `preprocessing.get_drift_matrix` and the drift branch of
+//! `io.BinaryFiltered.filter`; drift-spec.md §7).
+//!
+//! Per window b the whitened data X (sites × samples) become `M_b · X`,
+//! where `M_b = K(Q_b, P) · (K(P, P) + 0.01·I)⁻¹` interpolates, with a
+//! Gaussian kernel of width `sig_interp`, the signal at the sites moved by
+//! the window's shift: kriging with a small ridge. Kilosort4 applies
+//! `(M_b·W)·X`; spikecube applies `M_b·(W·X)`, the same to float32 rounding.
+
+use anyhow::{Result, bail};
+use ndarray::{Array2, ArrayView2};
+use rayon::prelude::*;
+
+/// Ridge added to the kernel's diagonal before inversion.
+pub const RIDGE: f64 = 0.01;
+
+/// Gaussian kernel `exp(−|a_i − b_k|² / (2σ²))` between two point sets
+/// (µm), float32 as Kilosort4 computes it (`kernel2D`).
+pub fn kernel2d(ax: &[f32], ay: &[f32], bx: &[f32], by: &[f32], sig_interp: f64) -> Array2<f32> {
+    let den = (2.0 * sig_interp * sig_interp) as f32;
+    Array2::from_shape_fn((ax.len(), bx.len()), |(i, k)| {
+        let dx = ax[i] - bx[k];
+        let dy = ay[i] - by[k];
+        (-(dx * dx + dy * dy) / den).exp()
+    })
+}
+
+/// `inv(K + ridge·I)` of a square float32 matrix, computed in f64 (Gauss–Jordan
+/// with partial pivoting) and rounded to float32 (`iKxx`, §7).
+///
+/// # Errors
+/// When the matrix is singular (cannot happen for a Gaussian kernel with a ridge).
+pub fn inverse_with_ridge(k: &Array2<f32>, ridge: f64) -> Result<Array2<f32>> {
+    let n = k.nrows();
+    let w = 2 * n;
+    let mut a = vec![0f64; n * w];
+    for i in 0..n {
+        for j in 0..n {
+            a[i * w + j] = k[[i, j]] as f64 + if i == j { ridge } else { 0.0 };
+        }
+        a[i * w + n + i] = 1.0;
+    }
+    for col in 0..n {
+        let piv = (col..n)
+            .max_by(|&x, &y| a[x * w + col].abs().total_cmp(&a[y * w + col].abs()))
+            .unwrap_or(col);
+        if a[piv * w + col].abs() < 1e-300 {
+            bail!("the interpolation kernel is singular");
+        }
+        if piv != col {
+            for j in 0..w {
+                a.swap(piv * w + j, col * w + j);
+            }
+        }
+        let p = a[col * w + col];
+        for j in 0..w {
+            a[col * w + j] /= p;
+        }
+        let pivot_row: Vec<f64> = a[col * w..(col + 1) * w].to_vec();
+        a.par_chunks_mut(w).enumerate().for_each(|(r, row)| {
+            if r != col {
+                let f = row[col];
+                if f != 0.0 {
+                    for j in 0..w {
+                        row[j] -= f * pivot_row[j];
+                    }
+                }
+            }
+        });
+    }
+    Ok(Array2::from_shape_fn((n, n), |(i, j)| a[i * w + n + j] as f32))
+}
+
+/// The shift at each site for one window (§7 step 1), µm: with one block the
+/// block's shift everywhere, else the piecewise-linear interpolant of
+/// (`yblk`, `dshift_row`) at each site depth, extended linearly beyond the ends.
+pub fn site_shifts(dshift_row: &[f64], yblk: &[f64], yc: &[f32]) -> Vec<f64> {
+    if dshift_row.len() == 1 || yblk.len() < 2 {
+        return vec![dshift_row[0]; yc.len()];
+    }
+    let n = yblk.len();
+    yc.iter()
+        .map(|&y| {
+            let y = y as f64;
+            // The segment: the first whose right end is ≥ y, clamped to the ends.
+            let mut j = 0;
+            while j + 2 < n && y > yblk[j + 1] {
+                j += 1;
+            }
+            let (x0, x1) = (yblk[j], yblk[j + 1]);
+            let (d0, d1) = (dshift_row[j], dshift_row[j + 1]);
+            let slope = (d1 - d0) / (x1 - x0);
+            slope * (y - x0) + d0
+        })
+        .collect()
+}
+
+/// The interpolation matrix `M_b` (C × C, float32) of one window (§7):
+/// targets `Q_c = (xc_c, yc_c − s_c)` with `s` from [`site_shifts`], then
+/// `K(Q, P) · iKxx`, the product accumulated in f64 and rounded to float32.
+pub fn drift_matrix(
+    xc: &[f32],
+    yc: &[f32],
+    ikxx: &Array2<f32>,
+    dshift_row: &[f64],
+    yblk: &[f64],
+    sig_interp: f64,
+) -> Array2<f32> {
+    let s = site_shifts(dshift_row, yblk, yc);
+    let qy: Vec<f32> = yc
+        .iter()
+        .zip(&s)
+        .map(|(&y, &d)| (y as f64 - d) as f32)
+        .collect();
+    let kyx = kernel2d(xc, &qy, xc, yc, sig_interp);
+    let n = xc.len();
+    let rows: Vec<Vec<f32>> = (0..n)
+        .into_par_iter()
+        .map(|c| {
+            let mut acc = vec![0f64; n];
+            for k in 0..n {
+                let a = kyx[[c, k]] as f64;
+                for (j, v) in acc.iter_mut().enumerate() {
+                    *v += a * ikxx[[k, j]] as f64;
+                }
+            }
+            acc.into_iter().map(|v| v as f32).collect()
+        })
+        .collect();
+    Array2::from_shape_fn((n, n), |(c, j)| rows[c][j])
+}
+
+/// Drift correction of a run: `dshift` and `yblk` from the estimate, the
+/// site positions and `iKxx`; [`DriftCorrection::apply`] corrects one
+/// whitened window.
+#[derive(Debug, Clone)]
+pub struct DriftCorrection {
+    xc: Vec<f32>,
+    yc: Vec<f32>,
+    ikxx: Array2<f32>,
+    dshift: Array2<f64>,
+    yblk: Vec<f64>,
+    sig_interp: f64,
+}
+
+impl DriftCorrection {
+    /// Builds the correction for sites at (`xc`, `yc`) µm (channel-map order,
+    /// every shank), `dshift` (windows × blocks, µm, Kilosort4's sign),
+    /// `yblk` (µm) and `sig_interp` (µm); computes `iKxx` once.
+    ///
+    /// # Errors
+    /// When the shapes disagree or `sig_interp` is not positive.
+    pub fn new(
+        xc: &[f32],
+        yc: &[f32],
+        dshift: Array2<f64>,
+        yblk: Vec<f64>,
+        sig_interp: f64,
+    ) -> Result<Self> {
+        if xc.len() != yc.len() || xc.is_empty() {
+            bail!("site positions: {} x and {} y values", xc.len(), yc.len());
+        }
+        if dshift.ncols() != yblk.len() || yblk.is_empty() {
+            bail!(
+                "dshift has {} blocks but yblk {} values",
+                dshift.ncols(),
+                yblk.len()
+            );
+        }
+        if !(sig_interp.is_finite() && sig_interp > 0.0) {
+            bail!("--sig-interp = {sig_interp} µm must be positive");
+        }
+        let kxx = kernel2d(xc, yc, xc, yc, sig_interp);
+        let ikxx = inverse_with_ridge(&kxx, RIDGE)?;
+        Ok(DriftCorrection {
+            xc: xc.to_vec(),
+            yc: yc.to_vec(),
+            ikxx,
+            dshift,
+            yblk,
+            sig_interp,
+        })
+    }
+
+    /// `iKxx`, C × C.
+    pub fn ikxx(&self) -> &Array2<f32> {
+        &self.ikxx
+    }
+
+    /// `dshift`, windows × blocks, µm.
+    pub fn dshift(&self) -> &Array2<f64> {
+        &self.dshift
+    }
+
+    /// `yblk`, µm.
+    pub fn yblk(&self) -> &[f64] {
+        &self.yblk
+    }
+
+    /// `M_b` of window `window_index` ([`drift_matrix`]).
+    ///
+    /// # Errors
+    /// When the window index is past the rows of `dshift`.
+    pub fn matrix(&self, window_index: u64) -> Result<Array2<f32>> {
+        let b = window_index as usize;
+        if b >= self.dshift.nrows() {
+            bail!(
+                "window {b}: the drift estimate has {} windows",
+                self.dshift.nrows()
+            );
+        }
+        let row: Vec<f64> = self.dshift.row(b).to_vec();
+        Ok(drift_matrix(
+            &self.xc,
+            &self.yc,
+            &self.ikxx,
+            &row,
+            &self.yblk,
+            self.sig_interp,
+        ))
+    }
+
+    /// Corrects one whitened window in place: `X ← M_b · X` (C × N, float32).
+    ///
+    /// # Errors
+    /// When the window index is out of range or the window does not have C rows.
+    pub fn apply(&self, window_index: u64, x: &mut Array2<f32>) -> Result<()> {
+        if x.nrows() != self.xc.len() {
+            bail!(
+                "window {window_index} has {} rows, the probe {} sites",
+                x.nrows(),
+                self.xc.len()
+            );
+        }
+        let m = self.matrix(window_index)?;
+        apply_matrix(m.view(), x);
+        Ok(())
+    }
+}
+
+/// Columns per block of [`apply_matrix`].
+const BLOCK: usize = 256;
+
+/// `X ← M · X` in float32, column blocks in parallel (sgemm per block).
+pub fn apply_matrix(m: ArrayView2<f32>, x: &mut Array2<f32>) {
+    if !x.is_standard_layout() {
+        *x = x.as_standard_layout().into_owned();
+    }
+    let src = x.clone();
+    let blocks: Vec<(usize, ndarray::ArrayViewMut2<'_, f32>)> = x
+        .axis_chunks_iter_mut(ndarray::Axis(1), BLOCK)
+        .enumerate()
+        .collect();
+    blocks.into_par_iter().for_each(|(k, mut out)| {
+        let lo = k * BLOCK;
+        let hi = lo + out.ncols();
+        let xs = src.slice(ndarray::s![.., lo..hi]);
+        ndarray::linalg::general_mat_mul(1.0, &m, &xs, 0.0, &mut out);
+    });
+}
