@@ -388,7 +388,8 @@ fn detect_writes_drift_outputs() {
     let truth: Array2<f64> = npy::read(&sim.join("drift_truth.npy")).unwrap();
     let times: Array1<f64> = npy::read(&sim.join("drift_truth_times.npy")).unwrap();
     assert_eq!(truth.nrows(), times.len());
-    assert!((truth[[truth.nrows() - 1, 0]] - 40.0).abs() < 1.0);
+    // At the end: 40 µm linear + the 20 µm step + sin(2π·3 s / 1 s) = 0.
+    assert!((truth[[truth.nrows() - 1, 0]] - 60.0).abs() < 1e-6);
     let bin = sim.join("sim_g0_t0.imec0.ap.bin");
     let run = |name: &str, extra: &[&str]| {
         let out = tmp.path().join(name);
@@ -425,5 +426,5 @@ fn detect_writes_drift_outputs() {
     );
 
     let (_, j) = run("nb3", &["--nblocks", "3"]);
-    assert_eq!(j["settings"]["drift"]["n_blocks_used"], 3);
+    assert_eq!(j["settings"]["drift"]["n_blocks_used"], 5, "2·nblocks − 1 blocks");
 }
