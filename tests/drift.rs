@@ -60,12 +60,11 @@ fn histograms_equal_kilosort() {
         for (k, r) in idx.rows().into_iter().enumerate() {
             expect[[r[0] as usize, r[1] as usize, r[2] as usize]] = val[k];
         }
-        let bad = h
-            .f
-            .iter()
-            .zip(expect.iter())
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+        let bad =
+            h.f.iter()
+                .zip(expect.iter())
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
         assert_eq!(bad, 0, "{case}: F cells differing from Kilosort4");
         let ysamp = f64_1(case, "ysamp.npy");
         for (a, b) in h.ysamp.iter().zip(ysamp.iter()) {
@@ -104,7 +103,10 @@ fn dshift_and_yblk_equal_kilosort() {
             let yblk = f64_1(case, &format!("yblk_nb{nblocks}.npy"));
             assert_eq!(r.yblk.len(), yblk.len());
             for (a, b) in r.yblk.iter().zip(yblk.iter()) {
-                assert!((a - b).abs() < 1e-12, "{case} nblocks {nblocks}: yblk {a} vs {b}");
+                assert!(
+                    (a - b).abs() < 1e-12,
+                    "{case} nblocks {nblocks}: yblk {a} vs {b}"
+                );
             }
             // The whole estimate, in both modes, gives the same on these
             // recordings (no empty windows, a probe deep enough).
@@ -176,7 +178,10 @@ fn correction_applies_the_matrix() {
     .unwrap();
     let m = c.matrix(0).unwrap();
     let mean_diag = (0..n).map(|i| m[[i, i]] as f64).sum::<f64>() / n as f64;
-    assert!(mean_diag > 0.5 && mean_diag < 0.99, "mean diagonal {mean_diag}");
+    assert!(
+        mean_diag > 0.5 && mean_diag < 0.99,
+        "mean diagonal {mean_diag}"
+    );
     let x = common::noise(n, 700, 3);
     let mut y = x.clone();
     c.apply(0, &mut y).unwrap();
@@ -220,7 +225,8 @@ fn synthetic(
             for _ in 0..5 {
                 let yy = (y + shift(b) + 2.0 * rng.normal() as f32).clamp(yrange.0, yrange.1);
                 sp.y.push(yy);
-                sp.amp.push(a * (1.0 + 0.05 * rng.normal() as f32).max(0.2) + 9.01);
+                sp.amp
+                    .push(a * (1.0 + 0.05 * rng.normal() as f32).max(0.2) + 9.01);
                 sp.batch.push(b as u32);
                 sp.sample.push(b as i64 * 60_000);
             }
@@ -242,8 +248,8 @@ fn empty_window_gets_interpolated_shift() {
             mode,
             ..DriftSettings::default()
         };
-        let Estimated::Drift(e) = estimate(&sp, &p, &settings, 9.0, 12, &mut |w| warned.push(w))
-            .unwrap()
+        let Estimated::Drift(e) =
+            estimate(&sp, &p, &settings, 9.0, 12, &mut |w| warned.push(w)).unwrap()
         else {
             panic!("estimate off")
         };
@@ -266,7 +272,10 @@ fn empty_window_gets_interpolated_shift() {
     // Units drifting up 2 µm per window: dshift falls by about 2 µm per window.
     let slope = (sc.dshift[[11, 0]] - sc.dshift[[0, 0]]) / 11.0;
     assert!((slope + 2.0).abs() < 0.5, "slope {slope}");
-    assert!(warned.iter().any(|w| w.contains("no first-pass spikes")), "{warned:?}");
+    assert!(
+        warned.iter().any(|w| w.contains("no first-pass spikes")),
+        "{warned:?}"
+    );
 }
 
 /// The reference window itself empty: Kilosort4 leaves a common offset; spikecube
@@ -328,7 +337,10 @@ fn too_many_blocks_is_an_error() {
     let e = estimate(&sp, &p, &set(53, DriftMode::Spikecube), 9.0, 4, &mut |_| {})
         .unwrap_err()
         .to_string();
-    assert!(e.contains("--nblocks 53") && e.contains("at most 52"), "{e}");
+    assert!(
+        e.contains("--nblocks 53") && e.contains("at most 52"),
+        "{e}"
+    );
     assert!(estimate(&sp, &p, &set(52, DriftMode::Spikecube), 9.0, 4, &mut |_| {}).is_ok());
     let e = estimate(&sp, &p, &set(576, DriftMode::Kilosort), 9.0, 4, &mut |_| {})
         .unwrap_err()
@@ -342,22 +354,37 @@ fn too_many_blocks_is_an_error() {
 #[test]
 fn multi_shank_is_pooled_with_a_warning() {
     let xy: Vec<(f32, f32)> = (0..384)
-        .map(|i| (250.0 * (i / 96) as f32 + 32.0 * (i % 2) as f32, 15.0 * ((i % 96) / 2) as f32))
+        .map(|i| {
+            (
+                250.0 * (i / 96) as f32 + 32.0 * (i % 2) as f32,
+                15.0 * ((i % 96) / 2) as f32,
+            )
+        })
         .collect();
     let shanks: Vec<i64> = (0..384).map(|i| i / 96).collect();
     let p = probe(&xy, &shanks);
     let sp = synthetic(4, &[], |_| 0.0, (20.0, 700.0));
     let mut warned = Vec::new();
-    let r = estimate(&sp, &p, &DriftSettings::default(), 9.0, 4, &mut |w| warned.push(w)).unwrap();
+    let r = estimate(&sp, &p, &DriftSettings::default(), 9.0, 4, &mut |w| {
+        warned.push(w)
+    })
+    .unwrap();
     assert!(matches!(r, Estimated::Drift(_)));
-    assert!(warned.iter().any(|w| w.contains("4 shanks are pooled")), "{warned:?}");
+    assert!(
+        warned.iter().any(|w| w.contains("4 shanks are pooled")),
+        "{warned:?}"
+    );
 }
 
 /// The interpolant of per-block shifts at the sites extends the end segments
 /// linearly (scipy's interp1d with fill_value="extrapolate").
 #[test]
 fn site_shifts_extrapolate_linearly() {
-    let s = correct::site_shifts(&[0.0, 10.0, 30.0], &[100.0, 200.0, 300.0], &[0.0, 150.0, 250.0, 400.0]);
+    let s = correct::site_shifts(
+        &[0.0, 10.0, 30.0],
+        &[100.0, 200.0, 300.0],
+        &[0.0, 150.0, 250.0, 400.0],
+    );
     assert_eq!(s, vec![-10.0, 5.0, 20.0, 50.0]);
 }
 
@@ -393,7 +420,15 @@ fn detect_writes_drift_outputs() {
     let bin = sim.join("sim_g0_t0.imec0.ap.bin");
     let run = |name: &str, extra: &[&str]| {
         let out = tmp.path().join(name);
-        let mut args = vec!["detect", s(&bin), "--out", s(&out), "--batch-size", "7500", "-q"];
+        let mut args = vec![
+            "detect",
+            s(&bin),
+            "--out",
+            s(&out),
+            "--batch-size",
+            "7500",
+            "-q",
+        ];
         args.extend_from_slice(extra);
         let o = spikecube(&args);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -426,5 +461,8 @@ fn detect_writes_drift_outputs() {
     );
 
     let (_, j) = run("nb3", &["--nblocks", "3"]);
-    assert_eq!(j["settings"]["drift"]["n_blocks_used"], 5, "2·nblocks − 1 blocks");
+    assert_eq!(
+        j["settings"]["drift"]["n_blocks_used"], 5,
+        "2·nblocks − 1 blocks"
+    );
 }

@@ -11,8 +11,8 @@ macro_rules! say {
 
 mod common;
 mod detect;
-mod drift;
 mod detect_window;
+mod drift;
 mod info;
 mod preprocess;
 mod probe;

@@ -69,7 +69,9 @@ pub fn inverse_with_ridge(k: &Array2<f32>, ridge: f64) -> Result<Array2<f32>> {
             }
         });
     }
-    Ok(Array2::from_shape_fn((n, n), |(i, j)| a[i * w + n + j] as f32))
+    Ok(Array2::from_shape_fn((n, n), |(i, j)| {
+        a[i * w + n + j] as f32
+    }))
 }
 
 /// The shift at each site for one window (§7 step 1), µm: with one block the

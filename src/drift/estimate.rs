@@ -100,9 +100,7 @@ pub fn bin_spikes(
     for i in 0..spikes.len() {
         let b = spikes.batch[i] as usize;
         if b >= n_batches {
-            bail!(
-                "first-pass spike {i} is in batch {b}, but the run has {n_batches} batches"
-            );
+            bail!("first-pass spike {i} is in batch {b}, but the run has {n_batches} batches");
         }
         let y = spikes.y[i] as f64;
         let rf = ((y - y0 as f64) / dd).trunc();
@@ -313,7 +311,9 @@ pub fn register(
     let kn: Vec<Vec<f64>> = (0..nlag)
         .map(|i| {
             let ki = i as f64 - FINE_LAGS as f64;
-            up.iter().map(|&u| (-(ki - u).powi(2) / 2.0).exp()).collect()
+            up.iter()
+                .map(|&u| (-(ki - u).powi(2) / 2.0).exp())
+                .collect()
         })
         .collect();
     let mut imin = Array2::<f64>::zeros((nbat, nb));

@@ -93,12 +93,19 @@ impl DriftSettings {
     /// a `drift_smoothing` σ is negative or not finite.
     pub fn validate(&self) -> Result<()> {
         if !(self.binning_depth.is_finite() && self.binning_depth > 0.0) {
-            bail!("--binning-depth = {} µm must be positive", self.binning_depth);
+            bail!(
+                "--binning-depth = {} µm must be positive",
+                self.binning_depth
+            );
         }
         if !(self.sig_interp.is_finite() && self.sig_interp > 0.0) {
             bail!("--sig-interp = {} µm must be positive", self.sig_interp);
         }
-        if self.drift_smoothing.iter().any(|s| !(s.is_finite() && *s >= 0.0)) {
+        if self
+            .drift_smoothing
+            .iter()
+            .any(|s| !(s.is_finite() && *s >= 0.0))
+        {
             bail!(
                 "--drift-smoothing = {:?}: three σ ≥ 0 (lag, window, block)",
                 self.drift_smoothing
@@ -329,9 +336,9 @@ pub fn first_pass(
             let hi = (limit - s0).clamp(lo as i64, n) as usize;
             crate::checks::mask_stuck_runs(&mut w.data, lo, hi, plan.n_windows > 1, min_run);
         }
-        fp.pre.apply(&mut w.data).with_context(|| {
-            format!("drift first pass: preprocessing window {}", w.index)
-        })?;
+        fp.pre
+            .apply(&mut w.data)
+            .with_context(|| format!("drift first pass: preprocessing window {}", w.index))?;
         let mut det = detector
             .detect(w.data.view(), &fp.probe.yc)
             .with_context(|| format!("drift first pass: detecting in window {}", w.index))?;
@@ -407,7 +414,8 @@ impl DriftRun {
         }
         if self.correction.is_some() {
             let ns = self.correct_ns.load(std::sync::atomic::Ordering::Relaxed);
-            info.timings.insert("drift_correct".into(), ns as f64 * 1e-9);
+            info.timings
+                .insert("drift_correct".into(), ns as f64 * 1e-9);
         }
     }
 }
@@ -437,7 +445,10 @@ pub fn prepare(
         });
     }
     let t0 = Instant::now();
-    tracing::info!("drift: first detection pass (nblocks = {})", settings.nblocks);
+    tracing::info!(
+        "drift: first detection pass (nblocks = {})",
+        settings.nblocks
+    );
     let spikes = first_pass(
         fp,
         detector,

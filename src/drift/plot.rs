@@ -134,7 +134,9 @@ pub fn render(
                 )))
                 .map_err(&err)?
                 .label(format!("block {j}: yblk {:.0} µm", est.yblk[j]))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3))
+                });
         }
         chart
             .configure_series_labels()
