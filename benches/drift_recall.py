@@ -67,7 +67,7 @@ def main():
         else:
             st = np.load(p)
             t = np.round(st[:, 0] * fs).astype(np.int64)
-            if len(parts) == 3:
+            if len(parts) >= 3:
                 dshift, yblk = np.load(parts[1]), np.load(parts[2])
             nwin_len = int(parts[3]) if len(parts) > 3 else 60000
         r = {'n': int(len(t)), 'recall': match(t, true_t, tol) / len(true_t),
