@@ -466,3 +466,48 @@ fn detect_writes_drift_outputs() {
         "2·nblocks − 1 blocks"
     );
 }
+
+/// Sites whose target lies beyond the probe's end read zero (spikecube), not
+/// Kilosort4's extrapolated near-copies of the last sites (whose correlated
+/// noise gives false detections there); `with_zero_outside(false)` and the
+/// dense product give Kilosort4's arithmetic. The sparse product agrees with
+/// the dense one to float32 rounding.
+#[test]
+fn sites_beyond_the_probe_end_read_zero() {
+    let p = fixture_probe(); // 0–345 µm, rows every 15 µm
+    let n = p.n_sites();
+    // dshift −40 µm: every site samples 40 µm higher, so the top 6 sites
+    // (y = 315, 330, 345 in two columns) sample above 345 µm.
+    let c = DriftCorrection::new(
+        &p.xc,
+        &p.yc,
+        Array2::from_elem((1, 1), -40.0),
+        vec![170.0],
+        20.0,
+    )
+    .unwrap();
+    let outside = c.sites_outside(0).unwrap();
+    assert_eq!(outside, (42..48).collect::<Vec<_>>());
+    let x = common::noise(n, 900, 5);
+    let mut y = x.clone();
+    c.apply(0, &mut y).unwrap();
+    for &s in &outside {
+        assert!(y.row(s).iter().all(|&v| v == 0.0), "site {s}");
+    }
+    let ks = c.clone().with_zero_outside(false).with_dense(true);
+    let mut yk = x.clone();
+    ks.apply(0, &mut yk).unwrap();
+    assert!(yk.row(47).iter().any(|&v| v != 0.0));
+    let expect = c.matrix(0).unwrap().dot(&x);
+    let d = (&yk - &expect).mapv(f32::abs).fold(0f32, |a, &b| a.max(b));
+    assert!(d < 1e-4, "dense {d}");
+    // Sparse (default) against dense, inside the probe.
+    let rms =
+        (expect.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / expect.len() as f64).sqrt();
+    for s in 0..42 {
+        for t in 0..900 {
+            let e = (y[[s, t]] - expect[[s, t]]).abs() as f64;
+            assert!(e < 1e-5 * rms, "site {s} t {t}: {e} (rms {rms})");
+        }
+    }
+}

@@ -498,7 +498,9 @@ pub fn prepare(
                 e.dshift.clone(),
                 e.yblk.clone(),
                 settings.sig_interp,
-            )?;
+            )?
+            .with_dense(settings.mode == DriftMode::Kilosort)
+            .with_zero_outside(settings.mode != DriftMode::Kilosort);
             let col0 = e.dshift.column(0);
             summary["applied"] = (!settings.drift_only).into();
             summary["n_blocks_used"] = e.yblk.len().into();
