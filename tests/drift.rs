@@ -486,15 +486,20 @@ fn sites_beyond_the_probe_end_read_zero() {
         20.0,
     )
     .unwrap();
-    let outside = c.sites_outside(0).unwrap();
+    let outside = c.sites_outside(0, 0.0).unwrap();
+    assert_eq!(
+        c.sites_outside(0, 20.0).unwrap(),
+        (44..48).collect::<Vec<_>>()
+    );
     assert_eq!(outside, (42..48).collect::<Vec<_>>());
     let x = common::noise(n, 900, 5);
     let mut y = x.clone();
-    c.apply(0, &mut y).unwrap();
+    let c0 = c.clone().with_zero_outside(Some(0.0));
+    c0.apply(0, &mut y).unwrap();
     for &s in &outside {
         assert!(y.row(s).iter().all(|&v| v == 0.0), "site {s}");
     }
-    let ks = c.clone().with_zero_outside(false).with_dense(true);
+    let ks = c.clone().with_zero_outside(None).with_dense(true);
     let mut yk = x.clone();
     ks.apply(0, &mut yk).unwrap();
     assert!(yk.row(47).iter().any(|&v| v != 0.0));

@@ -26,6 +26,11 @@ pub struct DriftArgs {
     /// probes too short for the search, too many blocks); `kilosort` keeps them.
     #[arg(long, value_enum, default_value_t = DriftMode::Spikecube)]
     pub drift_mode: DriftMode,
+    /// µm: sites whose drift-corrected position lies more than this beyond the
+    /// probe's end read zero (no data there); `inf` keeps Kilosort4's
+    /// extrapolation (always so with --drift-mode kilosort).
+    #[arg(long, default_value_t = 15.0)]
+    pub drift_edge_margin: f64,
 }
 
 impl DriftArgs {
@@ -39,6 +44,7 @@ impl DriftArgs {
             sig_interp: self.sig_interp,
             drift_only: self.drift_only,
             mode: self.drift_mode,
+            edge_margin: self.drift_edge_margin,
         }
     }
 }

@@ -62,6 +62,10 @@ pub struct DriftSettings {
     pub drift_only: bool,
     /// Behaviour at the sharp edges.
     pub mode: DriftMode,
+    /// µm: in spikecube mode, sites whose corrected position lies more than
+    /// this beyond the probe's end read zero (infinite: Kilosort4's
+    /// extrapolation everywhere).
+    pub edge_margin: f64,
 }
 
 impl Default for DriftSettings {
@@ -73,6 +77,7 @@ impl Default for DriftSettings {
             sig_interp: 20.0,
             drift_only: false,
             mode: DriftMode::Spikecube,
+            edge_margin: correct::DEFAULT_EDGE_MARGIN,
         }
     }
 }
@@ -109,6 +114,12 @@ impl DriftSettings {
             bail!(
                 "--drift-smoothing = {:?}: three σ ≥ 0 (lag, window, block)",
                 self.drift_smoothing
+            );
+        }
+        if self.edge_margin.is_nan() || self.edge_margin < 0.0 {
+            bail!(
+                "--drift-edge-margin = {} µm must be ≥ 0 (inf: no zeroing)",
+                self.edge_margin
             );
         }
         if self.drift_only && self.nblocks == 0 {
@@ -500,7 +511,10 @@ pub fn prepare(
                 settings.sig_interp,
             )?
             .with_dense(settings.mode == DriftMode::Kilosort)
-            .with_zero_outside(settings.mode != DriftMode::Kilosort);
+            .with_zero_outside(
+                (settings.mode != DriftMode::Kilosort && settings.edge_margin.is_finite())
+                    .then_some(settings.edge_margin),
+            );
             let col0 = e.dshift.column(0);
             summary["applied"] = (!settings.drift_only).into();
             summary["n_blocks_used"] = e.yblk.len().into();
