@@ -301,6 +301,10 @@ fn list(v: &[usize]) -> String {
     s.join(", ")
 }
 
+/// Receives one window's detections and the absolute sample of its column 0
+/// (as [`crate::output::OutputWriter::append`]).
+pub type AppendDetections<'a> = dyn FnMut(&crate::Detections, i64) -> Result<()> + 'a;
+
 /// Everything the first pass needs from the run.
 pub struct FirstPass<'a> {
     /// The recording.
@@ -327,7 +331,7 @@ pub struct FirstPass<'a> {
 pub fn first_pass(
     fp: &FirstPass<'_>,
     detector: &mut Detector,
-    mut also: Option<&mut dyn FnMut(&crate::Detections, i64) -> Result<()>>,
+    mut also: Option<&mut AppendDetections<'_>>,
 ) -> Result<FirstPassSpikes> {
     let mut out = FirstPassSpikes::default();
     let min_run = crate::checks::stuck_min_run(fp.recording.fs());
@@ -445,7 +449,7 @@ pub fn prepare(
     th: f64,
     detector: &mut Detector,
     folder: &Path,
-    append: &mut dyn FnMut(&crate::Detections, i64) -> Result<()>,
+    append: &mut AppendDetections<'_>,
     warn: &mut dyn FnMut(String),
 ) -> Result<DriftRun> {
     settings.validate()?;
