@@ -514,7 +514,9 @@ pub fn prepare(
                 e.yblk.clone(),
                 settings.sig_interp,
             )?
-            .with_dense(settings.mode == DriftMode::Kilosort)
+            // Dense: the sparse product measured slower on 64 sites and
+            // only about 1.3× faster on 384 (BENCHMARKS.md, "Drift").
+            .with_dense(true)
             .with_zero_outside(
                 (settings.mode != DriftMode::Kilosort && settings.edge_margin.is_finite())
                     .then_some(settings.edge_margin),
