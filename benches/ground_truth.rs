@@ -62,6 +62,8 @@ fn main() -> anyhow::Result<()> {
             backend: spikecube::backend::Backend::Cpu,
             // The default, as `spikecube detect`: learned from the data.
             templates: spikecube::universal::TemplateSource::Learned(Default::default()),
+            // No drift in this simulation: one detection pass, as before.
+            drift: spikecube::drift::DriftSettings::off(),
         },
         &mut |_| {},
     )?;

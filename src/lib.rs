@@ -59,6 +59,7 @@
 pub mod backend;
 pub mod checks;
 pub mod detect;
+pub mod drift;
 pub mod error;
 pub mod npy;
 pub mod output;

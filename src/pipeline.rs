@@ -56,6 +56,9 @@ pub struct DetectJob {
     pub checks: Checks,
     /// Universal templates: learned from the data (Kilosort4's default), built-in or a file (issue 11).
     pub templates: crate::universal::TemplateSource,
+    /// Drift estimation and correction (issue 12, [`crate::drift`]);
+    /// [`crate::drift::DriftSettings::off`] for a single pass.
+    pub drift: crate::drift::DriftSettings,
 }
 
 /// Input checks of a run and the corrections spikecube makes where Kilosort4
@@ -288,6 +291,32 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     crate::universal::write_outputs(writer.partial_path(), &chosen_templates)?;
     let learn_s = t_learn.elapsed().as_secs_f64();
     // ---- end issue 11 ----
+    // ---- drift (issue 12, src/drift): first pass, estimate, drift files ----
+    let drift = {
+        let fp = crate::drift::FirstPass {
+            recording: &rec,
+            plan: &plan,
+            probe: &job.probe,
+            pre: &pre,
+            nt: job.detection.nt as u64,
+            mask_clipped: job.checks.mask_clipped,
+        };
+        let staged = writer.partial_path().to_path_buf();
+        let mut found = Vec::new();
+        let th = f64::from(job.detection.th_universal);
+        let run = crate::drift::prepare(
+            &fp,
+            &job.drift,
+            th,
+            &mut detector,
+            &staged,
+            &mut |d, first| writer.append(d, first),
+            &mut |w| found.push(w),
+        )?;
+        found.into_iter().for_each(|w| warnings.push(w));
+        run
+    };
+    // ---- end drift ----
 
     let nt = job.detection.nt as u64;
     let nt0min = job.detection.nt0min();
@@ -303,7 +332,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // been compared with them (boundary duplicates), with its first sample.
     let mut pending: Option<(Detections, i64)> = None;
     let loader = WindowLoader::all(rec.clone(), plan, chan_map)?;
-    for (done, window) in loader.enumerate() {
+    for (done, window) in loader.take(drift.windows_to_detect()).enumerate() {
         let mut w = window?;
         let t0 = Instant::now();
         let cols = WindowColumns::of(&plan, w.index);
@@ -318,6 +347,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
                 w.index, w.own_start
             )
         })?;
+        drift.apply(w.index, &mut w.data)?; // drift correction (issue 12)
         let t1 = Instant::now();
         let mut det = detector
             .detect(w.data.view(), &job.probe.yc)
@@ -425,6 +455,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     ] {
         info.timings.insert(k.into(), v);
     }
+    drift.record(&mut info, writer.n_spikes()); // drift (issue 12)
     let summary = writer.finish(&info)?;
     Ok(Report {
         summary,

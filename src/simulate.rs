@@ -16,6 +16,12 @@
 //!   unit's position (counts, negative);
 //! * `probe.json`: the probe in Kilosort's JSON format, with `n_chan` = the
 //!   file's channel count (sync included);
+//! * with a [`DriftModel`] (`simulate --drift`) also `drift_truth.npy`: float64
+//!   (n_t, n_y), the true displacement (µm, positive up) at the times
+//!   `drift_truth_times.npy` (float64 n_t, seconds, every [`DRIFT_TRUTH_DT`])
+//!   of a unit resting at the depths `drift_truth_depths.npy` (float64 n_y,
+//!   µm, every [`DRIFT_TRUTH_DY`] over the sites' span); ground truth's y is
+//!   then the unit's depth at the spike (rest depth + displacement);
 //! * `spikecube.json`: the settings, and the list of files written.
 //!
 //! The signal is: Gaussian noise (sd `noise_sd` counts, independent per
@@ -70,7 +76,104 @@ pub struct SimConfig {
     pub refractory_s: f64,
     /// Peak amplitude of the common LFP-like component, counts.
     pub lfp_counts: f32,
+    /// Motion of the units relative to the probe (`None`: units stay put and
+    /// the output is exactly that of a recording without drift).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drift: Option<DriftModel>,
 }
+
+/// Motion of the units relative to the probe, for drift-correction tests
+/// (`simulate --drift`). The displacement d(t, y), µm, of a unit resting at
+/// depth y is positive **upward** (towards larger y) and is the sum of
+///
+/// * a linear ramp from 0 at t = 0 to `linear_um` at the end of the recording;
+/// * a step of `step_um` at `step_at_s` seconds;
+/// * a sinusoid `sine_um`·sin(2π t / `sine_period_s`);
+///
+/// multiplied, when `nonrigid` is set, by a depth gain
+/// g(y) = 0.2 + 1.6·(y − ymin)/(ymax − ymin) (0.2 at the probe's lowest site,
+/// 1.8 at its highest: the top moves nine times as much as the bottom), else
+/// by 1 (rigid). The unit's position at its spike's trough sample sets that
+/// spike's footprint (a spike is short enough to be rigid within itself).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct DriftModel {
+    /// Linear drift over the whole recording, µm.
+    pub linear_um: f64,
+    /// Size of the step, µm.
+    pub step_um: f64,
+    /// Time of the step, seconds.
+    pub step_at_s: f64,
+    /// Amplitude of the sinusoid, µm.
+    pub sine_um: f64,
+    /// Period of the sinusoid, seconds.
+    pub sine_period_s: f64,
+    /// Depth-dependent (non-rigid) motion.
+    pub nonrigid: bool,
+}
+
+impl DriftModel {
+    /// The default rigid model for a recording of `seconds`: 40 µm linear, a
+    /// 20 µm step at 60 % of the length, a 10 µm sinusoid of period `seconds`/3.
+    pub fn rigid(seconds: f64) -> Self {
+        DriftModel {
+            linear_um: 40.0,
+            step_um: 20.0,
+            step_at_s: 0.6 * seconds,
+            sine_um: 10.0,
+            sine_period_s: seconds / 3.0,
+            nonrigid: false,
+        }
+    }
+
+    /// As [`DriftModel::rigid`] with the depth gain of the module docs.
+    pub fn nonrigid(seconds: f64) -> Self {
+        DriftModel {
+            nonrigid: true,
+            ..DriftModel::rigid(seconds)
+        }
+    }
+
+    /// Displacement, µm (positive up), at time `t` s, of a unit resting at
+    /// depth `y` µm, on a probe whose sites span depths `ymin..=ymax` µm.
+    pub fn displacement(&self, t: f64, y: f64, ymin: f64, ymax: f64, seconds: f64) -> f64 {
+        let mut d = self.linear_um * (t / seconds.max(1e-12));
+        if t >= self.step_at_s {
+            d += self.step_um;
+        }
+        if self.sine_period_s > 0.0 {
+            d += self.sine_um * (std::f64::consts::TAU * t / self.sine_period_s).sin();
+        }
+        if self.nonrigid {
+            let f = if ymax > ymin {
+                ((y - ymin) / (ymax - ymin)).clamp(0.0, 1.0)
+            } else {
+                0.5
+            };
+            d *= 0.2 + 1.6 * f;
+        }
+        d
+    }
+
+    /// Checks the numbers are finite and the period not negative.
+    fn validate(&self) -> Result<()> {
+        let v = [
+            self.linear_um,
+            self.step_um,
+            self.step_at_s,
+            self.sine_um,
+            self.sine_period_s,
+        ];
+        if v.iter().any(|x| !x.is_finite()) || self.sine_period_s < 0.0 {
+            bail!("drift model {self:?}: every number must be finite and the period ≥ 0");
+        }
+        Ok(())
+    }
+}
+
+/// Interval, seconds, of the true-drift table `drift_truth.npy`.
+pub const DRIFT_TRUTH_DT: f64 = 0.1;
+/// Depth step, µm, of the true-drift table `drift_truth.npy`.
+pub const DRIFT_TRUTH_DY: f64 = 20.0;
 
 impl Default for SimConfig {
     fn default() -> Self {
@@ -83,6 +186,7 @@ impl Default for SimConfig {
             noise_sd: 10.0,
             refractory_s: 0.002,
             lfp_counts: 20.0,
+            drift: None,
         }
     }
 }
@@ -544,6 +648,9 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
         );
     }
     probe.validate()?;
+    if let Some(d) = &cfg.drift {
+        d.validate()?;
+    }
     let n_samples = (cfg.seconds * cfg.fs).round() as u64;
     if n_samples == 0 {
         bail!("{} s at {} Hz is no samples", cfg.seconds, cfg.fs);
@@ -560,6 +667,15 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
         units.iter().map(|u| waveform(u.width_s, cfg.fs)).collect();
     let table = normal_table();
     let (_, _, y0, y1) = probe.extent();
+    // The unit's position at sample s (moved by the drift model, if any).
+    let moved = |u: &Unit, s: u64| -> Unit {
+        let mut m = u.clone();
+        if let Some(d) = &cfg.drift {
+            let t = s as f64 / cfg.fs;
+            m.y += d.displacement(t, u.y as f64, y0 as f64, y1 as f64, cfg.seconds) as f32;
+        }
+        m
+    };
     let lfp_gain: Vec<f32> = probe
         .yc
         .iter()
@@ -610,6 +726,13 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
                 break;
             }
             let (unit, wave) = (&units[u as usize], &waves[u as usize]);
+            let moved_foot;
+            let foot = if cfg.drift.is_some() {
+                moved_foot = footprint(probe, &moved(unit, s));
+                &moved_foot
+            } else {
+                &feet[u as usize]
+            };
             for (k, &wv) in wave.iter().enumerate() {
                 let t = start + k as i64 - s0 as i64;
                 if t < 0 || t >= len as i64 {
@@ -617,7 +740,7 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
                 }
                 let row = &mut acc[t as usize * ns..(t as usize + 1) * ns];
                 let a = unit.amplitude.abs() * wv;
-                for &(i, wt) in &feet[u as usize] {
+                for &(i, wt) in foot {
                     row[i] += a * wt;
                 }
             }
@@ -684,10 +807,30 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
         let unit = &units[u as usize];
         gt[[k, 0]] = s as f64;
         gt[[k, 1]] = unit.x as f64;
-        gt[[k, 2]] = unit.y as f64;
+        gt[[k, 2]] = moved(unit, s).y as f64;
         gt[[k, 3]] = unit.amplitude as f64;
     }
     crate::npy::write(&dir.join("ground_truth.npy"), &gt)?;
+    if let Some(d) = &cfg.drift {
+        let n_t = (cfg.seconds / DRIFT_TRUTH_DT).floor() as usize + 1;
+        let times: Vec<f64> = (0..n_t).map(|i| i as f64 * DRIFT_TRUTH_DT).collect();
+        let n_y = ((y1 - y0) as f64 / DRIFT_TRUTH_DY).floor() as usize + 1;
+        let depths: Vec<f64> = (0..n_y)
+            .map(|j| y0 as f64 + j as f64 * DRIFT_TRUTH_DY)
+            .collect();
+        let truth = Array2::from_shape_fn((n_t, n_y), |(i, j)| {
+            d.displacement(times[i], depths[j], y0 as f64, y1 as f64, cfg.seconds)
+        });
+        crate::npy::write(&dir.join("drift_truth.npy"), &truth)?;
+        crate::npy::write(
+            &dir.join("drift_truth_times.npy"),
+            &ndarray::Array1::from(times),
+        )?;
+        crate::npy::write(
+            &dir.join("drift_truth_depths.npy"),
+            &ndarray::Array1::from(depths),
+        )?;
+    }
 
     let mut written = probe.clone();
     written.n_chan = n_cols as u64;

@@ -140,6 +140,11 @@ fn detect(bin: &Path, n_ch: usize, fs: f64, probe: &Path, out: &Path, extra: &[&
         // built-in templates; learning is tested in tests/learned.rs.
         "--templates-from-data",
         "false",
+        // One pass, as Kilosort4's nblocks = 0: these cases test the input
+        // checks on spikes placed at known times and sites; drift correction
+        // (tests/drift.rs) would add its own warnings on these short, small probes.
+        "--nblocks",
+        "0",
     ];
     args.extend_from_slice(extra);
     let stderr = ok(&spikecube(&args));

@@ -38,6 +38,8 @@ pub struct Args {
     checks: CheckArgs,
     #[command(flatten)]
     templates: super::templates::TemplateArgs,
+    #[command(flatten)]
+    drift: super::drift::DriftArgs,
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
@@ -80,6 +82,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         run_info,
         backend: args.backend.backend,
         checks,
+        drift: args.drift.settings(),
     };
     let bar = progress_bar(quiet);
     let report = run_detection(job, &mut |p| {

@@ -12,6 +12,7 @@ macro_rules! say {
 mod common;
 mod detect;
 mod detect_window;
+mod drift;
 mod info;
 mod preprocess;
 mod probe;

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use spikecube::Probe;
-use spikecube::simulate::{SimConfig, default_probe, simulate};
+use spikecube::simulate::{DriftModel, SimConfig, default_probe, simulate};
 
 /// Flags of `simulate`.
 #[derive(Debug, clap::Args)]
@@ -37,6 +37,37 @@ pub struct Args {
     /// Noise standard deviation, counts.
     #[arg(long, default_value_t = 10.0)]
     noise_sd: f32,
+    /// Units move relative to the probe: `rigid` (all depths alike) or
+    /// `nonrigid` (the top moves 9× as much as the bottom). Defaults: 40 µm
+    /// linear over the recording, a 20 µm step at 60 % of it, a 10 µm sinusoid
+    /// of a third of its length (change them with the flags below). The true
+    /// motion is written to drift_truth.npy (+ _times, _depths), µm, positive up.
+    #[arg(long, value_enum)]
+    drift: Option<DriftKind>,
+    /// Linear drift over the whole recording, µm (with --drift).
+    #[arg(long, requires = "drift")]
+    drift_linear: Option<f64>,
+    /// Size of the step, µm (with --drift).
+    #[arg(long, requires = "drift")]
+    drift_step: Option<f64>,
+    /// Time of the step, seconds (with --drift).
+    #[arg(long, requires = "drift")]
+    drift_step_at: Option<f64>,
+    /// Amplitude of the sinusoid, µm (with --drift).
+    #[arg(long, requires = "drift")]
+    drift_sine: Option<f64>,
+    /// Period of the sinusoid, seconds (with --drift).
+    #[arg(long, requires = "drift")]
+    drift_period: Option<f64>,
+}
+
+/// Kind of simulated motion.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum DriftKind {
+    /// Every unit moves alike.
+    Rigid,
+    /// Motion grows with depth.
+    Nonrigid,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -51,6 +82,18 @@ pub fn run(args: Args) -> Result<ExitCode> {
         rate_hz: args.rate,
         seed: args.seed,
         noise_sd: args.noise_sd,
+        drift: args.drift.map(|k| {
+            let mut d = match k {
+                DriftKind::Rigid => DriftModel::rigid(args.seconds),
+                DriftKind::Nonrigid => DriftModel::nonrigid(args.seconds),
+            };
+            d.linear_um = args.drift_linear.unwrap_or(d.linear_um);
+            d.step_um = args.drift_step.unwrap_or(d.step_um);
+            d.step_at_s = args.drift_step_at.unwrap_or(d.step_at_s);
+            d.sine_um = args.drift_sine.unwrap_or(d.sine_um);
+            d.sine_period_s = args.drift_period.unwrap_or(d.sine_period_s);
+            d
+        }),
         ..SimConfig::default()
     };
     let t0 = Instant::now();
