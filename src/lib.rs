@@ -67,6 +67,7 @@ pub mod preprocess;
 pub mod probe;
 pub mod recording;
 pub mod simulate;
+pub mod stages;
 
 pub use detect::{DetectionSettings, Detections, Geometry, UniversalTemplates};
 pub use probe::Probe;
