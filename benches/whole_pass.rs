@@ -89,7 +89,13 @@ fn resident_fraction(f: &std::fs::File) -> Option<f64> {
     let n = map.len().div_ceil(page);
     let mut vec = vec![0u8; n];
     // SAFETY: the mapping is live for the call and `vec` has one byte per page.
-    let rc = unsafe { libc::mincore(map.as_ptr() as *mut libc::c_void, map.len(), vec.as_mut_ptr()) };
+    let rc = unsafe {
+        libc::mincore(
+            map.as_ptr() as *mut libc::c_void,
+            map.len(),
+            vec.as_mut_ptr(),
+        )
+    };
     (rc == 0).then(|| vec.iter().filter(|&&b| b & 1 == 1).count() as f64 / n as f64)
 }
 

@@ -505,15 +505,13 @@ pub(crate) fn check_window(
     // position is looked for only when there is one.
     let all_finite = match x.as_slice() {
         Some(xs) => xs.chunks(4096).all(|c| {
-            c.iter()
-                .fold(0u32, |a, v| a | u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000))
-                == 0
+            c.iter().fold(0u32, |a, v| {
+                a | u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000)
+            }) == 0
         }),
         None => x.iter().all(|v| v.is_finite()),
     };
-    if !all_finite
-        && let Some((i, v)) = x.iter().enumerate().find(|(_, v)| !v.is_finite())
-    {
+    if !all_finite && let Some((i, v)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
         return bad(format!(
             "holds a non-finite value ({v}) at channel {}, sample {}",
             i / nt_w,
@@ -591,9 +589,7 @@ fn filter_bank_impl(x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]) {
         let s = &seg[tc..tc + ntaps - 1 + 2 * LANES];
         for (m, w) in wt.iter().enumerate() {
             let x0: &[f32; LANES] = s[m..m + LANES].try_into().expect("8 lanes");
-            let x1: &[f32; LANES] = s[m + LANES..m + 2 * LANES]
-                .try_into()
-                .expect("8 lanes");
+            let x1: &[f32; LANES] = s[m + LANES..m + 2 * LANES].try_into().expect("8 lanes");
             for k in 0..NK {
                 for l in 0..LANES {
                     acc0[k][l] += w[k] * x0[l];
