@@ -304,3 +304,208 @@ where
         })
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::RecordingError;
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+
+    /// A recording in memory: sample t of channel c is c·1000 + t.
+    #[derive(Debug)]
+    struct Ramp {
+        n_channels: usize,
+        n_samples: u64,
+    }
+
+    impl Recording for Ramp {
+        fn n_channels(&self) -> usize {
+            self.n_channels
+        }
+        fn n_samples(&self) -> u64 {
+            self.n_samples
+        }
+        fn fs(&self) -> f64 {
+            30_000.0
+        }
+        fn first_sample(&self) -> u64 {
+            0
+        }
+        fn read_channels(
+            &self,
+            start: u64,
+            count: usize,
+            chan_map: &[u64],
+            out: &mut [f32],
+        ) -> Result<(), RecordingError> {
+            for (r, &c) in chan_map.iter().enumerate() {
+                for t in 0..count {
+                    out[r * count + t] = (c * 1000 + start + t as u64) as f32;
+                }
+            }
+            Ok(())
+        }
+        fn describe(&self) -> String {
+            "ramp".into()
+        }
+    }
+
+    /// Records what it saw: the window index, column `nt`'s value on row 0 and
+    /// the buffer's address; fails at window `fail_at`.
+    struct Probe {
+        seen: Arc<Mutex<Vec<(u64, f32, usize)>>>,
+        fail_at: Option<u64>,
+    }
+
+    impl WindowPass for Probe {
+        fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
+            times.add("detect", 0.0);
+            if Some(w.index) == self.fail_at {
+                anyhow::bail!("pass failed at window {}", w.index);
+            }
+            // nt = 10 in these tests.
+            self.seen
+                .lock()
+                .unwrap()
+                .push((w.index, w.data[[0, 10]], w.data.as_ptr() as usize));
+            Ok(Detections {
+                centre: vec![w.index as u32],
+                sample: vec![w.own_len],
+                amp: vec![1.0],
+                imax: vec![0],
+                sign: vec![1],
+                adist: vec![],
+                yct: vec![0.0],
+                tf: vec![],
+                n_chans: 0,
+                n_pcs: 0,
+            })
+        }
+    }
+
+    fn setup(n_samples: u64) -> (Arc<dyn Recording>, WindowPlan) {
+        let rec: Arc<dyn Recording> = Arc::new(Ramp {
+            n_channels: 3,
+            n_samples,
+        });
+        let plan = WindowPlan::new(n_samples, 100, 10).unwrap();
+        (rec, plan)
+    }
+
+    #[test]
+    fn windows_arrive_in_order_with_at_most_the_bound_of_buffers() {
+        let (rec, plan) = setup(2_345);
+        assert_eq!(plan.n_windows, 24);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut pass = Probe {
+            seen: seen.clone(),
+            fail_at: None,
+        };
+        let mut checked = Vec::new();
+        let mut written = Vec::new();
+        let report = run_windows(
+            rec,
+            plan,
+            &[2, 0],
+            |w| {
+                checked.push(w.index);
+                Ok(())
+            },
+            &mut pass,
+            |info, det| {
+                written.push((info.index, det.centre[0] as u64, det.sample[0]));
+                Ok(())
+            },
+        )
+        .unwrap();
+        let all: Vec<u64> = (0..plan.n_windows).collect();
+        assert_eq!(checked, all);
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.iter().map(|s| s.0).collect::<Vec<_>>(), all);
+        // Row 0 reads channel 2; column nt holds the window's first own sample
+        // (window 0: the left pad repeats sample 0, so column 10 is sample 0).
+        for &(i, v, _) in seen.iter() {
+            assert_eq!(v, (2000 + i * 100) as f32, "window {i}");
+        }
+        let buffers: HashSet<usize> = seen.iter().map(|s| s.2).collect();
+        assert!(
+            buffers.len() <= WINDOWS_IN_FLIGHT,
+            "{} buffers",
+            buffers.len()
+        );
+        for (k, &(i, c, own)) in written.iter().enumerate() {
+            assert_eq!((i, c, own), (k as u64, k as u64, plan.own_len(k as u64)));
+        }
+        assert!(report.times.0.contains_key("read"));
+        assert!(report.times.0.contains_key("write"));
+        assert!(report.overlap() >= 0.0);
+    }
+
+    #[test]
+    fn a_failing_stage_stops_the_run_with_its_error() {
+        let (rec, plan) = setup(5_000);
+        let mut pass = Probe {
+            seen: Arc::new(Mutex::new(Vec::new())),
+            fail_at: Some(7),
+        };
+        let mut n = 0;
+        let err = run_windows(
+            rec.clone(),
+            plan,
+            &[0],
+            |_| Ok(()),
+            &mut pass,
+            |_, _| {
+                n += 1;
+                Ok(())
+            },
+        )
+        .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("pass failed at window 7"),
+            "{err:#}"
+        );
+        assert_eq!(n, 7);
+
+        let mut pass = Probe {
+            seen: Arc::new(Mutex::new(Vec::new())),
+            fail_at: None,
+        };
+        let err = run_windows(
+            rec.clone(),
+            plan,
+            &[0],
+            |_| Ok(()),
+            &mut pass,
+            |i, _| {
+                if i.index == 3 {
+                    anyhow::bail!("disk full")
+                }
+                Ok(())
+            },
+        )
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("disk full"));
+
+        let mut pass = Probe {
+            seen: Arc::new(Mutex::new(Vec::new())),
+            fail_at: None,
+        };
+        let err = run_windows(
+            rec,
+            plan,
+            &[0],
+            |w| {
+                if w.index == 2 {
+                    anyhow::bail!("bad check")
+                }
+                Ok(())
+            },
+            &mut pass,
+            |_, _| Ok(()),
+        )
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("bad check"));
+    }
+}
