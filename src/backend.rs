@@ -332,7 +332,11 @@ impl Detector {
     pub fn max_window_samples(&self, n_sites: usize) -> usize {
         let _ = n_sites; // unused in a CPU-only build
         match self {
-            Detector::Cpu(_) => usize::MAX,
+            Detector::Cpu(_) => {
+                // Only the GPU back ends (when compiled in) read it.
+                let _ = n_sites;
+                usize::MAX
+            }
             #[cfg(feature = "cuda")]
             Detector::Cuda(d) => d.max_window_samples(n_sites),
             #[cfg(feature = "wgpu")]

@@ -3,9 +3,11 @@
 //!
 //! 1. Plan the windows ([`WindowPlan`]: `batch_size` own samples, `nt` on each side).
 //! 2. Fit the whitening matrix on every `nskip`-th window ([`fit_whitening`](crate::preprocess::fit_whitening)).
-//! 3. For every window, read ahead on a thread ([`WindowLoader`]), preprocess
+//! 3. For every window, read it and run the input checks, preprocess
 //!    ([`Preprocessor`]: channel means, median CAR, high-pass, whitening), detect
-//!    ([`Detector`]: CPU or GPU) and stream the spikes to the output folder ([`OutputWriter`]).
+//!    ([`Detector`]: CPU or GPU) and stream the spikes to the output folder
+//!    ([`OutputWriter`]); the three overlap across windows on their own threads
+//!    ([`crate::stages`]).
 //!
 //! Before and during the run, the input checks of [`crate::checks`] run (see
 //! [`Checks`]): the data's scale, channel health and stuck stretches, the
@@ -35,6 +37,7 @@ use crate::preprocess::{
 };
 use crate::probe::Probe;
 use crate::recording::{Recording, WindowLoader, WindowPlan, read_window};
+use crate::stages::{HostPass, WindowInfo, run_windows};
 
 /// Everything one detection run needs.
 pub struct DetectJob {
@@ -192,9 +195,10 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // So does an output folder that cannot be written.
     let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
     tracing::info!(
-        "{} of {} samples; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
+        "{} of {} samples, {} in flight; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
         crate::error::count(plan.n_windows, "window"),
         plan.window_len(),
+        crate::stages::WINDOWS_IN_FLIGHT,
         memory_estimate(n_sites, plan.window_len(), n_centres) as f64 / 1e6
     );
 
@@ -292,7 +296,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let learn_s = t_learn.elapsed().as_secs_f64();
     // ---- end issue 11 ----
     // ---- drift (issue 12, src/drift): first pass, estimate, drift files ----
-    let drift = {
+    let drift = std::sync::Arc::new({
         let fp = crate::drift::FirstPass {
             recording: &rec,
             plan: &plan,
@@ -315,7 +319,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         )?;
         found.into_iter().for_each(|w| warnings.push(w));
         run
-    };
+    });
     // ---- end drift ----
 
     let nt = job.detection.nt as u64;
@@ -323,76 +327,81 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let min_run = checks::stuck_min_run(fs);
     let mut health = ChannelHealth::new(&chan_map);
     let t_detect = Instant::now();
-    let (mut t_pre, mut t_det, mut t_write) = (0f64, 0f64, 0f64);
     let mut spikes = 0u64;
     let mut dropped = 0u64;
     let mut duplicates = 0u64;
     let mut seconds_done = 0f64;
+    let mut windows_done = 0u64;
     // The previous window's detections, held back until the next window has
     // been compared with them (boundary duplicates), with its first sample.
     let mut pending: Option<(Detections, i64)> = None;
-    let loader = WindowLoader::all(rec.clone(), plan, chan_map)?;
-    for (done, window) in loader.take(drift.windows_to_detect()).enumerate() {
-        let mut w = window?;
-        let t0 = Instant::now();
+    // ---- issue 10: the pipelined window loop (src/stages.rs) ----
+    // read + input checks | preprocess + detect | write, overlapping.
+    let mut pass = HostPass {
+        pre,
+        detector,
+        yc: job.probe.yc.clone(),
+        drift: drift.correction.is_some().then(|| drift.clone()), // issue 12
+    };
+    let mask_clipped = job.checks.mask_clipped;
+    let health_ref = &mut health;
+    let check = move |w: &mut crate::recording::Window| -> Result<()> {
         let cols = WindowColumns::of(&plan, w.index);
         let runs = checks::find_stuck_runs(&w.data, cols.lo, cols.hi, min_run);
-        health.observe(w.data.view(), cols.own, w.first_sample, &runs);
-        if job.checks.mask_clipped {
+        health_ref.observe(w.data.view(), cols.own, w.first_sample, &runs);
+        if mask_clipped {
             checks::fill_stuck_runs(&mut w.data, &runs, cols.lo, cols.hi, cols.pad_repeats);
         }
-        pre.apply(&mut w.data).with_context(|| {
-            format!(
-                "preprocessing window {} (samples from {})",
-                w.index, w.own_start
-            )
-        })?;
-        drift.apply(w.index, &mut w.data)?; // drift correction (issue 12)
-        let t1 = Instant::now();
-        let mut det = detector
-            .detect(w.data.view(), &job.probe.yc)
-            .with_context(|| {
-                format!(
-                    "detecting in window {} (samples from {})",
-                    w.index, w.own_start
-                )
-            })?;
-        let before = det.len();
-        let own_end = nt + w.own_len;
-        det.retain(|_, t| t >= nt && t < own_end);
-        dropped += (before - det.len()) as u64;
-        let t2 = Instant::now();
-        if job.checks.remove_boundary_duplicates {
-            if let Some((mut prev, prev_first)) = pending.take() {
-                duplicates += remove_boundary_duplicates(
-                    &mut prev,
-                    prev_first,
-                    &mut det,
-                    w.first_sample,
-                    w.own_start as i64,
-                    &geometry,
-                    nt0min,
-                );
-                writer.append(&prev, prev_first)?;
-                spikes += prev.len() as u64;
-            }
-            pending = Some((det, w.first_sample));
-        } else {
-            writer.append(&det, w.first_sample)?;
-            spikes += det.len() as u64;
-        }
-        t_write += t2.elapsed().as_secs_f64();
-        t_pre += (t1 - t0).as_secs_f64();
-        t_det += (t2 - t1).as_secs_f64();
-        seconds_done += w.own_len as f64 / fs;
-        progress(Progress {
-            windows_done: done as u64 + 1,
-            windows_total: plan.n_windows,
-            spikes: spikes + pending.as_ref().map_or(0, |p| p.0.len() as u64),
-            seconds_done,
-            elapsed: t_detect.elapsed().as_secs_f64(),
-        });
-    }
+        Ok(())
+    };
+    // `--drift-only`: the first pass's spikes are the output; no second pass.
+    let stages = if drift.windows_to_detect() == 0 {
+        crate::stages::StagesReport::default()
+    } else {
+        run_windows(
+            rec.clone(),
+            plan,
+            &chan_map,
+            check,
+            &mut pass,
+            |w: WindowInfo, mut det: Detections| -> Result<()> {
+                let before = det.len();
+                let own_end = nt + w.own_len;
+                det.retain(|_, t| t >= nt && t < own_end);
+                dropped += (before - det.len()) as u64;
+                if job.checks.remove_boundary_duplicates {
+                    if let Some((mut prev, prev_first)) = pending.take() {
+                        duplicates += remove_boundary_duplicates(
+                            &mut prev,
+                            prev_first,
+                            &mut det,
+                            w.first_sample,
+                            w.own_start as i64,
+                            &geometry,
+                            nt0min,
+                        );
+                        writer.append(&prev, prev_first)?;
+                        spikes += prev.len() as u64;
+                    }
+                    pending = Some((det, w.first_sample));
+                } else {
+                    writer.append(&det, w.first_sample)?;
+                    spikes += det.len() as u64;
+                }
+                seconds_done += w.own_len as f64 / fs;
+                windows_done += 1;
+                progress(Progress {
+                    windows_done,
+                    windows_total: plan.n_windows,
+                    spikes: spikes + pending.as_ref().map_or(0, |p| p.0.len() as u64),
+                    seconds_done,
+                    elapsed: t_detect.elapsed().as_secs_f64(),
+                });
+                Ok(())
+            },
+        )?
+    };
+    // ---- end issue 10 ----
     if let Some((prev, prev_first)) = pending.take() {
         writer.append(&prev, prev_first)?;
         spikes += prev.len() as u64;
@@ -445,16 +454,17 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     info.versions.insert("device".into(), chosen.device.clone());
     info.versions
         .insert("backend_reason".into(), chosen.reason.clone());
-    for (k, v) in [
-        ("whitening_fit", fit_s),
-        ("templates", learn_s), // issue 11
-        ("preprocess", t_pre),
-        ("detect", t_det),
-        ("write", t_write),
-        ("total", t_start.elapsed().as_secs_f64()),
-    ] {
-        info.timings.insert(k.into(), v);
+    // ---- issue 10: busy seconds per stage, the stages' wall and overlap ----
+    info.timings.insert("whitening_fit".into(), fit_s);
+    for (k, v) in &stages.times.0 {
+        info.timings.insert(k.clone(), *v);
     }
+    info.timings.insert("stages_wall".into(), stages.wall);
+    info.timings.insert("overlap".into(), stages.overlap());
+    info.timings
+        .insert("total".into(), t_start.elapsed().as_secs_f64());
+    // ---- end issue 10 ----
+    info.timings.insert("templates".into(), learn_s); // issue 11
     drift.record(&mut info, writer.n_spikes()); // drift (issue 12)
     let summary = writer.finish(&info)?;
     Ok(Report {
@@ -739,15 +749,17 @@ pub fn write_whitened(
     })
 }
 
-/// Host memory a run holds at once, bytes: the windows in flight (one being read,
-/// two queued, one being processed), the preprocessing scratch (about one window),
-/// the detector's per-centre buffers (As and its template index), and per-thread
-/// filter-bank tiles. It does not depend on the recording's length or spike count.
+/// Host memory a run holds at once, bytes: the windows in flight
+/// ([`crate::stages::WINDOWS_IN_FLIGHT`]: one being read, one queued, one being
+/// preprocessed and detected), one more window for scratch and the output
+/// streams' buffers, the detector's per-centre buffers (As and its template
+/// index), and per-thread filter-bank tiles. It does not depend on the
+/// recording's length or spike count.
 pub fn memory_estimate(n_sites: usize, window_len: usize, n_centres: usize) -> u64 {
     let window = (n_sites * window_len * 4) as u64;
     let detector = (n_centres * window_len.next_multiple_of(crate::detect::cpu::TILE) * 5) as u64;
     let tiles = (rayon::current_num_threads() * n_sites * 7 * crate::detect::cpu::TILE * 4) as u64;
-    5 * window + detector + tiles
+    (crate::stages::WINDOWS_IN_FLIGHT as u64 + 1) * window + detector + tiles
 }
 
 /// Checks that the probe reads only channels the recording has and plans its

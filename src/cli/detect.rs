@@ -40,9 +40,24 @@ pub struct Args {
     templates: super::templates::TemplateArgs,
     #[command(flatten)]
     drift: super::drift::DriftArgs,
+    /// CPU worker threads for preprocessing and CPU detection. Default: the
+    /// RAYON_NUM_THREADS environment variable, else one per core.
+    #[arg(long, value_name = "N")]
+    threads: Option<usize>,
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
+    // ---- issue 10: --threads ----
+    if let Some(n) = args.threads {
+        if n == 0 {
+            anyhow::bail!("--threads 0: give at least 1 thread (or leave it out for one per core)");
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .map_err(|e| anyhow::anyhow!("--threads {n}: cannot start the thread pool: {e}"))?;
+    }
+    // ---- end issue 10 ----
     let (opened, probe) = args.rec.open(&args.recording)?;
     let (probe, checks) = args
         .checks

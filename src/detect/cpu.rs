@@ -190,6 +190,8 @@ pub struct CpuDetector {
     as_buf: Vec<f32>,
     imax_buf: Vec<i8>,
     amax_buf: Vec<f32>,
+    /// (centre, sample) where As > Th_universal, from the last pruned steps 1–3.
+    candidates: Vec<(u32, u64)>,
     nt_window: usize,
 }
 
@@ -221,6 +223,7 @@ impl CpuDetector {
             as_buf: Vec::new(),
             imax_buf: Vec::new(),
             amax_buf: Vec::new(),
+            candidates: Vec::new(),
             nt_window: 0,
         })
     }
@@ -340,12 +343,13 @@ impl CpuDetector {
         } else {
             (0..n_tiles).map(|_| &mut [][..]).collect()
         };
-        self.as_buf
+        let per_tile: Vec<Vec<(u32, u64)>> = self
+            .as_buf
             .par_chunks_mut(nf * TILE)
             .zip(self.imax_buf.par_chunks_mut(nf * TILE))
             .zip(amax_chunks.par_iter_mut())
             .enumerate()
-            .for_each_init(
+            .map_init(
                 || (vec![0f32; n_ch * NK * TILE], vec![0f32; n_ch * TILE]),
                 |(b, q), (tile, ((as_t, imax_t), amax_t))| {
                     let t0 = tile * TILE;
@@ -356,11 +360,18 @@ impl CpuDetector {
                     if dense {
                         centre_response(b, sites, weights, nsz, as_t, imax_t);
                         neighbour_max(as_t, neighbours, nc2, amax_t);
+                        Vec::new()
                     } else {
                         centre_response_pruned(b, q, sites, weights, bound, nsz, th, as_t, imax_t);
+                        tile_candidates(as_t, t0, nt_w, th)
                     }
                 },
-            );
+            )
+            .collect();
+        self.candidates.clear();
+        for c in per_tile {
+            self.candidates.extend_from_slice(&c);
+        }
     }
 
     /// Steps 3–4. Dense: Kilosort4's order (neighbour max, edge zeroing, ±nt0min
@@ -391,18 +402,8 @@ impl CpuDetector {
                 .collect();
             return per_centre.into_iter().flatten().collect();
         }
-        // Candidates: every (j, t) with As > Th, found by a linear scan of the tiles.
-        let mut candidates: Vec<(u32, u64)> = self
-            .as_buf
-            .par_chunks(nf * TILE)
-            .enumerate()
-            .flat_map_iter(|(tile, as_t)| {
-                as_t.iter()
-                    .enumerate()
-                    .filter(move |&(i, &v)| v > th && tile * TILE + i % TILE < nt_w)
-                    .map(move |(i, _)| ((i / TILE) as u32, (tile * TILE + i % TILE) as u64))
-            })
-            .collect();
+        // Candidates: every (j, t) with As > Th, gathered per tile by steps 1–3.
+        let mut candidates = self.candidates.clone();
         candidates.par_sort_unstable();
         let (lo_valid, hi_valid) = (nt.min(nt_w), nt_w.saturating_sub(nt));
         candidates
@@ -500,7 +501,17 @@ pub(crate) fn check_window(
             2 * nt + 1
         ));
     }
-    if let Some((i, v)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+    // A branch-free scan first (NaN and ±∞ have all exponent bits set); the
+    // position is looked for only when there is one.
+    let all_finite = match x.as_slice() {
+        Some(xs) => xs.chunks(4096).all(|c| {
+            c.iter().fold(0u32, |a, v| {
+                a | u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000)
+            }) == 0
+        }),
+        None => x.iter().all(|v| v.is_finite()),
+    };
+    if !all_finite && let Some((i, v)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
         return bad(format!(
             "holds a non-finite value ({v}) at channel {}, sample {}",
             i / nt_w,
@@ -552,27 +563,43 @@ pub fn filter_bank(x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]) {
 fn filter_bank_impl(x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]) {
     let ntaps = wtemp.len() / NK;
     let half = ntaps / 2;
-    // Input samples t0 − half .. t0 + TILE + half, zero outside the window.
+    // Input samples t0 − half .. t0 + TILE + half, zero outside the window:
+    // seg[i] = x[t0 + i − half] for half − t0 ≤ i < len + half − t0.
     let mut seg = [0f32; TILE + 2 * 64];
-    for (i, v) in seg[..TILE + 2 * half].iter_mut().enumerate() {
-        let t = (t0 + i).wrapping_sub(half);
-        if let Some(&s) = x.get(t) {
-            *v = s;
+    let lo = half.saturating_sub(t0);
+    let hi = (x.len() + half).saturating_sub(t0).min(TILE + 2 * half);
+    if lo < hi {
+        let src = t0 + lo - half;
+        seg[lo..hi].copy_from_slice(&x[src..src + (hi - lo)]);
+    }
+    // The weights by tap, wt[m][k] = wTEMP[k, m]: one fixed-size row per tap.
+    let mut wt = [[0f32; NK]; 2 * 64 + 1];
+    for (m, w) in wt.iter_mut().take(ntaps).enumerate() {
+        for (k, v) in w.iter_mut().enumerate() {
+            *v = wtemp[k * ntaps + m];
         }
     }
-    for tc in (0..TILE).step_by(LANES) {
-        let mut acc = [[0f32; LANES]; NK];
-        for m in 0..ntaps {
-            let xv: &[f32; LANES] = seg[tc + m..tc + m + LANES].try_into().expect("8 lanes");
-            for (k, a) in acc.iter_mut().enumerate() {
-                let w = wtemp[k * ntaps + m];
+    let wt = &wt[..ntaps];
+    // 16 samples (two vectors) per pass over the taps: each loaded weight
+    // serves twice, and the 12 sums are independent. Every sum still adds its
+    // terms in ascending m, so the bits do not depend on this arrangement.
+    for tc in (0..TILE).step_by(2 * LANES) {
+        let mut acc0 = [[0f32; LANES]; NK];
+        let mut acc1 = [[0f32; LANES]; NK];
+        let s = &seg[tc..tc + ntaps - 1 + 2 * LANES];
+        for (m, w) in wt.iter().enumerate() {
+            let x0: &[f32; LANES] = s[m..m + LANES].try_into().expect("8 lanes");
+            let x1: &[f32; LANES] = s[m + LANES..m + 2 * LANES].try_into().expect("8 lanes");
+            for k in 0..NK {
                 for l in 0..LANES {
-                    a[l] += w * xv[l];
+                    acc0[k][l] += w[k] * x0[l];
+                    acc1[k][l] += w[k] * x1[l];
                 }
             }
         }
-        for (k, a) in acc.iter().enumerate() {
-            out[k * TILE + tc..k * TILE + tc + LANES].copy_from_slice(a);
+        for k in 0..NK {
+            out[k * TILE + tc..k * TILE + tc + LANES].copy_from_slice(&acc0[k]);
+            out[k * TILE + tc + LANES..k * TILE + tc + 2 * LANES].copy_from_slice(&acc1[k]);
         }
     }
 }
@@ -822,6 +849,27 @@ fn pruned_impl<const NSZ: usize>(
             }
         }
     }
+}
+
+/// The (centre, sample) pairs of one tile (first sample `t0`, layout
+/// `as_t[j·TILE + i]`) where As > `th`, for samples below `nt_w`; in centre,
+/// then sample order. Chunks of [`LANES`] samples with no value above `th`
+/// (all of them where step 2 was pruned) are skipped by one comparison each.
+fn tile_candidates(as_t: &[f32], t0: usize, nt_w: usize, th: f32) -> Vec<(u32, u64)> {
+    let mut out = Vec::new();
+    for (ci, chunk) in as_t.chunks_exact(LANES).enumerate() {
+        let m = chunk.iter().fold(0f32, |m, &v| m.max(v));
+        if m > th {
+            for (l, &v) in chunk.iter().enumerate() {
+                let i = ci * LANES + l;
+                let t = t0 + i % TILE;
+                if v > th && t < nt_w {
+                    out.push(((i / TILE) as u32, t as u64));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Step 3 for one tile: `amax[j·TILE + t] = max_m as[iC2[m, j]·TILE + t]`

@@ -475,8 +475,14 @@ impl HighpassFilter {
         let n = self.n as isize;
         // ext[u] = x[(u + first) mod N], u < N + K − 1; then
         // y[t] = Σ_{q < K} h[first + q] · ext[t + q], a linear correlation.
-        for (u, e) in ext.iter_mut().enumerate() {
-            *e = row[(u as isize + b.first).rem_euclid(n) as usize];
+        // Copied as whole runs of the row (at most three: wrap-arounds).
+        let mut src = b.first.rem_euclid(n) as usize;
+        let mut u = 0;
+        while u < ext.len() {
+            let take = (self.n - src).min(ext.len() - u);
+            ext[u..u + take].copy_from_slice(&row[src..src + take]);
+            u += take;
+            src = 0;
         }
         let mut t0 = 0;
         while t0 < self.n {

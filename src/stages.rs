@@ -1,0 +1,516 @@
+//! The per-window part of a run, pipelined: reading, preprocessing + detection,
+//! and writing overlap across windows (issue 10).
+//!
+//! Three stages, each on its own thread, joined by bounded queues that move
+//! owned buffers from one stage to the next:
+//!
+//! 1. **read** (thread `spikecube-read`): [`read_window`] into a recycled
+//!    window buffer, then the caller's per-window input checks (stuck runs,
+//!    channel health, masking), in window order;
+//! 2. **pass** (thread `spikecube-pass`): a [`WindowPass`] — preprocessing and
+//!    detection as one call, raw window in, [`Detections`] out — after which
+//!    the window buffer goes back to the reader;
+//! 3. **write** (the calling thread): the caller's closure, in window order
+//!    (boundary duplicates, the output folder, progress).
+//!
+//! Memory is bounded by [`WINDOWS_IN_FLIGHT`] window buffers: the reader takes a
+//! free buffer before reading, so it can be at most that many windows ahead of
+//! the pass (back-pressure), whatever the recording's length. Detections are
+//! small and queue behind the pass.
+//!
+//! Each stage adds its busy seconds to a [`StageTimes`]; their sum divided by
+//! the wall time of the stages is the overlap achieved (1 when nothing
+//! overlaps; at most the number of stages, more when a stage itself runs on
+//! several cores counts only once).
+//!
+//! Results do not depend on the overlap: every stage handles windows in order,
+//! one at a time, exactly as a sequential loop would.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, anyhow};
+use crossbeam_channel::{bounded, unbounded};
+use ndarray::Array2;
+
+use crate::backend::Detector;
+use crate::detect::cpu::Detections;
+use crate::preprocess::Preprocessor;
+use crate::recording::{Recording, Window, WindowPlan, read_window};
+
+/// Window buffers a pipelined run holds at most: one being read, one queued
+/// for the pass, one in the pass.
+pub const WINDOWS_IN_FLIGHT: usize = 3;
+
+/// Busy seconds per stage, by name (`read`, `checks`, `preprocess`, `detect`,
+/// `write`; a GPU pass adds its own, e.g. `upload`, `download`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StageTimes(pub BTreeMap<String, f64>);
+
+impl StageTimes {
+    /// Adds `seconds` to `stage`.
+    pub fn add(&mut self, stage: &str, seconds: f64) {
+        *self.0.entry(stage.to_string()).or_insert(0.0) += seconds;
+    }
+
+    /// Adds the seconds elapsed since `since` to `stage` and returns now.
+    pub fn lap(&mut self, stage: &str, since: Instant) -> Instant {
+        let now = Instant::now();
+        self.add(stage, (now - since).as_secs_f64());
+        now
+    }
+
+    /// Adds every stage of `other`.
+    pub fn merge(&mut self, other: &StageTimes) {
+        for (k, v) in &other.0 {
+            self.add(k, *v);
+        }
+    }
+
+    /// Seconds of `stage` (0 when absent).
+    pub fn get(&self, stage: &str) -> f64 {
+        self.0.get(stage).copied().unwrap_or(0.0)
+    }
+
+    /// Sum of all stages' busy seconds.
+    pub fn busy(&self) -> f64 {
+        self.0.values().sum()
+    }
+}
+
+/// A window's place in the recording (a [`Window`] without its samples).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowInfo {
+    /// Window index, `0 .. n_windows`.
+    pub index: u64,
+    /// Absolute sample index of column `nt` (the first own sample).
+    pub own_start: u64,
+    /// Own samples of the window.
+    pub own_len: u64,
+    /// Absolute sample index of column 0 (may be negative for window 0).
+    pub first_sample: i64,
+}
+
+impl WindowInfo {
+    fn of(w: &Window) -> Self {
+        WindowInfo {
+            index: w.index,
+            own_start: w.own_start,
+            own_len: w.own_len,
+            first_sample: w.first_sample,
+        }
+    }
+}
+
+/// Preprocessing and detection of one window: the stage between reading and
+/// writing, and the one a GPU pass replaces as a whole.
+pub trait WindowPass: Send {
+    /// Turns one raw window into its detections.
+    ///
+    /// `window.data`: C sites × N samples (`batch_size + 2·nt`), f32 raw
+    /// values, rows in channel-map order, stuck stretches already masked when
+    /// the run masks them; the pass may overwrite it (its buffer is reused for
+    /// a later window afterwards). Returns every detection of the window, with
+    /// window-relative samples (the caller keeps the own samples'), and adds
+    /// the pass's busy seconds to `times` under its stage names.
+    ///
+    /// # Errors
+    /// When preprocessing or detection fails; the run stops.
+    fn run(&mut self, window: &mut Window, times: &mut StageTimes) -> Result<Detections>;
+}
+
+/// Preprocessing on the CPU ([`Preprocessor`]), then detection on any back
+/// end ([`Detector`]); stage names `preprocess` and `detect`.
+pub struct HostPass {
+    /// Channel means, median CAR, high-pass, whitening.
+    pub pre: Preprocessor,
+    /// Detection on the chosen back end.
+    pub detector: Detector,
+    /// Site depths, µm (the probe's `yc`).
+    pub yc: Vec<f32>,
+    /// Drift correction of each whitened window (issue 12), when on.
+    pub drift: Option<Arc<crate::drift::DriftRun>>,
+}
+
+impl WindowPass for HostPass {
+    fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
+        let t0 = Instant::now();
+        self.pre.apply(&mut w.data).with_context(|| {
+            format!(
+                "preprocessing window {} (samples from {})",
+                w.index, w.own_start
+            )
+        })?;
+        if let Some(d) = &self.drift {
+            d.apply(w.index, &mut w.data)?;
+        }
+        let t1 = times.lap("preprocess", t0);
+        let det = self
+            .detector
+            .detect(w.data.view(), &self.yc)
+            .with_context(|| {
+                format!(
+                    "detecting in window {} (samples from {})",
+                    w.index, w.own_start
+                )
+            })?;
+        times.lap("detect", t1);
+        Ok(det)
+    }
+}
+
+/// What [`run_windows`] measured.
+#[derive(Debug, Clone, Default)]
+pub struct StagesReport {
+    /// Busy seconds per stage, summed over windows.
+    pub times: StageTimes,
+    /// Wall seconds from the first read to the last write.
+    pub wall: f64,
+}
+
+impl StagesReport {
+    /// Sum of the stages' busy seconds over the wall time: how many stages
+    /// ran at once on average.
+    pub fn overlap(&self) -> f64 {
+        self.times.busy() / self.wall.max(1e-12)
+    }
+}
+
+/// Runs every window of `plan` through read (+ `check`), `pass` and `write`,
+/// the three overlapping on their own threads (module docs).
+///
+/// * `check(window)`: on the reading thread, in window order, right after the read;
+/// * `pass`: on the pass thread;
+/// * `write(info, detections)`: on the calling thread, in window order.
+///
+/// At most [`WINDOWS_IN_FLIGHT`] window buffers (`chan_map.len()` ×
+/// `plan.window_len()` f32 each) exist at a time.
+///
+/// # Errors
+/// The first error of any stage (a failed read, check, pass or write); the
+/// other stages then stop at their next window.
+pub fn run_windows<C, W>(
+    rec: Arc<dyn Recording>,
+    plan: WindowPlan,
+    chan_map: &[u64],
+    mut check: C,
+    pass: &mut dyn WindowPass,
+    mut write: W,
+) -> Result<StagesReport>
+where
+    C: FnMut(&mut Window) -> Result<()> + Send,
+    W: FnMut(WindowInfo, Detections) -> Result<()>,
+{
+    let t_start = Instant::now();
+    let (raw_tx, raw_rx) = bounded::<Result<Window>>(WINDOWS_IN_FLIGHT);
+    let (det_tx, det_rx) = bounded::<Result<(WindowInfo, Detections)>>(WINDOWS_IN_FLIGHT);
+    let (free_tx, free_rx) = unbounded::<Array2<f32>>();
+    let shape = (chan_map.len(), plan.window_len());
+    let rec = rec.as_ref();
+
+    std::thread::scope(|s| -> Result<StagesReport> {
+        let reader = std::thread::Builder::new()
+            .name("spikecube-read".into())
+            .spawn_scoped(s, move || {
+                let mut times = StageTimes::default();
+                let first = rec.first_sample();
+                let mut allocated = 0;
+                for i in 0..plan.n_windows {
+                    // A free buffer, or a new one while fewer than the bound exist.
+                    let mut data = if allocated < WINDOWS_IN_FLIGHT {
+                        allocated += 1;
+                        Array2::zeros(shape)
+                    } else {
+                        match free_rx.recv() {
+                            Ok(d) => d,
+                            // The pass stopped: so do we.
+                            Err(_) => break,
+                        }
+                    };
+                    let t1 = Instant::now();
+                    let res = read_window(rec, &plan, i, chan_map, &mut data)
+                        .map_err(anyhow::Error::from)
+                        .map(|()| {
+                            let own_start = first + plan.window_start(i);
+                            Window {
+                                index: i,
+                                own_start,
+                                own_len: plan.own_len(i),
+                                first_sample: own_start as i64 - plan.nt as i64,
+                                data,
+                            }
+                        });
+                    let t2 = times.lap("read", t1);
+                    let res = res.and_then(|mut w| check(&mut w).map(|()| w));
+                    times.lap("checks", t2);
+                    let failed = res.is_err();
+                    if raw_tx.send(res).is_err() || failed {
+                        break;
+                    }
+                }
+                times
+            })
+            .context("cannot start the reading thread")?;
+
+        let pass_thread = std::thread::Builder::new()
+            .name("spikecube-pass".into())
+            .spawn_scoped(s, move || {
+                let mut times = StageTimes::default();
+                for item in raw_rx.iter() {
+                    let res = item.and_then(|mut w| {
+                        let det = pass.run(&mut w, &mut times)?;
+                        let info = WindowInfo::of(&w);
+                        // Hand the buffer back; the reader may have stopped.
+                        let _ = free_tx.send(w.data);
+                        Ok((info, det))
+                    });
+                    let failed = res.is_err();
+                    if det_tx.send(res).is_err() || failed {
+                        break;
+                    }
+                }
+                times
+            })
+            .context("cannot start the processing thread")?;
+
+        let mut times = StageTimes::default();
+        let mut done = 0u64;
+        let result = (|| -> Result<()> {
+            for item in det_rx.iter() {
+                let (info, det) = item?;
+                let t0 = Instant::now();
+                write(info, det)?;
+                times.lap("write", t0);
+                done += 1;
+            }
+            Ok(())
+        })();
+        // Stop the other stages if the writer stopped early.
+        drop(det_rx);
+        let pass_times = pass_thread
+            .join()
+            .map_err(|_| anyhow!("the processing thread panicked"))?;
+        let read_times = reader
+            .join()
+            .map_err(|_| anyhow!("the reading thread panicked"))?;
+        result?;
+        if done != plan.n_windows {
+            return Err(anyhow!(
+                "the run stopped after {done} of {} windows",
+                plan.n_windows
+            ));
+        }
+        times.merge(&pass_times);
+        times.merge(&read_times);
+        Ok(StagesReport {
+            times,
+            wall: t_start.elapsed().as_secs_f64(),
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::RecordingError;
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+
+    /// A recording in memory: sample t of channel c is c·1000 + t.
+    #[derive(Debug)]
+    struct Ramp {
+        n_channels: usize,
+        n_samples: u64,
+    }
+
+    impl Recording for Ramp {
+        fn n_channels(&self) -> usize {
+            self.n_channels
+        }
+        fn n_samples(&self) -> u64 {
+            self.n_samples
+        }
+        fn fs(&self) -> f64 {
+            30_000.0
+        }
+        fn first_sample(&self) -> u64 {
+            0
+        }
+        fn read_channels(
+            &self,
+            start: u64,
+            count: usize,
+            chan_map: &[u64],
+            out: &mut [f32],
+        ) -> Result<(), RecordingError> {
+            for (r, &c) in chan_map.iter().enumerate() {
+                for t in 0..count {
+                    out[r * count + t] = (c * 1000 + start + t as u64) as f32;
+                }
+            }
+            Ok(())
+        }
+        fn describe(&self) -> String {
+            "ramp".into()
+        }
+    }
+
+    /// Records what it saw: the window index, column `nt`'s value on row 0 and
+    /// the buffer's address; fails at window `fail_at`.
+    struct Probe {
+        seen: Arc<Mutex<Vec<(u64, f32, usize)>>>,
+        fail_at: Option<u64>,
+    }
+
+    impl WindowPass for Probe {
+        fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
+            times.add("detect", 0.0);
+            if Some(w.index) == self.fail_at {
+                anyhow::bail!("pass failed at window {}", w.index);
+            }
+            // nt = 10 in these tests.
+            self.seen
+                .lock()
+                .unwrap()
+                .push((w.index, w.data[[0, 10]], w.data.as_ptr() as usize));
+            Ok(Detections {
+                centre: vec![w.index as u32],
+                sample: vec![w.own_len],
+                amp: vec![1.0],
+                imax: vec![0],
+                sign: vec![1],
+                adist: vec![],
+                yct: vec![0.0],
+                tf: vec![],
+                n_chans: 0,
+                n_pcs: 0,
+            })
+        }
+    }
+
+    fn setup(n_samples: u64) -> (Arc<dyn Recording>, WindowPlan) {
+        let rec: Arc<dyn Recording> = Arc::new(Ramp {
+            n_channels: 3,
+            n_samples,
+        });
+        let plan = WindowPlan::new(n_samples, 100, 10).unwrap();
+        (rec, plan)
+    }
+
+    #[test]
+    fn windows_arrive_in_order_with_at_most_the_bound_of_buffers() {
+        let (rec, plan) = setup(2_345);
+        assert_eq!(plan.n_windows, 24);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut pass = Probe {
+            seen: seen.clone(),
+            fail_at: None,
+        };
+        let mut checked = Vec::new();
+        let mut written = Vec::new();
+        let report = run_windows(
+            rec,
+            plan,
+            &[2, 0],
+            |w| {
+                checked.push(w.index);
+                Ok(())
+            },
+            &mut pass,
+            |info, det| {
+                written.push((info.index, det.centre[0] as u64, det.sample[0]));
+                Ok(())
+            },
+        )
+        .unwrap();
+        let all: Vec<u64> = (0..plan.n_windows).collect();
+        assert_eq!(checked, all);
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.iter().map(|s| s.0).collect::<Vec<_>>(), all);
+        // Row 0 reads channel 2; column nt holds the window's first own sample
+        // (window 0: the left pad repeats sample 0, so column 10 is sample 0).
+        for &(i, v, _) in seen.iter() {
+            assert_eq!(v, (2000 + i * 100) as f32, "window {i}");
+        }
+        let buffers: HashSet<usize> = seen.iter().map(|s| s.2).collect();
+        assert!(
+            buffers.len() <= WINDOWS_IN_FLIGHT,
+            "{} buffers",
+            buffers.len()
+        );
+        for (k, &(i, c, own)) in written.iter().enumerate() {
+            assert_eq!((i, c, own), (k as u64, k as u64, plan.own_len(k as u64)));
+        }
+        assert!(report.times.0.contains_key("read"));
+        assert!(report.times.0.contains_key("write"));
+        assert!(report.overlap() >= 0.0);
+    }
+
+    #[test]
+    fn a_failing_stage_stops_the_run_with_its_error() {
+        let (rec, plan) = setup(5_000);
+        let mut pass = Probe {
+            seen: Arc::new(Mutex::new(Vec::new())),
+            fail_at: Some(7),
+        };
+        let mut n = 0;
+        let err = run_windows(
+            rec.clone(),
+            plan,
+            &[0],
+            |_| Ok(()),
+            &mut pass,
+            |_, _| {
+                n += 1;
+                Ok(())
+            },
+        )
+        .unwrap_err();
+        assert!(
+            format!("{err:#}").contains("pass failed at window 7"),
+            "{err:#}"
+        );
+        assert_eq!(n, 7);
+
+        let mut pass = Probe {
+            seen: Arc::new(Mutex::new(Vec::new())),
+            fail_at: None,
+        };
+        let err = run_windows(
+            rec.clone(),
+            plan,
+            &[0],
+            |_| Ok(()),
+            &mut pass,
+            |i, _| {
+                if i.index == 3 {
+                    anyhow::bail!("disk full")
+                }
+                Ok(())
+            },
+        )
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("disk full"));
+
+        let mut pass = Probe {
+            seen: Arc::new(Mutex::new(Vec::new())),
+            fail_at: None,
+        };
+        let err = run_windows(
+            rec,
+            plan,
+            &[0],
+            |w| {
+                if w.index == 2 {
+                    anyhow::bail!("bad check")
+                }
+                Ok(())
+            },
+            &mut pass,
+            |_, _| Ok(()),
+        )
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("bad check"));
+    }
+}
