@@ -352,17 +352,24 @@ fn progress_dict<'py>(py: Python<'py>, p: &Progress) -> PyResult<Bound<'py, PyDi
     Ok(d)
 }
 
+/// The unwinding payload that stops a run from its progress callback.
+struct Interrupted;
+
 /// The progress callback of a run: checks for Ctrl-C, then calls `callback`.
+/// On an exception (Ctrl-C's `KeyboardInterrupt` or the callback's own) it
+/// stops the run at once by unwinding with [`Interrupted`] (without the panic
+/// hook's message): the run's output writer and window reader are dropped on
+/// the way, which removes the staged output folder and stops the reader.
+/// [`guarded`] catches it.
 fn reporter<'a>(
     interrupt: &'a Interrupt,
     callback: &'a Option<Py<PyAny>>,
 ) -> impl FnMut(Progress) + 'a {
     move |p: Progress| {
         interrupt.check_signals();
-        if interrupt.is_set() {
-            return;
-        }
-        if let Some(cb) = callback {
+        if !interrupt.is_set()
+            && let Some(cb) = callback
+        {
             let r = Python::with_gil(|py| -> PyResult<()> {
                 cb.call1(py, (progress_dict(py, &p)?,))?;
                 Ok(())
@@ -371,6 +378,19 @@ fn reporter<'a>(
                 interrupt.set(e);
             }
         }
+        if interrupt.is_set() {
+            std::panic::resume_unwind(Box::new(Interrupted));
+        }
+    }
+}
+
+/// Runs `f`, turning an [`Interrupted`] unwind into an error (the stored
+/// exception is raised by [`Interrupt::into_err`]); other panics go on.
+fn guarded<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) if payload.is::<Interrupted>() => Err(anyhow::anyhow!("interrupted")),
+        Err(payload) => std::panic::resume_unwind(payload),
     }
 }
 
@@ -438,7 +458,9 @@ fn detect(
             backend,
             checks,
         };
-        let report = spikecube::pipeline::run_detection(job, &mut reporter(&interrupt, &progress))?;
+        let report = guarded(|| {
+            spikecube::pipeline::run_detection(job, &mut reporter(&interrupt, &progress))
+        })?;
         if interrupt.is_set() {
             anyhow::bail!("interrupted");
         }
@@ -492,15 +514,21 @@ fn preprocess<'py>(
             fs: rec.fs(),
             ..pre
         };
-        let report = spikecube::pipeline::write_whitened(
-            rec.clone(),
-            &probe,
-            &settings,
-            format,
-            &out_file,
-            &checks,
-            &mut reporter(&interrupt, &progress),
-        )?;
+        let report = guarded(|| {
+            spikecube::pipeline::write_whitened(
+                rec.clone(),
+                &probe,
+                &settings,
+                format,
+                &out_file,
+                &checks,
+                &mut reporter(&interrupt, &progress),
+            )
+        })
+        .inspect_err(|_| {
+            // write_whitened's own temporary file, left by an interrupt's unwinding.
+            let _ = std::fs::remove_file(out_file.with_extension("partial"));
+        })?;
         if interrupt.is_set() {
             let _ = std::fs::remove_file(&out_file);
             anyhow::bail!("interrupted");
