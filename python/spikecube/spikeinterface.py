@@ -52,9 +52,12 @@ from . import detect as _detect_file
 
 try:
     from spikeinterface.core.node_pipeline import PeakDetector
-    from spikeinterface.core.base import base_peak_dtype
 except ImportError as e:  # pragma: no cover
     raise ImportError("spikecube.spikeinterface needs SpikeInterface >= 0.103 (pip install spikeinterface)") from e
+try:
+    from spikeinterface.core.base import base_peak_dtype
+except ImportError:  # SpikeInterface 0.103
+    from spikeinterface.core.node_pipeline import base_peak_dtype
 
 try:
     from spikeinterface.sortingcomponents.peak_detection.method_list import detect_peak_methods

@@ -245,9 +245,8 @@ fn backend_from(s: &str) -> PyResult<Backend> {
 }
 
 fn settings_from<T: serde::de::DeserializeOwned>(json: &str, what: &str) -> PyResult<T> {
-    serde_json::from_str(json).map_err(|e| {
-        pyo3::exceptions::PyValueError::new_err(format!("{what} settings: {e}"))
-    })
+    serde_json::from_str(json)
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("{what} settings: {e}")))
 }
 
 /// How to open the recording (the command line's recording flags).
@@ -321,11 +320,9 @@ fn open_recording(
         .probe
         .as_ref()
         .map_or(0, |p| n_file.saturating_sub(p.n_sites()));
-    if let Some(w) = checks::unused_channels_warning(
-        &probe,
-        n_file,
-        expected_unused + o.exclude_channels.len(),
-    ) {
+    if let Some(w) =
+        checks::unused_channels_warning(&probe, n_file, expected_unused + o.exclude_channels.len())
+    {
         warnings.push(w);
     }
     let first = &paths[0];
@@ -670,9 +667,7 @@ impl Recording for CallbackRecording {
             )));
         }
         Python::with_gil(|py| -> PyResult<()> {
-            let a = self
-                .get_traces
-                .call1(py, (start, start + count as u64))?;
+            let a = self.get_traces.call1(py, (start, start + count as u64))?;
             let a = a.bind(py).downcast::<PyArray2<f32>>()?.readonly();
             let a = a.as_array();
             if a.dim() != (count, self.n_channels) {

@@ -45,9 +45,9 @@ def of_peaks(peaks):
 
 
 def test_registered():
-    from spikeinterface.sortingcomponents.peak_detection.method_list import detect_peak_methods
-
-    assert detect_peak_methods["spikecube"] is ssi.SpikecubePeakDetector
+    assert ssi.detect_peak_methods["spikecube"] is ssi.SpikecubePeakDetector
+    with pytest.raises(ValueError, match="nearest_chans"):
+        ssi.SpikecubePeakDetector(sc.generate_recording(num_channels=4, durations=[1.0]), Th_univresal=8)
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +149,17 @@ def test_fast_path_equals_command_line(ground_truth_recording, tmp_path):
     traces = saved.get_traces()
     np.testing.assert_array_equal(peaks["amplitude"],
                                   traces[peaks["sample_index"], peaks["channel_index"]].astype(np.float64))
+
+
+def test_other_chunk_sizes_give_nearly_the_same_spikes(ground_truth_recording, tmp_path):
+    # Chunks of 1 s (SpikeInterface's default) are windows of 30 000 samples:
+    # the same preprocessing on other windows, so nearly the same spikes.
+    rec, saved, raw, probe = ground_truth_recording
+    n = rec.get_num_channels()
+    peaks = detect_peaks(rec, method="spikecube", job_kwargs=dict(chunk_size=30000, n_jobs=1, progress_bar=False))
+    folder = cli_detect(raw, tmp_path / "c", "--n-channels", n, "--fs", 30000, "--dtype", "float32",
+                        "--probe", probe, "--keep-boundary-duplicates")
+    ref = set(map(tuple, spikes(folder)))
+    got = set(map(tuple, of_peaks(peaks)))
+    assert len(ref & got) >= 0.95 * len(ref), (len(ref & got), len(ref), len(got))
+    assert len(ref & got) >= 0.95 * len(got)
