@@ -386,6 +386,14 @@ def _progress(progress, unit="windows"):
     return cb, close
 
 
+def _sync_log_level():
+    """Passes the ``spikecube`` logger's effective level to the core, which then
+    drops lower events without calling into Python."""
+    import logging
+
+    _native.set_log_level(max(1, min(50, logging.getLogger("spikecube").getEffectiveLevel())))
+
+
 def _paths(path_or_paths) -> list[str]:
     if isinstance(path_or_paths, (str, os.PathLike)):
         return [os.fspath(path_or_paths)]
@@ -473,6 +481,7 @@ def detect(
     else:
         target = Path(out)
     try:
+        _sync_log_level()
         _native.detect(
             paths,
             probe_t,
@@ -556,6 +565,7 @@ def detect_window(X, probe, *, backend: str = "cpu", **settings) -> WindowResult
     X = np.ascontiguousarray(X, dtype=np.float32)
     if X.ndim != 2:
         raise ValueError(f"X must be 2-D (channels × samples), got shape {X.shape}")
+    _sync_log_level()
     det, geom = _native.detect_window(
         X, Probe.of(probe)._tuple(), _settings.detection_json(groups["detection"]), backend
     )
@@ -629,6 +639,7 @@ def preprocess(
     target = out / "temp_wh.dat"
     cb, close = _progress(progress)
     try:
+        _sync_log_level()
         w, info = _native.preprocess(
             _paths(path_or_paths),
             None if probe is None else Probe.of(probe)._tuple(),

@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import spikecube
+
 from . import Probe, _native, _settings
 from . import detect as _detect_file
 
@@ -133,6 +135,7 @@ class SpikecubePeakDetector(PeakDetector):
         self._probe = Probe.from_recording(recording)
         fs = float(recording.get_sampling_frequency())
         self._fs = fs
+        spikecube._sync_log_level()
         # One whitening fit per segment (each segment is a recording of its own).
         self._fits = []
         for seg in range(recording.get_num_segments()):

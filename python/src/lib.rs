@@ -137,6 +137,17 @@ impl Recording for Interruptible {
 
 struct PyLogLayer;
 
+/// The lowest Python logging level (10 debug … 40 error) passed on to Python;
+/// events below it are dropped without taking the GIL. `spikecube` sets it
+/// from the `spikecube` logger's effective level before each call.
+static LOG_LEVEL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(20);
+
+/// Sets the lowest Python logging level passed on to Python (see `LOG_LEVEL`).
+#[pyfunction]
+fn set_log_level(level: u8) {
+    LOG_LEVEL.store(level, Ordering::Relaxed);
+}
+
 struct MessageVisitor(String);
 
 impl tracing::field::Visit for MessageVisitor {
@@ -169,6 +180,9 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for PyLogLayer {
             tracing::Level::INFO => 20,
             _ => 10,
         };
+        if level < LOG_LEVEL.load(Ordering::Relaxed) {
+            return;
+        }
         let mut v = MessageVisitor(String::new());
         event.record(&mut v);
         let target = meta.target().to_string();
@@ -893,6 +907,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(detect_window, m)?)?;
     m.add_function(wrap_pyfunction!(fit_whitening, m)?)?;
     m.add_function(wrap_pyfunction!(backends, m)?)?;
+    m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
     m.add_class::<ChunkDetector>()?;
     Ok(())
 }
