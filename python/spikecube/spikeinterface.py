@@ -45,6 +45,8 @@ whitened units).
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 import spikecube
@@ -155,6 +157,8 @@ class SpikecubePeakDetector(PeakDetector):
                 self._scale is None,
                 self._mask_clipped,
             )
+            for w_ in warnings:
+                logging.getLogger("spikecube").warning(w_)
             self._fits.append(
                 dict(whitening=w, scale_factor=factor, batch_size=int(batch), n_windows=int(n_windows),
                      n_used=int(n_used), n_samples=n, warnings=list(warnings))
@@ -313,6 +317,9 @@ def detect(recording, *, out=None, backend="auto", progress=True, job_kwargs=Non
         ``y`` (µm), ``template_index``, ``sign``, ``center``,
         ``detection_amplitude`` (|A|, whitened).
     """
+    for k in ("tmin", "tmax"):
+        if k in settings:
+            raise ValueError(f"{k}: give a time range as recording.frame_slice(start_frame, end_frame)")
     binary = _binary_file(recording)
     if binary is None:
         from spikeinterface.sortingcomponents.peak_detection import detect_peaks

@@ -82,8 +82,14 @@ def test_ctrl_c_raises_keyboard_interrupt_and_leaves_nothing(sim_bin, tmp_path):
     def interrupt(p):
         os.kill(os.getpid(), signal.SIGINT)
 
-    with pytest.raises(KeyboardInterrupt):
-        spikecube.detect(sim_bin, out=out, progress=interrupt)
+    # Python's own SIGINT handler (a process started with SIGINT ignored, e.g.
+    # in the background of a non-interactive shell, has none).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            spikecube.detect(sim_bin, out=out, progress=interrupt)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []
 
