@@ -329,6 +329,7 @@ impl Detector {
 
     /// The longest window (samples, padding included) this back end can take for
     /// `n_sites` channels; `usize::MAX` on the CPU.
+    #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(unused_variables))]
     pub fn max_window_samples(&self, n_sites: usize) -> usize {
         let _ = n_sites; // unused in a CPU-only build
         match self {

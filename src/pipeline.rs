@@ -481,6 +481,64 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     })
 }
 
+// ==== issue 13 (Python package, spikecube-python): public entry points. ====
+// Kept together here so that other edits of this file do not touch them.
+
+/// What [`fit_whitening_for`] found.
+#[derive(Debug, Clone)]
+pub struct WhiteningFit {
+    /// The whitening matrix to apply to the unscaled data, n_sites × n_sites
+    /// (the scale factor is folded in, as in [`run_detection`]).
+    pub whitening: Array2<f32>,
+    /// The factor k the data were whitened as if multiplied by (1 when none).
+    pub scale_factor: f64,
+    /// The windows of the run (`batch_size` own samples, `nt` on each side).
+    pub plan: WindowPlan,
+    /// The settings as used: `fs` from the recording, `batch_size` lowered to a
+    /// recording shorter than one batch.
+    pub settings: PreprocessSettings,
+    /// Warnings of the fit (scale, channel check over the fit's windows).
+    pub warnings: Vec<String>,
+}
+
+/// The whitening fit of [`run_detection`] on its own (Kilosort4's
+/// `get_whitening_matrix` over every `nskip`-th window, with spikecube's input
+/// checks), for callers that cut and preprocess windows themselves, such as
+/// the SpikeInterface method of the Python package: the same settings checks,
+/// the same window plan and the same matrix as a `detect` run on `rec`.
+///
+/// # Errors
+/// As [`run_detection`] for the settings, the probe against the recording and
+/// the reads.
+pub fn fit_whitening_for(
+    rec: &Arc<dyn Recording>,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    checks: &Checks,
+) -> Result<WhiteningFit> {
+    let mut settings = settings.clone();
+    settings.fs = rec.fs();
+    settings.validate()?;
+    fit_batch_to_recording(rec.as_ref(), &mut settings);
+    let plan = plan_windows(rec.as_ref(), probe, settings.batch_size, settings.nt)?;
+    let fitted = fit(rec, &plan, probe, &settings, checks)?;
+    let mut warnings: Vec<String> = fitted.scale_message.iter().cloned().collect();
+    if let Some(w) = fitted
+        .health
+        .warning("the windows of the whitening fit", checks.mask_clipped)
+    {
+        warnings.push(w);
+    }
+    Ok(WhiteningFit {
+        whitening: fitted.whitening,
+        scale_factor: fitted.scale_factor,
+        plan,
+        settings,
+        warnings,
+    })
+}
+// ==== end issue 13 ====
+
 /// Warnings of a run: each is logged (`tracing::warn!`, shown even with `-q`)
 /// when raised and kept for `spikecube.json` and the final summary.
 #[derive(Debug, Default)]

@@ -168,15 +168,31 @@ fn files_have_the_documented_shapes_and_values() {
     assert!(header.contains("'shape': (5,)"), "{header}");
     assert!(header.ends_with('\n'));
     assert_eq!(bytes.len(), 10 + hlen + 5 * 32);
-    let rec = &bytes[10 + hlen..10 + hlen + 32];
-    let field = |k: usize| i64::from_le_bytes(rec[8 * k..8 * k + 8].try_into().unwrap());
-    assert_eq!(field(0), times[0]);
-    assert_eq!(field(1), g.i_c[[0, centres[0] as usize]] as i64);
-    assert_eq!(
-        f64::from_le_bytes(rec[16..24].try_into().unwrap()),
-        amps[0] as f64
-    );
-    assert_eq!(field(3), 0);
+    // SpikeInterface's conventions (issue 13): the trough, the site of the
+    // largest winning-template output, −sign·|A|.
+    for (k, (d, _, i)) in rows.iter().enumerate() {
+        let rec = &bytes[10 + hlen + 32 * k..10 + hlen + 32 * (k + 1)];
+        let field = |k: usize| i64::from_le_bytes(rec[8 * k..8 * k + 8].try_into().unwrap());
+        assert_eq!(
+            field(0),
+            (times[k] - spikecube::output::TROUGH_OFFSET).max(0)
+        );
+        let j = d.centre[*i] as usize;
+        let nc = d.n_chans;
+        let best = (0..nc)
+            .max_by(|&a, &b| {
+                d.adist[i * nc + a]
+                    .abs()
+                    .total_cmp(&d.adist[i * nc + b].abs())
+                    .then(b.cmp(&a))
+            })
+            .unwrap();
+        assert_eq!(field(1), g.i_c[[best, j]] as i64);
+        let amp = f64::from_le_bytes(rec[16..24].try_into().unwrap());
+        assert_eq!(amp, -f64::from(d.sign[*i]) * f64::from(d.amp[*i]));
+        assert!(amp < 0.0 || d.sign[*i] < 0);
+        assert_eq!(field(3), 0);
+    }
 
     // Every streamed header is padded to 64 bytes.
     for name in ["spike_times.npy", "pc_features.npy", "spike_signs.npy"] {

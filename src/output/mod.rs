@@ -27,7 +27,7 @@
 //! | `spike_positions.npy` | float32 | (n, 2) | x = centre x, y = amplitude-weighted depth (yct), µm |
 //! | `pc_features.npy` | float32 | (n, nC, npc) | PC features of each spike on its centre's nC sites |
 //! | `pc_feature_ind.npy` | int64 | (n, nC) | the site index (row of `channel_map.npy`) of each of those nC sites |
-//! | `peaks.npy` | structured | (n,) | SpikeInterface peaks: `sample_index` (= spike time), `channel_index` (nearest site of the centre, a row of `channel_map.npy`), `amplitude` (float64), `segment_index` (0) |
+//! | `peaks.npy` | structured | (n,) | SpikeInterface peaks in SpikeInterface's conventions: `sample_index` = spike time − [`TROUGH_OFFSET`] (the trough), `channel_index` (the site, a row of `channel_map.npy`, where the winning template's output is largest), `amplitude` (float64, −sign·\|A\|, whitened units: negative for a trough-first spike), `segment_index` (0) |
 //! | `template_centers.npy` | float64 | (Nf, 2) | centre x, y, µm |
 //! | `center_channels.npy` | int64 | (Nf, nC) | the nC nearest sites of each centre, nearest first |
 //! | `channel_map.npy` | int64 | (n_sites,) | column of the raw file read by each site |
@@ -67,6 +67,40 @@ use npy_stream::{LeBytes, write_all};
 pub const PEAK_DESCR: &str = "[('sample_index', '<i8'), ('channel_index', '<i8'), ('amplitude', '<f8'), ('segment_index', '<i8')]";
 /// Bytes per peak record.
 pub const PEAK_BYTES: usize = 32;
+// ---- issue 13: SpikeInterface's conventions in peaks.npy ----
+/// Samples from a spike's trough to its detection time (Kilosort4's
+/// convention, `spike_times.npy`): `nt/2 − nt0min` = 30 − 20 for the built-in
+/// universal templates, whose trough is at sample `nt0min` of 61 and which
+/// Kilosort4 correlates with `nt/2` samples of padding. `peaks.npy` gives
+/// `spike_time − TROUGH_OFFSET` (at least 0), SpikeInterface's peak time.
+pub const TROUGH_OFFSET: i64 = 10;
+
+/// SpikeInterface's peak channel and amplitude of detection `i` (centre `j`):
+/// the site of the centre's nC sites (`i_c`, nC × Nf) where the winning
+/// temporal template's output |adist| is largest (the first on a tie), and the
+/// signed amplitude −sign·|A| in whitened units (negative for a trough-first
+/// spike, like a trace value at the trough).
+pub fn peak_site_and_amplitude(
+    det: &Detections,
+    i: usize,
+    i_c: &Array2<u32>,
+    j: usize,
+) -> (usize, f64) {
+    let nc = det.n_chans;
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    for c in 0..nc {
+        let v = det.adist.get(i * nc + c).map_or(0.0, |v| v.abs());
+        if v > best_v {
+            best_v = v;
+            best = c;
+        }
+    }
+    let site = if nc == 0 { 0 } else { i_c[[best, j]] as usize };
+    (site, -f64::from(det.sign[i]) * f64::from(det.amp[i]))
+}
+// ---- end issue 13 ----
+
 /// Number of (size, template) pairs a detection can report.
 pub const N_DETECTION_TEMPLATES: usize = 30;
 
@@ -361,10 +395,13 @@ impl OutputWriter {
             for c in 0..nc {
                 (self.i_c[[c, j]] as i64).put(&mut b_ind);
             }
-            t.put(&mut b_peaks);
-            (self.i_c[[0, j]] as i64).put(&mut b_peaks);
-            (det.amp[i] as f64).put(&mut b_peaks);
+            // ---- issue 13: SpikeInterface's conventions in peaks.npy ----
+            let (site, amplitude) = peak_site_and_amplitude(det, i, &self.i_c, j);
+            (t - TROUGH_OFFSET).max(0).put(&mut b_peaks);
+            (site as i64).put(&mut b_peaks);
+            amplitude.put(&mut b_peaks);
             0i64.put(&mut b_peaks);
+            // ---- end issue 13 ----
             self.per_template[det.imax[i] as usize] += 1;
             self.drift.push(t, det.yct[i], det.amp[i]);
         }
@@ -493,6 +530,8 @@ impl OutputWriter {
                 "spike_times": "absolute sample index of the detection, about 10 samples after the spike's trough (Kilosort4's st[:, 0] times fs)",
                 "spike_positions": "x of the template centre and amplitude-weighted depth yct, µm",
                 "channel_index": "rows of channel_map.npy (probe sites in channel-map order); channel_map.npy gives the raw-file column",
+                // issue 13: SpikeInterface's conventions in peaks.npy.
+                "peaks": "SpikeInterface's conventions: sample_index = spike_times - 10 (the trough), channel_index = the site where the winning template's output is largest, amplitude = -sign * |A| (whitened units, negative for a trough-first spike)",
                 "whitening_mat": whitening_note,
             },
         });

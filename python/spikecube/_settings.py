@@ -1,0 +1,117 @@
+"""Settings by Kilosort4's names, split into the groups the Rust core takes.
+
+Every name and default is Kilosort4 4.1.7's (``kilosort.parameters``) where
+Kilosort4 has the setting; the few spikecube settings beyond Kilosort4 are the
+command line's flags in snake case (README, "Where spikecube differs").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+# name: (group, default). Groups: detection and preprocessing go to the core's
+# DetectionSettings / PreprocessSettings (serde names), recording to the reader
+# and the input checks.
+SETTINGS: dict[str, tuple[str, object]] = {
+    # detection (Kilosort4's spikedetect)
+    "Th_universal": ("detection", 9.0),
+    "nt": ("detection", 61),
+    "nt0min": ("detection", None),
+    "dmin": ("detection", None),
+    "dminx": ("detection", 32.0),
+    "min_template_size": ("detection", 10.0),
+    "template_sizes": ("detection", 5),
+    "nearest_chans": ("detection", 10),
+    "nearest_templates": ("detection", 100),
+    "max_channel_distance": ("detection", 32.0),
+    "n_templates": ("detection", 6),
+    "n_pcs": ("detection", 6),
+    "separate_shanks": ("detection", True),
+    # preprocessing
+    "batch_size": ("preprocessing", 60000),
+    "highpass_cutoff": ("preprocessing", 300.0),
+    "whitening_range": ("preprocessing", 32),
+    "nskip": ("preprocessing", 25),
+    "do_CAR": ("preprocessing", True),
+    "invert_sign": ("preprocessing", False),
+    "artifact_threshold": ("preprocessing", None),
+    # the recording and the input checks
+    "tmin": ("recording", 0.0),
+    "tmax": ("recording", math.inf),
+    "scale": ("recording", None),
+    "shift": ("recording", None),
+    "exclude_channels": ("recording", ()),
+    "mask_clipped": ("recording", True),
+    "keep_boundary_duplicates": ("recording", False),
+}
+
+# Spellings accepted besides Kilosort4's own.
+ALIASES = {"th_universal": "Th_universal", "do_car": "do_CAR"}
+
+
+def valid_names() -> list[str]:
+    """Every setting name, sorted."""
+    return sorted(SETTINGS)
+
+
+def split(settings: dict, allowed: set[str] | None = None) -> dict[str, dict]:
+    """Checks names and splits ``settings`` into groups, defaults filled in.
+
+    Raises ``ValueError`` naming an unknown setting and listing the valid ones.
+    """
+    groups: dict[str, dict] = {"detection": {}, "preprocessing": {}, "recording": {}}
+    for name, (group, default) in SETTINGS.items():
+        if allowed is None or name in allowed:
+            groups[group][name] = default
+    for key, value in settings.items():
+        name = ALIASES.get(key, key)
+        if name not in SETTINGS or (allowed is not None and name not in allowed):
+            names = valid_names() if allowed is None else sorted(allowed)
+            raise ValueError(
+                f"unknown setting {key!r}; valid settings (Kilosort4's names): {', '.join(names)}"
+            )
+        groups[SETTINGS[name][0]][name] = value
+    return groups
+
+
+def detection_json(d: dict) -> str:
+    return json.dumps(d)
+
+
+def preprocessing_json(d: dict, fs: float | None = None, nt: int = 61) -> str:
+    p = dict(d)
+    p["nt"] = nt
+    if fs is not None:
+        p["fs"] = float(fs)
+    return json.dumps(p)
+
+
+def recording_json(r: dict, n_channels, fs, dtype, offset) -> str:
+    tmax = r["tmax"]
+    return json.dumps(
+        {
+            "n_channels": None if n_channels is None else int(n_channels),
+            "fs": None if fs is None else float(fs),
+            "dtype": None if dtype is None else _dtype_name(dtype),
+            "offset": int(offset),
+            "scale": r["scale"],
+            "shift": r["shift"],
+            "tmin": float(r["tmin"]),
+            "tmax": None if tmax is None or math.isinf(tmax) else float(tmax),
+            "exclude_channels": [int(c) for c in r["exclude_channels"]],
+            "mask_clipped": bool(r["mask_clipped"]),
+            "keep_boundary_duplicates": bool(r["keep_boundary_duplicates"]),
+        }
+    )
+
+
+def _dtype_name(dtype) -> str:
+    import numpy as np
+
+    if isinstance(dtype, str) and dtype in ("int16", "uint16", "int32", "float32"):
+        return dtype
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)

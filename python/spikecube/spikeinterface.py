@@ -1,0 +1,364 @@
+"""spikecube as a SpikeInterface peak-detection method.
+
+Importing this module registers :class:`SpikecubePeakDetector` as
+``detect_peak_methods["spikecube"]`` (SpikeInterface ≥ 0.103 has no plug-in
+entry point; it registers its own methods the same way)::
+
+    import spikecube.spikeinterface  # registers method="spikecube"
+    from spikeinterface.sortingcomponents.peak_detection import detect_peaks
+    peaks = detect_peaks(rec, method="spikecube", method_kwargs=dict(Th_universal=9),
+                         job_kwargs=dict(chunk_size=60000, n_jobs=2))
+
+or, faster when the recording is a plain binary file,
+``spikecube.spikeinterface.detect(rec)``.
+
+Two paths, the same spikes (see README, "Python"):
+
+* **chunked** (``detect_peaks(..., method="spikecube")``): works on any
+  recording. The whitening is fitted once, when the node is made, on the
+  windows a ``spikecube detect`` run would use; each chunk is then cut into
+  the window ``detect`` would cut (``nt`` = 61 samples on each side, the
+  recording's first/last sample repeated past its ends instead of
+  SpikeInterface's zeros), preprocessed and searched, and the detections in
+  the margins are dropped. With ``chunk_size = batch_size`` (60 000 by
+  default) the chunks are ``detect``'s windows and the peaks are
+  ``spikecube detect --keep-boundary-duplicates``'s spikes exactly: chunks
+  are independent, so an event straddling a chunk boundary may be reported
+  by both chunks, as Kilosort4 does. Other chunk sizes give windows of the
+  chunk's size (the same preprocessing on different windows: nearly, not
+  exactly, the same spikes).
+* **fast** (:func:`detect`): for a binary-compatible recording, the file is
+  handed to the Rust pipeline directly (read ahead on a thread, no Python per
+  chunk), with the command line's defaults, including the removal of
+  duplicate detections across window boundaries.
+
+Peaks follow SpikeInterface's conventions: ``sample_index`` at the trough
+(spikecube's detection time − 10), ``channel_index`` the recording channel of
+the probe site where the winning template's output is largest, ``amplitude``
+the signed trace value there, in the units of the traces handed in (the raw
+values, e.g. int16 counts for ``read_binary``; not µV unless the recording
+gives µV). Extra fields: ``x``, ``y`` (µm: centre x, amplitude-weighted
+depth), ``template_index`` (winning size·6 + template, 0–29), ``sign`` (+1
+trough-first), ``center`` (template centre) and ``detection_amplitude`` (|A|,
+whitened units).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+import spikecube
+
+from . import Probe, _native, _settings
+from . import detect as _detect_file
+
+try:
+    from spikeinterface.core.node_pipeline import PeakDetector
+except ImportError as e:  # pragma: no cover
+    raise ImportError("spikecube.spikeinterface needs SpikeInterface >= 0.103 (pip install spikeinterface)") from e
+try:
+    from spikeinterface.core.base import base_peak_dtype
+except ImportError:  # SpikeInterface 0.103
+    from spikeinterface.core.node_pipeline import base_peak_dtype
+
+try:
+    from spikeinterface.sortingcomponents.peak_detection.method_list import detect_peak_methods
+except ImportError:  # SpikeInterface 0.103, 0.104: one module
+    from spikeinterface.sortingcomponents.peak_detection import detect_peak_methods
+
+#: SpikeInterface's peak dtype and spikecube's extra fields.
+peak_dtype = np.dtype(
+    list(base_peak_dtype)
+    + [
+        ("x", "float32"),
+        ("y", "float32"),
+        ("template_index", "int16"),
+        ("sign", "int8"),
+        ("center", "int32"),
+        ("detection_amplitude", "float32"),
+    ]
+)
+
+_NODE_SETTINGS = {k for k, (g, _) in _settings.SETTINGS.items()} - {
+    "tmin",
+    "tmax",
+    "exclude_channels",
+    "keep_boundary_duplicates",
+    "shift",
+}
+
+
+def _get_traces(recording, segment_index):
+    def get(start, end):
+        t = recording.get_traces(segment_index=segment_index, start_frame=int(start), end_frame=int(end))
+        return np.ascontiguousarray(t, dtype=np.float32)
+
+    return get
+
+
+class SpikecubePeakDetector(PeakDetector):
+    """Kilosort4's universal-template detection (spikecube) on each chunk.
+
+    The whitening is fitted at construction (Kilosort4's fit over every
+    ``nskip``-th window of ``batch_size`` samples, as ``spikecube detect``
+    does); each chunk is preprocessed as ``detect`` preprocesses a window and
+    searched with the 30 universal templates. Use ``chunk_size=batch_size``
+    (job kwargs) for ``spikecube detect``'s windows exactly.
+    """
+
+    name = "spikecube"
+    engine = "spikecube"
+    need_noise_levels = False
+    # Rayon's thread pool does not survive fork(): workers are spawned.
+    preferred_mp_context = "spawn"
+    params_doc = """
+    backend: str, default "cpu"
+        Where detection runs ("cpu", or "auto"/"cuda"/"wgpu" in GPU builds).
+    **settings:
+        Kilosort4's settings by name: Th_universal (9), nearest_chans (10),
+        batch_size (60000), highpass_cutoff (300), whitening_range (32), nskip (25),
+        do_CAR (True), ... and spikecube's mask_clipped (True), scale (None:
+        automatic rescaling of data far from int16 scale). spikecube.settings() lists them.
+    """
+
+    def __init__(self, recording, return_output=True, backend="cpu", **settings):
+        PeakDetector.__init__(self, recording, return_output=return_output)
+        self.recording = recording
+        groups = _settings.split(settings, _NODE_SETTINGS)
+        self._det = groups["detection"]
+        self._pre = groups["preprocessing"]
+        rec_opts = groups["recording"]
+        self._mask_clipped = bool(rec_opts["mask_clipped"])
+        self._scale = rec_opts["scale"]
+        self._backend = backend
+        self._nt = int(self._det["nt"])
+        self._probe = Probe.from_recording(recording)
+        fs = float(recording.get_sampling_frequency())
+        self._fs = fs
+        spikecube._sync_log_level()
+        # One whitening fit per segment (each segment is a recording of its own).
+        self._fits = []
+        for seg in range(recording.get_num_segments()):
+            n = int(recording.get_num_samples(segment_index=seg))
+            get = _get_traces(recording, seg)
+            if self._scale is not None:
+                k = float(self._scale)
+                get = (lambda g: lambda s, e: (g(s, e) * np.float32(k)))(get)
+            w, factor, batch, n_windows, n_used, warnings = _native.fit_whitening(
+                get,
+                int(recording.get_num_channels()),
+                n,
+                fs,
+                f"SpikeInterface recording segment {seg} ({n} samples at {fs} Hz)",
+                self._probe._tuple(),
+                _settings.preprocessing_json(self._pre, fs=fs, nt=self._nt),
+                self._scale is None,
+                self._mask_clipped,
+            )
+            for w_ in warnings:
+                logging.getLogger("spikecube").warning(w_)
+            self._fits.append(
+                dict(whitening=w, scale_factor=factor, batch_size=int(batch), n_windows=int(n_windows),
+                     n_used=int(n_used), n_samples=n, warnings=list(warnings))
+            )
+        self._kwargs.update(dict(backend=backend, **settings))
+        self._native = {}
+        self._geometry = None
+
+    # Rust objects do not pickle: workers build their own.
+    def __getstate__(self):
+        d = self.__dict__.copy()
+        d["_native"] = {}
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+
+    def get_margin(self):
+        return self._nt
+
+    def get_dtype(self):
+        return peak_dtype
+
+    def _detector(self, segment_index):
+        nd = self._native.get(segment_index)
+        if nd is None:
+            fit = self._fits[segment_index]
+            pre = dict(self._pre, batch_size=fit["batch_size"])
+            nd = _native.ChunkDetector(
+                self._probe._tuple(),
+                fit["whitening"],
+                _settings.preprocessing_json(pre, fs=self._fs, nt=self._nt),
+                _settings.detection_json(self._det),
+                self._mask_clipped,
+                self._backend,
+            )
+            self._native[segment_index] = nd
+            if self._geometry is None:
+                self._geometry = nd.geometry()
+        return nd
+
+    def compute(self, traces, start_frame, end_frame, segment_index, max_margin):
+        nt = self._nt
+        fit = self._fits[segment_index]
+        B, N = fit["batch_size"], fit["n_samples"]
+        s, e = int(start_frame), int(end_frame)
+        empty = (np.zeros(0, dtype=peak_dtype),)
+        aligned = s % B == 0 and (e - s == B or e == N)
+        if aligned:
+            i = s // B
+            if i >= fit["n_windows"]:
+                return empty  # a tail shorter than nt: Kilosort4 skips it too
+            single = fit["n_windows"] == 1
+            limit = N if single else fit["n_used"]
+            own = min(B, limit - s)
+            L = B + 2 * nt
+        else:
+            single = False
+            limit = N
+            own = e - s
+            if own < nt:
+                return empty
+            L = own + 2 * nt
+        first = s - nt  # absolute sample of window column 0 and of traces row 0
+        idx = np.arange(first, first + L)
+        real = (idx >= 0) & (idx < limit)
+        lo = int(np.argmax(real))
+        hi = lo + int(real.sum())
+        rows = np.clip(idx, 0, limit - 1) - first
+        chan_map = self._probe.chanMap
+        win = np.ascontiguousarray(np.asarray(traces)[rows][:, chan_map].T, dtype=np.float32)
+        if self._scale is not None:
+            win *= np.float32(self._scale)
+        if single:
+            win[:, hi:] = 0.0
+        det = self._detector(segment_index).detect(win, lo, hi, not single, own)
+        return (self._peaks(det, traces, first, segment_index),)
+
+    def _peaks(self, det, traces, first, segment_index):
+        """Peaks from window detections (window column c = traces row c)."""
+        g = self._geometry
+        t = det["sample"].astype(np.int64)
+        j = det["centre"].astype(np.int64)
+        order = np.lexsort((j, t))
+        t, j = t[order], j[order]
+        adist = det["adist"][order]
+        n = t.size
+        peaks = np.zeros(n, dtype=peak_dtype)
+        if n == 0:
+            return peaks
+        best = np.argmax(np.abs(adist), axis=1) if adist.shape[1] else np.zeros(n, np.int64)
+        site = g["iC"][best, j]
+        chan = self._probe.chanMap[site]
+        trough = np.maximum(t - _native.TROUGH_OFFSET, -first)  # not before sample 0
+        peaks["sample_index"] = trough
+        peaks["channel_index"] = site
+        peaks["amplitude"] = np.asarray(traces)[trough, chan]
+        peaks["segment_index"] = segment_index
+        peaks["x"] = g["xcup"][j]
+        peaks["y"] = det["yct"][order]
+        peaks["template_index"] = det["imax"][order]
+        peaks["sign"] = det["sign"][order]
+        peaks["center"] = j
+        peaks["detection_amplitude"] = det["amp"][order]
+        return peaks
+
+
+detect_peak_methods["spikecube"] = SpikecubePeakDetector
+
+
+def _binary_file(recording):
+    """(file path, dtype, n_channels, offset) when the recording is one
+    time-major binary file whose channels are the recording's, else None."""
+    try:
+        if recording.get_num_segments() != 1 or not recording.is_binary_compatible():
+            return None
+        d = recording.get_binary_description()
+    except Exception:
+        return None
+    if d.get("time_axis", 0) != 0 or len(d.get("file_paths", [])) != 1:
+        return None
+    if int(d["num_channels"]) != recording.get_num_channels():
+        return None
+    dtype = np.dtype(d["dtype"])
+    if dtype.name not in ("int16", "uint16", "int32", "float32") or dtype.byteorder == ">":
+        return None
+    return str(d["file_paths"][0]), dtype.name, int(d["num_channels"]), int(d.get("file_offset", 0))
+
+
+def detect(recording, *, out=None, backend="auto", progress=True, job_kwargs=None, **settings):
+    """spikecube's spikes of a SpikeInterface recording, as SpikeInterface peaks.
+
+    When the recording is one binary-compatible file (``read_binary``, a
+    saved recording) whose channels are the recording's, the file goes to the
+    Rust pipeline directly (the fast path: ``spikecube.detect`` on the file,
+    with the recording's channel locations as the probe). Otherwise this runs
+    ``detect_peaks(recording, method="spikecube", ...)`` with ``chunk_size =
+    batch_size``. See the module's docs for how the two differ.
+
+    Parameters
+    ----------
+    recording : BaseRecording
+    out : path, optional
+        Fast path only: also keep the output folder there.
+    backend, progress, **settings
+        As :func:`spikecube.detect` (Kilosort4's setting names).
+    job_kwargs : dict, optional
+        Chunked path: SpikeInterface's job kwargs (``n_jobs``, ...); its
+        ``chunk_size`` is always ``batch_size``.
+
+    Returns
+    -------
+    np.ndarray (n,) of :data:`peak_dtype`
+        ``sample_index`` (trough, samples), ``channel_index``, ``amplitude``
+        (signed, units of the recording's traces), ``segment_index``, ``x``,
+        ``y`` (µm), ``template_index``, ``sign``, ``center``,
+        ``detection_amplitude`` (|A|, whitened).
+    """
+    for k in ("tmin", "tmax"):
+        if k in settings:
+            raise ValueError(f"{k}: give a time range as recording.frame_slice(start_frame, end_frame)")
+    binary = _binary_file(recording)
+    if binary is None:
+        from spikeinterface.sortingcomponents.peak_detection import detect_peaks
+
+        jk = dict(job_kwargs or {})
+        jk["chunk_size"] = int(settings.get("batch_size", 60000))
+        jk.pop("chunk_duration", None)
+        return detect_peaks(
+            recording,
+            method="spikecube",
+            method_kwargs=dict(settings, backend="cpu" if backend == "auto" else backend),
+            job_kwargs=jk,
+        )
+    path, dtype, n_channels, offset = binary
+    r = _detect_file(
+        path,
+        Probe.from_recording(recording),
+        n_channels=n_channels,
+        fs=recording.get_sampling_frequency(),
+        dtype=dtype,
+        offset=offset,
+        out=out,
+        backend=backend,
+        progress=progress,
+        **settings,
+    )
+    n = len(r)
+    peaks = np.zeros(n, dtype=peak_dtype)
+    peaks["sample_index"] = r.peaks["sample_index"]
+    peaks["channel_index"] = r.peaks["channel_index"]
+    raw = np.memmap(path, dtype=dtype, mode="r", offset=offset)
+    raw = raw[: raw.size - raw.size % n_channels].reshape(-1, n_channels)
+    chan = r.channel_map[r.peaks["channel_index"]]
+    peaks["amplitude"] = raw[r.peaks["sample_index"], chan] if n else 0.0
+    peaks["segment_index"] = 0
+    peaks["x"] = r.positions[:, 0]
+    peaks["y"] = r.positions[:, 1]
+    peaks["template_index"] = r.templates
+    peaks["sign"] = r.signs
+    peaks["center"] = r.centers
+    peaks["detection_amplitude"] = r.amplitudes
+    return peaks
