@@ -60,6 +60,7 @@ fn main() -> anyhow::Result<()> {
             run_info: RunInfo::default(),
             checks: Checks::default(),
             backend: spikecube::backend::Backend::Cpu,
+            device_preprocessing: true,
         },
         &mut |_| {},
     )?;

@@ -54,6 +54,9 @@ pub struct DetectJob {
     pub backend: Backend,
     /// Input checks and the corrections that go beyond Kilosort4.
     pub checks: Checks,
+    /// On a GPU back end, preprocess on the device too (default); false keeps
+    /// preprocessing on the host (`--preprocess-on host`).
+    pub device_preprocessing: bool,
 }
 
 /// Input checks of a run and the corrections spikecube makes where Kilosort4
@@ -248,6 +251,19 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let whiten_mat = fitted.whitening;
     let fit_s = t_fit.elapsed().as_secs_f64();
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
+    // GPU back ends preprocess on the device as well: each raw window goes up
+    // as it was read (int16 values two per word; page-locked with CUDA).
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    let packer = if job.device_preprocessing && detector.set_preprocessing(&pre)? {
+        detector.packer()
+    } else {
+        None
+    };
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    let preprocess_on = if packer.is_some() { "device" } else { "host" };
+    #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+    let preprocess_on = "host";
+    let mut upload_bytes = 0u64;
 
     let nt = job.detection.nt as u64;
     let nt0min = job.detection.nt0min();
@@ -272,21 +288,42 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         if job.checks.mask_clipped {
             checks::fill_stuck_runs(&mut w.data, &runs, cols.lo, cols.hi, cols.pad_repeats);
         }
-        pre.apply(&mut w.data).with_context(|| {
+        let detect_context = || {
             format!(
-                "preprocessing window {} (samples from {})",
+                "detecting in window {} (samples from {})",
                 w.index, w.own_start
             )
-        })?;
-        let t1 = Instant::now();
-        let mut det = detector
-            .detect(w.data.view(), &job.probe.yc)
-            .with_context(|| {
-                format!(
-                    "detecting in window {} (samples from {})",
-                    w.index, w.own_start
-                )
-            })?;
+        };
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        let on_device = packer.as_ref().map(|p| p.pack(w.data.view()));
+        #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+        let on_device: Option<()> = None;
+        let (t1, mut det) = match on_device {
+            #[cfg(any(feature = "cuda", feature = "wgpu"))]
+            Some(raw) => {
+                upload_bytes += raw.n_bytes() as u64;
+                let t1 = Instant::now();
+                let det = detector
+                    .detect_raw(raw, &job.probe.yc)
+                    .with_context(detect_context)?;
+                (t1, det)
+            }
+            #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+            Some(()) => unreachable!(),
+            None => {
+                pre.apply(&mut w.data).with_context(|| {
+                    format!(
+                        "preprocessing window {} (samples from {})",
+                        w.index, w.own_start
+                    )
+                })?;
+                let t1 = Instant::now();
+                let det = detector
+                    .detect(w.data.view(), &job.probe.yc)
+                    .with_context(detect_context)?;
+                (t1, det)
+            }
+        };
         let before = det.len();
         let own_end = nt + w.own_len;
         det.retain(|_, t| t >= nt && t < own_end);
@@ -354,6 +391,8 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         "nearest_chans_used": geometry.n_chans(),
         "dmin_used": geometry.dmin,
         "detections_dropped_in_padding": dropped,
+        "preprocessing_on": preprocess_on,
+        "upload_bytes_per_window": if plan.n_windows > 0 { upload_bytes / plan.n_windows } else { 0 },
         "checks": {
             "auto_scale": job.checks.auto_scale,
             "scale_factor_applied": fitted.scale_factor,

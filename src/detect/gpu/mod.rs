@@ -24,6 +24,9 @@ pub mod features;
 pub mod filter_bank;
 pub mod local_peaks;
 pub mod neighbour_max;
+#[cfg(feature = "cuda")]
+pub mod pinned;
+pub mod preprocess;
 pub mod upload;
 
 use std::time::Instant;
@@ -39,6 +42,7 @@ use crate::detect::geometry::Geometry;
 use crate::detect::settings::DetectionSettings;
 use crate::detect::templates::UniversalTemplates;
 use crate::error::DetectError;
+use crate::preprocess::DevicePreprocessing;
 
 use blocks::RowBlocks;
 
@@ -148,6 +152,164 @@ pub struct GpuDetector<R: Runtime> {
     count: Option<Handle>,
     window: Option<WindowBuffers>,
     peaks: Option<PeakBuffers>,
+    pre: Option<DevicePre>,
+}
+
+/// Preprocessing constants on the device ([`GpuDetector::set_preprocessing`]).
+struct DevicePre {
+    form: DevicePreprocessing,
+    taps: Handle,
+    w_start: Handle,
+    w_cols: Handle,
+    w_vals: Handle,
+    means: Handle,
+    /// Shared-memory size (taps) the high-pass kernel is compiled for.
+    max_taps: usize,
+}
+
+/// A raw window as the device takes it: one 32-bit word per float32 value, or
+/// two int16 values per word (row-major, each row padded to whole words), in
+/// host memory that is page-locked when the back end supports it ([`Packer`]).
+pub struct RawWindow {
+    /// Rows (sites).
+    pub n_rows: usize,
+    /// Samples per row.
+    pub n_t: usize,
+    /// int16 pairs (true) or float32 bits (false).
+    pub packed: bool,
+    /// Whether `data` is page-locked.
+    pub pinned: bool,
+    data: cubecl::bytes::Bytes,
+}
+
+impl std::fmt::Debug for RawWindow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawWindow")
+            .field("n_rows", &self.n_rows)
+            .field("n_t", &self.n_t)
+            .field("packed", &self.packed)
+            .field("pinned", &self.pinned)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RawWindow {
+    /// Words per row.
+    pub fn words_per_row(&self) -> usize {
+        if self.packed {
+            self.n_t.div_ceil(2)
+        } else {
+            self.n_t
+        }
+    }
+
+    /// Bytes sent to the device.
+    pub fn n_bytes(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Packs raw windows for [`GpuDetector::detect_raw`], into page-locked memory
+/// when the back end has it (CUDA); cheap to clone and usable from any thread.
+#[derive(Clone, Default)]
+pub struct Packer {
+    #[cfg(feature = "cuda")]
+    pinned: Option<pinned::PinnedPool>,
+}
+
+impl std::fmt::Debug for Packer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Packer")
+            .field("pinned", &self.is_pinned())
+            .finish()
+    }
+}
+
+impl Packer {
+    /// A packer into page-locked memory of GPU 0 (CUDA), or into ordinary
+    /// memory when the driver does not give any.
+    #[cfg(feature = "cuda")]
+    pub fn pinned_cuda() -> Packer {
+        Packer {
+            pinned: pinned::PinnedPool::new(),
+        }
+    }
+
+    /// Whether buffers are page-locked.
+    pub fn is_pinned(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.pinned.is_some()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
+    fn buffer(&self, n_words: usize) -> (cubecl::bytes::Bytes, bool) {
+        #[cfg(feature = "cuda")]
+        if let Some(b) = self.pinned.as_ref().and_then(|p| p.take(n_words * 4)) {
+            return (b, true);
+        }
+        (
+            cubecl::bytes::Bytes::from_bytes_vec(vec![0u8; n_words * 4]),
+            false,
+        )
+    }
+
+    /// Packs a raw (C × N) f32 window: two int16 values per word when every value
+    /// is an integer in int16's range (int16 files, uint16 files after their
+    /// shift, stuck stretches filled with a row median), else float32 bits.
+    pub fn pack(&self, x: ArrayView2<f32>) -> RawWindow {
+        use rayon::prelude::*;
+        let (c, n) = x.dim();
+        let x = x.as_standard_layout();
+        let xs = x.as_slice().expect("standard layout");
+        let packed = n > 0
+            && xs
+                .par_chunks(1 << 16)
+                .all(|p| p.iter().all(|&v| v == f32::from(v as i16)));
+        let wpr = if packed { n.div_ceil(2) } else { n };
+        let (mut data, pinned) = self.buffer(c * wpr);
+        {
+            let words: &mut [u32] = bytemuck_words(&mut data);
+            if wpr > 0 {
+                words
+                    .par_chunks_mut(wpr)
+                    .zip(xs.par_chunks(n))
+                    .for_each(|(out, row)| {
+                        if packed {
+                            for (w, pair) in out.iter_mut().zip(row.chunks(2)) {
+                                let lo = u32::from((pair[0] as i16) as u16);
+                                let hi = pair.get(1).map_or(0, |&v| u32::from((v as i16) as u16));
+                                *w = lo | (hi << 16);
+                            }
+                        } else {
+                            for (w, v) in out.iter_mut().zip(row) {
+                                *w = v.to_bits();
+                            }
+                        }
+                    });
+            }
+        }
+        RawWindow {
+            n_rows: c,
+            n_t: n,
+            packed,
+            pinned,
+            data,
+        }
+    }
+}
+
+/// The bytes as 32-bit words (every buffer here is 4096- or 4-byte aligned and a
+/// whole number of words long).
+fn bytemuck_words(b: &mut cubecl::bytes::Bytes) -> &mut [u32] {
+    let bytes: &mut [u8] = b;
+    let (pre, words, post) = unsafe { bytes.align_to_mut::<u32>() };
+    assert!(pre.is_empty() && post.is_empty(), "word-aligned buffer");
+    words
 }
 
 impl<R: Runtime> std::fmt::Debug for GpuDetector<R> {
@@ -226,7 +388,174 @@ impl<R: Runtime> GpuDetector<R> {
             count: None,
             window: None,
             peaks: None,
+            pre: None,
         })
+    }
+
+    /// Uploads the preprocessing constants, after which
+    /// [`GpuDetector::detect_raw`] takes raw windows and preprocesses them on the
+    /// device (see [`preprocess`]).
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] when the form's sites differ from the geometry's
+    /// or the high-pass has more taps than shared memory holds.
+    pub fn set_preprocessing(&mut self, form: &DevicePreprocessing) -> Result<(), DetectError> {
+        let max_shared = self.client.properties().hardware.max_shared_memory_size;
+        let max_taps = form.taps.len().next_power_of_two().max(64);
+        if (preprocess::HP_TILE + 2 * max_taps) * 4 > max_shared {
+            return Err(DetectError::Setting {
+                name: "highpass_cutoff",
+                message: format!(
+                    "the high-pass kernel has {} taps; the device's shared memory ({max_shared} bytes) holds at most {}; use --backend cpu",
+                    form.taps.len(),
+                    (max_shared / 4).saturating_sub(preprocess::HP_TILE) / 2
+                ),
+            });
+        }
+        if form.n_sites > preprocess::CAR_SHARED {
+            return Err(DetectError::Setting {
+                name: "probe",
+                message: format!(
+                    "{} sites; the device median CAR takes at most {}",
+                    form.n_sites,
+                    preprocess::CAR_SHARED
+                ),
+            });
+        }
+        let up_f = |v: &[f32]| self.client.create_from_slice(bytes_f32(v));
+        let up_u = |v: &[u32]| self.client.create_from_slice(bytes_u32(v));
+        self.pre = Some(DevicePre {
+            taps: up_f(&form.taps),
+            w_start: up_u(&form.w_start),
+            w_cols: up_u(&form.w_cols),
+            w_vals: up_f(&form.w_vals),
+            means: self.client.empty(form.n_sites.max(1) * 4),
+            max_taps,
+            form: form.clone(),
+        });
+        Ok(())
+    }
+
+    /// Whether [`GpuDetector::set_preprocessing`] was called.
+    pub fn preprocesses(&self) -> bool {
+        self.pre.is_some()
+    }
+
+    /// Preprocesses one raw window on the device (channel means, median CAR,
+    /// high-pass, whitening: [`preprocess`]) and detects in it, as
+    /// [`crate::preprocess::Preprocessor::apply`] then [`GpuDetector::detect`]
+    /// would, within the float32 tolerance stated in [`preprocess`].
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] when no preprocessing was set; as
+    /// [`GpuDetector::detect`] otherwise.
+    pub fn detect_raw(
+        &mut self,
+        raw: RawWindow,
+        yc: &[f32],
+        times: Option<&mut StepTimes>,
+    ) -> Result<Detections, DetectError> {
+        self.upload_raw(raw, yc)?;
+        self.run_uploaded(yc, times, Instant::now())
+    }
+
+    /// Whitened window X after [`GpuDetector::detect_raw`]'s preprocessing
+    /// (C × N, row-major), for comparisons with the CPU.
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect_raw`].
+    pub fn preprocess_only(&mut self, raw: RawWindow, yc: &[f32]) -> Result<Vec<f32>, DetectError> {
+        self.upload_raw(raw, yc)?;
+        let x = self.x.clone().expect("preprocessed");
+        let out = self.client.read(vec![x]);
+        Ok(f32::from_bytes(&out[0]).to_vec())
+    }
+
+    fn upload_raw(&mut self, raw: RawWindow, yc: &[f32]) -> Result<(), DetectError> {
+        let Some(pre) = self.pre.as_ref() else {
+            return Err(DetectError::Setting {
+                name: "backend",
+                message: "no device preprocessing was set up".into(),
+            });
+        };
+        let (c, n_t) = (raw.n_rows, raw.n_t);
+        if c != pre.form.n_sites || n_t != pre.form.n || c != yc.len() {
+            return Err(DetectError::Input {
+                what: "raw window".into(),
+                message: format!(
+                    "is {c} × {n_t}; the preprocessing was set up for {} × {} and the probe has {} sites",
+                    pre.form.n_sites,
+                    pre.form.n,
+                    yc.len()
+                ),
+            });
+        }
+        self.check_size(c, n_t)?;
+        self.ensure_window(c, n_t, yc);
+        let pre = self.pre.as_ref().expect("checked");
+        let w = self.window.as_ref().expect("allocated");
+        let wpr = raw.words_per_row();
+        let n_words = raw.n_bytes() / 4;
+        let packed = raw.packed;
+        let raw_h = self.client.create(raw.data);
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let units = CubeDim::new_1d(preprocess::UNITS as u32);
+        let cols = (preprocess::CAR_SHARED / c.max(1)).clamp(1, 64);
+        // SAFETY (all four launches): row r < c reads words r·wpr .. r·wpr + wpr of
+        // `raw` (c·wpr words) and writes row r of the C × N buffers; samples
+        // t < N only; taps q < K; CSR indices are < C by construction
+        // (DevicePreprocessing), checked against the CPU in tests/gpu.rs.
+        unsafe {
+            preprocess::row_means_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(c as u32, 1, 1),
+                units,
+                arr(&raw_h, n_words),
+                arr(&pre.means, c),
+                n_t as u32,
+                wpr as u32,
+                packed,
+            );
+            preprocess::car_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(n_t.div_ceil(cols) as u32, 1, 1),
+                units,
+                arr(&raw_h, n_words),
+                arr(&pre.means, c),
+                arr(&w.x, c * n_t),
+                c as u32,
+                n_t as u32,
+                wpr as u32,
+                cols,
+                packed,
+                pre.form.do_car,
+            );
+            preprocess::highpass_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(n_t.div_ceil(preprocess::HP_TILE) as u32, c as u32, 1),
+                units,
+                arr(&w.x, c * n_t),
+                arr(&pre.taps, pre.form.taps.len()),
+                arr(&w.q, c * n_t),
+                n_t as u32,
+                pre.form.first,
+                pre.form.taps.len() as u32,
+                pre.max_taps,
+            );
+            preprocess::whiten_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(n_t.div_ceil(preprocess::UNITS) as u32, c as u32, 1),
+                units,
+                arr(&w.q, c * n_t),
+                arr(&pre.w_start, c + 1),
+                arr(&pre.w_cols, pre.form.w_cols.len().max(1)),
+                arr(&pre.w_vals, pre.form.w_vals.len().max(1)),
+                arr(&w.x, c * n_t),
+                n_t as u32,
+            );
+        }
+        self.x = Some(w.x.clone());
+        Ok(())
     }
 
     /// The geometry in use.
@@ -346,28 +675,7 @@ impl<R: Runtime> GpuDetector<R> {
 
     fn upload_window(&mut self, x: ArrayView2<f32>, yc: &[f32]) {
         let (c, n_t) = x.dim();
-        let nf = self.geometry.n_centres();
-        if self.window.as_ref().map(|w| w.n_t) != Some(n_t) {
-            let f = |n: usize| self.client.empty(n * 4);
-            self.window = Some(WindowBuffers {
-                n_t,
-                x: f(c * n_t),
-                b: f(c * NK * n_t),
-                q: f(c * n_t),
-                as_: f(nf * n_t),
-                imax: f(nf * n_t),
-                amax: None,
-            });
-        }
-        if !self.options.sparse_peaks {
-            let w = self.window.as_mut().expect("allocated");
-            if w.amax.is_none() {
-                w.amax = Some(self.client.empty(nf * n_t * 4));
-            }
-        }
-        if self.yc.as_ref().map(|(v, _)| v.as_slice()) != Some(yc) {
-            self.yc = Some((yc.to_vec(), self.client.create_from_slice(bytes_f32(yc))));
-        }
+        self.ensure_window(c, n_t, yc);
         let x = x.as_standard_layout();
         let xs = x.as_slice().expect("standard layout");
         let chunk = self.options.upload_chunk;
@@ -393,6 +701,33 @@ impl<R: Runtime> GpuDetector<R> {
             }
         }
         self.x = Some(dst);
+    }
+
+    /// Allocates the per-window buffers for C × `n_t` (kept while the size stays)
+    /// and uploads the site positions when they change.
+    fn ensure_window(&mut self, c: usize, n_t: usize, yc: &[f32]) {
+        let nf = self.geometry.n_centres();
+        if self.window.as_ref().map(|w| w.n_t) != Some(n_t) {
+            let f = |n: usize| self.client.empty(n * 4);
+            self.window = Some(WindowBuffers {
+                n_t,
+                x: f(c * n_t),
+                b: f(c * NK * n_t),
+                q: f(c * n_t),
+                as_: f(nf * n_t),
+                imax: f(nf * n_t),
+                amax: None,
+            });
+        }
+        if !self.options.sparse_peaks {
+            let w = self.window.as_mut().expect("allocated");
+            if w.amax.is_none() {
+                w.amax = Some(self.client.empty(nf * n_t * 4));
+            }
+        }
+        if self.yc.as_ref().map(|(v, _)| v.as_slice()) != Some(yc) {
+            self.yc = Some((yc.to_vec(), self.client.create_from_slice(bytes_f32(yc))));
+        }
     }
 
     fn ensure_peaks(&mut self, cap: usize) {
@@ -598,13 +933,23 @@ impl<R: Runtime> GpuDetector<R> {
         &mut self,
         x: ArrayView2<f32>,
         yc: &[f32],
-        mut times: Option<&mut StepTimes>,
+        times: Option<&mut StepTimes>,
     ) -> Result<Detections, DetectError> {
         cpu::check_window(&self.geometry, &self.settings, x, yc)?;
         self.check_size(x.nrows(), x.ncols())?;
-        let timed = times.is_some();
         let clock = Instant::now();
         self.upload_window(x, yc);
+        self.run_uploaded(yc, times, clock)
+    }
+
+    /// Steps 1–5 on the window in `self.x`; `clock` started before its upload.
+    fn run_uploaded(
+        &mut self,
+        _yc: &[f32],
+        mut times: Option<&mut StepTimes>,
+        clock: Instant,
+    ) -> Result<Detections, DetectError> {
+        let timed = times.is_some();
         if timed {
             self.sync()?;
         }
