@@ -352,11 +352,17 @@ impl Detector {
     /// The packer of raw windows for [`Detector::detect_raw`] (page-locked
     /// memory with CUDA); `None` on the CPU.
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    pub fn packer(&self) -> Option<crate::detect::gpu::Packer> {
+    pub fn packer(&mut self) -> Option<crate::detect::gpu::Packer> {
         match self {
             Detector::Cpu(_) => None,
             #[cfg(feature = "cuda")]
-            Detector::Cuda(_) => Some(crate::detect::gpu::Packer::pinned_cuda()),
+            Detector::Cuda(d) => {
+                let p = crate::detect::gpu::Packer::pinned_cuda();
+                if let Some(pool) = p.pool() {
+                    d.use_direct_upload(pool);
+                }
+                Some(p)
+            }
             #[cfg(feature = "wgpu")]
             Detector::Wgpu(_) => Some(crate::detect::gpu::Packer::default()),
         }

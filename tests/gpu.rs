@@ -346,7 +346,8 @@ fn raw_window(xy: &[(f32, f32)], n: usize, seed: u64) -> Array2<f32> {
     for ch in 0..c {
         let offset = (rng.uniform() * 400.0 - 200.0) as f32;
         for t in 0..n {
-            let lfp = 300.0 * (t as f32 * 0.0021).sin() + 80.0 * (t as f32 * 0.013 + ch as f32 * 0.01).cos();
+            let lfp = 300.0 * (t as f32 * 0.0021).sin()
+                + 80.0 * (t as f32 * 0.013 + ch as f32 * 0.01).cos();
             x[[ch, t]] += lfp + offset;
         }
     }
@@ -370,8 +371,12 @@ fn raw_window(xy: &[(f32, f32)], n: usize, seed: u64) -> Array2<f32> {
 /// the window's largest magnitude, and the same detections. Cases: int16 values
 /// (packed two per word) and float32 values, even and odd window lengths, CAR
 /// on and off, an even and an odd number of sites.
-fn check_preprocessing<R: Runtime>(device: &R::Device, n: usize) {
-    use spikecube::detect::gpu::Packer;
+fn check_preprocessing<R: Runtime>(
+    device: &R::Device,
+    n: usize,
+    packer: &spikecube::detect::gpu::Packer,
+    setup: &dyn Fn(&mut GpuDetector<R>),
+) {
     use spikecube::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
     for (case, (n_sites, odd, do_car, float)) in [
         (32usize, false, true, false),
@@ -414,7 +419,7 @@ fn check_preprocessing<R: Runtime>(device: &R::Device, n: usize) {
         let mut det = gpu::<R>(device, &g, &s, FAST);
         let form = pre.device_form(DEVICE_TAP_FLOOR).unwrap();
         det.set_preprocessing(&form).unwrap();
-        let packer = Packer::default();
+        setup(&mut det);
         let packed = packer.pack(raw.view());
         assert_eq!(packed.packed, !float, "case {case}: packing");
         let got = det.preprocess_only(packed, &p.yc).unwrap();
@@ -430,17 +435,28 @@ fn check_preprocessing<R: Runtime>(device: &R::Device, n: usize) {
             worst / peak,
             form.dropped_tail
         );
-        assert!(worst <= 1e-4 * peak, "case {case}: max |Δ| {worst} vs peak {peak}");
-        let mut cpu = CpuDetector::new(g.clone(), UniversalTemplates::builtin(), s.clone()).unwrap();
+        assert!(
+            worst <= 1e-4 * peak,
+            "case {case}: max |Δ| {worst} vs peak {peak}"
+        );
+        let mut cpu =
+            CpuDetector::new(g.clone(), UniversalTemplates::builtin(), s.clone()).unwrap();
         let want_det = cpu.detect(want.view(), &p.yc).unwrap();
-        let got_det = det.detect_raw(packer.pack(raw.view()), &p.yc, None).unwrap();
-        assert!(!want_det.is_empty(), "case {case}: no detections to compare");
+        let got_det = det
+            .detect_raw(packer.pack(raw.view()), &p.yc, None)
+            .unwrap();
+        assert!(
+            !want_det.is_empty(),
+            "case {case}: no detections to compare"
+        );
         assert_eq!(want_det.centre, got_det.centre, "case {case}: centres");
         assert_eq!(want_det.sample, got_det.sample, "case {case}: samples");
         assert_eq!(want_det.imax, got_det.imax, "case {case}: imax");
         assert_eq!(want_det.sign, got_det.sign, "case {case}: sign");
         // Buffers persist: a second window gives the same detections again.
-        let again = det.detect_raw(packer.pack(raw.view()), &p.yc, None).unwrap();
+        let again = det
+            .detect_raw(packer.pack(raw.view()), &p.yc, None)
+            .unwrap();
         assert_eq!(got_det, again, "case {case}: second call");
     }
 }
@@ -489,7 +505,7 @@ mod wgpu {
     }
     #[test]
     fn preprocessing() {
-        check_preprocessing::<WgpuRuntime>(&device(), 6122);
+        check_preprocessing::<WgpuRuntime>(&device(), 6122, &Default::default(), &|_| {});
     }
 
     /// The whole `spikecube detect` run with `--backend wgpu` writes the same
@@ -605,7 +621,14 @@ mod cuda {
     #[test]
     #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
     fn cuda_preprocessing() {
-        check_preprocessing::<CudaRuntime>(&device(), 6122);
-        check_preprocessing::<CudaRuntime>(&device(), 60_122);
+        for n in [6122, 60_122] {
+            // Ordinary memory through CubeCL, then page-locked memory copied directly.
+            check_preprocessing::<CudaRuntime>(&device(), n, &Default::default(), &|_| {});
+            let packer = spikecube::detect::gpu::Packer::pinned_cuda();
+            let pool = packer.pool().expect("page-locked memory from the driver");
+            check_preprocessing::<CudaRuntime>(&device(), n, &packer, &|d| {
+                d.use_direct_upload(pool.clone())
+            });
+        }
     }
 }

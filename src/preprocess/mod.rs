@@ -327,10 +327,7 @@ impl Preprocessor {
     /// `floor` × the peak ([`DEVICE_TAP_FLOOR`] by default). `None` when a step has
     /// no device version: Kilosort4's artifact check (`artifact_threshold`).
     pub fn device_form(&self, floor: f32) -> Option<DevicePreprocessing> {
-        if self
-            .artifact_threshold
-            .is_some_and(|t| t.is_finite())
-        {
+        if self.artifact_threshold.is_some_and(|t| t.is_finite()) {
             return None;
         }
         let taps = self.highpass.taps();

@@ -115,6 +115,8 @@ struct PeakBuffers {
 pub struct StepTimes {
     /// Host → device copy of the window.
     pub upload: f64,
+    /// Preprocessing on the device ([`GpuDetector::detect_raw`] only).
+    pub preprocess: f64,
     /// Step 1.
     pub filter_bank: f64,
     /// Step 2.
@@ -153,12 +155,24 @@ pub struct GpuDetector<R: Runtime> {
     window: Option<WindowBuffers>,
     peaks: Option<PeakBuffers>,
     pre: Option<DevicePre>,
+    /// The raw window's persistent device buffer (bytes, handle), for uploads
+    /// that write into it directly.
+    raw_buf: Option<(usize, Handle)>,
+    /// A direct host → device copy into a buffer (CUDA: `cuMemcpyHtoD` from
+    /// page-locked memory), bypassing CubeCL 0.10's `create`, which copies the
+    /// bytes into a new pageable vector first.
+    direct: Option<DirectUpload<R>>,
 }
+
+/// See [`GpuDetector::direct`]'s field: copies the bytes into the handle's memory.
+type DirectUpload<R> = Box<dyn Fn(&ComputeClient<R>, Handle, &[u8]) -> bool + Send + Sync>;
 
 /// Preprocessing constants on the device ([`GpuDetector::set_preprocessing`]).
 struct DevicePre {
     form: DevicePreprocessing,
     taps: Handle,
+    /// Taps on the device (zero-padded to a multiple of HP_PER_UNIT).
+    n_taps: usize,
     w_start: Handle,
     w_cols: Handle,
     w_vals: Handle,
@@ -233,6 +247,12 @@ impl Packer {
         Packer {
             pinned: pinned::PinnedPool::new(),
         }
+    }
+
+    /// The page-locked pool, for [`GpuDetector::use_direct_upload`].
+    #[cfg(feature = "cuda")]
+    pub fn pool(&self) -> Option<pinned::PinnedPool> {
+        self.pinned.clone()
     }
 
     /// Whether buffers are page-locked.
@@ -312,6 +332,25 @@ fn bytemuck_words(b: &mut cubecl::bytes::Bytes) -> &mut [u32] {
     words
 }
 
+#[cfg(feature = "cuda")]
+impl GpuDetector<cubecl::cuda::CudaRuntime> {
+    /// Uploads page-locked raw windows ([`Packer::pinned_cuda`]) with one
+    /// `cuMemcpyHtoD` into a persistent buffer (about 25 GB/s measured on the H200
+    /// machine, BENCHMARKS.md) instead of CubeCL's `create`.
+    pub fn use_direct_upload(&mut self, pool: pinned::PinnedPool) {
+        self.direct = Some(Box::new(move |client, handle, bytes| {
+            let Ok(res) = client.get_resource(handle) else {
+                return false;
+            };
+            let ptr = res.resource().ptr;
+            // SAFETY: ptr is the handle's device memory (at least bytes.len()
+            // long: the buffer was sized for them) and the stream was synced, so
+            // no kernel uses it.
+            unsafe { pool.copy_to_device(ptr, bytes) }
+        }));
+    }
+}
+
 impl<R: Runtime> std::fmt::Debug for GpuDetector<R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuDetector")
@@ -389,6 +428,8 @@ impl<R: Runtime> GpuDetector<R> {
             window: None,
             peaks: None,
             pre: None,
+            raw_buf: None,
+            direct: None,
         })
     }
 
@@ -401,14 +442,17 @@ impl<R: Runtime> GpuDetector<R> {
     /// or the high-pass has more taps than shared memory holds.
     pub fn set_preprocessing(&mut self, form: &DevicePreprocessing) -> Result<(), DetectError> {
         let max_shared = self.client.properties().hardware.max_shared_memory_size;
-        let max_taps = form.taps.len().next_power_of_two().max(64);
-        if (preprocess::HP_TILE + 2 * max_taps) * 4 > max_shared {
+        // Taps zero-padded to a whole number of HP_PER_UNIT (zeros add exact zeros).
+        let n_taps = form.taps.len().div_ceil(preprocess::HP_PER_UNIT) * preprocess::HP_PER_UNIT;
+        let max_taps = n_taps.div_ceil(64) * 64;
+        let span = preprocess::HP_TILE + max_taps;
+        let hp_bytes = (span + span / 32 + 1 + max_taps) * 4;
+        if hp_bytes > max_shared {
             return Err(DetectError::Setting {
                 name: "highpass_cutoff",
                 message: format!(
-                    "the high-pass kernel has {} taps; the device's shared memory ({max_shared} bytes) holds at most {}; use --backend cpu",
-                    form.taps.len(),
-                    (max_shared / 4).saturating_sub(preprocess::HP_TILE) / 2
+                    "the high-pass kernel has {} taps and needs {hp_bytes} bytes of shared memory; the device has {max_shared}; use --backend cpu",
+                    form.taps.len()
                 ),
             });
         }
@@ -422,10 +466,13 @@ impl<R: Runtime> GpuDetector<R> {
                 ),
             });
         }
+        let mut taps = form.taps.clone();
+        taps.resize(n_taps, 0.0);
         let up_f = |v: &[f32]| self.client.create_from_slice(bytes_f32(v));
         let up_u = |v: &[u32]| self.client.create_from_slice(bytes_u32(v));
         self.pre = Some(DevicePre {
-            taps: up_f(&form.taps),
+            taps: up_f(&taps),
+            n_taps,
             w_start: up_u(&form.w_start),
             w_cols: up_u(&form.w_cols),
             w_vals: up_f(&form.w_vals),
@@ -455,8 +502,17 @@ impl<R: Runtime> GpuDetector<R> {
         yc: &[f32],
         times: Option<&mut StepTimes>,
     ) -> Result<Detections, DetectError> {
-        self.upload_raw(raw, yc)?;
-        self.run_uploaded(yc, times, Instant::now())
+        let timed = times.is_some();
+        let clock = Instant::now();
+        let pre_s = self.upload_raw(raw, yc, timed, 4)?;
+        let upload_s = clock.elapsed().as_secs_f64() - pre_s;
+        let mut times = times;
+        let det = self.run_uploaded(yc, times.as_deref_mut(), Instant::now())?;
+        if let Some(t) = times {
+            t.upload = upload_s;
+            t.preprocess = pre_s;
+        }
+        Ok(det)
     }
 
     /// Whitened window X after [`GpuDetector::detect_raw`]'s preprocessing
@@ -465,13 +521,42 @@ impl<R: Runtime> GpuDetector<R> {
     /// # Errors
     /// As [`GpuDetector::detect_raw`].
     pub fn preprocess_only(&mut self, raw: RawWindow, yc: &[f32]) -> Result<Vec<f32>, DetectError> {
-        self.upload_raw(raw, yc)?;
-        let x = self.x.clone().expect("preprocessed");
-        let out = self.client.read(vec![x]);
+        self.preprocess_stage(raw, yc, 4)
+    }
+
+    /// The window after the first `stages` of the four preprocessing kernels
+    /// (1: nothing yet in X; 2: means removed and median CAR; 3: high-pass; 4:
+    /// whitening), C × N row-major: for finding where a device departs from the CPU.
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect_raw`].
+    pub fn preprocess_stage(
+        &mut self,
+        raw: RawWindow,
+        yc: &[f32],
+        stages: usize,
+    ) -> Result<Vec<f32>, DetectError> {
+        self.upload_raw(raw, yc, false, stages)?;
+        let w = self.window.as_ref().expect("allocated");
+        let h = if stages == 3 {
+            w.q.clone()
+        } else {
+            w.x.clone()
+        };
+        let out = self.client.read(vec![h]);
         Ok(f32::from_bytes(&out[0]).to_vec())
     }
 
-    fn upload_raw(&mut self, raw: RawWindow, yc: &[f32]) -> Result<(), DetectError> {
+    /// Uploads `raw` and launches the preprocessing kernels; with `timed`, syncs
+    /// after the upload and after the kernels and returns the kernels' seconds.
+    /// Only the first `kernels` of the four preprocessing kernels are launched.
+    fn upload_raw(
+        &mut self,
+        raw: RawWindow,
+        yc: &[f32],
+        timed: bool,
+        kernels: usize,
+    ) -> Result<f64, DetectError> {
         let Some(pre) = self.pre.as_ref() else {
             return Err(DetectError::Setting {
                 name: "backend",
@@ -492,70 +577,92 @@ impl<R: Runtime> GpuDetector<R> {
         }
         self.check_size(c, n_t)?;
         self.ensure_window(c, n_t, yc);
-        let pre = self.pre.as_ref().expect("checked");
-        let w = self.window.as_ref().expect("allocated");
         let wpr = raw.words_per_row();
         let n_words = raw.n_bytes() / 4;
         let packed = raw.packed;
-        let raw_h = self.client.create(raw.data);
+        let raw_h = self.raw_to_device(raw.data, raw.pinned)?;
+        if timed {
+            self.sync()?;
+        }
+        let pre = self.pre.as_ref().expect("checked");
+        let w = self.window.as_ref().expect("allocated");
+        let clock = Instant::now();
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let units = CubeDim::new_1d(preprocess::UNITS as u32);
-        let cols = (preprocess::CAR_SHARED / c.max(1)).clamp(1, 64);
+        // Columns per CAR tile: a power of two (so units divide evenly) with the
+        // tile's C × cols values within CAR_SHARED.
+        let mut cols = 64usize;
+        while cols > 1 && c * cols > preprocess::CAR_SHARED {
+            cols /= 2;
+        }
+        let rows_per_unit = c.div_ceil(preprocess::UNITS / cols).max(1);
         // SAFETY (all four launches): row r < c reads words r·wpr .. r·wpr + wpr of
         // `raw` (c·wpr words) and writes row r of the C × N buffers; samples
         // t < N only; taps q < K; CSR indices are < C by construction
         // (DevicePreprocessing), checked against the CPU in tests/gpu.rs.
         unsafe {
-            preprocess::row_means_kernel::launch_unchecked::<R>(
-                &self.client,
-                CubeCount::Static(c as u32, 1, 1),
-                units,
-                arr(&raw_h, n_words),
-                arr(&pre.means, c),
-                n_t as u32,
-                wpr as u32,
-                packed,
-            );
-            preprocess::car_kernel::launch_unchecked::<R>(
-                &self.client,
-                CubeCount::Static(n_t.div_ceil(cols) as u32, 1, 1),
-                units,
-                arr(&raw_h, n_words),
-                arr(&pre.means, c),
-                arr(&w.x, c * n_t),
-                c as u32,
-                n_t as u32,
-                wpr as u32,
-                cols,
-                packed,
-                pre.form.do_car,
-            );
-            preprocess::highpass_kernel::launch_unchecked::<R>(
-                &self.client,
-                CubeCount::Static(n_t.div_ceil(preprocess::HP_TILE) as u32, c as u32, 1),
-                units,
-                arr(&w.x, c * n_t),
-                arr(&pre.taps, pre.form.taps.len()),
-                arr(&w.q, c * n_t),
-                n_t as u32,
-                pre.form.first,
-                pre.form.taps.len() as u32,
-                pre.max_taps,
-            );
-            preprocess::whiten_kernel::launch_unchecked::<R>(
-                &self.client,
-                CubeCount::Static(n_t.div_ceil(preprocess::UNITS) as u32, c as u32, 1),
-                units,
-                arr(&w.q, c * n_t),
-                arr(&pre.w_start, c + 1),
-                arr(&pre.w_cols, pre.form.w_cols.len().max(1)),
-                arr(&pre.w_vals, pre.form.w_vals.len().max(1)),
-                arr(&w.x, c * n_t),
-                n_t as u32,
-            );
+            if kernels > 0 {
+                preprocess::row_means_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(c as u32, 1, 1),
+                    units,
+                    arr(&raw_h, n_words),
+                    arr(&pre.means, c),
+                    n_t as u32,
+                    wpr as u32,
+                    packed,
+                );
+            }
+            if kernels > 1 {
+                preprocess::car_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(n_t.div_ceil(cols) as u32, 1, 1),
+                    units,
+                    arr(&raw_h, n_words),
+                    arr(&pre.means, c),
+                    arr(&w.x, c * n_t),
+                    c as u32,
+                    n_t as u32,
+                    wpr as u32,
+                    cols,
+                    rows_per_unit,
+                    packed,
+                    pre.form.do_car,
+                );
+            }
+            if kernels > 2 {
+                preprocess::highpass_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(n_t.div_ceil(preprocess::HP_TILE) as u32, c as u32, 1),
+                    units,
+                    arr(&w.x, c * n_t),
+                    arr(&pre.taps, pre.n_taps),
+                    arr(&w.q, c * n_t),
+                    n_t as u32,
+                    pre.form.first,
+                    pre.n_taps as u32,
+                    pre.max_taps,
+                );
+            }
+            if kernels > 3 {
+                preprocess::whiten_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(n_t.div_ceil(preprocess::UNITS) as u32, c as u32, 1),
+                    units,
+                    arr(&w.q, c * n_t),
+                    arr(&pre.w_start, c + 1),
+                    arr(&pre.w_cols, pre.form.w_cols.len().max(1)),
+                    arr(&pre.w_vals, pre.form.w_vals.len().max(1)),
+                    arr(&w.x, c * n_t),
+                    n_t as u32,
+                );
+            }
         }
         self.x = Some(w.x.clone());
-        Ok(())
+        if timed {
+            self.sync()?;
+        }
+        Ok(clock.elapsed().as_secs_f64())
     }
 
     /// The geometry in use.
@@ -701,6 +808,49 @@ impl<R: Runtime> GpuDetector<R> {
             }
         }
         self.x = Some(dst);
+    }
+
+    /// Puts the raw window's bytes on the device: straight into the persistent
+    /// raw buffer with the direct copy when there is one and the bytes are
+    /// page-locked, else in 4 MiB pieces through CubeCL (whose `create` copies
+    /// its input once more on the host) and a copy kernel into that buffer.
+    fn raw_to_device(
+        &mut self,
+        data: cubecl::bytes::Bytes,
+        pinned: bool,
+    ) -> Result<Handle, DetectError> {
+        let len = data.len();
+        if self.raw_buf.as_ref().map(|(n, _)| *n) != Some(len) {
+            self.raw_buf = Some((len, self.client.empty(len.max(4))));
+        }
+        let dst = self.raw_buf.as_ref().expect("allocated").1.clone();
+        if pinned && let Some(copy) = self.direct.as_ref() {
+            // The previous window's kernels may still read the buffer.
+            self.sync()?;
+            let copy = copy.as_ref();
+            if copy(&self.client, dst.clone(), &data) {
+                return Ok(dst);
+            }
+        }
+        let words: &[u8] = &data;
+        let chunk = upload::CHUNK * 4;
+        for (i, part) in words.chunks(chunk).enumerate() {
+            let src = self.client.create_from_slice(part);
+            // SAFETY: the kernel writes dst[offset + i] for i < len = part words,
+            // and offset + len ≤ the buffer's words.
+            unsafe {
+                upload::copy_words_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static((part.len() / 4).div_ceil(256) as u32, 1, 1),
+                    CubeDim::new_1d(256),
+                    ArrayArg::from_raw_parts(src, part.len() / 4),
+                    ArrayArg::from_raw_parts(dst.clone(), len / 4),
+                    (i * chunk / 4) as u32,
+                    (part.len() / 4) as u32,
+                );
+            }
+        }
+        Ok(dst)
     }
 
     /// Allocates the per-window buffers for C × `n_t` (kept while the size stays)
@@ -870,6 +1020,41 @@ impl<R: Runtime> GpuDetector<R> {
         }
     }
 
+    /// Times the raw-window path of [`GpuDetector::detect_raw`] over `reps`
+    /// windows from `make_raw` (with a sync after each part): seconds per window
+    /// for packing (`make_raw`, host), upload, and the device preprocessing up to
+    /// and including each of its four kernels (means, CAR, high-pass, whitening:
+    /// cumulative).
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect_raw`].
+    pub fn profile_raw(
+        &mut self,
+        make_raw: &mut dyn FnMut() -> RawWindow,
+        yc: &[f32],
+        reps: usize,
+    ) -> Result<[f64; 6], DetectError> {
+        let mut out = [0f64; 6];
+        for k in 1..=4 {
+            for _ in 0..reps.max(1) {
+                let t0 = Instant::now();
+                let raw = make_raw();
+                let t1 = Instant::now();
+                let pre = self.upload_raw(raw, yc, true, k)?;
+                let total = t1.elapsed().as_secs_f64();
+                out[0] += (t1 - t0).as_secs_f64();
+                out[1] += total - pre;
+                out[1 + k] += pre;
+            }
+        }
+        out[0] /= (4 * reps.max(1)) as f64;
+        out[1] /= (4 * reps.max(1)) as f64;
+        for v in &mut out[2..] {
+            *v /= reps.max(1) as f64;
+        }
+        Ok(out)
+    }
+
     /// Times each step on the window last given to [`GpuDetector::detect`] (or `x`):
     /// each step launched `reps` times back to back with one device sync at the end
     /// (seconds per launch), the upload likewise, and all five steps together
@@ -918,6 +1103,7 @@ impl<R: Runtime> GpuDetector<R> {
         Ok((
             StepTimes {
                 upload,
+                preprocess: 0.0,
                 filter_bank: fb,
                 centre_response: cr,
                 neighbour_max: nm,
@@ -993,6 +1179,7 @@ impl<R: Runtime> GpuDetector<R> {
             if let Some(t) = times.as_deref_mut() {
                 *t = StepTimes {
                     upload,
+                    preprocess: 0.0,
                     filter_bank: t3[0],
                     centre_response: t3[1],
                     neighbour_max: t3[2],

@@ -21,6 +21,7 @@ type CuPrimaryCtxRetain = unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int
 type CuCtxSetCurrent = unsafe extern "C" fn(*mut c_void) -> c_int;
 type CuMemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> c_int;
 type CuMemFreeHost = unsafe extern "C" fn(*mut c_void) -> c_int;
+type CuMemcpyHtoD = unsafe extern "C" fn(u64, *const c_void, usize) -> c_int;
 
 /// `CU_MEMHOSTALLOC_PORTABLE`: pinned for every CUDA context.
 const PORTABLE: c_uint = 1;
@@ -119,6 +120,26 @@ impl PinnedPool {
                     ctx,
                 }),
             })
+        }
+    }
+
+    /// Copies `src` to device address `dst` (synchronously: the copy has
+    /// completed when this returns). Returns false when the driver refuses.
+    ///
+    /// # Safety
+    /// `dst` must be a device allocation of GPU 0 with at least `src.len()`
+    /// bytes that no kernel uses during the copy.
+    pub unsafe fn copy_to_device(&self, dst: u64, src: &[u8]) -> bool {
+        if !self.shared.set_current() {
+            return false;
+        }
+        // SAFETY: the symbol has the driver API's signature; the caller vouches
+        // for dst; src is a valid host slice.
+        unsafe {
+            self.shared
+                .lib
+                .get::<CuMemcpyHtoD>(b"cuMemcpyHtoD_v2\0")
+                .is_ok_and(|f| f(dst, src.as_ptr().cast(), src.len()) == 0)
         }
     }
 

@@ -30,8 +30,8 @@ use cubecl::prelude::*;
 
 /// Units per cube of every preprocessing kernel.
 pub const UNITS: usize = 256;
-/// Outputs per unit of the high-pass kernel (UNITS apart).
-pub const HP_PER_UNIT: usize = 4;
+/// Consecutive outputs per unit of the high-pass kernel.
+pub const HP_PER_UNIT: usize = 8;
 /// Outputs per cube of the high-pass kernel.
 pub const HP_TILE: usize = UNITS * HP_PER_UNIT;
 /// Floats of shared memory for one CAR tile (12 KiB: within every device's limit).
@@ -112,9 +112,12 @@ pub(crate) fn row_means_kernel(
 }
 
 /// Mean removal and median CAR: one cube per `cols` consecutive samples of every
-/// row, held in shared memory; each value's rank in its column (ties broken by
-/// row) is counted, and the value of rank ⌊(C − 1)/2⌋ is the column's median.
-/// Writes X\[r, t\] = (raw − mean\[r\]) − median\[t\] (no median when `do_car` is false).
+/// row, held in shared memory. `UNITS / cols` units share a column; each holds
+/// up to `rows_per_unit` of its values in registers and counts, over the column,
+/// the values below and at most each of them: the value v with
+/// #{< v} ≤ ⌊(C − 1)/2⌋ < #{≤ v} is the column's lower median (several equal
+/// values may qualify; they write the same number). Writes
+/// X\[r, t\] = (raw − mean\[r\]) − median\[t\] (no median when `do_car` is false).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn car_kernel(
@@ -125,6 +128,7 @@ pub(crate) fn car_kernel(
     n_t: u32,
     words: u32,
     #[comptime] cols: usize,
+    #[comptime] rows_per_unit: usize,
     #[comptime] packed: bool,
     #[comptime] do_car: bool,
 ) {
@@ -150,23 +154,38 @@ pub(crate) fn car_kernel(
     }
     sync_cube();
     if comptime!(do_car) {
+        let per_col = comptime!(UNITS / cols);
+        let k = u / per_col;
+        let lane = u % per_col;
         let want = (c - 1) / 2;
-        let mut i = u;
-        while i < total {
-            let r = i / cols;
-            let k = i % cols;
-            let v = sh[i];
-            let mut rank = 0usize;
-            for j in 0..c {
-                let s = sh[j * cols + k];
-                if s < v || (s == v && j < r) {
-                    rank += 1;
-                }
+        let mut vals = Array::<f32>::new(rows_per_unit);
+        let mut below = Array::<u32>::new(rows_per_unit);
+        let mut upto = Array::<u32>::new(rows_per_unit);
+        #[unroll]
+        for a in 0..rows_per_unit {
+            let r = lane + a * per_col;
+            let mut v = 0.0f32;
+            if r < c {
+                v = sh[r * cols + k];
             }
-            if rank == want {
-                med[k] = v;
+            vals[a] = v;
+            below[a] = 0u32;
+            upto[a] = 0u32;
+        }
+        for j in 0..c {
+            let s = sh[j * cols + k];
+            #[unroll]
+            for a in 0..rows_per_unit {
+                below[a] += select(s < vals[a], 1u32, 0u32);
+                upto[a] += select(s <= vals[a], 1u32, 0u32);
             }
-            i += UNITS;
+        }
+        #[unroll]
+        for a in 0..rows_per_unit {
+            let r = lane + a * per_col;
+            if r < c && below[a] as usize <= want && want < upto[a] as usize {
+                med[k] = vals[a];
+            }
         }
         sync_cube();
     }
@@ -186,10 +205,15 @@ pub(crate) fn car_kernel(
     }
 }
 
-/// The high-pass as a direct circular correlation over `k` taps:
+/// The high-pass as a direct circular correlation over `k` taps (a multiple of
+/// [`HP_PER_UNIT`], zero-padded):
 /// y\[r, t\] = Σ_{q<k} h\[q\]·x\[r, (t + first + q) mod N\], summed in q order.
-/// One cube per row and [`HP_TILE`] outputs; its stretch of the row (with
-/// k − 1 samples of wrap-around context) and the taps sit in shared memory.
+/// One cube per row and [`HP_TILE`] outputs, its stretch of the row (with k
+/// samples of wrap-around context) and the taps in shared memory; each unit
+/// computes [`HP_PER_UNIT`] consecutive outputs from a window of row values
+/// held in registers, so each value read from shared memory serves
+/// [`HP_PER_UNIT`] products. Shared memory is padded by one word every 32 so
+/// that units reading [`HP_PER_UNIT`] words apart hit different banks.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn highpass_kernel(
@@ -201,8 +225,9 @@ pub(crate) fn highpass_kernel(
     k: u32,
     #[comptime] max_taps: usize,
 ) {
-    let span = comptime!(HP_TILE + max_taps - 1);
-    let mut xs = SharedMemory::<f32>::new(span);
+    let span = comptime!(HP_TILE + max_taps);
+    let padded = comptime!(span + span / 32 + 1);
+    let mut xs = SharedMemory::<f32>::new(padded);
     let mut hs = SharedMemory::<f32>::new(max_taps);
     let r = CUBE_POS_Y as usize;
     let t0 = CUBE_POS_X as usize * HP_TILE;
@@ -214,7 +239,7 @@ pub(crate) fn highpass_kernel(
         hs[i] = taps[i];
         i += UNITS;
     }
-    let len = HP_TILE + k - 1;
+    let len = HP_TILE + k;
     let mut s = u;
     while s < len {
         // Index (t0 + s + first) mod N, for first in (−N, N).
@@ -223,25 +248,43 @@ pub(crate) fn highpass_kernel(
         if p < 0 {
             p += n;
         }
-        xs[s] = x[r * n_t as usize + p as usize];
+        xs[s + s / 32] = x[r * n_t as usize + p as usize];
         s += UNITS;
     }
     sync_cube();
+    let base = u * HP_PER_UNIT;
+    let mut w = Array::<f32>::new(comptime!(2 * HP_PER_UNIT));
     let mut acc = Array::<f32>::new(HP_PER_UNIT);
     #[unroll]
     for a in 0..HP_PER_UNIT {
+        let idx = base + a;
+        w[a] = xs[idx + idx / 32];
         acc[a] = 0.0f32;
     }
-    for q in 0..k {
-        let h = hs[q];
+    let mut q0 = 0usize;
+    while q0 < k {
         #[unroll]
         for a in 0..HP_PER_UNIT {
-            acc[a] += h * xs[u + a * UNITS + q];
+            let idx = base + q0 + HP_PER_UNIT + a;
+            w[HP_PER_UNIT + a] = xs[idx + idx / 32];
         }
+        #[unroll]
+        for qq in 0..HP_PER_UNIT {
+            let h = hs[q0 + qq];
+            #[unroll]
+            for a in 0..HP_PER_UNIT {
+                acc[a] += h * w[a + qq];
+            }
+        }
+        #[unroll]
+        for a in 0..HP_PER_UNIT {
+            w[a] = w[HP_PER_UNIT + a];
+        }
+        q0 += HP_PER_UNIT;
     }
     #[unroll]
     for a in 0..HP_PER_UNIT {
-        let t = t0 + u + a * UNITS;
+        let t = t0 + base + a;
         if t < n_t as usize {
             y[r * n_t as usize + t] = acc[a];
         }
