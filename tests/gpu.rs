@@ -435,6 +435,28 @@ fn check_preprocessing<R: Runtime>(
             worst / peak,
             form.dropped_tail
         );
+        if worst > 1e-4 * peak {
+            // Where does the device depart from the CPU?
+            let mut car = raw.clone();
+            spikecube::preprocess::common_reference(&mut car, do_car).unwrap();
+            let mut hp = car.clone();
+            pre.highpass().apply(&mut hp).unwrap();
+            for (stage, want) in [(2, &car), (3, &hp)] {
+                let got = det
+                    .preprocess_stage(packer.pack(raw.view()), &p.yc, stage)
+                    .unwrap();
+                let mut bad = 0;
+                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                    if (a - b).abs() > 1e-3 * a.abs().max(1.0) {
+                        if bad < 4 {
+                            eprintln!("stage {stage} [{}, {}]: CPU {a} device {b}", i / nw, i % nw);
+                        }
+                        bad += 1;
+                    }
+                }
+                eprintln!("stage {stage}: {bad} values differ");
+            }
+        }
         assert!(
             worst <= 1e-4 * peak,
             "case {case}: max |Δ| {worst} vs peak {peak}"

@@ -589,6 +589,8 @@ impl<R: Runtime> GpuDetector<R> {
         let clock = Instant::now();
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let units = CubeDim::new_1d(preprocess::UNITS as u32);
+        // Diagnostics: a device sync between the preprocessing kernels.
+        let sync_between = std::env::var_os("SPIKECUBE_SYNC_BETWEEN_KERNELS").is_some();
         // Columns per CAR tile: a power of two (so units divide evenly) with the
         // tile's C × cols values within CAR_SHARED.
         let mut cols = 64usize;
@@ -613,6 +615,10 @@ impl<R: Runtime> GpuDetector<R> {
                     packed,
                 );
             }
+            if kernels > 1 && sync_between {
+                self.client.flush().ok();
+                let _ = cubecl::future::block_on(self.client.sync());
+            }
             if kernels > 1 {
                 preprocess::car_kernel::launch_unchecked::<R>(
                     &self.client,
@@ -630,6 +636,10 @@ impl<R: Runtime> GpuDetector<R> {
                     pre.form.do_car,
                 );
             }
+            if kernels > 2 && sync_between {
+                self.client.flush().ok();
+                let _ = cubecl::future::block_on(self.client.sync());
+            }
             if kernels > 2 {
                 preprocess::highpass_kernel::launch_unchecked::<R>(
                     &self.client,
@@ -639,10 +649,14 @@ impl<R: Runtime> GpuDetector<R> {
                     arr(&pre.taps, pre.n_taps),
                     arr(&w.q, c * n_t),
                     n_t as u32,
-                    pre.form.first,
+                    pre.form.first.rem_euclid(n_t as i32) as u32,
                     pre.n_taps as u32,
                     pre.max_taps,
                 );
+            }
+            if kernels > 3 && sync_between {
+                self.client.flush().ok();
+                let _ = cubecl::future::block_on(self.client.sync());
             }
             if kernels > 3 {
                 preprocess::whiten_kernel::launch_unchecked::<R>(

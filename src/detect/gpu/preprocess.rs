@@ -221,7 +221,7 @@ pub(crate) fn highpass_kernel(
     taps: &Array<f32>,
     y: &mut Array<f32>,
     n_t: u32,
-    first: i32,
+    first: u32,
     k: u32,
     #[comptime] max_taps: usize,
 ) {
@@ -232,7 +232,7 @@ pub(crate) fn highpass_kernel(
     let r = CUBE_POS_Y as usize;
     let t0 = CUBE_POS_X as usize * HP_TILE;
     let u = UNIT_POS_X as usize;
-    let n = n_t as i32;
+    let n = n_t as usize;
     let k = k as usize;
     let mut i = u;
     while i < k {
@@ -242,13 +242,11 @@ pub(crate) fn highpass_kernel(
     let len = HP_TILE + k;
     let mut s = u;
     while s < len {
-        // Index (t0 + s + first) mod N, for first in (−N, N).
-        let mut p = t0 as i32 + s as i32 + first;
-        p = p % n;
-        if p < 0 {
-            p += n;
-        }
-        xs[s + s / 32] = x[r * n_t as usize + p as usize];
+        // Index (t0 + s + first) mod N with `first` already reduced mod N on the
+        // host: unsigned arithmetic only (a signed remainder of a negative
+        // number was measured wrong on one Vulkan driver).
+        let p = (t0 + s + first as usize) % n;
+        xs[s + s / 32] = x[r * n + p];
         s += UNITS;
     }
     sync_cube();
