@@ -17,6 +17,11 @@
 //!   the one download, sorting);
 //! * the device memory CubeCL holds;
 //!
+//! then the raw-window path (`--raw`): a raw int16 window (noise of 15 counts
+//! and a slow wave, the probe of DIR) packed on the host, uploaded, preprocessed
+//! on the device and detected in: per-part seconds and the whole call, with the
+//! CPU's preprocessing plus detection of the same window for comparison;
+//!
 //! then an upload benchmark: the window as float32 from a borrowed slice
 //! (`create_from_slice`, which copies it), as owned bytes (`create`), and as int16
 //! (half the bytes, the raw recording's own type).
@@ -239,6 +244,133 @@ fn upload<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize) 
     );
 }
 
+/// The raw-window path: packing, upload, device preprocessing kernel by kernel,
+/// then whole `detect_raw` calls; checked against the CPU's preprocessing and
+/// detection of the same window.
+fn bench_raw<R: Runtime>(
+    device: &R::Device,
+    name: &str,
+    s: &Setup,
+    packer: spikecube::detect::gpu::Packer,
+    setup: &dyn Fn(&mut GpuDetector<R>),
+    repeat: usize,
+) {
+    use spikecube::preprocess::{PreprocessSettings, Preprocessor};
+    let (c, n) = s.x.dim();
+    let mut state = 12345u64;
+    let mut next = || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 33) as f64 / (1u64 << 31) as f64) - 0.5
+    };
+    let raw = Array2::from_shape_fn((c, n), |(r, t)| {
+        let wave = 300.0 * (t as f64 * 0.0021).sin() + r as f64;
+        (wave + 15.0 * 3.46 * next() + 40.0 * s.x[[r, t]] as f64).round() as f32
+    });
+    let settings = PreprocessSettings {
+        batch_size: n - 122,
+        ..PreprocessSettings::default()
+    };
+    let pre = Preprocessor::fit(
+        1,
+        |_| -> Result<Array2<f32>, spikecube::error::PreprocessError> { Ok(raw.clone()) },
+        &s.probe,
+        &settings,
+    )
+    .unwrap();
+    let t = Instant::now();
+    let mut host = raw.clone();
+    pre.apply(&mut host).unwrap();
+    let host_pre = t.elapsed().as_secs_f64();
+    let mut cpu = CpuDetector::new(
+        s.geometry.clone(),
+        UniversalTemplates::builtin(),
+        s.settings.clone(),
+    )
+    .unwrap();
+    let want = cpu.detect(host.view(), &s.probe.yc).unwrap();
+    let mut det = GpuDetector::<R>::new(
+        device,
+        name.into(),
+        s.geometry.clone(),
+        UniversalTemplates::builtin(),
+        s.settings.clone(),
+        GpuOptions::default(),
+    )
+    .unwrap();
+    let form = pre
+        .device_form(spikecube::preprocess::DEVICE_TAP_FLOOR)
+        .unwrap();
+    det.set_preprocessing(&form).unwrap();
+    setup(&mut det);
+    let got = det
+        .detect_raw(packer.pack(raw.view()), &s.probe.yc, None)
+        .unwrap();
+    let verdict = match check(&want, &got) {
+        Ok(()) => "same as the CPU".to_string(),
+        Err(e) => format!("DIFFERENT from the CPU: {e}"),
+    };
+    println!(
+        "\n## {name}: raw window {c} × {n} (int16 values, {} taps in the high-pass, pinned upload: {})\n\n{} detections, {verdict}; CPU preprocessing of this window: {:.1} ms ({} threads)\n",
+        form.taps.len(),
+        packer.is_pinned(),
+        got.len(),
+        host_pre * 1e3,
+        rayon::current_num_threads()
+    );
+    let mut parts = Vec::new();
+    for _ in 0..3 {
+        parts.push(
+            det.profile_raw(&mut || packer.pack(raw.view()), &s.probe.yc, repeat)
+                .unwrap(),
+        );
+    }
+    let med = |i: usize| median(parts.iter().map(|p| p[i]).collect()) * 1e3;
+    println!("| part | ms (median of 3 × {repeat}) |\n|---|---|");
+    println!(
+        "| pack on the host ({} MB) | {:.3} |",
+        (c * n.div_ceil(2) * 4) as f64 / 1e6,
+        med(0)
+    );
+    println!("| upload | {:.3} |", med(1));
+    let labels = [
+        "channel means",
+        "+ mean removal and median CAR",
+        "+ high-pass",
+        "+ whitening",
+    ];
+    for (k, l) in labels.iter().enumerate() {
+        println!("| {l} (cumulative) | {:.3} |", med(2 + k));
+    }
+    let mut whole = Vec::new();
+    for _ in 0..repeat {
+        let raw_w = packer.pack(raw.view());
+        let t = Instant::now();
+        let d = det.detect_raw(raw_w, &s.probe.yc, None).unwrap();
+        whole.push(t.elapsed().as_secs_f64());
+        assert_eq!(d.len(), got.len());
+    }
+    let mut whole_pack = Vec::new();
+    for _ in 0..repeat {
+        let t = Instant::now();
+        let d = det
+            .detect_raw(packer.pack(raw.view()), &s.probe.yc, None)
+            .unwrap();
+        whole_pack.push(t.elapsed().as_secs_f64());
+        assert_eq!(d.len(), got.len());
+    }
+    println!(
+        "| whole detect_raw (upload, preprocessing, detection, download) | {:.3} |\n| the same with packing | {:.3} |",
+        median(whole) * 1e3,
+        median(whole_pack) * 1e3
+    );
+    println!(
+        "device memory held by CubeCL: {:.0} MB",
+        det.memory_in_use().unwrap_or(0) as f64 / 1e6
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -257,6 +389,7 @@ fn main() {
     let repeat: usize = opt("--repeat").map_or(20, |v| v.parse().unwrap());
     let ks = args.iter().any(|a| a == "--kilosort-neighbourhoods");
     let only_default = args.iter().any(|a| a == "--default-only");
+    let raw_only = args.iter().any(|a| a == "--raw");
     let x: Array2<f32> = npy::read(&dir.join("X.npy")).expect("X.npy");
     let probe = Probe::load(&dir.join("probe.json")).expect("probe.json");
     let mut settings = DetectionSettings::default();
@@ -308,13 +441,40 @@ fn main() {
     if backend == "cuda" || backend == "both" {
         match spikecube::backend::probe_cuda() {
             #[cfg(feature = "cuda")]
-            Ok(name) => bench::<cubecl::cuda::CudaRuntime>(
-                &Default::default(),
-                &format!("cuda {name}"),
-                &s,
-                repeat,
-                only_default,
-            ),
+            Ok(name) => {
+                if raw_only {
+                    let packer = spikecube::detect::gpu::Packer::pinned_cuda();
+                    let pool = packer.pool();
+                    bench_raw::<cubecl::cuda::CudaRuntime>(
+                        &Default::default(),
+                        &format!("cuda {name}"),
+                        &s,
+                        packer,
+                        &|d| {
+                            if let Some(p) = pool.clone() {
+                                d.use_direct_upload(p)
+                            }
+                        },
+                        repeat,
+                    );
+                    bench_raw::<cubecl::cuda::CudaRuntime>(
+                        &Default::default(),
+                        &format!("cuda {name}, pageable upload"),
+                        &s,
+                        Default::default(),
+                        &|_| {},
+                        repeat,
+                    );
+                } else {
+                    bench::<cubecl::cuda::CudaRuntime>(
+                        &Default::default(),
+                        &format!("cuda {name}"),
+                        &s,
+                        repeat,
+                        only_default,
+                    )
+                }
+            }
             #[cfg(not(feature = "cuda"))]
             Ok(_) => println!("cuda: not in this build"),
             Err(why) => println!("cuda: {why}"),
@@ -325,6 +485,14 @@ fn main() {
         {
             let a = spikecube::backend::probe_wgpu();
             match a.first() {
+                Some(a) if raw_only => bench_raw::<cubecl::wgpu::WgpuRuntime>(
+                    &Default::default(),
+                    &format!("wgpu {} ({})", a.name, a.api),
+                    &s,
+                    Default::default(),
+                    &|_| {},
+                    repeat,
+                ),
                 Some(a) => bench::<cubecl::wgpu::WgpuRuntime>(
                     &Default::default(),
                     &format!("wgpu {} ({})", a.name, a.api),

@@ -64,6 +64,7 @@ fn main() -> anyhow::Result<()> {
             templates: spikecube::universal::TemplateSource::Learned(Default::default()),
             // No drift in this simulation: one detection pass, as before.
             drift: spikecube::drift::DriftSettings::off(),
+            device_preprocessing: true,
         },
         &mut |_| {},
     )?;

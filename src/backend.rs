@@ -327,6 +327,70 @@ impl Detector {
         }
     }
 
+    /// Moves preprocessing onto the device for the windows given to
+    /// [`Detector::detect_raw`]; `Ok(false)` on the CPU or when the preprocessing
+    /// has no device form (`artifact_threshold` set).
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] when the device cannot hold the kernels' tiles.
+    pub fn set_preprocessing(
+        &mut self,
+        pre: &crate::preprocess::Preprocessor,
+    ) -> Result<bool, DetectError> {
+        let Some(form) = pre.device_form(crate::preprocess::DEVICE_TAP_FLOOR) else {
+            return Ok(false);
+        };
+        match self {
+            Detector::Cpu(_) => Ok(false),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.set_preprocessing(&form).map(|_| true),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.set_preprocessing(&form).map(|_| true),
+        }
+    }
+
+    /// The packer of raw windows for [`Detector::detect_raw`] (page-locked
+    /// memory with CUDA); `None` on the CPU.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn packer(&mut self) -> Option<crate::detect::gpu::Packer> {
+        match self {
+            Detector::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => {
+                let p = crate::detect::gpu::Packer::pinned_cuda();
+                if let Some(pool) = p.pool() {
+                    d.use_direct_upload(pool);
+                }
+                Some(p)
+            }
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(_) => Some(crate::detect::gpu::Packer::default()),
+        }
+    }
+
+    /// Preprocesses a raw window on the device and detects in it (after
+    /// [`Detector::set_preprocessing`] returned true).
+    ///
+    /// # Errors
+    /// As [`crate::detect::gpu::GpuDetector::detect_raw`]; on the CPU always.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn detect_raw(
+        &mut self,
+        raw: crate::detect::gpu::RawWindow,
+        yc: &[f32],
+    ) -> Result<Detections, DetectError> {
+        match self {
+            Detector::Cpu(_) => Err(DetectError::Setting {
+                name: "backend",
+                message: "the CPU back end preprocesses on the host".into(),
+            }),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.detect_raw(raw, yc, None),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.detect_raw(raw, yc, None),
+        }
+    }
+
     /// The longest window (samples, padding included) this back end can take for
     /// `n_sites` channels; `usize::MAX` on the CPU.
     #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(unused_variables))]

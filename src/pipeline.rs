@@ -62,6 +62,9 @@ pub struct DetectJob {
     /// Drift estimation and correction (issue 12, [`crate::drift`]);
     /// [`crate::drift::DriftSettings::off`] for a single pass.
     pub drift: crate::drift::DriftSettings,
+    /// On a GPU back end, preprocess on the device too (default); false keeps
+    /// preprocessing on the host (`--preprocess-on host`).
+    pub device_preprocessing: bool,
 }
 
 /// Input checks of a run and the corrections spikecube makes where Kilosort4
@@ -337,11 +340,36 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let mut pending: Option<(Detections, i64)> = None;
     // ---- issue 10: the pipelined window loop (src/stages.rs) ----
     // read + input checks | preprocess + detect | write, overlapping.
-    let mut pass = HostPass {
-        pre,
-        detector,
-        yc: job.probe.yc.clone(),
-        drift: drift.correction.is_some().then(|| drift.clone()), // issue 12
+    // GPU back ends preprocess on the device as well (issue 10): each raw
+    // window goes up as it was read (int16 values two per word; page-locked
+    // with CUDA). Not with drift correction, which has no device version yet.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    let packer = if job.device_preprocessing
+        && drift.correction.is_none()
+        && detector.set_preprocessing(&pre)?
+    {
+        detector.packer()
+    } else {
+        None
+    };
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    let preprocess_on = if packer.is_some() { "device" } else { "host" };
+    #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+    let preprocess_on = "host";
+    let mut pass: Box<dyn crate::stages::WindowPass> = match () {
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        _ if packer.is_some() => Box::new(crate::stages::DevicePass {
+            detector,
+            packer: packer.expect("checked"),
+            yc: job.probe.yc.clone(),
+            upload_bytes: 0,
+        }),
+        _ => Box::new(HostPass {
+            pre,
+            detector,
+            yc: job.probe.yc.clone(),
+            drift: drift.correction.is_some().then(|| drift.clone()), // issue 12
+        }),
     };
     let mask_clipped = job.checks.mask_clipped;
     let health_ref = &mut health;
@@ -363,7 +391,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
             plan,
             &chan_map,
             check,
-            &mut pass,
+            pass.as_mut(),
             |w: WindowInfo, mut det: Detections| -> Result<()> {
                 let before = det.len();
                 let own_end = nt + w.own_len;
@@ -434,6 +462,8 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         "dmin_used": geometry.dmin,
         "detections_dropped_in_padding": dropped,
         "templates": chosen_templates.description, // issue 11
+        "preprocessing_on": preprocess_on,
+        "upload_bytes_per_window": pass.bytes_uploaded() / plan.n_windows.max(1),
         "checks": {
             "auto_scale": job.checks.auto_scale,
             "scale_factor_applied": fitted.scale_factor,

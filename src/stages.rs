@@ -118,6 +118,11 @@ pub trait WindowPass: Send {
     /// # Errors
     /// When preprocessing or detection fails; the run stops.
     fn run(&mut self, window: &mut Window, times: &mut StageTimes) -> Result<Detections>;
+
+    /// Bytes sent to a device so far (0 for a pass on the host).
+    fn bytes_uploaded(&self) -> u64 {
+        0
+    }
 }
 
 /// Preprocessing on the CPU ([`Preprocessor`]), then detection on any back
@@ -157,6 +162,46 @@ impl WindowPass for HostPass {
             })?;
         times.lap("detect", t1);
         Ok(det)
+    }
+}
+
+/// Preprocessing and detection on a GPU (issue 10): the raw window is packed
+/// (int16 values two per word when they are integers; page-locked memory with
+/// CUDA), sent up as it was read, preprocessed there
+/// ([`crate::detect::gpu::preprocess`]) and detected in; one download of the
+/// detections. Stage names `pack` and `device` (upload, preprocessing,
+/// detection and download).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub struct DevicePass {
+    /// A GPU detector whose preprocessing was set up ([`Detector::set_preprocessing`]).
+    pub detector: Detector,
+    /// Packs windows for it ([`Detector::packer`]).
+    pub packer: crate::detect::gpu::Packer,
+    /// Site depths, µm (the probe's `yc`).
+    pub yc: Vec<f32>,
+    /// Bytes sent so far.
+    pub upload_bytes: u64,
+}
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl WindowPass for DevicePass {
+    fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
+        let t0 = Instant::now();
+        let raw = self.packer.pack(w.data.view());
+        self.upload_bytes += raw.n_bytes() as u64;
+        let t1 = times.lap("pack", t0);
+        let det = self.detector.detect_raw(raw, &self.yc).with_context(|| {
+            format!(
+                "preprocessing and detecting window {} (samples from {}) on the device",
+                w.index, w.own_start
+            )
+        })?;
+        times.lap("device", t1);
+        Ok(det)
+    }
+
+    fn bytes_uploaded(&self) -> u64 {
+        self.upload_bytes
     }
 }
 

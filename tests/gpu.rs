@@ -336,6 +336,153 @@ fn check_bad_input<R: Runtime>(device: &R::Device) {
     assert!(e.contains("2·nt + 1"), "{e}");
 }
 
+/// A raw int16-valued window (C × n) like a probe's: a slow LFP-like wave shared
+/// by all channels plus per-channel offsets, noise of sd 15 counts and spikes of
+/// 40–200 counts spread over nearby sites.
+fn raw_window(xy: &[(f32, f32)], n: usize, seed: u64) -> Array2<f32> {
+    let mut rng = Rng(seed * 104_729 + 7);
+    let c = xy.len();
+    let mut x = noise(c, n, seed).mapv(|v| v * 15.0);
+    for ch in 0..c {
+        let offset = (rng.uniform() * 400.0 - 200.0) as f32;
+        for t in 0..n {
+            let lfp = 300.0 * (t as f32 * 0.0021).sin()
+                + 80.0 * (t as f32 * 0.013 + ch as f32 * 0.01).cos();
+            x[[ch, t]] += lfp + offset;
+        }
+    }
+    for _ in 0..(n / 400).max(3) {
+        let t0 = (rng.uniform() * n as f64) as usize;
+        let centre = (rng.uniform() * c as f64) as usize;
+        let (cx, cy) = xy[centre];
+        let gains: Vec<f32> = xy
+            .iter()
+            .map(|&(x, y)| (-((x - cx).powi(2) + (y - cy).powi(2)) / 900.0).exp())
+            .collect();
+        let k = (rng.uniform() * 6.0) as usize;
+        let amp = (40.0 + rng.uniform() * 160.0) as f32;
+        inject(&mut x, t0, k, amp, &gains);
+    }
+    x.mapv(|v| v.round().clamp(-32768.0, 32767.0))
+}
+
+/// Device preprocessing (means, median CAR, high-pass, whitening) against the
+/// CPU's [`Preprocessor`], then detection on each: whitened values within 1e-4 of
+/// the window's largest magnitude, and the same detections. Cases: int16 values
+/// (packed two per word) and float32 values, even and odd window lengths, CAR
+/// on and off, an even and an odd number of sites.
+fn check_preprocessing<R: Runtime>(
+    device: &R::Device,
+    n: usize,
+    packer: &spikecube::detect::gpu::Packer,
+    setup: &dyn Fn(&mut GpuDetector<R>),
+) {
+    use spikecube::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
+    for (case, (n_sites, odd, do_car, float)) in [
+        (32usize, false, true, false),
+        (31, true, true, false),
+        (32, false, false, false),
+        (17, true, true, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let xy: Vec<(f32, f32)> = (0..n_sites)
+            .map(|r| ((r % 2) as f32 * 32.0, (r / 2) as f32 * 20.0))
+            .collect();
+        let p: Probe = probe(&xy, &vec![0; n_sites]);
+        let batch = n - 122 + usize::from(odd);
+        let settings = PreprocessSettings {
+            batch_size: batch,
+            do_car,
+            ..PreprocessSettings::default()
+        };
+        let nw = settings.window_len();
+        let mut raw = raw_window(&xy, nw, case as u64 + 1);
+        if float {
+            raw.mapv_inplace(|v| v * 0.37 + 0.1);
+        }
+        let pre = Preprocessor::fit(
+            1,
+            |_| -> Result<Array2<f32>, spikecube::error::PreprocessError> { Ok(raw.clone()) },
+            &p,
+            &settings,
+        )
+        .unwrap();
+        let mut want = raw.clone();
+        pre.apply(&mut want).unwrap();
+        let s = DetectionSettings {
+            nearest_chans: 10.min(n_sites),
+            ..DetectionSettings::default()
+        };
+        let g = Geometry::new(&p, &s).unwrap();
+        let mut det = gpu::<R>(device, &g, &s, FAST);
+        let form = pre.device_form(DEVICE_TAP_FLOOR).unwrap();
+        det.set_preprocessing(&form).unwrap();
+        setup(&mut det);
+        let packed = packer.pack(raw.view());
+        assert_eq!(packed.packed, !float, "case {case}: packing");
+        let got = det.preprocess_only(packed, &p.yc).unwrap();
+        let peak = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let (mut worst, mut ss) = (0f32, 0f64);
+        for (a, b) in want.iter().zip(&got) {
+            worst = worst.max((a - b).abs());
+            ss += f64::from(a - b).powi(2);
+        }
+        let rms = (ss / got.len() as f64).sqrt();
+        eprintln!(
+            "device preprocessing case {case} ({n_sites} sites, N {nw}, CAR {do_car}, float {float}): max |Δ| {worst:.3e} = {:.2e} of the peak {peak:.1}, rms Δ {rms:.2e}; tail bound {:.1e}",
+            worst / peak,
+            form.dropped_tail
+        );
+        if worst > 1e-4 * peak {
+            // Where does the device depart from the CPU?
+            let mut car = raw.clone();
+            spikecube::preprocess::common_reference(&mut car, do_car).unwrap();
+            let mut hp = car.clone();
+            pre.highpass().apply(&mut hp).unwrap();
+            for (stage, want) in [(2, &car), (3, &hp)] {
+                let got = det
+                    .preprocess_stage(packer.pack(raw.view()), &p.yc, stage)
+                    .unwrap();
+                let mut bad = 0;
+                for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                    if (a - b).abs() > 1e-3 * a.abs().max(1.0) {
+                        if bad < 4 {
+                            eprintln!("stage {stage} [{}, {}]: CPU {a} device {b}", i / nw, i % nw);
+                        }
+                        bad += 1;
+                    }
+                }
+                eprintln!("stage {stage}: {bad} values differ");
+            }
+        }
+        assert!(
+            worst <= 1e-4 * peak,
+            "case {case}: max |Δ| {worst} vs peak {peak}"
+        );
+        let mut cpu =
+            CpuDetector::new(g.clone(), UniversalTemplates::builtin(), s.clone()).unwrap();
+        let want_det = cpu.detect(want.view(), &p.yc).unwrap();
+        let got_det = det
+            .detect_raw(packer.pack(raw.view()), &p.yc, None)
+            .unwrap();
+        assert!(
+            !want_det.is_empty(),
+            "case {case}: no detections to compare"
+        );
+        assert_eq!(want_det.centre, got_det.centre, "case {case}: centres");
+        assert_eq!(want_det.sample, got_det.sample, "case {case}: samples");
+        assert_eq!(want_det.imax, got_det.imax, "case {case}: imax");
+        assert_eq!(want_det.sign, got_det.sign, "case {case}: sign");
+        // Buffers persist: a second window gives the same detections again.
+        let again = det
+            .detect_raw(packer.pack(raw.view()), &p.yc, None)
+            .unwrap();
+        assert_eq!(got_det, again, "case {case}: second call");
+    }
+}
+
 #[cfg(feature = "wgpu")]
 mod wgpu {
     use super::*;
@@ -377,6 +524,10 @@ mod wgpu {
     #[test]
     fn bad_input() {
         check_bad_input::<WgpuRuntime>(&device());
+    }
+    #[test]
+    fn preprocessing() {
+        check_preprocessing::<WgpuRuntime>(&device(), 6122, &Default::default(), &|_| {});
     }
 
     /// The whole `spikecube detect` run with `--backend wgpu` writes the same
@@ -492,5 +643,18 @@ mod cuda {
     #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
     fn cuda_bad_input() {
         check_bad_input::<CudaRuntime>(&device());
+    }
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
+    fn cuda_preprocessing() {
+        for n in [6122, 60_122] {
+            // Ordinary memory through CubeCL, then page-locked memory copied directly.
+            check_preprocessing::<CudaRuntime>(&device(), n, &Default::default(), &|_| {});
+            let packer = spikecube::detect::gpu::Packer::pinned_cuda();
+            let pool = packer.pool().expect("page-locked memory from the driver");
+            check_preprocessing::<CudaRuntime>(&device(), n, &packer, &|d| {
+                d.use_direct_upload(pool.clone())
+            });
+        }
     }
 }

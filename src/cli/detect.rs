@@ -25,6 +25,12 @@ pub struct Args {
     out: Option<PathBuf>,
     #[command(flatten)]
     backend: BackendArg,
+    /// Where a GPU back end preprocesses (channel means, median CAR, high-pass,
+    /// whitening): on the device, from the raw window as read (default), or on
+    /// the host, as the CPU back end does (for comparisons). The CPU back end
+    /// always preprocesses on the host.
+    #[arg(long, default_value = "device", value_parser = ["device", "host"])]
+    preprocess_on: String,
     /// Print a machine-readable summary (JSON) on standard output.
     #[arg(long)]
     json: bool,
@@ -98,6 +104,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         backend: args.backend.backend,
         checks,
         drift: args.drift.settings(),
+        device_preprocessing: args.preprocess_on == "device",
     };
     let bar = progress_bar(quiet);
     let report = run_detection(job, &mut |p| {

@@ -291,6 +291,81 @@ impl Preprocessor {
     }
 }
 
+/// Tap floor of the device high-pass ([`DevicePreprocessing`]): taps below this
+/// fraction of the peak are dropped. At 300 Hz / 30 kHz this keeps lags
+/// ±≈500, and the dropped taps sum to about 1e-7 of the peak.
+pub const DEVICE_TAP_FLOOR: f32 = 1e-9;
+
+/// The constants of [`Preprocessor::apply`] in the form the GPU kernels take
+/// (`crate::detect::gpu::preprocess`): the high-pass as a short direct
+/// correlation, the whitening as a CSR sparse matrix.
+#[derive(Debug, Clone)]
+pub struct DevicePreprocessing {
+    /// Sites C.
+    pub n_sites: usize,
+    /// Window length N, samples.
+    pub n: usize,
+    /// Median CAR on (`do_CAR`).
+    pub do_car: bool,
+    /// High-pass taps h\[q\], q < K: y\[t\] = Σ_q h\[q\]·x\[(t + first + q) mod N\].
+    pub taps: Vec<f32>,
+    /// Offset of the first tap, samples (negative: before t).
+    pub first: i32,
+    /// The dropped taps' absolute sum over the peak tap (a bound on the
+    /// high-pass's error relative to the input's largest magnitude).
+    pub dropped_tail: f64,
+    /// Whitening rows: row j's non-zeros are `cols/vals[start[j]..start[j + 1]]`, in column order.
+    pub w_start: Vec<u32>,
+    /// Column (site) of each non-zero.
+    pub w_cols: Vec<u32>,
+    /// Value of each non-zero.
+    pub w_vals: Vec<f32>,
+}
+
+impl Preprocessor {
+    /// This preprocessor's constants for the device, with the high-pass taps above
+    /// `floor` × the peak ([`DEVICE_TAP_FLOOR`] by default). `None` when a step has
+    /// no device version: Kilosort4's artifact check (`artifact_threshold`).
+    pub fn device_form(&self, floor: f32) -> Option<DevicePreprocessing> {
+        if self.artifact_threshold.is_some_and(|t| t.is_finite()) {
+            return None;
+        }
+        let taps = self.highpass.taps();
+        let n = self.n;
+        let peak = taps.iter().fold(0.0f32, |a, &b| a.max(b.abs()));
+        let keep = |v: &f32| v.abs() > floor * peak;
+        let f = taps.iter().position(keep).unwrap_or(0);
+        let l = taps.iter().rposition(keep).unwrap_or(0);
+        let tail: f64 = taps[..f]
+            .iter()
+            .chain(&taps[l + 1..])
+            .map(|&v| f64::from(v.abs()))
+            .sum::<f64>()
+            / f64::from(peak.max(f32::MIN_POSITIVE));
+        let (mut w_start, mut w_cols, mut w_vals) = (vec![0u32], Vec::new(), Vec::new());
+        for row in self.whitening.matrix().outer_iter() {
+            for (k, &v) in row.iter().enumerate() {
+                if v != 0.0 {
+                    w_cols.push(k as u32);
+                    w_vals.push(v);
+                }
+            }
+            w_start.push(w_cols.len() as u32);
+        }
+        Some(DevicePreprocessing {
+            n_sites: self.n_sites,
+            n,
+            do_car: self.do_car,
+            taps: taps[f..=l].to_vec(),
+            first: f as i32 - (n / 2) as i32,
+            dropped_tail: tail,
+            w_start,
+            w_cols,
+            w_vals,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

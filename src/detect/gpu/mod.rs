@@ -24,6 +24,9 @@ pub mod features;
 pub mod filter_bank;
 pub mod local_peaks;
 pub mod neighbour_max;
+#[cfg(feature = "cuda")]
+pub mod pinned;
+pub mod preprocess;
 pub mod upload;
 
 use std::time::Instant;
@@ -39,6 +42,7 @@ use crate::detect::geometry::Geometry;
 use crate::detect::settings::DetectionSettings;
 use crate::detect::templates::UniversalTemplates;
 use crate::error::DetectError;
+use crate::preprocess::DevicePreprocessing;
 
 use blocks::RowBlocks;
 
@@ -111,6 +115,8 @@ struct PeakBuffers {
 pub struct StepTimes {
     /// Host → device copy of the window.
     pub upload: f64,
+    /// Preprocessing on the device ([`GpuDetector::detect_raw`] only).
+    pub preprocess: f64,
     /// Step 1.
     pub filter_bank: f64,
     /// Step 2.
@@ -148,6 +154,201 @@ pub struct GpuDetector<R: Runtime> {
     count: Option<Handle>,
     window: Option<WindowBuffers>,
     peaks: Option<PeakBuffers>,
+    pre: Option<DevicePre>,
+    /// The raw window's persistent device buffer (bytes, handle), for uploads
+    /// that write into it directly.
+    raw_buf: Option<(usize, Handle)>,
+    /// A direct host → device copy into a buffer (CUDA: `cuMemcpyHtoD` from
+    /// page-locked memory), bypassing CubeCL 0.10's `create`, which copies the
+    /// bytes into a new pageable vector first.
+    direct: Option<DirectUpload<R>>,
+}
+
+/// See [`GpuDetector::direct`]'s field: copies the bytes into the handle's memory.
+type DirectUpload<R> = Box<dyn Fn(&ComputeClient<R>, Handle, &[u8]) -> bool + Send + Sync>;
+
+/// Preprocessing constants on the device ([`GpuDetector::set_preprocessing`]).
+struct DevicePre {
+    form: DevicePreprocessing,
+    taps: Handle,
+    /// Taps on the device (zero-padded to a multiple of HP_PER_UNIT).
+    n_taps: usize,
+    w_start: Handle,
+    w_cols: Handle,
+    w_vals: Handle,
+    means: Handle,
+    /// Shared-memory size (taps) the high-pass kernel is compiled for.
+    max_taps: usize,
+}
+
+/// A raw window as the device takes it: one 32-bit word per float32 value, or
+/// two int16 values per word (row-major, each row padded to whole words), in
+/// host memory that is page-locked when the back end supports it ([`Packer`]).
+pub struct RawWindow {
+    /// Rows (sites).
+    pub n_rows: usize,
+    /// Samples per row.
+    pub n_t: usize,
+    /// int16 pairs (true) or float32 bits (false).
+    pub packed: bool,
+    /// Whether `data` is page-locked.
+    pub pinned: bool,
+    data: cubecl::bytes::Bytes,
+}
+
+impl std::fmt::Debug for RawWindow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawWindow")
+            .field("n_rows", &self.n_rows)
+            .field("n_t", &self.n_t)
+            .field("packed", &self.packed)
+            .field("pinned", &self.pinned)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RawWindow {
+    /// Words per row.
+    pub fn words_per_row(&self) -> usize {
+        if self.packed {
+            self.n_t.div_ceil(2)
+        } else {
+            self.n_t
+        }
+    }
+
+    /// Bytes sent to the device.
+    pub fn n_bytes(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Packs raw windows for [`GpuDetector::detect_raw`], into page-locked memory
+/// when the back end has it (CUDA); cheap to clone and usable from any thread.
+#[derive(Clone, Default)]
+pub struct Packer {
+    #[cfg(feature = "cuda")]
+    pinned: Option<pinned::PinnedPool>,
+}
+
+impl std::fmt::Debug for Packer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Packer")
+            .field("pinned", &self.is_pinned())
+            .finish()
+    }
+}
+
+impl Packer {
+    /// A packer into page-locked memory of GPU 0 (CUDA), or into ordinary
+    /// memory when the driver does not give any.
+    #[cfg(feature = "cuda")]
+    pub fn pinned_cuda() -> Packer {
+        Packer {
+            pinned: pinned::PinnedPool::new(),
+        }
+    }
+
+    /// The page-locked pool, for [`GpuDetector::use_direct_upload`].
+    #[cfg(feature = "cuda")]
+    pub fn pool(&self) -> Option<pinned::PinnedPool> {
+        self.pinned.clone()
+    }
+
+    /// Whether buffers are page-locked.
+    pub fn is_pinned(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.pinned.is_some()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
+    fn buffer(&self, n_words: usize) -> (cubecl::bytes::Bytes, bool) {
+        #[cfg(feature = "cuda")]
+        if let Some(b) = self.pinned.as_ref().and_then(|p| p.take(n_words * 4)) {
+            return (b, true);
+        }
+        (
+            cubecl::bytes::Bytes::from_bytes_vec(vec![0u8; n_words * 4]),
+            false,
+        )
+    }
+
+    /// Packs a raw (C × N) f32 window: two int16 values per word when every value
+    /// is an integer in int16's range (int16 files, uint16 files after their
+    /// shift, stuck stretches filled with a row median), else float32 bits.
+    pub fn pack(&self, x: ArrayView2<f32>) -> RawWindow {
+        use rayon::prelude::*;
+        let (c, n) = x.dim();
+        let x = x.as_standard_layout();
+        let xs = x.as_slice().expect("standard layout");
+        let packed = n > 0
+            && xs
+                .par_chunks(1 << 16)
+                .all(|p| p.iter().all(|&v| v == f32::from(v as i16)));
+        let wpr = if packed { n.div_ceil(2) } else { n };
+        let (mut data, pinned) = self.buffer(c * wpr);
+        {
+            let words: &mut [u32] = bytemuck_words(&mut data);
+            if wpr > 0 {
+                words
+                    .par_chunks_mut(wpr)
+                    .zip(xs.par_chunks(n))
+                    .for_each(|(out, row)| {
+                        if packed {
+                            for (w, pair) in out.iter_mut().zip(row.chunks(2)) {
+                                let lo = u32::from((pair[0] as i16) as u16);
+                                let hi = pair.get(1).map_or(0, |&v| u32::from((v as i16) as u16));
+                                *w = lo | (hi << 16);
+                            }
+                        } else {
+                            for (w, v) in out.iter_mut().zip(row) {
+                                *w = v.to_bits();
+                            }
+                        }
+                    });
+            }
+        }
+        RawWindow {
+            n_rows: c,
+            n_t: n,
+            packed,
+            pinned,
+            data,
+        }
+    }
+}
+
+/// The bytes as 32-bit words (every buffer here is 4096- or 4-byte aligned and a
+/// whole number of words long).
+fn bytemuck_words(b: &mut cubecl::bytes::Bytes) -> &mut [u32] {
+    let bytes: &mut [u8] = b;
+    let (pre, words, post) = unsafe { bytes.align_to_mut::<u32>() };
+    assert!(pre.is_empty() && post.is_empty(), "word-aligned buffer");
+    words
+}
+
+#[cfg(feature = "cuda")]
+impl GpuDetector<cubecl::cuda::CudaRuntime> {
+    /// Uploads page-locked raw windows ([`Packer::pinned_cuda`]) with one
+    /// `cuMemcpyHtoD` into a persistent buffer (about 25 GB/s measured on the H200
+    /// machine, BENCHMARKS.md) instead of CubeCL's `create`.
+    pub fn use_direct_upload(&mut self, pool: pinned::PinnedPool) {
+        self.direct = Some(Box::new(move |client, handle, bytes| {
+            let Ok(res) = client.get_resource(handle) else {
+                return false;
+            };
+            let ptr = res.resource().ptr;
+            // SAFETY: ptr is the handle's device memory (at least bytes.len()
+            // long: the buffer was sized for them) and the stream was synced, so
+            // no kernel uses it.
+            unsafe { pool.copy_to_device(ptr, bytes) }
+        }));
+    }
 }
 
 impl<R: Runtime> std::fmt::Debug for GpuDetector<R> {
@@ -226,7 +427,256 @@ impl<R: Runtime> GpuDetector<R> {
             count: None,
             window: None,
             peaks: None,
+            pre: None,
+            raw_buf: None,
+            direct: None,
         })
+    }
+
+    /// Uploads the preprocessing constants, after which
+    /// [`GpuDetector::detect_raw`] takes raw windows and preprocesses them on the
+    /// device (see [`preprocess`]).
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] when the form's sites differ from the geometry's
+    /// or the high-pass has more taps than shared memory holds.
+    pub fn set_preprocessing(&mut self, form: &DevicePreprocessing) -> Result<(), DetectError> {
+        let max_shared = self.client.properties().hardware.max_shared_memory_size;
+        // Taps zero-padded to a whole number of HP_PER_UNIT (zeros add exact zeros).
+        let n_taps = form.taps.len().div_ceil(preprocess::HP_PER_UNIT) * preprocess::HP_PER_UNIT;
+        let max_taps = n_taps.div_ceil(64) * 64;
+        let span = preprocess::HP_TILE + max_taps;
+        let hp_bytes = (span + span / 32 + 1 + max_taps) * 4;
+        if hp_bytes > max_shared {
+            return Err(DetectError::Setting {
+                name: "highpass_cutoff",
+                message: format!(
+                    "the high-pass kernel has {} taps and needs {hp_bytes} bytes of shared memory; the device has {max_shared}; use --backend cpu",
+                    form.taps.len()
+                ),
+            });
+        }
+        if form.n_sites > preprocess::CAR_SHARED {
+            return Err(DetectError::Setting {
+                name: "probe",
+                message: format!(
+                    "{} sites; the device median CAR takes at most {}",
+                    form.n_sites,
+                    preprocess::CAR_SHARED
+                ),
+            });
+        }
+        let mut taps = form.taps.clone();
+        taps.resize(n_taps, 0.0);
+        let up_f = |v: &[f32]| self.client.create_from_slice(bytes_f32(v));
+        let up_u = |v: &[u32]| self.client.create_from_slice(bytes_u32(v));
+        self.pre = Some(DevicePre {
+            taps: up_f(&taps),
+            n_taps,
+            w_start: up_u(&form.w_start),
+            w_cols: up_u(&form.w_cols),
+            w_vals: up_f(&form.w_vals),
+            means: self.client.empty(form.n_sites.max(1) * 4),
+            max_taps,
+            form: form.clone(),
+        });
+        Ok(())
+    }
+
+    /// Whether [`GpuDetector::set_preprocessing`] was called.
+    pub fn preprocesses(&self) -> bool {
+        self.pre.is_some()
+    }
+
+    /// Preprocesses one raw window on the device (channel means, median CAR,
+    /// high-pass, whitening: [`preprocess`]) and detects in it, as
+    /// [`crate::preprocess::Preprocessor::apply`] then [`GpuDetector::detect`]
+    /// would, within the float32 tolerance stated in [`preprocess`].
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] when no preprocessing was set; as
+    /// [`GpuDetector::detect`] otherwise.
+    pub fn detect_raw(
+        &mut self,
+        raw: RawWindow,
+        yc: &[f32],
+        times: Option<&mut StepTimes>,
+    ) -> Result<Detections, DetectError> {
+        let timed = times.is_some();
+        let clock = Instant::now();
+        let pre_s = self.upload_raw(raw, yc, timed, 4)?;
+        let upload_s = clock.elapsed().as_secs_f64() - pre_s;
+        let mut times = times;
+        let det = self.run_uploaded(yc, times.as_deref_mut(), Instant::now())?;
+        if let Some(t) = times {
+            t.upload = upload_s;
+            t.preprocess = pre_s;
+        }
+        Ok(det)
+    }
+
+    /// Whitened window X after [`GpuDetector::detect_raw`]'s preprocessing
+    /// (C × N, row-major), for comparisons with the CPU.
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect_raw`].
+    pub fn preprocess_only(&mut self, raw: RawWindow, yc: &[f32]) -> Result<Vec<f32>, DetectError> {
+        self.preprocess_stage(raw, yc, 4)
+    }
+
+    /// The window after the first `stages` of the four preprocessing kernels
+    /// (1: nothing yet in X; 2: means removed and median CAR; 3: high-pass; 4:
+    /// whitening), C × N row-major: for finding where a device departs from the CPU.
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect_raw`].
+    pub fn preprocess_stage(
+        &mut self,
+        raw: RawWindow,
+        yc: &[f32],
+        stages: usize,
+    ) -> Result<Vec<f32>, DetectError> {
+        self.upload_raw(raw, yc, false, stages)?;
+        let w = self.window.as_ref().expect("allocated");
+        let h = if stages == 3 {
+            w.q.clone()
+        } else {
+            w.x.clone()
+        };
+        let out = self.client.read(vec![h]);
+        Ok(f32::from_bytes(&out[0]).to_vec())
+    }
+
+    /// Uploads `raw` and launches the preprocessing kernels; with `timed`, syncs
+    /// after the upload and after the kernels and returns the kernels' seconds.
+    /// Only the first `kernels` of the four preprocessing kernels are launched.
+    fn upload_raw(
+        &mut self,
+        raw: RawWindow,
+        yc: &[f32],
+        timed: bool,
+        kernels: usize,
+    ) -> Result<f64, DetectError> {
+        let Some(pre) = self.pre.as_ref() else {
+            return Err(DetectError::Setting {
+                name: "backend",
+                message: "no device preprocessing was set up".into(),
+            });
+        };
+        let (c, n_t) = (raw.n_rows, raw.n_t);
+        if c != pre.form.n_sites || n_t != pre.form.n || c != yc.len() {
+            return Err(DetectError::Input {
+                what: "raw window".into(),
+                message: format!(
+                    "is {c} × {n_t}; the preprocessing was set up for {} × {} and the probe has {} sites",
+                    pre.form.n_sites,
+                    pre.form.n,
+                    yc.len()
+                ),
+            });
+        }
+        self.check_size(c, n_t)?;
+        self.ensure_window(c, n_t, yc);
+        let wpr = raw.words_per_row();
+        let n_words = raw.n_bytes() / 4;
+        let packed = raw.packed;
+        let raw_h = self.raw_to_device(raw.data, raw.pinned)?;
+        if timed {
+            self.sync()?;
+        }
+        let pre = self.pre.as_ref().expect("checked");
+        let w = self.window.as_ref().expect("allocated");
+        let clock = Instant::now();
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let units = CubeDim::new_1d(preprocess::UNITS as u32);
+        // Diagnostics: a device sync between the preprocessing kernels.
+        let sync_between = std::env::var_os("SPIKECUBE_SYNC_BETWEEN_KERNELS").is_some();
+        // Columns per CAR tile: a power of two (so units divide evenly) with the
+        // tile's C × cols values within CAR_SHARED.
+        let mut cols = 64usize;
+        while cols > 1 && c * cols > preprocess::CAR_SHARED {
+            cols /= 2;
+        }
+        let rows_per_unit = c.div_ceil(preprocess::UNITS / cols).max(1);
+        // SAFETY (all four launches): row r < c reads words r·wpr .. r·wpr + wpr of
+        // `raw` (c·wpr words) and writes row r of the C × N buffers; samples
+        // t < N only; taps q < K; CSR indices are < C by construction
+        // (DevicePreprocessing), checked against the CPU in tests/gpu.rs.
+        unsafe {
+            if kernels > 0 {
+                preprocess::row_means_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(c as u32, 1, 1),
+                    units,
+                    arr(&raw_h, n_words),
+                    arr(&pre.means, c),
+                    n_t as u32,
+                    wpr as u32,
+                    packed,
+                );
+            }
+            if kernels > 1 && sync_between {
+                self.client.flush().ok();
+                let _ = cubecl::future::block_on(self.client.sync());
+            }
+            if kernels > 1 {
+                preprocess::car_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(n_t.div_ceil(cols) as u32, 1, 1),
+                    units,
+                    arr(&raw_h, n_words),
+                    arr(&pre.means, c),
+                    arr(&w.x, c * n_t),
+                    c as u32,
+                    n_t as u32,
+                    wpr as u32,
+                    cols,
+                    rows_per_unit,
+                    packed,
+                    pre.form.do_car,
+                );
+            }
+            if kernels > 2 && sync_between {
+                self.client.flush().ok();
+                let _ = cubecl::future::block_on(self.client.sync());
+            }
+            if kernels > 2 {
+                preprocess::highpass_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(n_t.div_ceil(preprocess::HP_TILE) as u32, c as u32, 1),
+                    units,
+                    arr(&w.x, c * n_t),
+                    arr(&pre.taps, pre.n_taps),
+                    arr(&w.q, c * n_t),
+                    n_t as u32,
+                    pre.form.first.rem_euclid(n_t as i32) as u32,
+                    pre.n_taps as u32,
+                    pre.max_taps,
+                );
+            }
+            if kernels > 3 && sync_between {
+                self.client.flush().ok();
+                let _ = cubecl::future::block_on(self.client.sync());
+            }
+            if kernels > 3 {
+                preprocess::whiten_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(n_t.div_ceil(preprocess::UNITS) as u32, c as u32, 1),
+                    units,
+                    arr(&w.q, c * n_t),
+                    arr(&pre.w_start, c + 1),
+                    arr(&pre.w_cols, pre.form.w_cols.len().max(1)),
+                    arr(&pre.w_vals, pre.form.w_vals.len().max(1)),
+                    arr(&w.x, c * n_t),
+                    n_t as u32,
+                );
+            }
+        }
+        self.x = Some(w.x.clone());
+        if timed {
+            self.sync()?;
+        }
+        Ok(clock.elapsed().as_secs_f64())
     }
 
     /// The geometry in use.
@@ -346,28 +796,7 @@ impl<R: Runtime> GpuDetector<R> {
 
     fn upload_window(&mut self, x: ArrayView2<f32>, yc: &[f32]) {
         let (c, n_t) = x.dim();
-        let nf = self.geometry.n_centres();
-        if self.window.as_ref().map(|w| w.n_t) != Some(n_t) {
-            let f = |n: usize| self.client.empty(n * 4);
-            self.window = Some(WindowBuffers {
-                n_t,
-                x: f(c * n_t),
-                b: f(c * NK * n_t),
-                q: f(c * n_t),
-                as_: f(nf * n_t),
-                imax: f(nf * n_t),
-                amax: None,
-            });
-        }
-        if !self.options.sparse_peaks {
-            let w = self.window.as_mut().expect("allocated");
-            if w.amax.is_none() {
-                w.amax = Some(self.client.empty(nf * n_t * 4));
-            }
-        }
-        if self.yc.as_ref().map(|(v, _)| v.as_slice()) != Some(yc) {
-            self.yc = Some((yc.to_vec(), self.client.create_from_slice(bytes_f32(yc))));
-        }
+        self.ensure_window(c, n_t, yc);
         let x = x.as_standard_layout();
         let xs = x.as_slice().expect("standard layout");
         let chunk = self.options.upload_chunk;
@@ -393,6 +822,76 @@ impl<R: Runtime> GpuDetector<R> {
             }
         }
         self.x = Some(dst);
+    }
+
+    /// Puts the raw window's bytes on the device: straight into the persistent
+    /// raw buffer with the direct copy when there is one and the bytes are
+    /// page-locked, else in 4 MiB pieces through CubeCL (whose `create` copies
+    /// its input once more on the host) and a copy kernel into that buffer.
+    fn raw_to_device(
+        &mut self,
+        data: cubecl::bytes::Bytes,
+        pinned: bool,
+    ) -> Result<Handle, DetectError> {
+        let len = data.len();
+        if self.raw_buf.as_ref().map(|(n, _)| *n) != Some(len) {
+            self.raw_buf = Some((len, self.client.empty(len.max(4))));
+        }
+        let dst = self.raw_buf.as_ref().expect("allocated").1.clone();
+        if pinned && let Some(copy) = self.direct.as_ref() {
+            // The previous window's kernels may still read the buffer.
+            self.sync()?;
+            let copy = copy.as_ref();
+            if copy(&self.client, dst.clone(), &data) {
+                return Ok(dst);
+            }
+        }
+        let words: &[u8] = &data;
+        let chunk = upload::CHUNK * 4;
+        for (i, part) in words.chunks(chunk).enumerate() {
+            let src = self.client.create_from_slice(part);
+            // SAFETY: the kernel writes dst[offset + i] for i < len = part words,
+            // and offset + len ≤ the buffer's words.
+            unsafe {
+                upload::copy_words_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static((part.len() / 4).div_ceil(256) as u32, 1, 1),
+                    CubeDim::new_1d(256),
+                    ArrayArg::from_raw_parts(src, part.len() / 4),
+                    ArrayArg::from_raw_parts(dst.clone(), len / 4),
+                    (i * chunk / 4) as u32,
+                    (part.len() / 4) as u32,
+                );
+            }
+        }
+        Ok(dst)
+    }
+
+    /// Allocates the per-window buffers for C × `n_t` (kept while the size stays)
+    /// and uploads the site positions when they change.
+    fn ensure_window(&mut self, c: usize, n_t: usize, yc: &[f32]) {
+        let nf = self.geometry.n_centres();
+        if self.window.as_ref().map(|w| w.n_t) != Some(n_t) {
+            let f = |n: usize| self.client.empty(n * 4);
+            self.window = Some(WindowBuffers {
+                n_t,
+                x: f(c * n_t),
+                b: f(c * NK * n_t),
+                q: f(c * n_t),
+                as_: f(nf * n_t),
+                imax: f(nf * n_t),
+                amax: None,
+            });
+        }
+        if !self.options.sparse_peaks {
+            let w = self.window.as_mut().expect("allocated");
+            if w.amax.is_none() {
+                w.amax = Some(self.client.empty(nf * n_t * 4));
+            }
+        }
+        if self.yc.as_ref().map(|(v, _)| v.as_slice()) != Some(yc) {
+            self.yc = Some((yc.to_vec(), self.client.create_from_slice(bytes_f32(yc))));
+        }
     }
 
     fn ensure_peaks(&mut self, cap: usize) {
@@ -535,6 +1034,41 @@ impl<R: Runtime> GpuDetector<R> {
         }
     }
 
+    /// Times the raw-window path of [`GpuDetector::detect_raw`] over `reps`
+    /// windows from `make_raw` (with a sync after each part): seconds per window
+    /// for packing (`make_raw`, host), upload, and the device preprocessing up to
+    /// and including each of its four kernels (means, CAR, high-pass, whitening:
+    /// cumulative).
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect_raw`].
+    pub fn profile_raw(
+        &mut self,
+        make_raw: &mut dyn FnMut() -> RawWindow,
+        yc: &[f32],
+        reps: usize,
+    ) -> Result<[f64; 6], DetectError> {
+        let mut out = [0f64; 6];
+        for k in 1..=4 {
+            for _ in 0..reps.max(1) {
+                let t0 = Instant::now();
+                let raw = make_raw();
+                let t1 = Instant::now();
+                let pre = self.upload_raw(raw, yc, true, k)?;
+                let total = t1.elapsed().as_secs_f64();
+                out[0] += (t1 - t0).as_secs_f64();
+                out[1] += total - pre;
+                out[1 + k] += pre;
+            }
+        }
+        out[0] /= (4 * reps.max(1)) as f64;
+        out[1] /= (4 * reps.max(1)) as f64;
+        for v in &mut out[2..] {
+            *v /= reps.max(1) as f64;
+        }
+        Ok(out)
+    }
+
     /// Times each step on the window last given to [`GpuDetector::detect`] (or `x`):
     /// each step launched `reps` times back to back with one device sync at the end
     /// (seconds per launch), the upload likewise, and all five steps together
@@ -583,6 +1117,7 @@ impl<R: Runtime> GpuDetector<R> {
         Ok((
             StepTimes {
                 upload,
+                preprocess: 0.0,
                 filter_bank: fb,
                 centre_response: cr,
                 neighbour_max: nm,
@@ -598,13 +1133,23 @@ impl<R: Runtime> GpuDetector<R> {
         &mut self,
         x: ArrayView2<f32>,
         yc: &[f32],
-        mut times: Option<&mut StepTimes>,
+        times: Option<&mut StepTimes>,
     ) -> Result<Detections, DetectError> {
         cpu::check_window(&self.geometry, &self.settings, x, yc)?;
         self.check_size(x.nrows(), x.ncols())?;
-        let timed = times.is_some();
         let clock = Instant::now();
         self.upload_window(x, yc);
+        self.run_uploaded(yc, times, clock)
+    }
+
+    /// Steps 1–5 on the window in `self.x`; `clock` started before its upload.
+    fn run_uploaded(
+        &mut self,
+        _yc: &[f32],
+        mut times: Option<&mut StepTimes>,
+        clock: Instant,
+    ) -> Result<Detections, DetectError> {
+        let timed = times.is_some();
         if timed {
             self.sync()?;
         }
@@ -648,6 +1193,7 @@ impl<R: Runtime> GpuDetector<R> {
             if let Some(t) = times.as_deref_mut() {
                 *t = StepTimes {
                     upload,
+                    preprocess: 0.0,
                     filter_bank: t3[0],
                     centre_response: t3[1],
                     neighbour_max: t3[2],

@@ -18,3 +18,13 @@ pub(crate) fn copy_chunk_kernel(src: &Array<f32>, dst: &mut Array<f32>, offset: 
         dst[offset as usize + i] = src[i];
     }
 }
+
+/// [`copy_chunk_kernel`] for 32-bit words of any meaning (int16 pairs, float
+/// bits): copied as integers, so no bit pattern is changed.
+#[cube(launch_unchecked)]
+pub(crate) fn copy_words_kernel(src: &Array<u32>, dst: &mut Array<u32>, offset: u32, len: u32) {
+    let i = ABSOLUTE_POS;
+    if i < len as usize {
+        dst[offset as usize + i] = src[i];
+    }
+}

@@ -1,0 +1,325 @@
+//! Kilosort4's preprocessing on the device, GPU twin of
+//! [`crate::preprocess::Preprocessor::apply`]: channel means, median CAR,
+//! high-pass, whitening, from the raw window as read (int16 values packed two
+//! per 32-bit word, or float32) into the detector's whitened window X.
+//!
+//! | step | CPU twin | kernel |
+//! |---|---|---|
+//! | channel means | [`crate::preprocess::remove_channel_means`] | [`row_means_kernel`] |
+//! | mean removal, median CAR | [`crate::preprocess::subtract_channel_median`] | [`car_kernel`] |
+//! | high-pass | [`crate::preprocess::HighpassFilter`] | [`highpass_kernel`] |
+//! | whitening | [`crate::preprocess::Whitening`] | [`whiten_kernel`] |
+//!
+//! Numerics against the CPU:
+//! * means: int16 data are summed exactly (integers, in two 32-bit integer
+//!   parts), then divided in f32 (the CPU divides an f64 sum once): within one
+//!   or two f32 ulps of the mean, a constant per channel that the high-pass removes;
+//! * median: the same lower median (rank ⌊(C − 1)/2⌋, Kilosort4's torch median),
+//!   picked by counting ranks, so bit-identical for identical inputs;
+//! * high-pass: the CPU's circular correlation `y[t] = Σ_o h[o]·x[(t + o) mod N]`
+//!   computed directly over the taps whose magnitude is above
+//!   [`DeviceHighpass::floor`] of the peak (the CPU uses FFTs over the taps above
+//!   1e-13 of the peak); the error is bounded by the dropped taps' sum times the
+//!   input's magnitude (measured in `tests/gpu.rs` and BENCHMARKS.md);
+//! * whitening: the CPU's sparse product with the same terms in the same order.
+//!
+//! Kilosort4's artifact check (`artifact_threshold`) has no device version: a run
+//! that sets it preprocesses on the host.
+
+use cubecl::prelude::*;
+
+/// Units per cube of every preprocessing kernel.
+pub const UNITS: usize = 256;
+/// Consecutive outputs per unit of the high-pass kernel.
+pub const HP_PER_UNIT: usize = 8;
+/// Outputs per cube of the high-pass kernel.
+pub const HP_TILE: usize = UNITS * HP_PER_UNIT;
+/// Floats of shared memory for one CAR tile (12 KiB: within every device's limit).
+pub const CAR_SHARED: usize = 3072;
+
+/// Sample `t` of row `r` of the raw window: int16 pairs (`packed`: sample 2w in
+/// the low half of word w, 2w + 1 in the high half) or float32 bits.
+#[cube]
+fn raw_value(raw: &Array<u32>, r: usize, t: usize, words: usize, #[comptime] packed: bool) -> f32 {
+    if comptime!(packed) {
+        let w = raw[r * words + t / 2];
+        let half = if t % 2 == 0 { w << 16u32 } else { w };
+        // Arithmetic shift of the high half: the sign-extended int16.
+        let v = i32::cast_from(half) >> 16i32;
+        f32::cast_from(v)
+    } else {
+        f32::from_bits(raw[r * words + t])
+    }
+}
+
+/// Channel means: one cube per row. Packed int16 values are summed exactly as
+/// integers (high and low bytes apart, so no 32-bit overflow below 2²³ samples);
+/// float32 values in f32 (per unit, then a tree).
+#[cube(launch_unchecked)]
+pub(crate) fn row_means_kernel(
+    raw: &Array<u32>,
+    means: &mut Array<f32>,
+    n_t: u32,
+    words: u32,
+    #[comptime] packed: bool,
+) {
+    let mut hi = SharedMemory::<i32>::new(UNITS);
+    let mut lo = SharedMemory::<i32>::new(UNITS);
+    let mut fs = SharedMemory::<f32>::new(UNITS);
+    let r = CUBE_POS_X as usize;
+    let u = UNIT_POS_X as usize;
+    let n_t = n_t as usize;
+    let words = words as usize;
+    let mut h = 0i32;
+    let mut l = 0i32;
+    let mut f = 0.0f32;
+    let mut t = u;
+    while t < n_t {
+        if comptime!(packed) {
+            let w = raw[r * words + t / 2];
+            let half = if t % 2 == 0 { w << 16u32 } else { w };
+            let v = i32::cast_from(half) >> 16i32;
+            h += v >> 8i32;
+            l += v & 255i32;
+        } else {
+            f += f32::from_bits(raw[r * words + t]);
+        }
+        t += UNITS;
+    }
+    hi[u] = h;
+    lo[u] = l;
+    fs[u] = f;
+    sync_cube();
+    // A runtime value (the cube has UNITS units): a constant cannot be halved in place.
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if u < stride {
+            hi[u] = hi[u] + hi[u + stride];
+            lo[u] = lo[u] + lo[u + stride];
+            fs[u] = fs[u] + fs[u + stride];
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    if u == 0 {
+        if comptime!(packed) {
+            let sum = f32::cast_from(hi[0]) * 256.0f32 + f32::cast_from(lo[0]);
+            means[r] = sum / f32::cast_from(n_t as u32);
+        } else {
+            means[r] = fs[0] / f32::cast_from(n_t as u32);
+        }
+    }
+}
+
+/// Mean removal and median CAR: one cube per `cols` consecutive samples of every
+/// row, held in shared memory. `UNITS / cols` units share a column; each holds
+/// up to `rows_per_unit` of its values in registers and counts, over the column,
+/// the values below and at most each of them: the value v with
+/// #{< v} ≤ ⌊(C − 1)/2⌋ < #{≤ v} is the column's lower median (several equal
+/// values may qualify; they write the same number). Writes
+/// X\[r, t\] = (raw − mean\[r\]) − median\[t\] (no median when `do_car` is false).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn car_kernel(
+    raw: &Array<u32>,
+    means: &Array<f32>,
+    x: &mut Array<f32>,
+    n_rows: u32,
+    n_t: u32,
+    words: u32,
+    #[comptime] cols: usize,
+    #[comptime] rows_per_unit: usize,
+    #[comptime] packed: bool,
+    #[comptime] do_car: bool,
+) {
+    let mut sh = SharedMemory::<f32>::new(CAR_SHARED);
+    let mut med = SharedMemory::<f32>::new(cols);
+    let c = n_rows as usize;
+    let n_t = n_t as usize;
+    let words = words as usize;
+    let t0 = CUBE_POS_X as usize * cols;
+    let u = UNIT_POS_X as usize;
+    let total = c * cols;
+    let mut i = u;
+    while i < total {
+        let r = i / cols;
+        let k = i % cols;
+        let t = t0 + k;
+        let mut v = 0.0f32;
+        if t < n_t {
+            v = raw_value(raw, r, t, words, packed) - means[r];
+        }
+        sh[i] = v;
+        i += UNITS;
+    }
+    sync_cube();
+    if comptime!(do_car) {
+        let per_col = comptime!(UNITS / cols);
+        let k = u / per_col;
+        let lane = u % per_col;
+        let want = (c - 1) / 2;
+        let mut vals = Array::<f32>::new(rows_per_unit);
+        let mut below = Array::<u32>::new(rows_per_unit);
+        let mut upto = Array::<u32>::new(rows_per_unit);
+        #[unroll]
+        for a in 0..rows_per_unit {
+            let r = lane + a * per_col;
+            let mut v = 0.0f32;
+            if r < c {
+                v = sh[r * cols + k];
+            }
+            vals[a] = v;
+            below[a] = 0u32;
+            upto[a] = 0u32;
+        }
+        for j in 0..c {
+            let s = sh[j * cols + k];
+            #[unroll]
+            for a in 0..rows_per_unit {
+                below[a] += select(s < vals[a], 1u32, 0u32);
+                upto[a] += select(s <= vals[a], 1u32, 0u32);
+            }
+        }
+        #[unroll]
+        for a in 0..rows_per_unit {
+            let r = lane + a * per_col;
+            if r < c && below[a] as usize <= want && want < upto[a] as usize {
+                med[k] = vals[a];
+            }
+        }
+        sync_cube();
+    }
+    let mut i = u;
+    while i < total {
+        let r = i / cols;
+        let k = i % cols;
+        let t = t0 + k;
+        if t < n_t {
+            if comptime!(do_car) {
+                x[r * n_t + t] = sh[i] - med[k];
+            } else {
+                x[r * n_t + t] = sh[i];
+            }
+        }
+        i += UNITS;
+    }
+}
+
+/// The high-pass as a direct circular correlation over `k` taps (a multiple of
+/// [`HP_PER_UNIT`], zero-padded):
+/// y\[r, t\] = Σ_{q<k} h\[q\]·x\[r, (t + first + q) mod N\], summed in q order.
+/// One cube per row and [`HP_TILE`] outputs, its stretch of the row (with k
+/// samples of wrap-around context) and the taps in shared memory; each unit
+/// computes [`HP_PER_UNIT`] consecutive outputs from a window of row values
+/// held in registers, so each value read from shared memory serves
+/// [`HP_PER_UNIT`] products. Shared memory is padded by one word every 32 so
+/// that units reading [`HP_PER_UNIT`] words apart hit different banks.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn highpass_kernel(
+    x: &Array<f32>,
+    taps: &Array<f32>,
+    y: &mut Array<f32>,
+    n_t: u32,
+    first: u32,
+    k: u32,
+    #[comptime] max_taps: usize,
+) {
+    let span = comptime!(HP_TILE + max_taps);
+    let padded = comptime!(span + span / 32 + 1);
+    let mut xs = SharedMemory::<f32>::new(padded);
+    let mut hs = SharedMemory::<f32>::new(max_taps);
+    let r = CUBE_POS_Y as usize;
+    let t0 = CUBE_POS_X as usize * HP_TILE;
+    let u = UNIT_POS_X as usize;
+    let n = n_t as usize;
+    let k = k as usize;
+    let mut i = u;
+    while i < k {
+        hs[i] = taps[i];
+        i += UNITS;
+    }
+    let len = HP_TILE + k;
+    let mut s = u;
+    while s < len {
+        // Index (t0 + s + first) mod N with `first` already reduced mod N on the
+        // host: unsigned arithmetic only (a signed remainder of a negative
+        // number was measured wrong on one Vulkan driver).
+        let p = (t0 + s + first as usize) % n;
+        xs[s + s / 32] = x[r * n + p];
+        s += UNITS;
+    }
+    sync_cube();
+    let base = u * HP_PER_UNIT;
+    let mut w = Array::<f32>::new(comptime!(2 * HP_PER_UNIT));
+    let mut acc = Array::<f32>::new(HP_PER_UNIT);
+    #[unroll]
+    for a in 0..HP_PER_UNIT {
+        let idx = base + a;
+        w[a] = xs[idx + idx / 32];
+        acc[a] = 0.0f32;
+    }
+    let mut q0 = 0usize;
+    while q0 < k {
+        #[unroll]
+        for a in 0..HP_PER_UNIT {
+            let idx = base + q0 + HP_PER_UNIT + a;
+            w[HP_PER_UNIT + a] = xs[idx + idx / 32];
+        }
+        #[unroll]
+        for qq in 0..HP_PER_UNIT {
+            let h = hs[q0 + qq];
+            #[unroll]
+            for a in 0..HP_PER_UNIT {
+                acc[a] += h * w[a + qq];
+            }
+        }
+        #[unroll]
+        for a in 0..HP_PER_UNIT {
+            w[a] = w[HP_PER_UNIT + a];
+        }
+        q0 += HP_PER_UNIT;
+    }
+    #[unroll]
+    for a in 0..HP_PER_UNIT {
+        let t = t0 + base + a;
+        if t < n_t as usize {
+            y[r * n_t as usize + t] = acc[a];
+        }
+    }
+}
+
+/// Whitening X\[j, t\] = Σ W\[j, m\]·Y\[m, t\] over row j's non-zeros (CSR:
+/// `start`, `cols`, `vals`), four terms at a time as the CPU adds them.
+/// One cube per row and [`UNITS`] samples.
+#[cube(launch_unchecked)]
+pub(crate) fn whiten_kernel(
+    y: &Array<f32>,
+    start: &Array<u32>,
+    cols: &Array<u32>,
+    vals: &Array<f32>,
+    x: &mut Array<f32>,
+    n_t: u32,
+) {
+    let j = CUBE_POS_Y as usize;
+    let t = CUBE_POS_X as usize * UNITS + UNIT_POS_X as usize;
+    let n_t = n_t as usize;
+    if t < n_t {
+        let a = start[j] as usize;
+        let b = start[j + 1] as usize;
+        let quads = (b - a) / 4;
+        let mut acc = 0.0f32;
+        for qd in 0..quads {
+            let o = a + qd * 4;
+            let s0 = vals[o] * y[cols[o] as usize * n_t + t];
+            let s1 = vals[o + 1] * y[cols[o + 1] as usize * n_t + t];
+            let s2 = vals[o + 2] * y[cols[o + 2] as usize * n_t + t];
+            let s3 = vals[o + 3] * y[cols[o + 3] as usize * n_t + t];
+            acc += (s0 + s1) + (s2 + s3);
+        }
+        for o in a + quads * 4..b {
+            acc += vals[o] * y[cols[o] as usize * n_t + t];
+        }
+        x[j * n_t + t] = acc;
+    }
+}
