@@ -489,6 +489,9 @@ fn detect(
             run_info,
             backend,
             checks,
+            templates: spikecube::universal::TemplateSource::Learned(Default::default()),
+            drift: spikecube::drift::DriftSettings::default(),
+            device_preprocessing: true,
         };
         let report = guarded(|| {
             spikecube::pipeline::run_detection(job, &mut reporter(&interrupt, &progress))

@@ -49,8 +49,10 @@ def sim_cli(sim_bin, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def sim_cli_keep(sim_bin, tmp_path_factory):
-    """The command line's result with --keep-boundary-duplicates."""
-    return cli_detect(sim_bin, tmp_path_factory.mktemp("clik") / "out", "--keep-boundary-duplicates")
+    """The command line's result as the chunked SpikeInterface node computes it:
+    --keep-boundary-duplicates, built-in templates, one pass (no drift correction)."""
+    return cli_detect(sim_bin, tmp_path_factory.mktemp("clik") / "out", "--keep-boundary-duplicates",
+                      "--templates-from-data", "false", "--nblocks", "0")
 
 
 def load_npy(folder, name):

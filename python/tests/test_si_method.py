@@ -133,7 +133,8 @@ def test_ground_truth_recording_chunked_equals_command_line(ground_truth_recordi
     n = rec.get_num_channels()
     peaks = detect_peaks(rec, method="spikecube", job_kwargs=dict(chunk_size=60000, n_jobs=1, progress_bar=False))
     folder = cli_detect(raw, tmp_path / "c", "--n-channels", n, "--fs", 30000, "--dtype", "float32",
-                        "--probe", probe, "--keep-boundary-duplicates")
+                        "--probe", probe, "--keep-boundary-duplicates",
+                        "--templates-from-data", "false", "--nblocks", "0")
     assert len(peaks) > 50
     np.testing.assert_array_equal(of_peaks(peaks), spikes(folder))
 
@@ -158,7 +159,8 @@ def test_other_chunk_sizes_give_nearly_the_same_spikes(ground_truth_recording, t
     n = rec.get_num_channels()
     peaks = detect_peaks(rec, method="spikecube", job_kwargs=dict(chunk_size=30000, n_jobs=1, progress_bar=False))
     folder = cli_detect(raw, tmp_path / "c", "--n-channels", n, "--fs", 30000, "--dtype", "float32",
-                        "--probe", probe, "--keep-boundary-duplicates")
+                        "--probe", probe, "--keep-boundary-duplicates",
+                        "--templates-from-data", "false", "--nblocks", "0")
     ref = set(map(tuple, spikes(folder)))
     got = set(map(tuple, of_peaks(peaks)))
     assert len(ref & got) >= 0.95 * len(ref), (len(ref & got), len(ref), len(got))
