@@ -118,6 +118,21 @@ fn one_run(bin: &Path, probe: &Probe, backend: Backend, out: &Path) -> Result<Ru
             run_info: RunInfo::default(),
             checks: Checks::default(),
             backend,
+            // One detection pass with the built-in templates (Kilosort4's
+            // `templates_from_data = False`, `nblocks = 0`), unless
+            // SPIKECUBE_BENCH_DEFAULTS is set: then learned templates and drift
+            // correction, as `spikecube detect` does by default.
+            templates: if std::env::var_os("SPIKECUBE_BENCH_DEFAULTS").is_some() {
+                spikecube::universal::TemplateSource::Learned(Default::default())
+            } else {
+                spikecube::universal::TemplateSource::Builtin
+            },
+            drift: if std::env::var_os("SPIKECUBE_BENCH_DEFAULTS").is_some() {
+                spikecube::drift::DriftSettings::default()
+            } else {
+                spikecube::drift::DriftSettings::off()
+            },
+            device_preprocessing: true,
         },
         &mut |_| {},
     )?;

@@ -39,6 +39,8 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+// Parsed once per process: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     /// Detect spikes in a recording (SpikeGLX, Open Ephys or flat binary) and write them to a folder.
     Detect(detect::Args),

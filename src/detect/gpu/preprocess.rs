@@ -40,6 +40,8 @@ pub const CAR_SHARED: usize = 3072;
 /// Sample `t` of row `r` of the raw window: int16 pairs (`packed`: sample 2w in
 /// the low half of word w, 2w + 1 in the high half) or float32 bits.
 #[cube]
+// Kernel code: `is_multiple_of` has no CubeCL expansion.
+#[allow(clippy::manual_is_multiple_of)]
 fn raw_value(raw: &Array<u32>, r: usize, t: usize, words: usize, #[comptime] packed: bool) -> f32 {
     if comptime!(packed) {
         let w = raw[r * words + t / 2];
@@ -56,6 +58,8 @@ fn raw_value(raw: &Array<u32>, r: usize, t: usize, words: usize, #[comptime] pac
 /// integers (high and low bytes apart, so no 32-bit overflow below 2²³ samples);
 /// float32 values in f32 (per unit, then a tree).
 #[cube(launch_unchecked)]
+// Kernel code: `is_multiple_of` has no CubeCL expansion.
+#[allow(clippy::manual_is_multiple_of)]
 pub(crate) fn row_means_kernel(
     raw: &Array<u32>,
     means: &mut Array<f32>,
