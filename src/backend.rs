@@ -333,6 +333,7 @@ impl Detector {
     ///
     /// # Errors
     /// [`DetectError::Setting`] when the device cannot hold the kernels' tiles.
+    #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(unused_variables))]
     pub fn set_preprocessing(
         &mut self,
         pre: &crate::preprocess::Preprocessor,
