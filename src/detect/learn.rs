@@ -18,7 +18,7 @@
 //! chunks of clips in a fixed order, and the random numbers depend only on the
 //! seed and the restart number. Kilosort4 draws its k-means and its randomized SVD
 //! from numpy's global random state instead, so its templates change between
-//! seeds (see `../shared/docs/learned-templates-spec.md` and README).
+//! seeds (see README, "Universal templates").
 
 use ndarray::{Array2, ArrayView2};
 use rand_chacha::ChaCha8Rng;

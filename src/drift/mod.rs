@@ -1,5 +1,5 @@
 //! Drift estimation and correction, as Kilosort4 4.1.7 does it by default
-//! (`nblocks = 1`; `../shared/docs/drift-spec.md`), with the sharp edges made
+//! (`nblocks = 1`), with the sharp edges made
 //! safe (README, "Where spikecube differs"; `--drift-mode kilosort` restores
 //! Kilosort4's behaviour).
 //!

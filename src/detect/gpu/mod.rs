@@ -589,8 +589,6 @@ impl<R: Runtime> GpuDetector<R> {
         let clock = Instant::now();
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let units = CubeDim::new_1d(preprocess::UNITS as u32);
-        // Diagnostics: a device sync between the preprocessing kernels.
-        let sync_between = std::env::var_os("SPIKECUBE_SYNC_BETWEEN_KERNELS").is_some();
         // Columns per CAR tile: a power of two (so units divide evenly) with the
         // tile's C × cols values within CAR_SHARED.
         let mut cols = 64usize;
@@ -615,10 +613,6 @@ impl<R: Runtime> GpuDetector<R> {
                     packed,
                 );
             }
-            if kernels > 1 && sync_between {
-                self.client.flush().ok();
-                let _ = cubecl::future::block_on(self.client.sync());
-            }
             if kernels > 1 {
                 preprocess::car_kernel::launch_unchecked::<R>(
                     &self.client,
@@ -636,10 +630,6 @@ impl<R: Runtime> GpuDetector<R> {
                     pre.form.do_car,
                 );
             }
-            if kernels > 2 && sync_between {
-                self.client.flush().ok();
-                let _ = cubecl::future::block_on(self.client.sync());
-            }
             if kernels > 2 {
                 preprocess::highpass_kernel::launch_unchecked::<R>(
                     &self.client,
@@ -653,10 +643,6 @@ impl<R: Runtime> GpuDetector<R> {
                     pre.n_taps as u32,
                     pre.max_taps,
                 );
-            }
-            if kernels > 3 && sync_between {
-                self.client.flush().ok();
-                let _ = cubecl::future::block_on(self.client.sync());
             }
             if kernels > 3 {
                 preprocess::whiten_kernel::launch_unchecked::<R>(

@@ -37,18 +37,24 @@ pub const HP_TILE: usize = UNITS * HP_PER_UNIT;
 /// Floats of shared memory for one CAR tile (12 KiB: within every device's limit).
 pub const CAR_SHARED: usize = 3072;
 
-/// Sample `t` of row `r` of the raw window: int16 pairs (`packed`: sample 2w in
-/// the low half of word w, 2w + 1 in the high half) or float32 bits.
+/// Sample `t` of row `r` of a packed raw window as an integer: sample 2w in the
+/// low half of word w, 2w + 1 in the high half.
 #[cube]
 // Kernel code: `is_multiple_of` has no CubeCL expansion.
 #[allow(clippy::manual_is_multiple_of)]
+fn packed_int16(raw: &Array<u32>, r: usize, t: usize, words: usize) -> i32 {
+    let w = raw[r * words + t / 2];
+    let half = if t % 2 == 0 { w << 16u32 } else { w };
+    // Arithmetic shift of the high half: the sign-extended int16.
+    i32::cast_from(half) >> 16i32
+}
+
+/// Sample `t` of row `r` of the raw window: int16 pairs (`packed`, see
+/// [`packed_int16`]) or float32 bits.
+#[cube]
 fn raw_value(raw: &Array<u32>, r: usize, t: usize, words: usize, #[comptime] packed: bool) -> f32 {
     if comptime!(packed) {
-        let w = raw[r * words + t / 2];
-        let half = if t % 2 == 0 { w << 16u32 } else { w };
-        // Arithmetic shift of the high half: the sign-extended int16.
-        let v = i32::cast_from(half) >> 16i32;
-        f32::cast_from(v)
+        f32::cast_from(packed_int16(raw, r, t, words))
     } else {
         f32::from_bits(raw[r * words + t])
     }
@@ -58,8 +64,6 @@ fn raw_value(raw: &Array<u32>, r: usize, t: usize, words: usize, #[comptime] pac
 /// integers (high and low bytes apart, so no 32-bit overflow below 2²³ samples);
 /// float32 values in f32 (per unit, then a tree).
 #[cube(launch_unchecked)]
-// Kernel code: `is_multiple_of` has no CubeCL expansion.
-#[allow(clippy::manual_is_multiple_of)]
 pub(crate) fn row_means_kernel(
     raw: &Array<u32>,
     means: &mut Array<f32>,
@@ -80,9 +84,7 @@ pub(crate) fn row_means_kernel(
     let mut t = u;
     while t < n_t {
         if comptime!(packed) {
-            let w = raw[r * words + t / 2];
-            let half = if t % 2 == 0 { w << 16u32 } else { w };
-            let v = i32::cast_from(half) >> 16i32;
+            let v = packed_int16(raw, r, t, words);
             h += v >> 8i32;
             l += v & 255i32;
         } else {
