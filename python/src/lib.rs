@@ -353,27 +353,6 @@ fn open_recording(
     Ok((opened, probe, checks))
 }
 
-/// The file holding the raw samples, as an absolute path (for Phy's
-/// `params.py`): `continuous.dat` of the first stream for Open Ephys, the file
-/// itself otherwise (as the command line's `detect`).
-fn raw_data_file(rec: &std::path::Path) -> PathBuf {
-    use spikecube::recording::openephys;
-    let abs = std::fs::canonicalize(rec).unwrap_or_else(|_| rec.to_path_buf());
-    let is_oe = abs.is_dir() || abs.extension().is_some_and(|e| e == "oebin");
-    if is_oe
-        && let Ok(oebin) = openephys::find_oebin(&abs)
-        && let Ok(text) = std::fs::read_to_string(&oebin)
-        && let Ok(parsed) = openephys::parse_oebin_text(&text, &oebin)
-        && let (Some(stream), Some(dir)) = (parsed.streams.first(), oebin.parent())
-    {
-        return dir
-            .join("continuous")
-            .join(&stream.folder_name)
-            .join("continuous.dat");
-    }
-    abs
-}
-
 fn progress_dict<'py>(py: Python<'py>, p: &Progress) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("windows_done", p.windows_done)?;
@@ -473,7 +452,7 @@ fn detect(
         let fs = rec.fs();
         let run_info = RunInfo {
             input_description: rec.describe(),
-            dat_path: raw_data_file(&paths[0]),
+            dat_path: spikecube::recording::raw_data_file(&paths[0]),
             n_channels_dat: rec.n_channels() as u64,
             dtype: o.dtype.clone().unwrap_or_else(|| "int16".into()),
             offset: o.offset,

@@ -76,7 +76,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     let fs = rec.fs();
     let run_info = RunInfo {
         input_description: rec.describe(),
-        dat_path: raw_data_file(&args.recording[0]),
+        dat_path: spikecube::recording::raw_data_file(&args.recording[0]),
         n_channels_dat: rec.n_channels() as u64,
         dtype: args.rec.dtype.name().into(),
         offset: args.rec.offset,
@@ -160,24 +160,4 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// The file holding the raw samples, as an absolute path (for Phy's `params.py`):
-/// `continuous.dat` of the first stream for Open Ephys, the file itself otherwise.
-fn raw_data_file(rec: &std::path::Path) -> PathBuf {
-    use spikecube::recording::openephys;
-    let abs = std::fs::canonicalize(rec).unwrap_or_else(|_| rec.to_path_buf());
-    let is_oe = abs.is_dir() || abs.extension().is_some_and(|e| e == "oebin");
-    if is_oe
-        && let Ok(oebin) = openephys::find_oebin(&abs)
-        && let Ok(text) = std::fs::read_to_string(&oebin)
-        && let Ok(parsed) = openephys::parse_oebin_text(&text, &oebin)
-        && let (Some(stream), Some(dir)) = (parsed.streams.first(), oebin.parent())
-    {
-        return dir
-            .join("continuous")
-            .join(&stream.folder_name)
-            .join("continuous.dat");
-    }
-    abs
 }

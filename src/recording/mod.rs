@@ -111,6 +111,27 @@ pub trait Recording: Send + Sync {
     fn describe(&self) -> String;
 }
 
+/// The file holding a recording's raw samples, as an absolute path (for Phy's
+/// `params.py`, `dat_path`): `continuous.dat` of the first stream for an Open
+/// Ephys folder or `structure.oebin`, the path itself otherwise (also when the
+/// Open Ephys metadata cannot be read).
+pub fn raw_data_file(rec: &Path) -> PathBuf {
+    let abs = std::fs::canonicalize(rec).unwrap_or_else(|_| rec.to_path_buf());
+    let is_oe = abs.is_dir() || abs.extension().is_some_and(|e| e == "oebin");
+    if is_oe
+        && let Ok(oebin) = openephys::find_oebin(&abs)
+        && let Ok(text) = std::fs::read_to_string(&oebin)
+        && let Ok(parsed) = openephys::parse_oebin_text(&text, &oebin)
+        && let (Some(stream), Some(dir)) = (parsed.streams.first(), oebin.parent())
+    {
+        return dir
+            .join("continuous")
+            .join(&stream.folder_name)
+            .join("continuous.dat");
+    }
+    abs
+}
+
 /// Checks the arguments of [`Recording::read_channels`] against a recording's size.
 pub(crate) fn check_read(
     rec: &dyn Recording,
