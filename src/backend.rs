@@ -350,6 +350,30 @@ impl Detector {
         }
     }
 
+    /// Replaces the device preprocessing's whitening by a C × C matrix in CSR
+    /// form (see [`crate::detect::gpu::GpuDetector::set_whitening`]).
+    ///
+    /// # Errors
+    /// As that method; on the CPU always.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn set_whitening(
+        &mut self,
+        start: &[u32],
+        cols: &[u32],
+        vals: &[f32],
+    ) -> Result<(), DetectError> {
+        match self {
+            Detector::Cpu(_) => Err(DetectError::Setting {
+                name: "backend",
+                message: "the CPU back end has no device preprocessing".into(),
+            }),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.set_whitening(start, cols, vals),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.set_whitening(start, cols, vals),
+        }
+    }
+
     /// The packer of raw windows for [`Detector::detect_raw`] (page-locked
     /// memory with CUDA); `None` on the CPU.
     #[cfg(any(feature = "cuda", feature = "wgpu"))]

@@ -298,6 +298,31 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     crate::universal::write_outputs(writer.partial_path(), &chosen_templates)?;
     let learn_s = t_learn.elapsed().as_secs_f64();
     // ---- end issue 11 ----
+    // ---- issue 10: the pass (preprocessing + detection, on the host or the
+    // device), used by the drift step's first pass and by the main pass. GPU
+    // back ends preprocess on the device: each raw window goes up as it was
+    // read (int16 values two per word; page-locked with CUDA).
+    let host_pass = |detector: Detector| -> Box<dyn crate::stages::WindowPass> {
+        Box::new(HostPass {
+            pre: pre.clone(),
+            detector,
+            yc: job.probe.yc.clone(),
+            drift: None,
+        })
+    };
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    let mut pass = if job.device_preprocessing {
+        match crate::stages::DevicePass::new(detector, &pre, job.probe.yc.clone())? {
+            Ok(p) => Box::new(p) as Box<dyn crate::stages::WindowPass>,
+            Err(d) => host_pass(d),
+        }
+    } else {
+        host_pass(detector)
+    };
+    #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+    let mut pass = host_pass(detector);
+    let preprocess_on = pass.preprocess_on();
+    // ---- end issue 10 ----
     // ---- drift (issue 12, src/drift): first pass, estimate, drift files ----
     let drift = std::sync::Arc::new({
         let fp = crate::drift::FirstPass {
@@ -315,7 +340,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
             &fp,
             &job.drift,
             th,
-            &mut detector,
+            pass.as_mut(),
             &staged,
             &mut |d, first| writer.append(d, first),
             &mut |w| found.push(w),
@@ -340,37 +365,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let mut pending: Option<(Detections, i64)> = None;
     // ---- issue 10: the pipelined window loop (src/stages.rs) ----
     // read + input checks | preprocess + detect | write, overlapping.
-    // GPU back ends preprocess on the device as well (issue 10): each raw
-    // window goes up as it was read (int16 values two per word; page-locked
-    // with CUDA). Not with drift correction, which has no device version yet.
-    #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    let packer = if job.device_preprocessing
-        && drift.correction.is_none()
-        && detector.set_preprocessing(&pre)?
-    {
-        detector.packer()
-    } else {
-        None
-    };
-    #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    let preprocess_on = if packer.is_some() { "device" } else { "host" };
-    #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
-    let preprocess_on = "host";
-    let mut pass: Box<dyn crate::stages::WindowPass> = match () {
-        #[cfg(any(feature = "cuda", feature = "wgpu"))]
-        _ if packer.is_some() => Box::new(crate::stages::DevicePass {
-            detector,
-            packer: packer.expect("checked"),
-            yc: job.probe.yc.clone(),
-            upload_bytes: 0,
-        }),
-        _ => Box::new(HostPass {
-            pre,
-            detector,
-            yc: job.probe.yc.clone(),
-            drift: drift.correction.is_some().then(|| drift.clone()), // issue 12
-        }),
-    };
+    pass.set_drift(Some(drift.clone()))?; // issue 12: M_b·W per window
     let mask_clipped = job.checks.mask_clipped;
     let health_ref = &mut health;
     let check = move |w: &mut crate::recording::Window| -> Result<()> {

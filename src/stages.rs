@@ -123,6 +123,36 @@ pub trait WindowPass: Send {
     fn bytes_uploaded(&self) -> u64 {
         0
     }
+
+    /// Corrects drift in every later window (issue 12): `Some` after the drift
+    /// step estimated a correction, `None` for none (the first pass).
+    ///
+    /// # Errors
+    /// When the pass cannot take the correction (the default: it corrects nothing).
+    fn set_drift(&mut self, drift: Option<Arc<crate::drift::DriftRun>>) -> Result<()> {
+        match drift {
+            Some(d) if d.correction.is_some() => {
+                Err(anyhow!("this pass cannot correct drift"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Detects with `detector` from the next window on (e.g. with templates
+    /// learned again for the second pass, issue 11).
+    ///
+    /// # Errors
+    /// When a device detector cannot be set up for this pass's preprocessing
+    /// (the default: the pass has no detector).
+    fn set_detector(&mut self, detector: Detector) -> Result<()> {
+        let _ = detector;
+        Err(anyhow!("this pass has no detector to replace"))
+    }
+
+    /// Where preprocessing runs: `host` or `device`.
+    fn preprocess_on(&self) -> &'static str {
+        "host"
+    }
 }
 
 /// Preprocessing on the CPU ([`Preprocessor`]), then detection on any back
@@ -163,6 +193,16 @@ impl WindowPass for HostPass {
         times.lap("detect", t1);
         Ok(det)
     }
+
+    fn set_drift(&mut self, drift: Option<Arc<crate::drift::DriftRun>>) -> Result<()> {
+        self.drift = drift.filter(|d| d.correction.is_some());
+        Ok(())
+    }
+
+    fn set_detector(&mut self, detector: Detector) -> Result<()> {
+        self.detector = detector;
+        Ok(())
+    }
 }
 
 /// Preprocessing and detection on a GPU (issue 10): the raw window is packed
@@ -173,19 +213,56 @@ impl WindowPass for HostPass {
 /// detection and download).
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 pub struct DevicePass {
-    /// A GPU detector whose preprocessing was set up ([`Detector::set_preprocessing`]).
-    pub detector: Detector,
-    /// Packs windows for it ([`Detector::packer`]).
-    pub packer: crate::detect::gpu::Packer,
-    /// Site depths, µm (the probe's `yc`).
-    pub yc: Vec<f32>,
-    /// Bytes sent so far.
-    pub upload_bytes: u64,
+    detector: Detector,
+    packer: crate::detect::gpu::Packer,
+    pre: Preprocessor,
+    yc: Vec<f32>,
+    upload_bytes: u64,
+    drift: Option<Arc<crate::drift::DriftRun>>,
+}
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl DevicePass {
+    /// A pass preprocessing as `pre` does, on `detector`'s device; `None` when
+    /// the detector is on the CPU or a step of `pre` has no device version
+    /// (the detector is handed back then).
+    ///
+    /// # Errors
+    /// When the device cannot take the preprocessing constants.
+    pub fn new(
+        mut detector: Detector,
+        pre: &Preprocessor,
+        yc: Vec<f32>,
+    ) -> Result<std::result::Result<Self, Detector>> {
+        if !detector.set_preprocessing(pre)? {
+            return Ok(Err(detector));
+        }
+        let Some(packer) = detector.packer() else {
+            return Ok(Err(detector));
+        };
+        Ok(Ok(DevicePass {
+            detector,
+            packer,
+            pre: pre.clone(),
+            yc,
+            upload_bytes: 0,
+            drift: None,
+        }))
+    }
 }
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 impl WindowPass for DevicePass {
     fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
+        let t0 = Instant::now();
+        if let Some(d) = &self.drift {
+            // Kilosort4 applies (M_b·W)·X: the window's matrix replaces W.
+            if let Some(g) = d.window_whitening(w.index, self.pre.whitening())? {
+                let (start, cols, vals) = g.csr();
+                self.detector.set_whitening(&start, &cols, &vals)?;
+            }
+            times.lap("drift_matrix", t0);
+        }
         let t0 = Instant::now();
         let raw = self.packer.pack(w.data.view());
         self.upload_bytes += raw.n_bytes() as u64;
@@ -202,6 +279,35 @@ impl WindowPass for DevicePass {
 
     fn bytes_uploaded(&self) -> u64 {
         self.upload_bytes
+    }
+
+    fn set_drift(&mut self, drift: Option<Arc<crate::drift::DriftRun>>) -> Result<()> {
+        self.drift = drift.filter(|d| d.correction.is_some());
+        if self.drift.is_none() {
+            // Back to the plain whitening.
+            let (start, cols, vals) = self.pre.whitening().csr();
+            self.detector.set_whitening(&start, &cols, &vals)?;
+        }
+        Ok(())
+    }
+
+    fn set_detector(&mut self, mut detector: Detector) -> Result<()> {
+        if !detector.set_preprocessing(&self.pre)? {
+            anyhow::bail!("the new detector cannot preprocess on the device");
+        }
+        let Some(packer) = detector.packer() else {
+            anyhow::bail!("the new detector is not on a device");
+        };
+        self.detector = detector;
+        self.packer = packer;
+        if let Some(d) = self.drift.take() {
+            self.set_drift(Some(d))?;
+        }
+        Ok(())
+    }
+
+    fn preprocess_on(&self) -> &'static str {
+        "device"
     }
 }
 

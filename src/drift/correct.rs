@@ -282,6 +282,27 @@ impl DriftCorrection {
         ))
     }
 
+    /// `M_b·W` (C × C, float32) for window `window_index`, the rows of sites
+    /// beyond the edge margin zero (see [`DriftCorrection::apply`]).
+    ///
+    /// # Errors
+    /// When the window index is out of range or `w` is not C × C.
+    pub fn combined(&self, window_index: u64, w: &Array2<f32>) -> Result<Array2<f32>> {
+        let c = self.xc.len();
+        if w.dim() != (c, c) {
+            bail!("whitening matrix is {:?}, the probe has {c} sites", w.dim());
+        }
+        let mut m = self.matrix(window_index)?;
+        if let Some(margin) = self.zero_outside {
+            for k in self.sites_outside(window_index, margin)? {
+                m.row_mut(k).fill(0.0);
+            }
+        }
+        let mut g = Array2::<f32>::zeros((c, c));
+        ndarray::linalg::general_mat_mul(1.0, &m, w, 0.0, &mut g);
+        Ok(g)
+    }
+
     /// Corrects one whitened window in place: `X ← M_b · X` (C × N, float32),
     /// with the rows of sites whose target lies outside the probe set to zero
     /// unless [`DriftCorrection::with_zero_outside`] turned that off.

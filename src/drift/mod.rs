@@ -27,10 +27,9 @@ use ndarray::Array2;
 pub use correct::DriftCorrection;
 pub use estimate::{FirstPassSpikes, Histogram, Registration, bin_spikes, register};
 
-use crate::backend::Detector;
 use crate::preprocess::Preprocessor;
 use crate::probe::Probe;
-use crate::recording::{Recording, WindowLoader, WindowPlan};
+use crate::recording::{Recording, WindowPlan};
 
 /// Which behaviour at Kilosort4's sharp edges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, clap::ValueEnum, Default)]
@@ -322,24 +321,25 @@ pub struct FirstPass<'a> {
 }
 
 /// The first detection pass (Kilosort4's `datashift.run` step 2): every
-/// window read, preprocessed as the main pass does (without drift), detected;
-/// detections in the window's own samples are kept. When `also` is given
-/// (`--drift-only`), each window's detections are passed to it too.
+/// window read, preprocessed as the main pass does (without drift), detected
+/// by `pass` (on the host or the device), pipelined as the main pass
+/// ([`crate::stages::run_windows`]); detections in the window's own samples
+/// are kept. When `also` is given (`--drift-only`), each window's detections
+/// are passed to it too.
 ///
 /// # Errors
 /// When a read, the preprocessing or the detection fails (naming the window).
 pub fn first_pass(
     fp: &FirstPass<'_>,
-    detector: &mut Detector,
+    pass: &mut dyn crate::stages::WindowPass,
     mut also: Option<&mut AppendDetections<'_>>,
 ) -> Result<FirstPassSpikes> {
     let mut out = FirstPassSpikes::default();
     let min_run = crate::checks::stuck_min_run(fp.recording.fs());
-    let plan = fp.plan;
-    let loader = WindowLoader::all(fp.recording.clone(), *plan, fp.probe.chan_map.clone())?;
-    for window in loader {
-        let mut w = window?;
-        if fp.mask_clipped {
+    let plan = *fp.plan;
+    let mask_clipped = fp.mask_clipped;
+    let check = move |w: &mut crate::recording::Window| -> Result<()> {
+        if mask_clipped {
             let s0 = plan.window_first_column(w.index);
             let limit = if plan.n_windows == 1 {
                 plan.n_samples
@@ -351,24 +351,31 @@ pub fn first_pass(
             let hi = (limit - s0).clamp(lo as i64, n) as usize;
             crate::checks::mask_stuck_runs(&mut w.data, lo, hi, plan.n_windows > 1, min_run);
         }
-        fp.pre
-            .apply(&mut w.data)
-            .with_context(|| format!("drift first pass: preprocessing window {}", w.index))?;
-        let mut det = detector
-            .detect(w.data.view(), &fp.probe.yc)
-            .with_context(|| format!("drift first pass: detecting in window {}", w.index))?;
-        let own_end = fp.nt + w.own_len;
-        det.retain(|_, t| t >= fp.nt && t < own_end);
-        for i in 0..det.len() {
-            out.y.push(det.yct[i]);
-            out.amp.push(det.amp[i].abs());
-            out.batch.push(w.index as u32);
-            out.sample.push(w.first_sample + det.sample[i] as i64);
-        }
-        if let Some(f) = also.as_mut() {
-            f(&det, w.first_sample)?;
-        }
-    }
+        Ok(())
+    };
+    let nt = fp.nt;
+    crate::stages::run_windows(
+        fp.recording.clone(),
+        plan,
+        &fp.probe.chan_map,
+        check,
+        pass,
+        |w: crate::stages::WindowInfo, mut det: crate::Detections| -> Result<()> {
+            let own_end = nt + w.own_len;
+            det.retain(|_, t| t >= nt && t < own_end);
+            for i in 0..det.len() {
+                out.y.push(det.yct[i]);
+                out.amp.push(det.amp[i].abs());
+                out.batch.push(w.index as u32);
+                out.sample.push(w.first_sample + det.sample[i] as i64);
+            }
+            if let Some(f) = also.as_mut() {
+                f(&det, w.first_sample)?;
+            }
+            Ok(())
+        },
+    )
+    .context("drift first pass")?;
     Ok(out)
 }
 
@@ -391,6 +398,26 @@ impl DriftRun {
     /// Windows the second pass should process: all, or none with `--drift-only`.
     pub fn windows_to_detect(&self) -> usize {
         if self.drift_only { 0 } else { usize::MAX }
+    }
+
+    /// Window `window_index`'s whitening and drift correction as one matrix,
+    /// `M_b·W` in float32 (Kilosort4 multiplies the two first and applies the
+    /// product to the high-passed window), with the rows of sites beyond the
+    /// edge margin zeroed as [`DriftCorrection::apply`] does; `None` when
+    /// correction is off.
+    ///
+    /// # Errors
+    /// When the window index is out of range.
+    pub fn window_whitening(
+        &self,
+        window_index: u64,
+        w: &crate::preprocess::Whitening,
+    ) -> Result<Option<crate::preprocess::Whitening>> {
+        let Some(c) = &self.correction else {
+            return Ok(None);
+        };
+        let g = c.combined(window_index, w.matrix())?;
+        Ok(Some(crate::preprocess::Whitening::new(g)?))
     }
 
     /// Corrects one whitened window when drift correction is on (see
@@ -447,7 +474,7 @@ pub fn prepare(
     fp: &FirstPass<'_>,
     settings: &DriftSettings,
     th: f64,
-    detector: &mut Detector,
+    pass: &mut dyn crate::stages::WindowPass,
     folder: &Path,
     append: &mut AppendDetections<'_>,
     warn: &mut dyn FnMut(String),
@@ -466,7 +493,7 @@ pub fn prepare(
     );
     let spikes = first_pass(
         fp,
-        detector,
+        pass,
         if settings.drift_only {
             Some(append)
         } else {

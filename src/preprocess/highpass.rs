@@ -298,6 +298,23 @@ pub struct HighpassFilter {
     pool: Mutex<Vec<HpScratch>>,
 }
 
+/// A copy sharing the FFT plans; its scratch pool starts empty.
+impl Clone for HighpassFilter {
+    fn clone(&self) -> Self {
+        HighpassFilter {
+            n: self.n,
+            taps: self.taps.clone(),
+            fft_len: self.fft_len,
+            spectrum: self.spectrum.clone(),
+            forward: self.forward.clone(),
+            inverse: self.inverse.clone(),
+            scratch_len: self.scratch_len,
+            blocks: self.blocks,
+            pool: Mutex::new(Vec::new()),
+        }
+    }
+}
+
 impl std::fmt::Debug for HighpassFilter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HighpassFilter")

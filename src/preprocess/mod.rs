@@ -160,7 +160,7 @@ pub(crate) fn exceeds_artifact_threshold(window: &Array2<f32>, threshold: Option
 /// `BinaryFiltered.filter` does to `padded_batch_to_torch(i)`'s raw rows
 /// (without drift correction): channel means, median CAR (`do_CAR`), high-pass,
 /// artifact check, whitening. As in Kilosort4 4.1.7 it never inverts the sign.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Preprocessor {
     n_sites: usize,
     n: usize,
@@ -342,16 +342,7 @@ impl Preprocessor {
             .map(|&v| f64::from(v.abs()))
             .sum::<f64>()
             / f64::from(peak.max(f32::MIN_POSITIVE));
-        let (mut w_start, mut w_cols, mut w_vals) = (vec![0u32], Vec::new(), Vec::new());
-        for row in self.whitening.matrix().outer_iter() {
-            for (k, &v) in row.iter().enumerate() {
-                if v != 0.0 {
-                    w_cols.push(k as u32);
-                    w_vals.push(v);
-                }
-            }
-            w_start.push(w_cols.len() as u32);
-        }
+        let (w_start, w_cols, w_vals) = self.whitening.csr();
         Some(DevicePreprocessing {
             n_sites: self.n_sites,
             n,

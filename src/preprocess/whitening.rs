@@ -388,6 +388,24 @@ impl Whitening {
         &self.w
     }
 
+    /// The non-zeros as compressed rows: (C + 1 row starts, columns, values),
+    /// each row's in column order, the order [`Whitening::apply`]'s sparse
+    /// product adds them (four at a time) and the device's whitening kernel
+    /// takes them in.
+    pub fn csr(&self) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+        let (mut start, mut cols, mut vals) = (vec![0u32], Vec::new(), Vec::new());
+        for row in self.w.outer_iter() {
+            for (k, &v) in row.iter().enumerate() {
+                if v != 0.0 {
+                    cols.push(k as u32);
+                    vals.push(v);
+                }
+            }
+            start.push(cols.len() as u32);
+        }
+        (start, cols, vals)
+    }
+
     fn whiten_block(
         &self,
         mut block: ArrayViewMut2<'_, f32>,

@@ -483,6 +483,58 @@ impl<R: Runtime> GpuDetector<R> {
         Ok(())
     }
 
+    /// Replaces the whitening of the device preprocessing by another C × C
+    /// matrix in the same CSR form (`start`: C + 1 row starts, `cols`/`vals`
+    /// the non-zeros in the order the CPU sums them), e.g. drift correction's
+    /// per-window `M_b·W` ([`crate::drift::DriftRun::window_whitening`]; Kilosort4
+    /// applies `(M_b·W)·X` in place of `W·X`).
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] when no preprocessing was set;
+    /// [`DetectError::Input`] when the CSR does not have C rows or a column is
+    /// not below C.
+    pub fn set_whitening(
+        &mut self,
+        start: &[u32],
+        cols: &[u32],
+        vals: &[f32],
+    ) -> Result<(), DetectError> {
+        let Some(pre) = self.pre.as_mut() else {
+            return Err(DetectError::Setting {
+                name: "backend",
+                message: "no device preprocessing was set up".into(),
+            });
+        };
+        let c = pre.form.n_sites;
+        let nnz = start.last().copied().unwrap_or(0) as usize;
+        if start.len() != c + 1
+            || cols.len() != nnz
+            || vals.len() != nnz
+            || start.windows(2).any(|w| w[0] > w[1])
+            || cols.iter().any(|&k| k as usize >= c)
+        {
+            return Err(DetectError::Input {
+                what: "whitening matrix".into(),
+                message: format!(
+                    "a CSR of {} row starts, {} columns and {} values is not a {c} × {c} matrix",
+                    start.len(),
+                    cols.len(),
+                    vals.len()
+                ),
+            });
+        }
+        pre.w_start = self.client.create_from_slice(bytes_u32(start));
+        // An all-zero matrix still gets one (unread) element per buffer.
+        let cols_up: &[u32] = if cols.is_empty() { &[0] } else { cols };
+        let vals_up: &[f32] = if vals.is_empty() { &[0.0] } else { vals };
+        pre.w_cols = self.client.create_from_slice(bytes_u32(cols_up));
+        pre.w_vals = self.client.create_from_slice(bytes_f32(vals_up));
+        pre.form.w_start = start.to_vec();
+        pre.form.w_cols = cols.to_vec();
+        pre.form.w_vals = vals.to_vec();
+        Ok(())
+    }
+
     /// Whether [`GpuDetector::set_preprocessing`] was called.
     pub fn preprocesses(&self) -> bool {
         self.pre.is_some()
