@@ -873,7 +873,8 @@ impl<R: Runtime> GpuDetector<R> {
     ) -> Result<Handle, DetectError> {
         let len = data.len();
         if self.raw_buf.as_ref().map(|(n, _)| *n) != Some(len) {
-            self.raw_buf = Some((len, self.client.empty(len.max(4))));
+            self.raw_buf = None;
+            self.raw_buf = Some((len, self.persistent(|client| client.empty(len.max(4)))));
         }
         let dst = self.raw_buf.as_ref().expect("allocated").1.clone();
         if pinned && let Some(copy) = self.direct.as_ref() {
@@ -905,21 +906,38 @@ impl<R: Runtime> GpuDetector<R> {
         Ok(dst)
     }
 
+    /// Runs `alloc` with CubeCL's persistent allocation mode: buffers of exactly
+    /// the asked size instead of slices of the pools' pages (which held 3–4 GB
+    /// for our 1.3 GB of window buffers on the H200, BENCHMARKS.md).
+    fn persistent<T: Send>(&self, alloc: impl Fn(&ComputeClient<R>) -> T + Send + Sync) -> T {
+        match self
+            .client
+            .memory_persistent_allocation(&self.client, |c| alloc(c))
+        {
+            Ok(t) => t,
+            Err(_) => alloc(&self.client),
+        }
+    }
+
     /// Allocates the per-window buffers for C × `n_t` (kept while the size stays)
     /// and uploads the site positions when they change.
     fn ensure_window(&mut self, c: usize, n_t: usize, yc: &[f32]) {
         let nf = self.geometry.n_centres();
         if self.window.as_ref().map(|w| w.n_t) != Some(n_t) {
-            let f = |n: usize| self.client.empty(n * 4);
-            self.window = Some(WindowBuffers {
-                n_t,
-                x: f(c * n_t),
-                b: f(c * NK * n_t),
-                q: f(c * n_t),
-                as_: f(nf * n_t),
-                imax: f(nf * n_t),
-                amax: None,
-            });
+            // Free the old buffers before the new ones are taken.
+            self.window = None;
+            self.window = Some(self.persistent(|client| {
+                let f = |n: usize| client.empty(n * 4);
+                WindowBuffers {
+                    n_t,
+                    x: f(c * n_t),
+                    b: f(c * NK * n_t),
+                    q: f(c * n_t),
+                    as_: f(nf * n_t),
+                    imax: f(nf * n_t),
+                    amax: None,
+                }
+            }));
         }
         if !self.options.sparse_peaks {
             let w = self.window.as_mut().expect("allocated");
