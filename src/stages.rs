@@ -153,6 +153,40 @@ pub trait WindowPass: Send {
     fn preprocess_on(&self) -> &'static str {
         "host"
     }
+
+    /// Host work of this pass that can run one window ahead of it on its own
+    /// thread (`spikecube-stage`; e.g. packing a window for the upload while
+    /// the device works on the previous one); `None` (the default) for none.
+    fn stager(&mut self) -> Option<Box<dyn Stager>> {
+        None
+    }
+
+    /// [`WindowPass::run`] with what this pass's [`Stager`] made of the window.
+    ///
+    /// # Errors
+    /// As [`WindowPass::run`].
+    fn run_staged(
+        &mut self,
+        window: &mut Window,
+        staged: Staged,
+        times: &mut StageTimes,
+    ) -> Result<Detections> {
+        let _ = staged;
+        self.run(window, times)
+    }
+}
+
+/// What a [`Stager`] made of a window, for [`WindowPass::run_staged`].
+pub type Staged = Box<dyn std::any::Any + Send>;
+
+/// The part of a [`WindowPass`] that runs one window ahead of it, on its own
+/// thread, in window order ([`WindowPass::stager`]).
+pub trait Stager: Send {
+    /// Prepares `window` for the pass, adding its busy seconds to `times`.
+    ///
+    /// # Errors
+    /// When the preparation fails; the run stops.
+    fn stage(&mut self, window: &mut Window, times: &mut StageTimes) -> Result<Staged>;
 }
 
 /// Preprocessing on the CPU ([`Preprocessor`]), then detection on any back
@@ -251,22 +285,70 @@ impl DevicePass {
     }
 }
 
+/// The host side of a [`DevicePass`]: the window's drift-corrected whitening
+/// (CSR) and its packed raw values, made one window ahead of the device.
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
-impl WindowPass for DevicePass {
-    fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
+struct DeviceStager {
+    packer: crate::detect::gpu::Packer,
+    whitening: crate::preprocess::Whitening,
+    drift: Option<Arc<crate::drift::DriftRun>>,
+}
+
+/// What [`DeviceStager`] makes of a window.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+struct DeviceStaged {
+    raw: crate::detect::gpu::RawWindow,
+    whitening: Option<(Vec<u32>, Vec<u32>, Vec<f32>)>,
+}
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl DeviceStager {
+    fn stage_window(&self, w: &Window, times: &mut StageTimes) -> Result<DeviceStaged> {
         let t0 = Instant::now();
+        let mut whitening = None;
         if let Some(d) = &self.drift {
             // Kilosort4 applies (M_b·W)·X: the window's matrix replaces W.
-            if let Some(g) = d.window_whitening(w.index, self.pre.whitening())? {
-                let (start, cols, vals) = g.csr();
-                self.detector.set_whitening(&start, &cols, &vals)?;
+            if let Some(g) = d.window_whitening(w.index, &self.whitening)? {
+                whitening = Some(g.csr());
             }
             times.lap("drift_matrix", t0);
         }
         let t0 = Instant::now();
         let raw = self.packer.pack(w.data.view());
+        times.lap("pack", t0);
+        Ok(DeviceStaged { raw, whitening })
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl Stager for DeviceStager {
+    fn stage(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Staged> {
+        Ok(Box::new(self.stage_window(w, times)?))
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl DevicePass {
+    fn stager_now(&self) -> DeviceStager {
+        DeviceStager {
+            packer: self.packer.clone(),
+            whitening: self.pre.whitening().clone(),
+            drift: self.drift.clone(),
+        }
+    }
+
+    fn run_device(
+        &mut self,
+        w: &Window,
+        staged: DeviceStaged,
+        times: &mut StageTimes,
+    ) -> Result<Detections> {
+        let t1 = Instant::now();
+        if let Some((start, cols, vals)) = &staged.whitening {
+            self.detector.set_whitening(start, cols, vals)?;
+        }
+        let raw = staged.raw;
         self.upload_bytes += raw.n_bytes() as u64;
-        let t1 = times.lap("pack", t0);
         let det = self.detector.detect_raw(raw, &self.yc).with_context(|| {
             format!(
                 "preprocessing and detecting window {} (samples from {}) on the device",
@@ -275,6 +357,30 @@ impl WindowPass for DevicePass {
         })?;
         times.lap("device", t1);
         Ok(det)
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl WindowPass for DevicePass {
+    fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
+        let staged = self.stager_now().stage_window(w, times)?;
+        self.run_device(w, staged, times)
+    }
+
+    fn stager(&mut self) -> Option<Box<dyn Stager>> {
+        Some(Box::new(self.stager_now()))
+    }
+
+    fn run_staged(
+        &mut self,
+        w: &mut Window,
+        staged: Staged,
+        times: &mut StageTimes,
+    ) -> Result<Detections> {
+        match staged.downcast::<DeviceStaged>() {
+            Ok(s) => self.run_device(w, *s, times),
+            Err(_) => self.run(w, times),
+        }
     }
 
     fn bytes_uploaded(&self) -> u64 {
@@ -354,7 +460,11 @@ where
     W: FnMut(WindowInfo, Detections) -> Result<()>,
 {
     let t_start = Instant::now();
+    let stager = pass.stager();
+    // One more buffer when a stager runs between the reader and the pass.
+    let in_flight = WINDOWS_IN_FLIGHT + usize::from(stager.is_some());
     let (raw_tx, raw_rx) = bounded::<Result<Window>>(WINDOWS_IN_FLIGHT);
+    let (staged_tx, staged_rx) = bounded::<Result<(Window, Option<Staged>)>>(1);
     let (det_tx, det_rx) = bounded::<Result<(WindowInfo, Detections)>>(WINDOWS_IN_FLIGHT);
     let (free_tx, free_rx) = unbounded::<Array2<f32>>();
     let shape = (chan_map.len(), plan.window_len());
@@ -369,7 +479,7 @@ where
                 let mut allocated = 0;
                 for i in 0..plan.n_windows {
                     // A free buffer, or a new one while fewer than the bound exist.
-                    let mut data = if allocated < WINDOWS_IN_FLIGHT {
+                    let mut data = if allocated < in_flight {
                         allocated += 1;
                         Array2::zeros(shape)
                     } else {
@@ -404,13 +514,44 @@ where
             })
             .context("cannot start the reading thread")?;
 
+        // Between the reader and the pass: the pass's stager, or a plain relay.
+        let stage_thread = std::thread::Builder::new()
+            .name("spikecube-stage".into())
+            .spawn_scoped(s, move || {
+                let mut times = StageTimes::default();
+                let mut stager = stager;
+                for item in raw_rx.iter() {
+                    let res = item.and_then(|mut w| match stager.as_mut() {
+                        Some(st) => {
+                            let staged = st.stage(&mut w, &mut times).with_context(|| {
+                                format!(
+                                    "preparing window {} (samples from {})",
+                                    w.index, w.own_start
+                                )
+                            })?;
+                            Ok((w, Some(staged)))
+                        }
+                        None => Ok((w, None)),
+                    });
+                    let failed = res.is_err();
+                    if staged_tx.send(res).is_err() || failed {
+                        break;
+                    }
+                }
+                times
+            })
+            .context("cannot start the staging thread")?;
+
         let pass_thread = std::thread::Builder::new()
             .name("spikecube-pass".into())
             .spawn_scoped(s, move || {
                 let mut times = StageTimes::default();
-                for item in raw_rx.iter() {
-                    let res = item.and_then(|mut w| {
-                        let det = pass.run(&mut w, &mut times)?;
+                for item in staged_rx.iter() {
+                    let res = item.and_then(|(mut w, staged)| {
+                        let det = match staged {
+                            Some(st) => pass.run_staged(&mut w, st, &mut times)?,
+                            None => pass.run(&mut w, &mut times)?,
+                        };
                         let info = WindowInfo::of(&w);
                         // Hand the buffer back; the reader may have stopped.
                         let _ = free_tx.send(w.data);
@@ -442,6 +583,9 @@ where
         let pass_times = pass_thread
             .join()
             .map_err(|_| anyhow!("the processing thread panicked"))?;
+        let stage_times = stage_thread
+            .join()
+            .map_err(|_| anyhow!("the staging thread panicked"))?;
         let read_times = reader
             .join()
             .map_err(|_| anyhow!("the reading thread panicked"))?;
@@ -453,6 +597,7 @@ where
             ));
         }
         times.merge(&pass_times);
+        times.merge(&stage_times);
         times.merge(&read_times);
         Ok(StagesReport {
             times,

@@ -912,7 +912,7 @@ impl<R: Runtime> GpuDetector<R> {
     fn persistent<T: Send>(&self, alloc: impl Fn(&ComputeClient<R>) -> T + Send + Sync) -> T {
         match self
             .client
-            .memory_persistent_allocation(&self.client, |c| alloc(c))
+            .memory_persistent_allocation(&self.client, &alloc)
         {
             Ok(t) => t,
             Err(_) => alloc(&self.client),
