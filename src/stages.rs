@@ -131,9 +131,7 @@ pub trait WindowPass: Send {
     /// When the pass cannot take the correction (the default: it corrects nothing).
     fn set_drift(&mut self, drift: Option<Arc<crate::drift::DriftRun>>) -> Result<()> {
         match drift {
-            Some(d) if d.correction.is_some() => {
-                Err(anyhow!("this pass cannot correct drift"))
-            }
+            Some(d) if d.correction.is_some() => Err(anyhow!("this pass cannot correct drift")),
             _ => Ok(()),
         }
     }

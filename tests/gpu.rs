@@ -603,6 +603,76 @@ mod wgpu {
         let json = String::from_utf8(read("wgpu", "spikecube.json")).unwrap();
         assert!(json.contains("\"backend\": \"wgpu\""), "{json}");
     }
+
+    /// Drift correction on the device ((M_b·W)·X per window, issue 12) against
+    /// the CPU's, through the command line on a drifting recording: the same
+    /// drift estimate, the same spikes.
+    #[test]
+    fn drift_corrected_detection_matches_cpu() {
+        device();
+        let dir = tempfile::tempdir().unwrap();
+        let probe = common::data("drift/probe.json");
+        let sim = dir.path().join("sim");
+        let run = |args: &[&str]| {
+            let o = common::spikecube(args);
+            assert!(
+                o.status.success(),
+                "{args:?}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        };
+        run(&[
+            "simulate",
+            "--seconds",
+            "4",
+            "--probe",
+            probe.to_str().unwrap(),
+            "--n-units",
+            "12",
+            "--rate",
+            "15",
+            "--seed",
+            "5",
+            "--drift",
+            "rigid",
+            "--out",
+            sim.to_str().unwrap(),
+            "-q",
+        ]);
+        let bin = sim.join("sim_g0_t0.imec0.ap.bin");
+        for b in ["cpu", "wgpu"] {
+            let out = dir.path().join(b);
+            run(&[
+                "detect",
+                bin.to_str().unwrap(),
+                "--batch-size",
+                "6000",
+                "--backend",
+                b,
+                "--templates-from-data",
+                "false",
+                "--out",
+                out.to_str().unwrap(),
+                "-q",
+            ]);
+        }
+        let read = |b: &str, f: &str| std::fs::read(dir.path().join(b).join(f)).unwrap();
+        let json = String::from_utf8(read("wgpu", "spikecube.json")).unwrap();
+        assert!(json.contains("\"preprocessing_on\": \"device\""), "{json}");
+        assert!(json.contains("\"applied\": true"), "{json}");
+        for f in [
+            "drift.npy",
+            "spike_times.npy",
+            "spike_centers.npy",
+            "spike_detection_templates.npy",
+        ] {
+            assert_eq!(
+                read("cpu", f),
+                read("wgpu", f),
+                "{f} differs between cpu and wgpu"
+            );
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]
