@@ -394,7 +394,8 @@ impl Detector {
     }
 
     /// Preprocesses a raw window on the device and detects in it (after
-    /// [`Detector::set_preprocessing`] returned true).
+    /// [`Detector::set_preprocessing`] returned true); with `times`, syncs after
+    /// each step and records its seconds there.
     ///
     /// # Errors
     /// As [`crate::detect::gpu::GpuDetector::detect_raw`]; on the CPU always.
@@ -403,6 +404,7 @@ impl Detector {
         &mut self,
         raw: crate::detect::gpu::RawWindow,
         yc: &[f32],
+        times: Option<&mut crate::detect::gpu::StepTimes>,
     ) -> Result<Detections, DetectError> {
         match self {
             Detector::Cpu(_) => Err(DetectError::Setting {
@@ -410,9 +412,9 @@ impl Detector {
                 message: "the CPU back end preprocesses on the host".into(),
             }),
             #[cfg(feature = "cuda")]
-            Detector::Cuda(d) => d.detect_raw(raw, yc, None),
+            Detector::Cuda(d) => d.detect_raw(raw, yc, times),
             #[cfg(feature = "wgpu")]
-            Detector::Wgpu(d) => d.detect_raw(raw, yc, None),
+            Detector::Wgpu(d) => d.detect_raw(raw, yc, times),
         }
     }
 

@@ -484,6 +484,14 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     for (k, v) in &stages.times.0 {
         info.timings.insert(k.clone(), *v);
     }
+    for (k, v) in pass.step_medians() {
+        // Per-window medians of the device's steps (sampled windows).
+        let key = match k.as_str() {
+            "windows_timed" => "device_windows_timed".to_string(),
+            _ => format!("device_window_median_{k}"),
+        };
+        info.timings.insert(key, v);
+    }
     info.timings.insert("stages_wall".into(), stages.wall);
     info.timings.insert("overlap".into(), stages.overlap());
     info.timings

@@ -152,6 +152,13 @@ pub trait WindowPass: Send {
         "host"
     }
 
+    /// Per-window medians of finer steps, seconds, measured on some windows
+    /// (a device pass: upload, preprocess, each detection step, download), for
+    /// `spikecube.json`; empty by default.
+    fn step_medians(&self) -> Vec<(String, f64)> {
+        Vec::new()
+    }
+
     /// Host work of this pass that can run one window ahead of it on its own
     /// thread (`spikecube-stage`; e.g. packing a window for the upload while
     /// the device works on the previous one); `None` (the default) for none.
@@ -251,6 +258,7 @@ pub struct DevicePass {
     yc: Vec<f32>,
     upload_bytes: u64,
     drift: Option<Arc<crate::drift::DriftRun>>,
+    timed_windows: Vec<crate::detect::gpu::StepTimes>,
 }
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
@@ -279,6 +287,7 @@ impl DevicePass {
             yc,
             upload_bytes: 0,
             drift: None,
+            timed_windows: Vec::new(),
         }))
     }
 }
@@ -347,16 +356,30 @@ impl DevicePass {
         }
         let raw = staged.raw;
         self.upload_bytes += raw.n_bytes() as u64;
-        let det = self.detector.detect_raw(raw, &self.yc).with_context(|| {
-            format!(
-                "preprocessing and detecting window {} (samples from {}) on the device",
-                w.index, w.own_start
-            )
-        })?;
+        // Every TIMED_EVERY-th window (not the first ones, which compile the
+        // kernels) syncs after each step, for the per-step split.
+        let mut step = crate::detect::gpu::StepTimes::default();
+        let timed = w.index >= 2 && w.index % TIMED_EVERY == 2;
+        let det = self
+            .detector
+            .detect_raw(raw, &self.yc, timed.then_some(&mut step))
+            .with_context(|| {
+                format!(
+                    "preprocessing and detecting window {} (samples from {}) on the device",
+                    w.index, w.own_start
+                )
+            })?;
         times.lap("device", t1);
+        if timed {
+            self.timed_windows.push(step);
+        }
         Ok(det)
     }
 }
+
+/// Every how many windows a [`DevicePass`] times its device steps one by one.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+const TIMED_EVERY: u64 = 8;
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 impl WindowPass for DevicePass {
@@ -412,6 +435,29 @@ impl WindowPass for DevicePass {
 
     fn preprocess_on(&self) -> &'static str {
         "device"
+    }
+
+    fn step_medians(&self) -> Vec<(String, f64)> {
+        let t = &self.timed_windows;
+        if t.is_empty() {
+            return Vec::new();
+        }
+        let median = |f: fn(&crate::detect::gpu::StepTimes) -> f64| {
+            let mut v: Vec<f64> = t.iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        vec![
+            ("upload".into(), median(|s| s.upload)),
+            ("preprocess".into(), median(|s| s.preprocess)),
+            ("filter_bank".into(), median(|s| s.filter_bank)),
+            ("centre_response".into(), median(|s| s.centre_response)),
+            ("neighbour_max".into(), median(|s| s.neighbour_max)),
+            ("local_peaks".into(), median(|s| s.local_peaks)),
+            ("features".into(), median(|s| s.features)),
+            ("download".into(), median(|s| s.download)),
+            ("windows_timed".into(), t.len() as f64),
+        ]
     }
 }
 
