@@ -101,6 +101,86 @@ impl Default for Checks {
     }
 }
 
+/// What a run asks of [`open_for_detection`]: the recording's files, how to
+/// read them, the probe (or `None`: the one in the recording's metadata) and
+/// the input checks (the command line's and the Python package's options).
+#[derive(Debug, Clone, Default)]
+pub struct InputRequest {
+    /// Recording files or folders (several are concatenated in time).
+    pub paths: Vec<std::path::PathBuf>,
+    /// How to read them.
+    pub open: crate::recording::OpenOptions,
+    /// The probe given by the user.
+    pub probe: Option<Probe>,
+    /// How the user gives a probe (`--probe` or `probe=`), for the error
+    /// when there is none.
+    pub probe_hint: &'static str,
+    /// File channels (raw-file columns) to leave out.
+    pub exclude_channels: Vec<u64>,
+    /// `Checks::mask_clipped`.
+    pub mask_clipped: bool,
+    /// Keep both detections of an event straddling a window boundary (Kilosort4).
+    pub keep_boundary_duplicates: bool,
+}
+
+/// Opens the recording(s) of `req` and settles the probe and the input checks
+/// of the run: the probe without the excluded channels, a warning when its
+/// sites leave file channels unread (SpikeGLX's sync and LF channels are
+/// expected to be), automatic rescaling unless a scale was given, and the
+/// channel-count check for flat binary files.
+///
+/// # Errors
+/// No recording given, a recording that cannot be opened, no probe (naming
+/// `probe_hint`), or excluded channels the probe does not have.
+pub fn open_for_detection(
+    req: &InputRequest,
+) -> Result<(crate::recording::Opened, Probe, Checks)> {
+    let opened = match req.paths.as_slice() {
+        [] => bail!("no recording given"),
+        [one] => crate::recording::open(one, &req.open)?,
+        many => crate::recording::open_many(many, &req.open)?,
+    };
+    let first = &req.paths[0];
+    let probe = match (&req.probe, &opened.probe) {
+        (Some(p), _) => p.clone(),
+        (None, Some(p)) => p.clone(),
+        (None, None) => bail!(
+            "{}: no probe geometry: give one with {} (Kilosort JSON, probeinterface JSON or .prb)",
+            first.display(),
+            req.probe_hint
+        ),
+    };
+    let probe = if req.exclude_channels.is_empty() {
+        probe
+    } else {
+        checks::exclude_channels(&probe, &req.exclude_channels)?
+    };
+    let mut warnings = Vec::new();
+    let n_file = opened.recording.n_channels();
+    let expected_unused = opened
+        .probe
+        .as_ref()
+        .map_or(0, |p| n_file.saturating_sub(p.n_sites()));
+    if let Some(w) = checks::unused_channels_warning(
+        &probe,
+        n_file,
+        expected_unused + req.exclude_channels.len(),
+    ) {
+        warnings.push(w);
+    }
+    let structured = first.is_dir()
+        || first.extension().is_some_and(|e| e == "oebin")
+        || first.with_extension("meta").is_file();
+    let checks = Checks {
+        warnings,
+        auto_scale: req.open.scale.is_none(),
+        mask_clipped: req.mask_clipped,
+        remove_boundary_duplicates: !req.keep_boundary_duplicates,
+        check_channel_count: !structured,
+    };
+    Ok((opened, probe, checks))
+}
+
 impl Checks {
     /// Kilosort4's behaviour: no correction (warnings are still collected).
     pub fn kilosort() -> Self {

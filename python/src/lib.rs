@@ -26,7 +26,7 @@ use spikecube::error::RecordingError;
 use spikecube::output::RunInfo;
 use spikecube::pipeline::{Checks, DetectJob, Progress};
 use spikecube::preprocess::{PreprocessSettings, Preprocessor};
-use spikecube::recording::{self, Dtype, OpenOptions, Opened, Recording};
+use spikecube::recording::{Dtype, OpenOptions, Opened, Recording};
 use spikecube::{Probe, checks};
 
 create_exception!(
@@ -299,58 +299,29 @@ fn open_recording(
             "scale {s} would make every sample 0 or non-finite; give a finite, non-zero factor"
         );
     }
-    let opts = OpenOptions {
-        n_channels: o.n_channels,
-        fs: o.fs,
-        dtype,
-        offset: o.offset,
-        scale: o.scale,
-        shift: o.shift,
-        tmin: o.tmin,
-        tmax: o.tmax.unwrap_or(f64::INFINITY),
-        ..OpenOptions::default()
-    };
-    let opened = match paths {
-        [] => anyhow::bail!("no recording given"),
-        [one] => recording::open(one, &opts)?,
-        many => recording::open_many(many, &opts)?,
-    };
-    let probe = match (probe, &opened.probe) {
-        (Some(p), _) => probe_from(p).map_err(|e| anyhow::anyhow!("{e}"))?,
-        (None, Some(p)) => p.clone(),
-        (None, None) => anyhow::bail!(
-            "{}: no probe geometry: give one with probe= (Kilosort JSON, probeinterface JSON, .prb or a spikecube.Probe)",
-            paths[0].display()
-        ),
-    };
-    let probe = if o.exclude_channels.is_empty() {
-        probe
-    } else {
-        checks::exclude_channels(&probe, &o.exclude_channels)?
-    };
-    let mut warnings = Vec::new();
-    let n_file = opened.recording.n_channels();
-    let expected_unused = opened
-        .probe
-        .as_ref()
-        .map_or(0, |p| n_file.saturating_sub(p.n_sites()));
-    if let Some(w) =
-        checks::unused_channels_warning(&probe, n_file, expected_unused + o.exclude_channels.len())
-    {
-        warnings.push(w);
-    }
-    let first = &paths[0];
-    let structured = first.is_dir()
-        || first.extension().is_some_and(|e| e == "oebin")
-        || first.with_extension("meta").is_file();
-    let checks = Checks {
-        warnings,
-        auto_scale: o.scale.is_none(),
+    let req = spikecube::pipeline::InputRequest {
+        paths: paths.to_vec(),
+        open: OpenOptions {
+            n_channels: o.n_channels,
+            fs: o.fs,
+            dtype,
+            offset: o.offset,
+            scale: o.scale,
+            shift: o.shift,
+            tmin: o.tmin,
+            tmax: o.tmax.unwrap_or(f64::INFINITY),
+            ..OpenOptions::default()
+        },
+        probe: probe
+            .map(probe_from)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+        probe_hint: "probe= (a file or a spikecube.Probe)",
+        exclude_channels: o.exclude_channels.clone(),
         mask_clipped: o.mask_clipped,
-        remove_boundary_duplicates: !o.keep_boundary_duplicates,
-        check_channel_count: !structured,
+        keep_boundary_duplicates: o.keep_boundary_duplicates,
     };
-    Ok((opened, probe, checks))
+    spikecube::pipeline::open_for_detection(&req)
 }
 
 fn progress_dict<'py>(py: Python<'py>, p: &Progress) -> PyResult<Bound<'py, PyDict>> {

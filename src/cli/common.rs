@@ -3,11 +3,11 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use clap::builder::TypedValueParser;
 use spikecube::pipeline::Checks;
 use spikecube::preprocess::PreprocessSettings;
-use spikecube::recording::{self, Dtype, OpenOptions, Opened};
+use spikecube::recording::{Dtype, OpenOptions, Opened};
 use spikecube::{DetectionSettings, Probe};
 
 /// Which recording to read and how (flat binary needs the first three).
@@ -60,9 +60,9 @@ fn parse_dtype(s: &str) -> Result<Dtype, String> {
 }
 
 impl RecordingArgs {
-    /// Opens the recording(s) (several files are concatenated in time) and picks the probe.
-    pub fn open(&self, recs: &[PathBuf]) -> Result<(Opened, Probe)> {
-        let opts = OpenOptions {
+    /// How to read the recording.
+    pub fn open_options(&self) -> OpenOptions {
+        OpenOptions {
             n_channels: self.n_channels,
             fs: self.fs,
             dtype: self.dtype,
@@ -72,22 +72,27 @@ impl RecordingArgs {
             tmin: self.tmin,
             tmax: self.tmax,
             ..OpenOptions::default()
-        };
-        let opened = match recs {
-            [] => bail!("no recording given"),
-            [one] => recording::open(one, &opts)?,
-            many => recording::open_many(many, &opts)?,
-        };
-        let probe = match (&self.probe, &opened.probe) {
-            (Some(p), _) => Probe::load(p)?,
-            (None, Some(p)) => p.clone(),
-            (None, None) => bail!(
-                "{}: no probe geometry: give one with --probe (Kilosort JSON, probeinterface JSON or .prb)",
-                recs[0].display()
-            ),
-        };
-        Ok((opened, probe))
+        }
     }
+}
+
+/// Opens the recording(s) (several files are concatenated in time) and settles
+/// the probe and the input checks ([`spikecube::pipeline::open_for_detection`]).
+pub fn open_input(
+    rec: &RecordingArgs,
+    checks: &CheckArgs,
+    recs: &[PathBuf],
+) -> Result<(Opened, Probe, Checks)> {
+    let req = spikecube::pipeline::InputRequest {
+        paths: recs.to_vec(),
+        open: rec.open_options(),
+        probe: rec.probe.as_deref().map(Probe::load).transpose()?,
+        probe_hint: "--probe",
+        exclude_channels: checks.exclude_channels.clone(),
+        mask_clipped: checks.mask_clipped,
+        keep_boundary_duplicates: checks.keep_boundary_duplicates,
+    };
+    spikecube::pipeline::open_for_detection(&req)
 }
 
 /// Preprocessing settings (Kilosort4's names).
@@ -247,50 +252,3 @@ pub struct CheckArgs {
     pub keep_boundary_duplicates: bool,
 }
 
-impl CheckArgs {
-    /// The probe with the excluded channels removed, and the checks of the run:
-    /// warnings about the probe against the file (sites that leave file channels
-    /// unread), automatic rescaling unless `--scale` was given, and the
-    /// channel-count check for flat binary files.
-    pub fn apply(
-        &self,
-        rec: &RecordingArgs,
-        recording: &Path,
-        opened: &Opened,
-        probe: Probe,
-    ) -> Result<(Probe, Checks)> {
-        let probe = if self.exclude_channels.is_empty() {
-            probe
-        } else {
-            spikecube::checks::exclude_channels(&probe, &self.exclude_channels)?
-        };
-        let mut warnings = Vec::new();
-        let n_file = opened.recording.n_channels();
-        // SpikeGLX: the channels its metadata's own probe leaves out (sync, LF)
-        // are expected to be unread.
-        let expected_unused = opened
-            .probe
-            .as_ref()
-            .map_or(0, |p| n_file.saturating_sub(p.n_sites()));
-        if let Some(w) = spikecube::checks::unused_channels_warning(
-            &probe,
-            n_file,
-            expected_unused + self.exclude_channels.len(),
-        ) {
-            warnings.push(w);
-        }
-        let structured = recording.is_dir()
-            || recording.extension().is_some_and(|e| e == "oebin")
-            || recording.with_extension("meta").is_file();
-        Ok((
-            probe,
-            Checks {
-                warnings,
-                auto_scale: rec.scale.is_none(),
-                mask_clipped: self.mask_clipped,
-                remove_boundary_duplicates: !self.keep_boundary_duplicates,
-                check_channel_count: !structured,
-            },
-        ))
-    }
-}

@@ -9,6 +9,7 @@ use spikecube::output::RunInfo;
 use spikecube::pipeline::{DetectJob, run_detection};
 
 use super::common::{
+    open_input,
     BackendArg, CheckArgs, DetectionArgs, PreprocessArgs, RecordingArgs, default_out, progress_bar,
 };
 
@@ -64,10 +65,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             .map_err(|e| anyhow::anyhow!("--threads {n}: cannot start the thread pool: {e}"))?;
     }
     // ---- end issue 10 ----
-    let (opened, probe) = args.rec.open(&args.recording)?;
-    let (probe, checks) = args
-        .checks
-        .apply(&args.rec, &args.recording[0], &opened, probe)?;
+    let (opened, probe, checks) = open_input(&args.rec, &args.checks, &args.recording)?;
     let rec = opened.recording.clone();
     let out = match &args.out {
         Some(o) => o.clone(),

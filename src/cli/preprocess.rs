@@ -12,7 +12,7 @@ use spikecube::output::folder::StagedFolder;
 use spikecube::pipeline::{WhitenedFormat, write_whitened};
 use spikecube::preprocess::highpass_kernel;
 
-use super::common::{CheckArgs, PreprocessArgs, RecordingArgs, progress_bar};
+use super::common::{CheckArgs, PreprocessArgs, RecordingArgs, open_input, progress_bar};
 
 /// Flags of `preprocess`.
 #[derive(Debug, clap::Args)]
@@ -36,10 +36,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
-    let (opened, probe) = args.rec.open(&args.recording)?;
-    let (probe, checks) = args
-        .checks
-        .apply(&args.rec, &args.recording[0], &opened, probe)?;
+    let (opened, probe, checks) = open_input(&args.rec, &args.checks, &args.recording)?;
     let rec = opened.recording.clone();
     let settings = args.pre.settings(rec.fs());
     let staged = StagedFolder::create(&args.out, "preprocess")?;
