@@ -307,6 +307,24 @@ impl CpuDetector {
         check_window(&self.geometry, &self.settings, x, yc)
     }
 
+    /// The largest As of centre `j` over samples `lo..hi` (0 when empty), read
+    /// tile by tile as contiguous runs.
+    #[inline]
+    fn row_max(&self, j: usize, lo: usize, hi: usize) -> f32 {
+        let nf = self.geometry.n_centres();
+        let mut m = 0f32;
+        let mut t = lo;
+        while t < hi {
+            let tile = t / TILE;
+            let end = hi.min((tile + 1) * TILE);
+            let base = tile * nf * TILE + j * TILE;
+            let run = &self.as_buf[base + t % TILE..base + (end - tile * TILE)];
+            m = run.iter().fold(m, |m, &v| m.max(v));
+            t = end;
+        }
+        m
+    }
+
     #[inline]
     fn index(&self, j: usize, t: usize) -> usize {
         let nf = self.geometry.n_centres();
@@ -350,7 +368,7 @@ impl CpuDetector {
             .zip(amax_chunks.par_iter_mut())
             .enumerate()
             .map_init(
-                || (vec![0f32; n_ch * NK * TILE], vec![0f32; n_ch * TILE]),
+                || (vec![0f32; n_ch * NK * TILE], vec![0f32; pruned_scratch_len(n_ch)]),
                 |(b, q), (tile, ((as_t, imax_t), amax_t))| {
                     let t0 = tile * TILE;
                     for c in 0..n_ch {
@@ -413,8 +431,7 @@ impl CpuDetector {
                 let v = self.as_buf[self.index(j, t)];
                 let lo = t.saturating_sub(half).max(lo_valid);
                 let hi = (t + half + 1).min(hi_valid);
-                let row_max =
-                    |n: usize| (lo..hi).fold(0f32, |m, tt| m.max(self.as_buf[self.index(n, tt)]));
+                let row_max = |n: usize| self.row_max(n, lo, hi);
                 // The own row first: most candidates fail there.
                 let mut m = row_max(j);
                 if m > v {
@@ -504,7 +521,7 @@ pub(crate) fn check_window(
     // A branch-free scan first (NaN and ±∞ have all exponent bits set); the
     // position is looked for only when there is one.
     let all_finite = match x.as_slice() {
-        Some(xs) => xs.chunks(4096).all(|c| {
+        Some(xs) => xs.par_chunks(1 << 16).all(|c| {
             c.iter().fold(0u32, |a, v| {
                 a | u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000)
             }) == 0
@@ -530,6 +547,17 @@ const _: () = assert!(
 );
 /// Samples handled together in the inner loops (one 256-bit vector of f32).
 const LANES: usize = 8;
+/// Samples per group of the coarse pruning bound in [`centre_response_pruned`].
+pub const GROUP: usize = 32;
+/// Groups per tile.
+const N_GROUPS: usize = TILE / GROUP;
+const _: () = assert!(TILE.is_multiple_of(GROUP) && GROUP.is_multiple_of(LANES));
+
+/// Scratch values [`centre_response_pruned`] needs for `n_ch` channels: the
+/// per-sample bound terms (C·TILE) and the per-group ones (C·TILE/[`GROUP`]).
+pub fn pruned_scratch_len(n_ch: usize) -> usize {
+    n_ch * (TILE + N_GROUPS)
+}
 
 /// Runs `$body` compiled for AVX2 when the CPU has it, else for the baseline.
 /// Both compile the same scalar code; there is no fused multiply-add in either,
@@ -745,7 +773,14 @@ fn respond_chunk<const NSZ: usize>(
 /// `weight_norm2[j]`·Σ_c max_k B² (with a 1 % margin for float32 rounding) stays below
 /// Th_universal², |A| cannot exceed the threshold: As is set to 0 and imax to 0 there,
 /// values that can neither be detected nor beat or tie a detection. Elsewhere the
-/// values are exactly those of [`centre_response`]. `q` is scratch of C·TILE values.
+/// values are exactly those of [`centre_response`]. `q` is scratch of at least
+/// [`pruned_scratch_len`]`(C)` values.
+///
+/// The bound is first checked per [`GROUP`] samples, with each site's largest
+/// max_k B² over the group: float32 sums of non-negative terms are monotone in
+/// each term, so a group whose coarse sum stays below the threshold has every
+/// per-sample sum below it too, and the chunks computed are exactly those of the
+/// per-sample check alone.
 #[allow(clippy::too_many_arguments)]
 pub fn centre_response_pruned(
     b: &[f32],
@@ -778,8 +813,14 @@ fn centre_response_pruned_sizes(
     as_t: &mut [f32],
     imax_t: &mut [i8],
 ) {
-    // q[c, t] = max_k B[c, k, t]².
-    for (c, qc) in q.chunks_exact_mut(TILE).enumerate() {
+    let n_ch = b.len() / (NK * TILE);
+    let (q, qg) = q[..pruned_scratch_len(n_ch)].split_at_mut(n_ch * TILE);
+    // q[c, t] = max_k B[c, k, t]²; qg[c, g] = max over group g's samples of q[c, t].
+    for (c, (qc, qgc)) in q
+        .chunks_exact_mut(TILE)
+        .zip(qg.chunks_exact_mut(N_GROUPS))
+        .enumerate()
+    {
         let bc = &b[c * NK * TILE..(c + 1) * NK * TILE];
         for (t, v) in qc.iter_mut().enumerate() {
             let mut m = 0f32;
@@ -789,16 +830,22 @@ fn centre_response_pruned_sizes(
             }
             *v = m;
         }
+        for (g, v) in qgc.iter_mut().enumerate() {
+            *v = qc[g * GROUP..(g + 1) * GROUP]
+                .iter()
+                .fold(0f32, |m, &x| m.max(x));
+        }
     }
+    let (q, qg) = (&*q, &*qg);
     match nsz {
-        1 => pruned_impl::<1>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        2 => pruned_impl::<2>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        3 => pruned_impl::<3>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        4 => pruned_impl::<4>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        5 => pruned_impl::<5>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        6 => pruned_impl::<6>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        7 => pruned_impl::<7>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        8 => pruned_impl::<8>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
+        1 => pruned_impl::<1>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
+        2 => pruned_impl::<2>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
+        3 => pruned_impl::<3>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
+        4 => pruned_impl::<4>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
+        5 => pruned_impl::<5>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
+        6 => pruned_impl::<6>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
+        7 => pruned_impl::<7>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
+        8 => pruned_impl::<8>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
         _ => unreachable!("template_sizes is validated to 1..=8"),
     }
 }
@@ -808,6 +855,7 @@ fn centre_response_pruned_sizes(
 fn pruned_impl<const NSZ: usize>(
     b: &[f32],
     q: &[f32],
+    qg: &[f32],
     sites: &[u32],
     weights: &[f32],
     weight_norm2: &[f32],
@@ -823,7 +871,23 @@ fn pruned_impl<const NSZ: usize>(
         let s_j = &sites[j * nc..(j + 1) * nc];
         let w_j = &weights[j * nc * nsz..(j + 1) * nc * nsz];
         let scale = weight_norm2[j] * 1.01;
+        // The coarse bound of every group at once, sites in the same order.
+        let mut coarse = [0f32; N_GROUPS];
+        for &c in s_j {
+            let g: &[f32; N_GROUPS] = qg[c as usize * N_GROUPS..][..N_GROUPS]
+                .try_into()
+                .expect("N_GROUPS values");
+            for (s, v) in coarse.iter_mut().zip(g) {
+                *s += *v;
+            }
+        }
         for tc in (0..TILE).step_by(LANES) {
+            if coarse[tc / GROUP] * scale < th2 {
+                let at = j * TILE + tc;
+                as_t[at..at + LANES].fill(0.0);
+                imax_t[at..at + LANES].fill(0);
+                continue;
+            }
             let mut sum = [0f32; LANES];
             for &c in s_j {
                 let qc: &[f32; LANES] = q[c as usize * TILE + tc..][..LANES]
