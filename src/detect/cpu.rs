@@ -193,7 +193,18 @@ pub struct CpuDetector {
     /// (centre, sample) where As > Th_universal, from the last pruned steps 1–3.
     candidates: Vec<(u32, u64)>,
     nt_window: usize,
+    /// Busy seconds per step since the last [`CpuDetector::take_step_seconds`].
+    step_seconds: [f64; 4],
 }
+
+thread_local! {
+    /// Step 1's output B and the pruning bound's terms for one tile, per thread.
+    static TILE_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Names of the parts [`CpuDetector::take_step_seconds`] reports.
+pub const STEP_NAMES: [&str; 4] = ["check", "steps_1_3", "peaks", "features"];
 
 impl CpuDetector {
     /// Prepares a detector for `geometry` (template centres and neighbourhoods).
@@ -225,6 +236,7 @@ impl CpuDetector {
             amax_buf: Vec::new(),
             candidates: Vec::new(),
             nt_window: 0,
+            step_seconds: [0.0; 4],
         })
     }
 
@@ -264,10 +276,31 @@ impl CpuDetector {
         yc: &[f32],
         dense: bool,
     ) -> Result<Detections, DetectError> {
+        let t0 = std::time::Instant::now();
         self.check_input(x, yc)?;
+        let t1 = std::time::Instant::now();
         self.steps_1_to_3(x, dense);
+        let t2 = std::time::Instant::now();
         let peaks = self.local_peaks(dense);
-        Ok(self.features(x, yc, &peaks))
+        let t3 = std::time::Instant::now();
+        let det = self.features(x, yc, &peaks);
+        let t4 = std::time::Instant::now();
+        for (acc, (a, b)) in self
+            .step_seconds
+            .iter_mut()
+            .zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4)])
+        {
+            *acc += (b - a).as_secs_f64();
+        }
+        Ok(det)
+    }
+
+    /// Busy seconds of each step since the last call, by name ([`STEP_NAMES`]:
+    /// the input check, steps 1–3 with the candidates, the local peaks, the
+    /// features), and starts counting again.
+    pub fn take_step_seconds(&mut self) -> Vec<(&'static str, f64)> {
+        let s = std::mem::take(&mut self.step_seconds);
+        STEP_NAMES.iter().copied().zip(s).collect()
     }
 
     /// Runs steps 1–3 and returns the dense intermediate arrays (for tests).
@@ -367,9 +400,12 @@ impl CpuDetector {
             .zip(self.imax_buf.par_chunks_mut(nf * TILE))
             .zip(amax_chunks.par_iter_mut())
             .enumerate()
-            .map_init(
-                || (vec![0f32; n_ch * NK * TILE], vec![0f32; pruned_scratch_len(n_ch)]),
-                |(b, q), (tile, ((as_t, imax_t), amax_t))| {
+            .map(|(tile, ((as_t, imax_t), amax_t))| {
+                // Per-thread scratch that outlives the window (no fresh pages
+                // per job); every value is written before it is read.
+                TILE_SCRATCH.with_borrow_mut(|(b, q)| {
+                    b.resize(n_ch * NK * TILE, 0.0);
+                    q.resize(pruned_scratch_len(n_ch), 0.0);
                     let t0 = tile * TILE;
                     for c in 0..n_ch {
                         let row = &xs[c * nt_w..(c + 1) * nt_w];
@@ -380,11 +416,21 @@ impl CpuDetector {
                         neighbour_max(as_t, neighbours, nc2, amax_t);
                         Vec::new()
                     } else {
-                        centre_response_pruned(b, q, sites, weights, bound, nsz, th, as_t, imax_t);
-                        tile_candidates(as_t, t0, nt_w, th)
+                        let mut cands = Vec::new();
+                        let tile = PrunedTile {
+                            sites,
+                            weights,
+                            weight_norm2: bound,
+                            nsz,
+                            th,
+                            t0,
+                            nt_w,
+                        };
+                        centre_response_pruned_into(b, q, &tile, as_t, imax_t, &mut cands);
+                        cands
                     }
-                },
-            )
+                })
+            })
             .collect();
         self.candidates.clear();
         for c in per_tile {
@@ -793,10 +839,46 @@ pub fn centre_response_pruned(
     as_t: &mut [f32],
     imax_t: &mut [i8],
 ) {
+    let tile = PrunedTile {
+        sites,
+        weights,
+        weight_norm2,
+        nsz,
+        th,
+        t0: 0,
+        nt_w: 0,
+    };
+    centre_response_pruned_into(b, q, &tile, as_t, imax_t, &mut Vec::new());
+}
+
+/// The constants of [`centre_response_pruned`] for one tile, and where the
+/// tile lies: first sample `t0` of a window of `nt_w` samples (candidates are
+/// gathered only below `nt_w`; none when it is 0).
+struct PrunedTile<'a> {
+    sites: &'a [u32],
+    weights: &'a [f32],
+    weight_norm2: &'a [f32],
+    nsz: usize,
+    th: f32,
+    t0: usize,
+    nt_w: usize,
+}
+
+/// [`centre_response_pruned`], also appending to `cands` the (centre, sample)
+/// pairs where As > Th_universal, in centre then sample order, as the chunks
+/// are computed (pruned chunks hold none).
+fn centre_response_pruned_into(
+    b: &[f32],
+    q: &mut [f32],
+    tile: &PrunedTile,
+    as_t: &mut [f32],
+    imax_t: &mut [i8],
+    cands: &mut Vec<(u32, u64)>,
+) {
     dispatch!(
         centre_response_pruned_avx2,
         centre_response_pruned_sizes,
-        (b: &[f32], q: &mut [f32], sites: &[u32], weights: &[f32], weight_norm2: &[f32], nsz: usize, th: f32, as_t: &mut [f32], imax_t: &mut [i8])
+        (b: &[f32], q: &mut [f32], tile: &PrunedTile, as_t: &mut [f32], imax_t: &mut [i8], cands: &mut Vec<(u32, u64)>)
     );
 }
 
@@ -805,13 +887,10 @@ pub fn centre_response_pruned(
 fn centre_response_pruned_sizes(
     b: &[f32],
     q: &mut [f32],
-    sites: &[u32],
-    weights: &[f32],
-    weight_norm2: &[f32],
-    nsz: usize,
-    th: f32,
+    tile: &PrunedTile,
     as_t: &mut [f32],
     imax_t: &mut [i8],
+    cands: &mut Vec<(u32, u64)>,
 ) {
     let n_ch = b.len() / (NK * TILE);
     let (q, qg) = q[..pruned_scratch_len(n_ch)].split_at_mut(n_ch * TILE);
@@ -837,15 +916,15 @@ fn centre_response_pruned_sizes(
         }
     }
     let (q, qg) = (&*q, &*qg);
-    match nsz {
-        1 => pruned_impl::<1>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
-        2 => pruned_impl::<2>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
-        3 => pruned_impl::<3>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
-        4 => pruned_impl::<4>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
-        5 => pruned_impl::<5>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
-        6 => pruned_impl::<6>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
-        7 => pruned_impl::<7>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
-        8 => pruned_impl::<8>(b, q, qg, sites, weights, weight_norm2, th, as_t, imax_t),
+    match tile.nsz {
+        1 => pruned_impl::<1>(b, q, qg, tile, as_t, imax_t, cands),
+        2 => pruned_impl::<2>(b, q, qg, tile, as_t, imax_t, cands),
+        3 => pruned_impl::<3>(b, q, qg, tile, as_t, imax_t, cands),
+        4 => pruned_impl::<4>(b, q, qg, tile, as_t, imax_t, cands),
+        5 => pruned_impl::<5>(b, q, qg, tile, as_t, imax_t, cands),
+        6 => pruned_impl::<6>(b, q, qg, tile, as_t, imax_t, cands),
+        7 => pruned_impl::<7>(b, q, qg, tile, as_t, imax_t, cands),
+        8 => pruned_impl::<8>(b, q, qg, tile, as_t, imax_t, cands),
         _ => unreachable!("template_sizes is validated to 1..=8"),
     }
 }
@@ -856,13 +935,20 @@ fn pruned_impl<const NSZ: usize>(
     b: &[f32],
     q: &[f32],
     qg: &[f32],
-    sites: &[u32],
-    weights: &[f32],
-    weight_norm2: &[f32],
-    th: f32,
+    tile: &PrunedTile,
     as_t: &mut [f32],
     imax_t: &mut [i8],
+    cands: &mut Vec<(u32, u64)>,
 ) {
+    let PrunedTile {
+        sites,
+        weights,
+        weight_norm2,
+        th,
+        t0,
+        nt_w,
+        ..
+    } = *tile;
     let nsz = NSZ;
     let nf = as_t.len() / TILE;
     let nc = sites.len() / nf;
@@ -907,33 +993,18 @@ fn pruned_impl<const NSZ: usize>(
                     &mut as_t[at..at + LANES],
                     &mut imax_t[at..at + LANES],
                 );
+                for (l, &v) in as_t[at..at + LANES].iter().enumerate() {
+                    let t = t0 + tc + l;
+                    if v > th && t < nt_w {
+                        cands.push((j as u32, t as u64));
+                    }
+                }
             } else {
                 as_t[at..at + LANES].fill(0.0);
                 imax_t[at..at + LANES].fill(0);
             }
         }
     }
-}
-
-/// The (centre, sample) pairs of one tile (first sample `t0`, layout
-/// `as_t[j·TILE + i]`) where As > `th`, for samples below `nt_w`; in centre,
-/// then sample order. Chunks of [`LANES`] samples with no value above `th`
-/// (all of them where step 2 was pruned) are skipped by one comparison each.
-fn tile_candidates(as_t: &[f32], t0: usize, nt_w: usize, th: f32) -> Vec<(u32, u64)> {
-    let mut out = Vec::new();
-    for (ci, chunk) in as_t.chunks_exact(LANES).enumerate() {
-        let m = chunk.iter().fold(0f32, |m, &v| m.max(v));
-        if m > th {
-            for (l, &v) in chunk.iter().enumerate() {
-                let i = ci * LANES + l;
-                let t = t0 + i % TILE;
-                if v > th && t < nt_w {
-                    out.push(((i / TILE) as u32, t as u64));
-                }
-            }
-        }
-    }
-    out
 }
 
 /// Step 3 for one tile: `amax[j·TILE + t] = max_m as[iC2[m, j]·TILE + t]`

@@ -205,9 +205,10 @@ fn mean_and_median_in_blocks(data: &mut [f32], c: usize, n: usize, means: &[f32]
             job.push(piece);
         }
     }
-    jobs.into_par_iter().for_each_init(
-        || (vec![0u32; MEDIAN_BLOCK * c], [0f32; MEDIAN_BLOCK]),
-        |(buf, med), mut rows| {
+    jobs.into_par_iter().for_each(|mut rows| {
+        CAR_SCRATCH.with_borrow_mut(|buf| {
+            buf.resize(MEDIAN_BLOCK * c, 0);
+            let mut med = [0f32; MEDIAN_BLOCK];
             let len = rows.first().map_or(0, |r| r.len());
             let mut c0 = 0;
             while c0 < len {
@@ -230,8 +231,13 @@ fn mean_and_median_in_blocks(data: &mut [f32], c: usize, n: usize, means: &[f32]
                 }
                 c0 += w;
             }
-        },
-    );
+        })
+    });
+}
+
+thread_local! {
+    /// A block's sort keys, per thread (every value written before it is read).
+    static CAR_SCRATCH: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 #[cfg(test)]
