@@ -1175,3 +1175,88 @@ pub fn detect_window(
 ) -> Result<Detections, DetectError> {
     CpuDetector::new(geometry.clone(), templates.clone(), settings.clone())?.detect(x, yc)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The coarse bound changes nothing: the pruned step 2 computes exactly the
+    /// chunks the per-sample bound alone lets through (there with the dense
+    /// values, elsewhere zeros), and the candidates gathered on the way are the
+    /// samples where As > Th_universal.
+    #[test]
+    fn coarse_bound_computes_the_same_chunks_as_the_per_sample_bound() {
+        let (n_ch, nf, nc, nsz) = (24usize, 40usize, 6usize, 5usize);
+        let mut state = 11u64;
+        let mut rnd = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        // B: unit-scale noise with a few large events.
+        let mut b: Vec<f32> = (0..n_ch * NK * TILE).map(|_| rnd() * 3.0).collect();
+        for e in 0..12 {
+            let c = (e * 7) % n_ch;
+            let t = (e * 53) % TILE;
+            for k in 0..NK {
+                b[(c * NK + k) * TILE + t] = 10.0 + 4.0 * rnd();
+            }
+        }
+        let sites: Vec<u32> = (0..nf * nc).map(|i| ((i / nc + i % nc) % n_ch) as u32).collect();
+        let weights: Vec<f32> = (0..nf * nc * nsz).map(|_| rnd()).collect();
+        let norm2: Vec<f32> = (0..nf)
+            .map(|j| {
+                (0..nsz)
+                    .map(|s| (0..nc).map(|c| weights[(j * nc + c) * nsz + s].powi(2)).sum::<f32>())
+                    .fold(0f32, f32::max)
+            })
+            .collect();
+        let th = 3.0f32;
+        let mut as_d = vec![0f32; nf * TILE];
+        let mut im_d = vec![0i8; nf * TILE];
+        centre_response(&b, &sites, &weights, nsz, &mut as_d, &mut im_d);
+        let mut q = vec![0f32; pruned_scratch_len(n_ch)];
+        let (mut as_p, mut im_p) = (vec![1f32; nf * TILE], vec![1i8; nf * TILE]);
+        let tile = PrunedTile {
+            sites: &sites,
+            weights: &weights,
+            weight_norm2: &norm2,
+            nsz,
+            th,
+            t0: 1000,
+            nt_w: 1000 + TILE - 3,
+        };
+        let mut cands = Vec::new();
+        centre_response_pruned_into(&b, &mut q, &tile, &mut as_p, &mut im_p, &mut cands);
+        let qs = |c: usize, t: usize| (0..NK).fold(0f32, |m, k| m.max(b[(c * NK + k) * TILE + t].powi(2)));
+        let (mut computed, mut want) = (0, Vec::new());
+        for j in 0..nf {
+            let scale = norm2[j] * 1.01;
+            for tc in (0..TILE).step_by(LANES) {
+                let fires = (0..LANES).any(|l| {
+                    let sum = sites[j * nc..(j + 1) * nc]
+                        .iter()
+                        .fold(0f32, |s, &c| s + qs(c as usize, tc + l));
+                    sum * scale >= th * th
+                });
+                computed += usize::from(fires);
+                for l in 0..LANES {
+                    let i = j * TILE + tc + l;
+                    if fires {
+                        assert_eq!((as_p[i], im_p[i]), (as_d[i], im_d[i]), "centre {j}, sample {}", tc + l);
+                        if as_d[i] > th && tc + l < TILE - 3 {
+                            want.push((j as u32, (1000 + tc + l) as u64));
+                        }
+                    } else {
+                        assert_eq!((as_p[i], im_p[i]), (0.0, 0), "centre {j}, sample {}", tc + l);
+                        assert!(as_d[i] <= th, "a pruned chunk held a detection");
+                    }
+                }
+            }
+        }
+        assert!(computed > 0 && computed < nf * TILE / LANES, "{computed} chunks computed");
+        assert!(!want.is_empty());
+        assert_eq!(cands, want);
+    }
+}
