@@ -58,12 +58,34 @@ fn cpu_pass_outputs_equal_the_previous_code_byte_for_byte() {
     std::fs::write(&probe, j.to_string()).unwrap();
     let (sim32, sim384) = (w.join("sim32"), w.join("sim384"));
     run(&[
-        "simulate", "-q", "--probe", s(&probe), "--seconds", "6", "--n-units", "16", "--rate",
-        "40", "--seed", "5", "--out", s(&sim32),
+        "simulate",
+        "-q",
+        "--probe",
+        s(&probe),
+        "--seconds",
+        "6",
+        "--n-units",
+        "16",
+        "--rate",
+        "40",
+        "--seed",
+        "5",
+        "--out",
+        s(&sim32),
     ]);
     run(&[
-        "simulate", "-q", "--seconds", "4.2", "--n-units", "12", "--rate", "8", "--seed", "6",
-        "--out", s(&sim384),
+        "simulate",
+        "-q",
+        "--seconds",
+        "4.2",
+        "--n-units",
+        "12",
+        "--rate",
+        "8",
+        "--seed",
+        "6",
+        "--out",
+        s(&sim384),
     ]);
     let bin32 = sim32.join("sim_g0_t0.imec0.ap.bin");
     let bin384 = sim384.join("sim_g0_t0.imec0.ap.bin");
@@ -86,7 +108,10 @@ fn cpu_pass_outputs_equal_the_previous_code_byte_for_byte() {
             "run {name}: the output files"
         );
         for (f, h) in want {
-            assert_eq!(&got[f], h, "run {name}: {f} differs from the previous code's");
+            assert_eq!(
+                &got[f], h,
+                "run {name}: {f} differs from the previous code's"
+            );
         }
     }
 }

@@ -189,6 +189,10 @@ pub struct CpuDetector {
     /// Tile-major buffers: [tile][j][tt].
     as_buf: Vec<f32>,
     imax_buf: Vec<i8>,
+    /// Per tile, centre and chunk of [`LANES`] samples ([tile][j][chunk]): 1 where
+    /// the pruned step 2 computed As and imax, 0 where it skipped them (their
+    /// values there are stale and stand for 0). All 1 after dense steps.
+    chunk_done: Vec<u8>,
     amax_buf: Vec<f32>,
     /// (centre, sample) where As > Th_universal, from the last pruned steps 1–3.
     candidates: Vec<(u32, u64)>,
@@ -233,6 +237,7 @@ impl CpuDetector {
             weight_norm2,
             as_buf: Vec::new(),
             imax_buf: Vec::new(),
+            chunk_done: Vec::new(),
             amax_buf: Vec::new(),
             candidates: Vec::new(),
             nt_window: 0,
@@ -285,10 +290,10 @@ impl CpuDetector {
         let t3 = std::time::Instant::now();
         let det = self.features(x, yc, &peaks);
         let t4 = std::time::Instant::now();
-        for (acc, (a, b)) in self
-            .step_seconds
-            .iter_mut()
-            .zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4)])
+        for (acc, (a, b)) in
+            self.step_seconds
+                .iter_mut()
+                .zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4)])
         {
             *acc += (b - a).as_secs_f64();
         }
@@ -348,11 +353,16 @@ impl CpuDetector {
         let mut m = 0f32;
         let mut t = lo;
         while t < hi {
+            // One chunk of LANES samples (or its part in lo..hi) at a time;
+            // a skipped chunk stands for zeros, which cannot raise m ≥ 0.
             let tile = t / TILE;
-            let end = hi.min((tile + 1) * TILE);
-            let base = tile * nf * TILE + j * TILE;
-            let run = &self.as_buf[base + t % TILE..base + (end - tile * TILE)];
-            m = run.iter().fold(m, |m, &v| m.max(v));
+            let chunk = (t % TILE) / LANES;
+            let end = hi.min(tile * TILE + (chunk + 1) * LANES);
+            if self.chunk_done[(tile * nf + j) * CHUNKS + chunk] != 0 {
+                let base = tile * nf * TILE + j * TILE;
+                let run = &self.as_buf[base + t % TILE..base + (end - tile * TILE)];
+                m = run.iter().fold(m, |m, &v| m.max(v));
+            }
             t = end;
         }
         m
@@ -379,6 +389,10 @@ impl CpuDetector {
         self.nt_window = nt_w;
         self.as_buf.resize(len, 0.0);
         self.imax_buf.resize(len, 0);
+        self.chunk_done.resize(n_tiles * nf * CHUNKS, 0);
+        if dense {
+            self.chunk_done.fill(1);
+        }
         self.amax_buf.resize(if dense { len } else { 0 }, 0.0);
         let nsz = self.geometry.n_sizes();
         let nc2 = self.geometry.n_neighbours();
@@ -399,8 +413,9 @@ impl CpuDetector {
             .par_chunks_mut(nf * TILE)
             .zip(self.imax_buf.par_chunks_mut(nf * TILE))
             .zip(amax_chunks.par_iter_mut())
+            .zip(self.chunk_done.par_chunks_mut(nf * CHUNKS))
             .enumerate()
-            .map(|(tile, ((as_t, imax_t), amax_t))| {
+            .map(|(tile, (((as_t, imax_t), amax_t), done_t))| {
                 // Per-thread scratch that outlives the window (no fresh pages
                 // per job); every value is written before it is read.
                 TILE_SCRATCH.with_borrow_mut(|(b, q)| {
@@ -426,7 +441,15 @@ impl CpuDetector {
                             t0,
                             nt_w,
                         };
-                        centre_response_pruned_into(b, q, &tile, as_t, imax_t, &mut cands);
+                        centre_response_pruned_into(
+                            b,
+                            q,
+                            &tile,
+                            as_t,
+                            imax_t,
+                            Some(done_t),
+                            &mut cands,
+                        );
                         cands
                     }
                 })
@@ -467,8 +490,21 @@ impl CpuDetector {
             return per_centre.into_iter().flatten().collect();
         }
         // Candidates: every (j, t) with As > Th, gathered per tile by steps 1–3.
-        let mut candidates = self.candidates.clone();
-        candidates.par_sort_unstable();
+        // By centre, then sample: the tiles' lists come in sample order and
+        // each is in (centre, sample) order, so a stable placement by centre
+        // sorts them (the pairs are distinct).
+        let mut start = vec![0usize; nf + 1];
+        for &(j, _) in &self.candidates {
+            start[j as usize + 1] += 1;
+        }
+        for j in 0..nf {
+            start[j + 1] += start[j];
+        }
+        let mut candidates = vec![(0u32, 0u64); self.candidates.len()];
+        for &(j, t) in &self.candidates {
+            candidates[start[j as usize]] = (j, t);
+            start[j as usize] += 1;
+        }
         let (lo_valid, hi_valid) = (nt.min(nt_w), nt_w.saturating_sub(nt));
         candidates
             .into_par_iter()
@@ -597,6 +633,8 @@ const LANES: usize = 8;
 pub const GROUP: usize = 32;
 /// Groups per tile.
 const N_GROUPS: usize = TILE / GROUP;
+/// Chunks of [`LANES`] samples per tile.
+const CHUNKS: usize = TILE / LANES;
 const _: () = assert!(TILE.is_multiple_of(GROUP) && GROUP.is_multiple_of(LANES));
 
 /// Scratch values [`centre_response_pruned`] needs for `n_ch` channels: the
@@ -848,7 +886,7 @@ pub fn centre_response_pruned(
         t0: 0,
         nt_w: 0,
     };
-    centre_response_pruned_into(b, q, &tile, as_t, imax_t, &mut Vec::new());
+    centre_response_pruned_into(b, q, &tile, as_t, imax_t, None, &mut Vec::new());
 }
 
 /// The constants of [`centre_response_pruned`] for one tile, and where the
@@ -866,19 +904,23 @@ struct PrunedTile<'a> {
 
 /// [`centre_response_pruned`], also appending to `cands` the (centre, sample)
 /// pairs where As > Th_universal, in centre then sample order, as the chunks
-/// are computed (pruned chunks hold none).
+/// are computed (pruned chunks hold none). With `done` (nf × [`CHUNKS`]
+/// flags), a pruned chunk is marked 0 there and its As and imax are left as
+/// they were instead of zeroed; a computed one is marked 1.
+#[allow(clippy::too_many_arguments)]
 fn centre_response_pruned_into(
     b: &[f32],
     q: &mut [f32],
     tile: &PrunedTile,
     as_t: &mut [f32],
     imax_t: &mut [i8],
+    done: Option<&mut [u8]>,
     cands: &mut Vec<(u32, u64)>,
 ) {
     dispatch!(
         centre_response_pruned_avx2,
         centre_response_pruned_sizes,
-        (b: &[f32], q: &mut [f32], tile: &PrunedTile, as_t: &mut [f32], imax_t: &mut [i8], cands: &mut Vec<(u32, u64)>)
+        (b: &[f32], q: &mut [f32], tile: &PrunedTile, as_t: &mut [f32], imax_t: &mut [i8], done: Option<&mut [u8]>, cands: &mut Vec<(u32, u64)>)
     );
 }
 
@@ -890,6 +932,7 @@ fn centre_response_pruned_sizes(
     tile: &PrunedTile,
     as_t: &mut [f32],
     imax_t: &mut [i8],
+    done: Option<&mut [u8]>,
     cands: &mut Vec<(u32, u64)>,
 ) {
     let n_ch = b.len() / (NK * TILE);
@@ -917,14 +960,14 @@ fn centre_response_pruned_sizes(
     }
     let (q, qg) = (&*q, &*qg);
     match tile.nsz {
-        1 => pruned_impl::<1>(b, q, qg, tile, as_t, imax_t, cands),
-        2 => pruned_impl::<2>(b, q, qg, tile, as_t, imax_t, cands),
-        3 => pruned_impl::<3>(b, q, qg, tile, as_t, imax_t, cands),
-        4 => pruned_impl::<4>(b, q, qg, tile, as_t, imax_t, cands),
-        5 => pruned_impl::<5>(b, q, qg, tile, as_t, imax_t, cands),
-        6 => pruned_impl::<6>(b, q, qg, tile, as_t, imax_t, cands),
-        7 => pruned_impl::<7>(b, q, qg, tile, as_t, imax_t, cands),
-        8 => pruned_impl::<8>(b, q, qg, tile, as_t, imax_t, cands),
+        1 => pruned_impl::<1>(b, q, qg, tile, as_t, imax_t, done, cands),
+        2 => pruned_impl::<2>(b, q, qg, tile, as_t, imax_t, done, cands),
+        3 => pruned_impl::<3>(b, q, qg, tile, as_t, imax_t, done, cands),
+        4 => pruned_impl::<4>(b, q, qg, tile, as_t, imax_t, done, cands),
+        5 => pruned_impl::<5>(b, q, qg, tile, as_t, imax_t, done, cands),
+        6 => pruned_impl::<6>(b, q, qg, tile, as_t, imax_t, done, cands),
+        7 => pruned_impl::<7>(b, q, qg, tile, as_t, imax_t, done, cands),
+        8 => pruned_impl::<8>(b, q, qg, tile, as_t, imax_t, done, cands),
         _ => unreachable!("template_sizes is validated to 1..=8"),
     }
 }
@@ -938,6 +981,7 @@ fn pruned_impl<const NSZ: usize>(
     tile: &PrunedTile,
     as_t: &mut [f32],
     imax_t: &mut [i8],
+    mut done: Option<&mut [u8]>,
     cands: &mut Vec<(u32, u64)>,
 ) {
     let PrunedTile {
@@ -968,10 +1012,16 @@ fn pruned_impl<const NSZ: usize>(
             }
         }
         for tc in (0..TILE).step_by(LANES) {
+            let at = j * TILE + tc;
+            let flag = j * CHUNKS + tc / LANES;
             if coarse[tc / GROUP] * scale < th2 {
-                let at = j * TILE + tc;
-                as_t[at..at + LANES].fill(0.0);
-                imax_t[at..at + LANES].fill(0);
+                match done.as_deref_mut() {
+                    Some(d) => d[flag] = 0,
+                    None => {
+                        as_t[at..at + LANES].fill(0.0);
+                        imax_t[at..at + LANES].fill(0);
+                    }
+                }
                 continue;
             }
             let mut sum = [0f32; LANES];
@@ -999,9 +1049,17 @@ fn pruned_impl<const NSZ: usize>(
                         cands.push((j as u32, t as u64));
                     }
                 }
+                if let Some(d) = done.as_deref_mut() {
+                    d[flag] = 1;
+                }
             } else {
-                as_t[at..at + LANES].fill(0.0);
-                imax_t[at..at + LANES].fill(0);
+                match done.as_deref_mut() {
+                    Some(d) => d[flag] = 0,
+                    None => {
+                        as_t[at..at + LANES].fill(0.0);
+                        imax_t[at..at + LANES].fill(0);
+                    }
+                }
             }
         }
     }
@@ -1203,12 +1261,18 @@ mod tests {
                 b[(c * NK + k) * TILE + t] = 10.0 + 4.0 * rnd();
             }
         }
-        let sites: Vec<u32> = (0..nf * nc).map(|i| ((i / nc + i % nc) % n_ch) as u32).collect();
+        let sites: Vec<u32> = (0..nf * nc)
+            .map(|i| ((i / nc + i % nc) % n_ch) as u32)
+            .collect();
         let weights: Vec<f32> = (0..nf * nc * nsz).map(|_| rnd()).collect();
         let norm2: Vec<f32> = (0..nf)
             .map(|j| {
                 (0..nsz)
-                    .map(|s| (0..nc).map(|c| weights[(j * nc + c) * nsz + s].powi(2)).sum::<f32>())
+                    .map(|s| {
+                        (0..nc)
+                            .map(|c| weights[(j * nc + c) * nsz + s].powi(2))
+                            .sum::<f32>()
+                    })
                     .fold(0f32, f32::max)
             })
             .collect();
@@ -1229,7 +1293,9 @@ mod tests {
         };
         let mut cands = Vec::new();
         centre_response_pruned_into(&b, &mut q, &tile, &mut as_p, &mut im_p, &mut cands);
-        let qs = |c: usize, t: usize| (0..NK).fold(0f32, |m, k| m.max(b[(c * NK + k) * TILE + t].powi(2)));
+        let qs = |c: usize, t: usize| {
+            (0..NK).fold(0f32, |m, k| m.max(b[(c * NK + k) * TILE + t].powi(2)))
+        };
         let (mut computed, mut want) = (0, Vec::new());
         for j in 0..nf {
             let scale = norm2[j] * 1.01;
@@ -1244,18 +1310,31 @@ mod tests {
                 for l in 0..LANES {
                     let i = j * TILE + tc + l;
                     if fires {
-                        assert_eq!((as_p[i], im_p[i]), (as_d[i], im_d[i]), "centre {j}, sample {}", tc + l);
+                        assert_eq!(
+                            (as_p[i], im_p[i]),
+                            (as_d[i], im_d[i]),
+                            "centre {j}, sample {}",
+                            tc + l
+                        );
                         if as_d[i] > th && tc + l < TILE - 3 {
                             want.push((j as u32, (1000 + tc + l) as u64));
                         }
                     } else {
-                        assert_eq!((as_p[i], im_p[i]), (0.0, 0), "centre {j}, sample {}", tc + l);
+                        assert_eq!(
+                            (as_p[i], im_p[i]),
+                            (0.0, 0),
+                            "centre {j}, sample {}",
+                            tc + l
+                        );
                         assert!(as_d[i] <= th, "a pruned chunk held a detection");
                     }
                 }
             }
         }
-        assert!(computed > 0 && computed < nf * TILE / LANES, "{computed} chunks computed");
+        assert!(
+            computed > 0 && computed < nf * TILE / LANES,
+            "{computed} chunks computed"
+        );
         assert!(!want.is_empty());
         assert_eq!(cands, want);
     }

@@ -295,7 +295,13 @@ mod tests {
     #[test]
     fn blocked_car_equals_the_two_steps() {
         let mut state = 7u64;
-        for (c, n) in [(1usize, 5usize), (2, 70), (5, 1000), (32, CAR_JOB + 77), (384, 3 * MEDIAN_BLOCK + 5)] {
+        for (c, n) in [
+            (1usize, 5usize),
+            (2, 70),
+            (5, 1000),
+            (32, CAR_JOB + 77),
+            (384, 3 * MEDIAN_BLOCK + 5),
+        ] {
             let x = Array2::from_shape_fn((c, n), |(r, t)| {
                 state = state
                     .wrapping_mul(6364136223846793005)

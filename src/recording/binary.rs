@@ -326,7 +326,12 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         let rec = BinaryRecording::open_flat(&path, nc as u64, 30_000.0, Dtype::Int16, 0).unwrap();
         let chan_map = [6u64, 0, 3, 3];
-        for (start, count) in [(0usize, ns), (5, ns - 5), (DECODE_CHUNK - 1, DECODE_CHUNK + 3), (17, 1)] {
+        for (start, count) in [
+            (0usize, ns),
+            (5, ns - 5),
+            (DECODE_CHUNK - 1, DECODE_CHUNK + 3),
+            (17, 1),
+        ] {
             let mut out = vec![0f32; chan_map.len() * count];
             rec.read_channels(start as u64, count, &chan_map, &mut out)
                 .unwrap();
