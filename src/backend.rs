@@ -327,6 +327,16 @@ impl Detector {
         }
     }
 
+    /// The CPU detector's busy seconds per step since the last call
+    /// ([`CpuDetector::take_step_seconds`]); empty on a GPU.
+    pub fn take_step_seconds(&mut self) -> Vec<(&'static str, f64)> {
+        match self {
+            Detector::Cpu(d) => d.take_step_seconds(),
+            #[allow(unreachable_patterns)]
+            _ => Vec::new(),
+        }
+    }
+
     /// Moves preprocessing onto the device for the windows given to
     /// [`Detector::detect_raw`]; `Ok(false)` on the CPU or when the preprocessing
     /// has no device form (`artifact_threshold` set).

@@ -73,9 +73,15 @@ impl StageTimes {
         self.0.get(stage).copied().unwrap_or(0.0)
     }
 
-    /// Sum of all stages' busy seconds.
+    /// Sum of all stages' busy seconds. Parts of a stage, named
+    /// `stage.part` (e.g. `preprocess.car`, `detect.steps_1_3`), are already
+    /// in their stage's seconds and are not added again.
     pub fn busy(&self) -> f64 {
-        self.0.values().sum()
+        self.0
+            .iter()
+            .filter(|(k, _)| !k.contains('.'))
+            .map(|(_, v)| v)
+            .sum()
     }
 }
 
@@ -210,12 +216,16 @@ pub struct HostPass {
 impl WindowPass for HostPass {
     fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
         let t0 = Instant::now();
-        self.pre.apply(&mut w.data).with_context(|| {
-            format!(
-                "preprocessing window {} (samples from {})",
-                w.index, w.own_start
-            )
-        })?;
+        self.pre
+            .apply_timed(&mut w.data, &mut |part, s| {
+                times.add(&format!("preprocess.{part}"), s)
+            })
+            .with_context(|| {
+                format!(
+                    "preprocessing window {} (samples from {})",
+                    w.index, w.own_start
+                )
+            })?;
         if let Some(d) = &self.drift {
             d.apply(w.index, &mut w.data)?;
         }
@@ -230,6 +240,9 @@ impl WindowPass for HostPass {
                 )
             })?;
         times.lap("detect", t1);
+        for (part, s) in self.detector.take_step_seconds() {
+            times.add(&format!("detect.{part}"), s);
+        }
         Ok(det)
     }
 

@@ -189,11 +189,26 @@ pub struct CpuDetector {
     /// Tile-major buffers: [tile][j][tt].
     as_buf: Vec<f32>,
     imax_buf: Vec<i8>,
+    /// Per tile, centre and chunk of [`LANES`] samples ([tile][j][chunk]): 1 where
+    /// the pruned step 2 computed As and imax, 0 where it skipped them (their
+    /// values there are stale and stand for 0). All 1 after dense steps.
+    chunk_done: Vec<u8>,
     amax_buf: Vec<f32>,
     /// (centre, sample) where As > Th_universal, from the last pruned steps 1–3.
     candidates: Vec<(u32, u64)>,
     nt_window: usize,
+    /// Busy seconds per step since the last [`CpuDetector::take_step_seconds`].
+    step_seconds: [f64; 4],
 }
+
+thread_local! {
+    /// Step 1's output B and the pruning bound's terms for one tile, per thread.
+    static TILE_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Names of the parts [`CpuDetector::take_step_seconds`] reports.
+pub const STEP_NAMES: [&str; 4] = ["check", "steps_1_3", "peaks", "features"];
 
 impl CpuDetector {
     /// Prepares a detector for `geometry` (template centres and neighbourhoods).
@@ -222,9 +237,11 @@ impl CpuDetector {
             weight_norm2,
             as_buf: Vec::new(),
             imax_buf: Vec::new(),
+            chunk_done: Vec::new(),
             amax_buf: Vec::new(),
             candidates: Vec::new(),
             nt_window: 0,
+            step_seconds: [0.0; 4],
         })
     }
 
@@ -264,10 +281,31 @@ impl CpuDetector {
         yc: &[f32],
         dense: bool,
     ) -> Result<Detections, DetectError> {
+        let t0 = std::time::Instant::now();
         self.check_input(x, yc)?;
+        let t1 = std::time::Instant::now();
         self.steps_1_to_3(x, dense);
+        let t2 = std::time::Instant::now();
         let peaks = self.local_peaks(dense);
-        Ok(self.features(x, yc, &peaks))
+        let t3 = std::time::Instant::now();
+        let det = self.features(x, yc, &peaks);
+        let t4 = std::time::Instant::now();
+        for (acc, (a, b)) in
+            self.step_seconds
+                .iter_mut()
+                .zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4)])
+        {
+            *acc += (b - a).as_secs_f64();
+        }
+        Ok(det)
+    }
+
+    /// Busy seconds of each step since the last call, by name ([`STEP_NAMES`]:
+    /// the input check, steps 1–3 with the candidates, the local peaks, the
+    /// features), and starts counting again.
+    pub fn take_step_seconds(&mut self) -> Vec<(&'static str, f64)> {
+        let s = std::mem::take(&mut self.step_seconds);
+        STEP_NAMES.iter().copied().zip(s).collect()
     }
 
     /// Runs steps 1–3 and returns the dense intermediate arrays (for tests).
@@ -307,6 +345,29 @@ impl CpuDetector {
         check_window(&self.geometry, &self.settings, x, yc)
     }
 
+    /// The largest As of centre `j` over samples `lo..hi` (0 when empty), read
+    /// tile by tile as contiguous runs.
+    #[inline]
+    fn row_max(&self, j: usize, lo: usize, hi: usize) -> f32 {
+        let nf = self.geometry.n_centres();
+        let mut m = 0f32;
+        let mut t = lo;
+        while t < hi {
+            // One chunk of LANES samples (or its part in lo..hi) at a time;
+            // a skipped chunk stands for zeros, which cannot raise m ≥ 0.
+            let tile = t / TILE;
+            let chunk = (t % TILE) / LANES;
+            let end = hi.min(tile * TILE + (chunk + 1) * LANES);
+            if self.chunk_done[(tile * nf + j) * CHUNKS + chunk] != 0 {
+                let base = tile * nf * TILE + j * TILE;
+                let run = &self.as_buf[base + t % TILE..base + (end - tile * TILE)];
+                m = run.iter().fold(m, |m, &v| m.max(v));
+            }
+            t = end;
+        }
+        m
+    }
+
     #[inline]
     fn index(&self, j: usize, t: usize) -> usize {
         let nf = self.geometry.n_centres();
@@ -328,6 +389,10 @@ impl CpuDetector {
         self.nt_window = nt_w;
         self.as_buf.resize(len, 0.0);
         self.imax_buf.resize(len, 0);
+        self.chunk_done.resize(n_tiles * nf * CHUNKS, 0);
+        if dense {
+            self.chunk_done.fill(1);
+        }
         self.amax_buf.resize(if dense { len } else { 0 }, 0.0);
         let nsz = self.geometry.n_sizes();
         let nc2 = self.geometry.n_neighbours();
@@ -348,10 +413,14 @@ impl CpuDetector {
             .par_chunks_mut(nf * TILE)
             .zip(self.imax_buf.par_chunks_mut(nf * TILE))
             .zip(amax_chunks.par_iter_mut())
+            .zip(self.chunk_done.par_chunks_mut(nf * CHUNKS))
             .enumerate()
-            .map_init(
-                || (vec![0f32; n_ch * NK * TILE], vec![0f32; n_ch * TILE]),
-                |(b, q), (tile, ((as_t, imax_t), amax_t))| {
+            .map(|(tile, (((as_t, imax_t), amax_t), done_t))| {
+                // Per-thread scratch that outlives the window (no fresh pages
+                // per job); every value is written before it is read.
+                TILE_SCRATCH.with_borrow_mut(|(b, q)| {
+                    b.resize(n_ch * NK * TILE, 0.0);
+                    q.resize(pruned_scratch_len(n_ch), 0.0);
                     let t0 = tile * TILE;
                     for c in 0..n_ch {
                         let row = &xs[c * nt_w..(c + 1) * nt_w];
@@ -362,11 +431,29 @@ impl CpuDetector {
                         neighbour_max(as_t, neighbours, nc2, amax_t);
                         Vec::new()
                     } else {
-                        centre_response_pruned(b, q, sites, weights, bound, nsz, th, as_t, imax_t);
-                        tile_candidates(as_t, t0, nt_w, th)
+                        let mut cands = Vec::new();
+                        let tile = PrunedTile {
+                            sites,
+                            weights,
+                            weight_norm2: bound,
+                            nsz,
+                            th,
+                            t0,
+                            nt_w,
+                        };
+                        centre_response_pruned_into(
+                            b,
+                            q,
+                            &tile,
+                            as_t,
+                            imax_t,
+                            Some(done_t),
+                            &mut cands,
+                        );
+                        cands
                     }
-                },
-            )
+                })
+            })
             .collect();
         self.candidates.clear();
         for c in per_tile {
@@ -403,8 +490,21 @@ impl CpuDetector {
             return per_centre.into_iter().flatten().collect();
         }
         // Candidates: every (j, t) with As > Th, gathered per tile by steps 1–3.
-        let mut candidates = self.candidates.clone();
-        candidates.par_sort_unstable();
+        // By centre, then sample: the tiles' lists come in sample order and
+        // each is in (centre, sample) order, so a stable placement by centre
+        // sorts them (the pairs are distinct).
+        let mut start = vec![0usize; nf + 1];
+        for &(j, _) in &self.candidates {
+            start[j as usize + 1] += 1;
+        }
+        for j in 0..nf {
+            start[j + 1] += start[j];
+        }
+        let mut candidates = vec![(0u32, 0u64); self.candidates.len()];
+        for &(j, t) in &self.candidates {
+            candidates[start[j as usize]] = (j, t);
+            start[j as usize] += 1;
+        }
         let (lo_valid, hi_valid) = (nt.min(nt_w), nt_w.saturating_sub(nt));
         candidates
             .into_par_iter()
@@ -413,8 +513,7 @@ impl CpuDetector {
                 let v = self.as_buf[self.index(j, t)];
                 let lo = t.saturating_sub(half).max(lo_valid);
                 let hi = (t + half + 1).min(hi_valid);
-                let row_max =
-                    |n: usize| (lo..hi).fold(0f32, |m, tt| m.max(self.as_buf[self.index(n, tt)]));
+                let row_max = |n: usize| self.row_max(n, lo, hi);
                 // The own row first: most candidates fail there.
                 let mut m = row_max(j);
                 if m > v {
@@ -504,7 +603,7 @@ pub(crate) fn check_window(
     // A branch-free scan first (NaN and ±∞ have all exponent bits set); the
     // position is looked for only when there is one.
     let all_finite = match x.as_slice() {
-        Some(xs) => xs.chunks(4096).all(|c| {
+        Some(xs) => xs.par_chunks(1 << 16).all(|c| {
             c.iter().fold(0u32, |a, v| {
                 a | u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000)
             }) == 0
@@ -530,6 +629,19 @@ const _: () = assert!(
 );
 /// Samples handled together in the inner loops (one 256-bit vector of f32).
 const LANES: usize = 8;
+/// Samples per group of the coarse pruning bound in [`centre_response_pruned`].
+pub const GROUP: usize = 32;
+/// Groups per tile.
+const N_GROUPS: usize = TILE / GROUP;
+/// Chunks of [`LANES`] samples per tile.
+const CHUNKS: usize = TILE / LANES;
+const _: () = assert!(TILE.is_multiple_of(GROUP) && GROUP.is_multiple_of(LANES));
+
+/// Scratch values [`centre_response_pruned`] needs for `n_ch` channels: the
+/// per-sample bound terms (C·TILE) and the per-group ones (C·TILE/[`GROUP`]).
+pub fn pruned_scratch_len(n_ch: usize) -> usize {
+    n_ch * (TILE + N_GROUPS)
+}
 
 /// Runs `$body` compiled for AVX2 when the CPU has it, else for the baseline.
 /// Both compile the same scalar code; there is no fused multiply-add in either,
@@ -745,7 +857,14 @@ fn respond_chunk<const NSZ: usize>(
 /// `weight_norm2[j]`·Σ_c max_k B² (with a 1 % margin for float32 rounding) stays below
 /// Th_universal², |A| cannot exceed the threshold: As is set to 0 and imax to 0 there,
 /// values that can neither be detected nor beat or tie a detection. Elsewhere the
-/// values are exactly those of [`centre_response`]. `q` is scratch of C·TILE values.
+/// values are exactly those of [`centre_response`]. `q` is scratch of at least
+/// [`pruned_scratch_len`]`(C)` values.
+///
+/// The bound is first checked per [`GROUP`] samples, with each site's largest
+/// max_k B² over the group: float32 sums of non-negative terms are monotone in
+/// each term, so a group whose coarse sum stays below the threshold has every
+/// per-sample sum below it too, and the chunks computed are exactly those of the
+/// per-sample check alone.
 #[allow(clippy::too_many_arguments)]
 pub fn centre_response_pruned(
     b: &[f32],
@@ -758,10 +877,50 @@ pub fn centre_response_pruned(
     as_t: &mut [f32],
     imax_t: &mut [i8],
 ) {
+    let tile = PrunedTile {
+        sites,
+        weights,
+        weight_norm2,
+        nsz,
+        th,
+        t0: 0,
+        nt_w: 0,
+    };
+    centre_response_pruned_into(b, q, &tile, as_t, imax_t, None, &mut Vec::new());
+}
+
+/// The constants of [`centre_response_pruned`] for one tile, and where the
+/// tile lies: first sample `t0` of a window of `nt_w` samples (candidates are
+/// gathered only below `nt_w`; none when it is 0).
+struct PrunedTile<'a> {
+    sites: &'a [u32],
+    weights: &'a [f32],
+    weight_norm2: &'a [f32],
+    nsz: usize,
+    th: f32,
+    t0: usize,
+    nt_w: usize,
+}
+
+/// [`centre_response_pruned`], also appending to `cands` the (centre, sample)
+/// pairs where As > Th_universal, in centre then sample order, as the chunks
+/// are computed (pruned chunks hold none). With `done` (nf × [`CHUNKS`]
+/// flags), a pruned chunk is marked 0 there and its As and imax are left as
+/// they were instead of zeroed; a computed one is marked 1.
+#[allow(clippy::too_many_arguments)]
+fn centre_response_pruned_into(
+    b: &[f32],
+    q: &mut [f32],
+    tile: &PrunedTile,
+    as_t: &mut [f32],
+    imax_t: &mut [i8],
+    done: Option<&mut [u8]>,
+    cands: &mut Vec<(u32, u64)>,
+) {
     dispatch!(
         centre_response_pruned_avx2,
         centre_response_pruned_sizes,
-        (b: &[f32], q: &mut [f32], sites: &[u32], weights: &[f32], weight_norm2: &[f32], nsz: usize, th: f32, as_t: &mut [f32], imax_t: &mut [i8])
+        (b: &[f32], q: &mut [f32], tile: &PrunedTile, as_t: &mut [f32], imax_t: &mut [i8], done: Option<&mut [u8]>, cands: &mut Vec<(u32, u64)>)
     );
 }
 
@@ -770,16 +929,20 @@ pub fn centre_response_pruned(
 fn centre_response_pruned_sizes(
     b: &[f32],
     q: &mut [f32],
-    sites: &[u32],
-    weights: &[f32],
-    weight_norm2: &[f32],
-    nsz: usize,
-    th: f32,
+    tile: &PrunedTile,
     as_t: &mut [f32],
     imax_t: &mut [i8],
+    done: Option<&mut [u8]>,
+    cands: &mut Vec<(u32, u64)>,
 ) {
-    // q[c, t] = max_k B[c, k, t]².
-    for (c, qc) in q.chunks_exact_mut(TILE).enumerate() {
+    let n_ch = b.len() / (NK * TILE);
+    let (q, qg) = q[..pruned_scratch_len(n_ch)].split_at_mut(n_ch * TILE);
+    // q[c, t] = max_k B[c, k, t]²; qg[c, g] = max over group g's samples of q[c, t].
+    for (c, (qc, qgc)) in q
+        .chunks_exact_mut(TILE)
+        .zip(qg.chunks_exact_mut(N_GROUPS))
+        .enumerate()
+    {
         let bc = &b[c * NK * TILE..(c + 1) * NK * TILE];
         for (t, v) in qc.iter_mut().enumerate() {
             let mut m = 0f32;
@@ -789,16 +952,22 @@ fn centre_response_pruned_sizes(
             }
             *v = m;
         }
+        for (g, v) in qgc.iter_mut().enumerate() {
+            *v = qc[g * GROUP..(g + 1) * GROUP]
+                .iter()
+                .fold(0f32, |m, &x| m.max(x));
+        }
     }
-    match nsz {
-        1 => pruned_impl::<1>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        2 => pruned_impl::<2>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        3 => pruned_impl::<3>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        4 => pruned_impl::<4>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        5 => pruned_impl::<5>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        6 => pruned_impl::<6>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        7 => pruned_impl::<7>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
-        8 => pruned_impl::<8>(b, q, sites, weights, weight_norm2, th, as_t, imax_t),
+    let (q, qg) = (&*q, &*qg);
+    match tile.nsz {
+        1 => pruned_impl::<1>(b, q, qg, tile, as_t, imax_t, done, cands),
+        2 => pruned_impl::<2>(b, q, qg, tile, as_t, imax_t, done, cands),
+        3 => pruned_impl::<3>(b, q, qg, tile, as_t, imax_t, done, cands),
+        4 => pruned_impl::<4>(b, q, qg, tile, as_t, imax_t, done, cands),
+        5 => pruned_impl::<5>(b, q, qg, tile, as_t, imax_t, done, cands),
+        6 => pruned_impl::<6>(b, q, qg, tile, as_t, imax_t, done, cands),
+        7 => pruned_impl::<7>(b, q, qg, tile, as_t, imax_t, done, cands),
+        8 => pruned_impl::<8>(b, q, qg, tile, as_t, imax_t, done, cands),
         _ => unreachable!("template_sizes is validated to 1..=8"),
     }
 }
@@ -808,13 +977,22 @@ fn centre_response_pruned_sizes(
 fn pruned_impl<const NSZ: usize>(
     b: &[f32],
     q: &[f32],
-    sites: &[u32],
-    weights: &[f32],
-    weight_norm2: &[f32],
-    th: f32,
+    qg: &[f32],
+    tile: &PrunedTile,
     as_t: &mut [f32],
     imax_t: &mut [i8],
+    mut done: Option<&mut [u8]>,
+    cands: &mut Vec<(u32, u64)>,
 ) {
+    let PrunedTile {
+        sites,
+        weights,
+        weight_norm2,
+        th,
+        t0,
+        nt_w,
+        ..
+    } = *tile;
     let nsz = NSZ;
     let nf = as_t.len() / TILE;
     let nc = sites.len() / nf;
@@ -823,7 +1001,29 @@ fn pruned_impl<const NSZ: usize>(
         let s_j = &sites[j * nc..(j + 1) * nc];
         let w_j = &weights[j * nc * nsz..(j + 1) * nc * nsz];
         let scale = weight_norm2[j] * 1.01;
+        // The coarse bound of every group at once, sites in the same order.
+        let mut coarse = [0f32; N_GROUPS];
+        for &c in s_j {
+            let g: &[f32; N_GROUPS] = qg[c as usize * N_GROUPS..][..N_GROUPS]
+                .try_into()
+                .expect("N_GROUPS values");
+            for (s, v) in coarse.iter_mut().zip(g) {
+                *s += *v;
+            }
+        }
         for tc in (0..TILE).step_by(LANES) {
+            let at = j * TILE + tc;
+            let flag = j * CHUNKS + tc / LANES;
+            if coarse[tc / GROUP] * scale < th2 {
+                match done.as_deref_mut() {
+                    Some(d) => d[flag] = 0,
+                    None => {
+                        as_t[at..at + LANES].fill(0.0);
+                        imax_t[at..at + LANES].fill(0);
+                    }
+                }
+                continue;
+            }
             let mut sum = [0f32; LANES];
             for &c in s_j {
                 let qc: &[f32; LANES] = q[c as usize * TILE + tc..][..LANES]
@@ -843,33 +1043,26 @@ fn pruned_impl<const NSZ: usize>(
                     &mut as_t[at..at + LANES],
                     &mut imax_t[at..at + LANES],
                 );
+                for (l, &v) in as_t[at..at + LANES].iter().enumerate() {
+                    let t = t0 + tc + l;
+                    if v > th && t < nt_w {
+                        cands.push((j as u32, t as u64));
+                    }
+                }
+                if let Some(d) = done.as_deref_mut() {
+                    d[flag] = 1;
+                }
             } else {
-                as_t[at..at + LANES].fill(0.0);
-                imax_t[at..at + LANES].fill(0);
-            }
-        }
-    }
-}
-
-/// The (centre, sample) pairs of one tile (first sample `t0`, layout
-/// `as_t[j·TILE + i]`) where As > `th`, for samples below `nt_w`; in centre,
-/// then sample order. Chunks of [`LANES`] samples with no value above `th`
-/// (all of them where step 2 was pruned) are skipped by one comparison each.
-fn tile_candidates(as_t: &[f32], t0: usize, nt_w: usize, th: f32) -> Vec<(u32, u64)> {
-    let mut out = Vec::new();
-    for (ci, chunk) in as_t.chunks_exact(LANES).enumerate() {
-        let m = chunk.iter().fold(0f32, |m, &v| m.max(v));
-        if m > th {
-            for (l, &v) in chunk.iter().enumerate() {
-                let i = ci * LANES + l;
-                let t = t0 + i % TILE;
-                if v > th && t < nt_w {
-                    out.push(((i / TILE) as u32, t as u64));
+                match done.as_deref_mut() {
+                    Some(d) => d[flag] = 0,
+                    None => {
+                        as_t[at..at + LANES].fill(0.0);
+                        imax_t[at..at + LANES].fill(0);
+                    }
                 }
             }
         }
     }
-    out
 }
 
 /// Step 3 for one tile: `amax[j·TILE + t] = max_m as[iC2[m, j]·TILE + t]`
@@ -1039,4 +1232,110 @@ pub fn detect_window(
     settings: &DetectionSettings,
 ) -> Result<Detections, DetectError> {
     CpuDetector::new(geometry.clone(), templates.clone(), settings.clone())?.detect(x, yc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The coarse bound changes nothing: the pruned step 2 computes exactly the
+    /// chunks the per-sample bound alone lets through (there with the dense
+    /// values, elsewhere zeros), and the candidates gathered on the way are the
+    /// samples where As > Th_universal.
+    #[test]
+    fn coarse_bound_computes_the_same_chunks_as_the_per_sample_bound() {
+        let (n_ch, nf, nc, nsz) = (24usize, 40usize, 6usize, 5usize);
+        let mut state = 11u64;
+        let mut rnd = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        // B: unit-scale noise with a few large events.
+        let mut b: Vec<f32> = (0..n_ch * NK * TILE).map(|_| rnd() * 3.0).collect();
+        for e in 0..12 {
+            let c = (e * 7) % n_ch;
+            let t = (e * 53) % TILE;
+            for k in 0..NK {
+                b[(c * NK + k) * TILE + t] = 10.0 + 4.0 * rnd();
+            }
+        }
+        let sites: Vec<u32> = (0..nf * nc)
+            .map(|i| ((i / nc + i % nc) % n_ch) as u32)
+            .collect();
+        let weights: Vec<f32> = (0..nf * nc * nsz).map(|_| rnd()).collect();
+        let norm2: Vec<f32> = (0..nf)
+            .map(|j| {
+                (0..nsz)
+                    .map(|s| {
+                        (0..nc)
+                            .map(|c| weights[(j * nc + c) * nsz + s].powi(2))
+                            .sum::<f32>()
+                    })
+                    .fold(0f32, f32::max)
+            })
+            .collect();
+        let th = 3.0f32;
+        let mut as_d = vec![0f32; nf * TILE];
+        let mut im_d = vec![0i8; nf * TILE];
+        centre_response(&b, &sites, &weights, nsz, &mut as_d, &mut im_d);
+        let mut q = vec![0f32; pruned_scratch_len(n_ch)];
+        let (mut as_p, mut im_p) = (vec![1f32; nf * TILE], vec![1i8; nf * TILE]);
+        let tile = PrunedTile {
+            sites: &sites,
+            weights: &weights,
+            weight_norm2: &norm2,
+            nsz,
+            th,
+            t0: 1000,
+            nt_w: 1000 + TILE - 3,
+        };
+        let mut cands = Vec::new();
+        centre_response_pruned_into(&b, &mut q, &tile, &mut as_p, &mut im_p, &mut cands);
+        let qs = |c: usize, t: usize| {
+            (0..NK).fold(0f32, |m, k| m.max(b[(c * NK + k) * TILE + t].powi(2)))
+        };
+        let (mut computed, mut want) = (0, Vec::new());
+        for j in 0..nf {
+            let scale = norm2[j] * 1.01;
+            for tc in (0..TILE).step_by(LANES) {
+                let fires = (0..LANES).any(|l| {
+                    let sum = sites[j * nc..(j + 1) * nc]
+                        .iter()
+                        .fold(0f32, |s, &c| s + qs(c as usize, tc + l));
+                    sum * scale >= th * th
+                });
+                computed += usize::from(fires);
+                for l in 0..LANES {
+                    let i = j * TILE + tc + l;
+                    if fires {
+                        assert_eq!(
+                            (as_p[i], im_p[i]),
+                            (as_d[i], im_d[i]),
+                            "centre {j}, sample {}",
+                            tc + l
+                        );
+                        if as_d[i] > th && tc + l < TILE - 3 {
+                            want.push((j as u32, (1000 + tc + l) as u64));
+                        }
+                    } else {
+                        assert_eq!(
+                            (as_p[i], im_p[i]),
+                            (0.0, 0),
+                            "centre {j}, sample {}",
+                            tc + l
+                        );
+                        assert!(as_d[i] <= th, "a pruned chunk held a detection");
+                    }
+                }
+            }
+        }
+        assert!(
+            computed > 0 && computed < nf * TILE / LANES,
+            "{computed} chunks computed"
+        );
+        assert!(!want.is_empty());
+        assert_eq!(cands, want);
+    }
 }

@@ -506,10 +506,17 @@ impl HighpassFilter {
             let take = (ext.len() - t0).min(self.fft_len);
             input[..take].copy_from_slice(&ext[t0..t0 + take]);
             input[take..].fill(0.0);
-            self.correlate(input, spectrum, fft, block_out);
             // Outputs 0..=F−K of a block use no wrapped-around input.
             let m = b.per_block.min(self.n - t0);
-            row[t0..t0 + m].copy_from_slice(&block_out[..m]);
+            if t0 + self.fft_len <= self.n {
+                // Straight into the row: the F − m values past this block's
+                // outputs are overwritten by the next blocks' (their inputs
+                // come from `ext`, not from the row).
+                self.correlate(input, spectrum, fft, &mut row[t0..t0 + self.fft_len]);
+            } else {
+                self.correlate(input, spectrum, fft, block_out);
+                row[t0..t0 + m].copy_from_slice(&block_out[..m]);
+            }
             t0 += m;
         }
     }

@@ -267,14 +267,36 @@ impl Preprocessor {
     /// # Errors
     /// [`PreprocessError::Shape`] if the window is not C × N.
     pub fn apply(&self, window: &mut Array2<f32>) -> Result<(), PreprocessError> {
+        self.apply_timed(window, &mut |_, _| {})
+    }
+
+    /// As [`Preprocessor::apply`], reporting the busy seconds of each part to
+    /// `lap(part, seconds)`: `car` (channel means and median CAR), `highpass`
+    /// (with the artifact check) and `whitening`.
+    ///
+    /// # Errors
+    /// As [`Preprocessor::apply`].
+    pub fn apply_timed(
+        &self,
+        window: &mut Array2<f32>,
+        lap: &mut dyn FnMut(&'static str, f64),
+    ) -> Result<(), PreprocessError> {
         self.check_shape(window)?;
+        let t0 = std::time::Instant::now();
         common_reference(window, self.do_car)?;
+        let t1 = std::time::Instant::now();
+        lap("car", (t1 - t0).as_secs_f64());
         self.highpass.apply(window)?;
-        if exceeds_artifact_threshold(window, self.artifact_threshold) {
+        let artifact = exceeds_artifact_threshold(window, self.artifact_threshold);
+        let t2 = std::time::Instant::now();
+        lap("highpass", (t2 - t1).as_secs_f64());
+        if artifact {
             window.fill(0.0);
             return Ok(());
         }
-        self.whitening.apply(window)
+        self.whitening.apply(window)?;
+        lap("whitening", t2.elapsed().as_secs_f64());
+        Ok(())
     }
 
     fn check_shape(&self, window: &Array2<f32>) -> Result<(), PreprocessError> {

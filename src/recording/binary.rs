@@ -4,6 +4,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
+use rayon::prelude::*;
 
 use super::{Dtype, Recording, check_read, nearest_channel_counts};
 use crate::error::RecordingError;
@@ -179,20 +180,53 @@ fn decode<const N: usize>(
     n_channels: usize,
     chan_map: &[u64],
     out: &mut [f32],
-    conv: impl Fn([u8; N]) -> f32,
+    conv: impl Fn([u8; N]) -> f32 + Sync,
 ) {
     let frame = n_channels * N;
     let base = start as usize * frame;
-    for t in 0..count {
-        let f = &data[base + t * frame..base + (t + 1) * frame];
-        for (row, &c) in chan_map.iter().enumerate() {
-            let o = c as usize * N;
-            let mut b = [0u8; N];
-            b.copy_from_slice(&f[o..o + N]);
-            out[row * count + t] = conv(b);
+    // Runs of DECODE_CHUNK samples in parallel: each run fills its own columns
+    // of every output row (a list of row pieces per run).
+    let n_runs = count.div_ceil(DECODE_CHUNK);
+    let mut runs: Vec<Vec<&mut [f32]>> = (0..n_runs)
+        .map(|_| Vec::with_capacity(chan_map.len()))
+        .collect();
+    for row in out.chunks_mut(count.max(1)).take(chan_map.len()) {
+        for (run, piece) in runs.iter_mut().zip(row.chunks_mut(DECODE_CHUNK)) {
+            run.push(piece);
         }
     }
+    runs.into_par_iter().enumerate().for_each(|(i, mut rows)| {
+        let t0 = i * DECODE_CHUNK;
+        let len = rows.first().map_or(0, |r| r.len());
+        // Row by row over DECODE_BLOCK frames at a time: the frames stay in
+        // the L1/L2 cache while each row's values are stored contiguously.
+        let mut d0 = 0;
+        while d0 < len {
+            let d1 = (d0 + DECODE_BLOCK).min(len);
+            let frames = &data[base + (t0 + d0) * frame..base + (t0 + d1) * frame];
+            // One sequential touch per cache line first, so that the strided
+            // reads below hit the cache instead of waiting on memory each.
+            let touch = frames.iter().step_by(64).fold(0u8, |a, &b| a ^ b);
+            std::hint::black_box(touch);
+            for (piece, &c) in rows.iter_mut().zip(chan_map) {
+                let o = c as usize * N;
+                for (v, f) in piece[d0..d1].iter_mut().zip(frames.chunks_exact(frame)) {
+                    let mut b = [0u8; N];
+                    b.copy_from_slice(&f[o..o + N]);
+                    *v = conv(b);
+                }
+            }
+            d0 = d1;
+        }
+    });
 }
+
+/// Samples decoded per parallel run in [`decode`] (× the file's channels ×
+/// the item size: about 1.5 MB of a 385-channel int16 file).
+const DECODE_CHUNK: usize = 2048;
+/// Frames decoded row by row at a time within a run (about 200 kB of a
+/// 385-channel int16 file: they stay in the L2 cache).
+const DECODE_BLOCK: usize = 256;
 
 impl Recording for BinaryRecording {
     fn n_channels(&self) -> usize {
@@ -267,5 +301,49 @@ impl Recording for BinaryRecording {
             self.fs,
             self.offset
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The parallel, blocked decoding reads every value where the frame-by-frame
+    /// definition puts it: runs and blocks of every length, a channel map that
+    /// skips and reorders channels, a start inside the file.
+    #[test]
+    fn decoding_in_runs_equals_frame_by_frame() {
+        let (nc, ns) = (7usize, 2 * DECODE_CHUNK + DECODE_BLOCK + 13);
+        let value = |t: usize, c: usize| ((t * 31 + c * 1009) % 65_536) as u16 as i16;
+        let mut bytes = Vec::with_capacity(nc * ns * 2);
+        for t in 0..ns {
+            for c in 0..nc {
+                bytes.extend_from_slice(&value(t, c).to_le_bytes());
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.bin");
+        std::fs::write(&path, &bytes).unwrap();
+        let rec = BinaryRecording::open_flat(&path, nc as u64, 30_000.0, Dtype::Int16, 0).unwrap();
+        let chan_map = [6u64, 0, 3, 3];
+        for (start, count) in [
+            (0usize, ns),
+            (5, ns - 5),
+            (DECODE_CHUNK - 1, DECODE_CHUNK + 3),
+            (17, 1),
+        ] {
+            let mut out = vec![0f32; chan_map.len() * count];
+            rec.read_channels(start as u64, count, &chan_map, &mut out)
+                .unwrap();
+            for (r, &c) in chan_map.iter().enumerate() {
+                for t in 0..count {
+                    assert_eq!(
+                        out[r * count + t],
+                        f32::from(value(start + t, c as usize)),
+                        "start {start}, count {count}, row {r}, sample {t}"
+                    );
+                }
+            }
+        }
     }
 }
