@@ -342,16 +342,8 @@ impl Preprocessor {
             .map(|&v| f64::from(v.abs()))
             .sum::<f64>()
             / f64::from(peak.max(f32::MIN_POSITIVE));
-        let (mut w_start, mut w_cols, mut w_vals) = (vec![0u32], Vec::new(), Vec::new());
-        for row in self.whitening.matrix().outer_iter() {
-            for (k, &v) in row.iter().enumerate() {
-                if v != 0.0 {
-                    w_cols.push(k as u32);
-                    w_vals.push(v);
-                }
-            }
-            w_start.push(w_cols.len() as u32);
-        }
+        // The CPU's summation order (issue 12: the same code applies G_b = M_b·W).
+        let (w_start, w_cols, w_vals) = self.whitening.csr();
         Some(DevicePreprocessing {
             n_sites: self.n_sites,
             n,

@@ -388,6 +388,109 @@ impl Whitening {
         &self.w
     }
 
+    // ---- issue 12 (drift): a whitening-like matrix applied as CSR; its CSR form ----
+
+    /// Wraps a (C × C) matrix for the sparse product only, without the
+    /// entries whose magnitude is at most `floor` × its largest (`floor` = 0
+    /// keeps every non-zero). Used for the drift-corrected whitening
+    /// `G_b = M_b·W` (drift-spec.md §7 step 8), which
+    /// [`crate::drift::DriftRun::window_whitening`] builds per window; the
+    /// sparse product is used whatever the density, so [`Whitening::csr`] is
+    /// always the CPU's summation order.
+    ///
+    /// # Errors
+    /// [`PreprocessError::Shape`] if it is not square;
+    /// [`PreprocessError::Setting`] if `floor` is negative or not finite.
+    pub fn sparse_with_floor(w: Array2<f32>, floor: f32) -> Result<Self, PreprocessError> {
+        let (r, c) = w.dim();
+        if r != c {
+            return Err(PreprocessError::Shape {
+                what: "whitening matrix",
+                rows: r,
+                cols: c,
+                expected_rows: r,
+                expected_cols: r,
+            });
+        }
+        if !(floor.is_finite() && floor >= 0.0) {
+            return Err(PreprocessError::Setting {
+                name: "sparse floor",
+                message: format!("is {floor}; it must be a finite fraction ≥ 0"),
+            });
+        }
+        let max = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let cut = floor * max;
+        let mut w = w.as_standard_layout().into_owned();
+        w.mapv_inplace(|v| if v.abs() > cut { v } else { 0.0 });
+        let rows: Vec<Vec<(usize, f32)>> = w
+            .outer_iter()
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .filter(|(_, v)| **v != 0.0)
+                    .map(|(k, &v)| (k, v))
+                    .collect()
+            })
+            .collect();
+        Ok(Whitening {
+            w,
+            sparse: Some(rows),
+        })
+    }
+
+    /// Whether [`Whitening::apply`] uses the sparse product (the order of
+    /// [`Whitening::csr`]); otherwise a dense sgemm (faer), used for a matrix
+    /// built by [`Whitening::new`] with more than a quarter of its entries non-zero.
+    pub fn is_sparse(&self) -> bool {
+        self.sparse.is_some()
+    }
+
+    /// Non-zero entries.
+    pub fn nnz(&self) -> usize {
+        match &self.sparse {
+            Some(rows) => rows.iter().map(Vec::len).sum(),
+            None => self.w.iter().filter(|v| **v != 0.0).count(),
+        }
+    }
+
+    /// The matrix in compressed rows: (row starts, C + 1 values; columns;
+    /// values). Row j's non-zeros are `columns/values[starts[j]..starts[j + 1]]`,
+    /// in increasing column order, which is the order in which the sparse
+    /// product sums them: output j at sample t is
+    /// `acc = 0; for each full group of four (w0..w3 at sites k0..k3):
+    /// acc += (w0·x[k0] + w1·x[k1]) + (w2·x[k2] + w3·x[k3]); then the
+    /// remaining one to three terms one by one: acc += w·x[k]` (float32).
+    /// When [`Whitening::is_sparse`] is false the CPU uses a dense sgemm
+    /// instead, whose order is faer's; the list is then every non-zero in
+    /// column order.
+    pub fn csr(&self) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+        let (mut start, mut cols, mut vals) = (vec![0u32], Vec::new(), Vec::new());
+        match &self.sparse {
+            Some(rows) => {
+                for row in rows {
+                    for &(k, v) in row {
+                        cols.push(k as u32);
+                        vals.push(v);
+                    }
+                    start.push(cols.len() as u32);
+                }
+            }
+            None => {
+                for row in self.w.outer_iter() {
+                    for (k, &v) in row.iter().enumerate() {
+                        if v != 0.0 {
+                            cols.push(k as u32);
+                            vals.push(v);
+                        }
+                    }
+                    start.push(cols.len() as u32);
+                }
+            }
+        }
+        (start, cols, vals)
+    }
+    // ---- end issue 12 ----
+
     fn whiten_block(
         &self,
         mut block: ArrayViewMut2<'_, f32>,
