@@ -11,6 +11,9 @@
 //!   every non-zero, `--drift-mode kilosort`);
 //! * `M_b·(W·X)`: the previous correction (a dense sgemm after whitening).
 //!
+//! Times are CPU ms (all threads; `WALL=1`: wall ms), as the machine the
+//! figures were taken on was shared.
+//!
 //! Usage: `cargo bench --bench drift_correct [-- RUNS]` (default 5 runs).
 
 use std::path::PathBuf;
@@ -50,14 +53,34 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// CPU time of this process's threads, ns (Linux: the first field of each
+/// thread's schedstat, time on a CPU); 0 elsewhere. On a machine shared with
+/// other work this is steadier than the wall time.
+fn cpu_ns() -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Median CPU ms of `runs` calls (after a warm-up); `WALL=1` in the
+/// environment: wall ms instead.
 fn time_runs(runs: usize, mut f: impl FnMut()) -> f64 {
+    let wall = std::env::var("WALL").is_ok_and(|v| v == "1");
     f();
     median(
         (0..runs)
             .map(|_| {
-                let t = Instant::now();
+                let (t, c) = (Instant::now(), cpu_ns());
                 f();
-                t.elapsed().as_secs_f64() * 1e3
+                if wall {
+                    t.elapsed().as_secs_f64() * 1e3
+                } else {
+                    (cpu_ns() - c) as f64 * 1e-6
+                }
             })
             .collect(),
     )
@@ -94,6 +117,12 @@ fn main() {
         w.nnz() as f64 / N_SITES as f64
     );
     let mut x = raw.clone();
+    // Warm-up of a few seconds.
+    let t = Instant::now();
+    while t.elapsed().as_secs_f64() < 3.0 {
+        x.assign(&raw);
+        w.apply(&mut x).expect("W·X");
+    }
     let white = time_runs(runs, || {
         x.assign(&raw);
         w.apply(&mut x).expect("W·X");
@@ -116,6 +145,18 @@ fn main() {
             ge.apply(&mut x).expect("G·X");
         });
         let m = corr.matrix(b).expect("M_b");
+        let sub = |a: &Array2<f32>| a.iter().filter(|v| v.is_subnormal()).count();
+        eprintln!(
+            "subnormal entries: M_b {}, G_b {}, G_b exact {}; G_b·X output {}",
+            sub(&m),
+            sub(g.matrix()),
+            sub(ge.matrix()),
+            {
+                x.assign(&raw);
+                g.apply(&mut x).expect("G·X");
+                sub(&x)
+            }
+        );
         let old = time_runs(runs, || {
             x.assign(&raw);
             apply_matrix(m.view(), &mut x);
@@ -130,4 +171,13 @@ fn main() {
             old - copy,
         );
     }
+    let white2 = time_runs(runs, || {
+        x.assign(&raw);
+        w.apply(&mut x).expect("W·X");
+    });
+    println!(
+        "{:<34} {:8.1} ms (the machine's speed drifts: compare with the first)",
+        "W·X again",
+        white2 - copy
+    );
 }

@@ -590,6 +590,54 @@ mod tests {
         assert_eq!(covariance_windows(60, 25), vec![0, 25, 50]);
     }
 
+    /// `csr()` lists the non-zeros in the order the sparse product sums them:
+    /// per row, groups of four `(w0·a0 + w1·a1) + (w2·a2 + w3·a3)` added to the
+    /// accumulator, then the remainder one by one (bitwise), for rows of 0 to 9
+    /// non-zeros; `sparse_with_floor` drops entries at most floor × the largest.
+    #[test]
+    fn csr_is_the_sparse_products_summation_order() {
+        let c = 10;
+        let n = 300;
+        let w = Array2::from_shape_fn((c, c), |(j, k)| {
+            if k < j {
+                0.37 * ((j * 7 + k * 3) % 11) as f32 - 1.9 + 1e-3 * k as f32
+            } else {
+                0.0
+            }
+        });
+        let mut w = w;
+        w[(3, 0)] = 1e-9; // below 1e-8 of the largest: dropped
+        let g = Whitening::sparse_with_floor(w.clone(), 1e-8).unwrap();
+        assert!(g.is_sparse());
+        let (start, cols, vals) = g.csr();
+        assert_eq!(start.len(), c + 1);
+        assert!(!cols[start[3] as usize..start[4] as usize].contains(&0));
+        let x = Array2::from_shape_fn((c, n), |(i, t)| ((i * 31 + t * 17) % 23) as f32 * 0.7 - 7.3);
+        let mut y = x.clone();
+        g.apply(&mut y).unwrap();
+        for j in 0..c {
+            let (a, b) = (start[j] as usize, start[j + 1] as usize);
+            for t in 0..n {
+                let mut acc = 0f32;
+                let mut e = a;
+                while e + 4 <= b {
+                    let term = |i: usize| vals[e + i] * x[(cols[e + i] as usize, t)];
+                    acc += (term(0) + term(1)) + (term(2) + term(3));
+                    e += 4;
+                }
+                while e < b {
+                    acc += vals[e] * x[(cols[e] as usize, t)];
+                    e += 1;
+                }
+                assert_eq!(acc.to_bits(), y[(j, t)].to_bits(), "row {j} sample {t}");
+            }
+        }
+        // Whitening::new's sparse form lists the same non-zeros.
+        let sparse_new = Whitening::new(g.matrix().clone()).unwrap();
+        assert_eq!(sparse_new.csr(), g.csr());
+        assert!(Whitening::sparse_with_floor(w, -1.0).is_err());
+    }
+
     #[test]
     fn sparse_and_dense_products_agree() {
         let c = 12;
