@@ -344,7 +344,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // ---- issue 11: universal templates learned from the data (or built-in, or a file) ----
     // Learning reads every 25th window, preprocessed exactly as detection sees it.
     let t_learn = Instant::now();
-    let chosen_templates = {
+    let mut chosen_templates = {
         let min_run = checks::stuck_min_run(fs);
         crate::universal::choose(
             &job.templates,
@@ -428,6 +428,49 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         found.into_iter().for_each(|w| warnings.push(w));
         run
     });
+    // Kilosort4 learns wTEMP/wPCA again for the second pass, from the
+    // drift-corrected windows (drift-spec.md §8); those templates are the output's.
+    let mut templates_first_pass = None;
+    let mut relearn_s = 0.0;
+    if drift.correction.is_some()
+        && drift.windows_to_detect() > 0
+        && matches!(job.templates, crate::universal::TemplateSource::Learned(_))
+    {
+        let t = Instant::now();
+        let min_run = checks::stuck_min_run(fs);
+        let second = crate::universal::choose(
+            &job.templates,
+            plan.n_windows,
+            job.detection.nt,
+            job.detection.nt0min(),
+            |i| {
+                let mut w = Array2::zeros((n_sites, plan.window_len()));
+                read_window(rec.as_ref(), &plan, i, &chan_map, &mut w)?;
+                if job.checks.mask_clipped {
+                    let cols = WindowColumns::of(&plan, i);
+                    checks::mask_stuck_runs(&mut w, cols.lo, cols.hi, cols.pad_repeats, min_run);
+                }
+                drift.preprocess(&pre, i, &mut w).with_context(|| {
+                    format!("preprocessing window {i} (drift-corrected) for learning templates")
+                })?;
+                Ok(w)
+            },
+        )?;
+        let mut second = second;
+        second.description["windows"] = "drift-corrected (second pass)".into();
+        if let Some(w) = &second.warning {
+            warnings.push(format!("second pass (drift-corrected): {w}"));
+        }
+        pass.set_detector(Detector::new(
+            &chosen,
+            geometry.clone(),
+            second.templates.clone(),
+            job.detection.clone(),
+        )?)?;
+        crate::universal::write_outputs(writer.partial_path(), &second)?;
+        templates_first_pass = Some(std::mem::replace(&mut chosen_templates, second));
+        relearn_s = t.elapsed().as_secs_f64();
+    }
     // ---- end drift ----
 
     let nt = job.detection.nt as u64;
@@ -578,7 +621,15 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         .insert("total".into(), t_start.elapsed().as_secs_f64());
     // ---- end issue 10 ----
     info.timings.insert("templates".into(), learn_s); // issue 11
-    drift.record(&mut info, writer.n_spikes()); // drift (issue 12)
+    // ---- drift (issue 12) ----
+    drift.record(&mut info, writer.n_spikes());
+    if let Some(first) = &templates_first_pass {
+        info.settings["drift"]["templates_first_pass"] = first.description.clone();
+        info.settings["drift"]["templates_second_pass"] = chosen_templates.description.clone();
+        info.timings
+            .insert("templates_second_pass".into(), relearn_s);
+    }
+    // ---- end drift ----
     let summary = writer.finish(&info)?;
     Ok(Report {
         summary,

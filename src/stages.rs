@@ -209,26 +209,30 @@ pub struct HostPass {
     pub detector: Detector,
     /// Site depths, µm (the probe's `yc`).
     pub yc: Vec<f32>,
-    /// Drift correction of each whitened window (issue 12), when on.
+    /// Drift correction (issue 12), when on: each high-passed window is
+    /// multiplied by `G_b = M_b·W` instead of W ([`crate::drift::DriftRun::preprocess`]).
     pub drift: Option<Arc<crate::drift::DriftRun>>,
 }
 
 impl WindowPass for HostPass {
     fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
         let t0 = Instant::now();
-        self.pre
-            .apply_timed(&mut w.data, &mut |part, s| {
-                times.add(&format!("preprocess.{part}"), s)
-            })
-            .with_context(|| {
-                format!(
-                    "preprocessing window {} (samples from {})",
-                    w.index, w.own_start
-                )
-            })?;
-        if let Some(d) = &self.drift {
-            d.apply(w.index, &mut w.data)?;
-        }
+        // Issue 12: with drift correction, G_b = M_b·W in place of W.
+        let pre = match &self.drift {
+            Some(d) => d.preprocess(&self.pre, w.index, &mut w.data),
+            None => self
+                .pre
+                .apply_timed(&mut w.data, &mut |part, s| {
+                    times.add(&format!("preprocess.{part}"), s)
+                })
+                .map_err(anyhow::Error::from),
+        };
+        pre.with_context(|| {
+            format!(
+                "preprocessing window {} (samples from {})",
+                w.index, w.own_start
+            )
+        })?;
         let t1 = times.lap("preprocess", t0);
         let det = self
             .detector

@@ -92,7 +92,7 @@ fn cpu_pass_outputs_equal_the_previous_code_byte_for_byte() {
     let builtin = ["--nblocks", "0", "--templates-from-data", "false"];
     let runs: [(&str, &Path, &[&str]); 3] = [
         ("a", &bin32, &builtin),
-        ("b", &bin32, &["--min-learn-clips", "100"]),
+        ("b", &bin32, &["--nblocks", "0", "--min-learn-clips", "100"]),
         ("c", &bin384, &builtin),
     ];
     for (name, bin, extra) in runs {

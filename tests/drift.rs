@@ -428,6 +428,9 @@ fn detect_writes_drift_outputs() {
             "--batch-size",
             "7500",
             "-q",
+            // Few isolated peaks in 3 s: learn templates from as few as 6.
+            "--min-learn-clips",
+            "6",
         ];
         args.extend_from_slice(extra);
         let o = spikecube(&args);
@@ -449,6 +452,30 @@ fn detect_writes_drift_outputs() {
     assert_eq!(d["second_pass_spikes"], j["counts"]["n_spikes"]);
     assert!(j["timings_s"]["drift_first_pass"].as_f64().is_some());
 
+    // Byte-identical with one thread.
+    let (t1, _) = run("t1", &["--threads", "1"]);
+    for f in [
+        "spike_times.npy",
+        "amplitudes.npy",
+        "pc_features.npy",
+        "wTEMP.npy",
+    ] {
+        assert_eq!(
+            std::fs::read(out.join(f)).unwrap(),
+            std::fs::read(t1.join(f)).unwrap(),
+            "{f} differs between 2 threads and 1"
+        );
+    }
+    // The second pass re-learns wTEMP/wPCA from the corrected windows
+    // (Kilosort4, drift-spec §8); the output's wTEMP.npy are those.
+    let first = &d["templates_first_pass"];
+    let second = &d["templates_second_pass"];
+    assert!(first["n_clips"].as_u64().is_some(), "{d}");
+    assert_eq!(second, &j["settings"]["templates"]);
+    assert_eq!(second["windows"], "drift-corrected (second pass)");
+    assert_eq!(first["seed"], second["seed"]);
+    assert!(j["timings_s"]["templates_second_pass"].as_f64().is_some());
+
     let (off, j) = run("off", &["--nblocks", "0"]);
     assert!(!off.join("drift.npy").exists());
     assert_eq!(j["settings"]["drift"]["applied"], false);
@@ -459,6 +486,17 @@ fn detect_writes_drift_outputs() {
         j["counts"]["n_spikes"],
         j["settings"]["drift"]["first_pass_spikes"]
     );
+    // --drift-only outputs the first pass, with the first pass's templates.
+    assert_eq!(j["settings"]["templates"], *first);
+    eprintln!("templates: first pass {first}, second pass {second}");
+    assert_eq!(second["source"], "learned");
+    if first["source"] == "learned" {
+        assert_ne!(
+            std::fs::read(only.join("wTEMP.npy")).unwrap(),
+            std::fs::read(out.join("wTEMP.npy")).unwrap(),
+            "the second pass's templates were not re-learned"
+        );
+    }
 
     let (_, j) = run("nb3", &["--nblocks", "3"]);
     assert_eq!(
@@ -515,4 +553,124 @@ fn sites_beyond_the_probe_end_read_zero() {
             assert!(e < 1e-5 * rms, "site {s} t {t}: {e} (rms {rms})");
         }
     }
+}
+
+/// A local whitening matrix (32 nearest sites) of a spatially decaying
+/// covariance on `p`, as a stand-in for a fit.
+fn local_whitening(p: &Probe) -> spikecube::preprocess::Whitening {
+    let n = p.n_sites();
+    let cc = Array2::from_shape_fn((n, n), |(i, j)| {
+        let dx = f64::from(p.xc[i] - p.xc[j]);
+        let dy = f64::from(p.yc[i] - p.yc[j]);
+        400.0 * (-(dx * dx + dy * dy).sqrt() / 40.0).exp() + if i == j { 100.0 } else { 0.0 }
+    });
+    let w = spikecube::preprocess::whitening_from_covariance(&cc, p, 32).unwrap();
+    spikecube::preprocess::Whitening::new(w).unwrap()
+}
+
+/// (RMS, largest) of `y − reference` over the RMS of `reference`.
+fn rel_error(y: &Array2<f32>, reference: &Array2<f64>) -> (f64, f64) {
+    let rms = (reference.iter().map(|v| v * v).sum::<f64>() / reference.len() as f64).sqrt();
+    let (mut s, mut m) = (0f64, 0f64);
+    for (a, b) in y.iter().zip(reference.iter()) {
+        let e = (f64::from(*a) - b).abs();
+        s += e * e;
+        m = m.max(e);
+    }
+    ((s / reference.len() as f64).sqrt() / rms, m / rms)
+}
+
+/// The drift-corrected whitening `G_b = M_b·W` applied to a high-passed
+/// window (Kilosort4's `(M_b·W)·X`, spec §7 step 8) against the product in
+/// float64 of the same float32 M_b, W and X, on a Neuropixels 2.0-like probe
+/// (384 sites, W over 32 sites) for several shifts: within float32 rounding
+/// (measured 1e-7 RMS, 1.5e-6 at most, of the output RMS), and the entries
+/// dropped below `COMBINED_EPS` change it by no more than that rounding.
+#[test]
+fn combined_whitening_matches_float64() {
+    let p = np2();
+    let n = p.n_sites();
+    let w = local_whitening(&p);
+    let w64 = w.matrix().mapv(f64::from);
+    let shifts = [0.0, 7.5, -19.5, 40.0];
+    let dshift = Array2::from_shape_fn((shifts.len(), 1), |(b, _)| shifts[b]);
+    let c = DriftCorrection::new(&p.xc, &p.yc, dshift, vec![1432.5], 20.0)
+        .unwrap()
+        .with_zero_outside(None);
+    let x = common::noise(n, 1500, 11).mapv(|v| v * 30.0);
+    let x64 = x.mapv(f64::from);
+    for b in 0..shifts.len() as u64 {
+        let m64 = c.matrix(b).unwrap().mapv(f64::from);
+        let reference = m64.dot(&w64).dot(&x64);
+        let g = c.window_whitening(b, &w).unwrap();
+        assert!(g.is_sparse());
+        let per_row = g.nnz() as f64 / n as f64;
+        assert!(per_row > 60.0 && per_row < 120.0, "{per_row} per row");
+        let mut y = x.clone();
+        g.apply(&mut y).unwrap();
+        let (rms, max) = rel_error(&y, &reference);
+        assert!(
+            rms < 3e-7 && max < 5e-6,
+            "shift {}: {rms:e} {max:e}",
+            shifts[b as usize]
+        );
+        let ge = c.clone().with_exact(true).window_whitening(b, &w).unwrap();
+        assert!(ge.nnz() > g.nnz());
+        let mut ye = x.clone();
+        ge.apply(&mut ye).unwrap();
+        let (rms_e, max_e) = rel_error(&ye, &reference);
+        eprintln!(
+            "shift {:5.1} µm: {per_row:.1} of {n} per row, error {rms:.2e} RMS, {max:.2e} max; every non-zero ({:.1} per row): {rms_e:.2e}, {max_e:.2e}",
+            shifts[b as usize],
+            ge.nnz() as f64 / n as f64
+        );
+        assert!(
+            rms < 1.5 * rms_e && max < 2.0 * max_e.max(1e-6),
+            "dropping adds error: {rms:e} {max:e} against every non-zero's {rms_e:e} {max_e:e}"
+        );
+    }
+    // The edge margin zeroes the rows of sites that sample beyond the end.
+    let cz = c.clone().with_zero_outside(Some(15.0));
+    let g = cz.window_whitening(3, &w).unwrap(); // +40 µm: the bottom samples below 0
+    let outside = cz.sites_outside(3, 15.0).unwrap();
+    assert!(!outside.is_empty());
+    let (start, _, _) = g.csr();
+    for s in outside {
+        assert_eq!(start[s], start[s + 1], "site {s} is not zeroed");
+    }
+}
+
+/// With Kilosort4's own M_b (the fixture window of largest shift, simA),
+/// `G_b·X` equals `M_b·(W·X)` in float64 within the spec's tolerance for a
+/// corrected batch (1e-4 of the RMS).
+#[test]
+fn combined_whitening_with_kilosorts_matrix() {
+    let p = fixture_probe();
+    let n = p.n_sites();
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data("drift/simA/meta.json")).unwrap())
+            .unwrap();
+    let b = meta["matrix_batches"]["nb1"].as_u64().unwrap();
+    let m_ks: Array2<f32> = npy::read(&data("drift/simA/M_nb1.npy")).unwrap();
+    let c = DriftCorrection::new(
+        &p.xc,
+        &p.yc,
+        f64_2("simA", "dshift_nb1.npy"),
+        f64_1("simA", "yblk_nb1.npy").to_vec(),
+        20.0,
+    )
+    .unwrap()
+    .with_zero_outside(None);
+    let w = local_whitening(&p);
+    let g = c.window_whitening(b, &w).unwrap();
+    let x = common::noise(n, 1200, 5);
+    let reference = m_ks
+        .mapv(f64::from)
+        .dot(&w.matrix().mapv(f64::from))
+        .dot(&x.mapv(f64::from));
+    let mut y = x.clone();
+    g.apply(&mut y).unwrap();
+    let (rms, max) = rel_error(&y, &reference);
+    eprintln!("with Kilosort4's M_b: {rms:.2e} RMS, {max:.2e} max");
+    assert!(rms < 1e-4 && max < 1e-3, "{rms:e} {max:e}");
 }

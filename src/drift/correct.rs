@@ -2,15 +2,20 @@
 //! `preprocessing.get_drift_matrix` and the drift branch of
 //! `io.BinaryFiltered.filter`; drift-spec.md §7).
 //!
-//! Per window b the whitened data X (sites × samples) become `M_b · X`,
-//! where `M_b = K(Q_b, P) · (K(P, P) + 0.01·I)⁻¹` interpolates, with a
-//! Gaussian kernel of width `sig_interp`, the signal at the sites moved by
-//! the window's shift: kriging with a small ridge. Kilosort4 applies
-//! `(M_b·W)·X`; spikecube applies `M_b·(W·X)`, the same to float32 rounding.
+//! Per window b the high-passed data X (sites × samples) become
+//! `(M_b·W)·X`, where `M_b = K(Q_b, P) · (K(P, P) + 0.01·I)⁻¹` interpolates,
+//! with a Gaussian kernel of width `sig_interp`, the whitened signal at the
+//! sites moved by the window's shift (kriging with a small ridge) and W is
+//! the whitening matrix. As Kilosort4 does, the two matrices are multiplied
+//! first ([`DriftCorrection::window_whitening`]: `G_b`, applied in place of
+//! W by the same sparse product, without its entries below
+//! [`COMBINED_EPS`] of its largest).
 
 use anyhow::{Result, bail};
 use ndarray::{Array2, ArrayView2};
 use rayon::prelude::*;
+
+use crate::preprocess::Whitening;
 
 /// Default margin, µm, beyond the probe's end past which corrected sites read
 /// zero ([`DriftCorrection::with_zero_outside`]): one Neuropixels 2.0 row.
@@ -131,6 +136,11 @@ pub fn drift_matrix(
             let mut acc = vec![0f64; n];
             for k in 0..n {
                 let a = kyx[[c, k]] as f64;
+                // Far sites' kernel values underflow to 0 in float32 (beyond
+                // about 290 µm at σ = 20 µm): skipping them changes nothing.
+                if a == 0.0 {
+                    continue;
+                }
                 for (j, v) in acc.iter_mut().enumerate() {
                     *v += a * ikxx[[k, j]] as f64;
                 }
@@ -139,6 +149,44 @@ pub fn drift_matrix(
         })
         .collect();
     Array2::from_shape_fn((n, n), |(c, j)| rows[c][j])
+}
+
+/// Entries of `G_b = M_b·W` at most this fraction of its largest are dropped
+/// before the sparse product ([`DriftCorrection::window_whitening`]).
+///
+/// Measured with numpy in float64 (W of a 20-s simulated Neuropixels 2.0
+/// recording, 384 sites, local whitening of 32 sites; shifts 0, 7.5, −19.5,
+/// 40 and 120 µm; white data): the float32 product with the whole G_b, summed
+/// in the CPU's order, is off the exact one by 1.0e-7 of the output RMS (RMS;
+/// at most 1.7e-6). Dropping below 1e-8 keeps 87–93 of 384 entries per row
+/// and leaves that error unchanged (1.0e-7 RMS, at most 1.5e-6); 1e-7 keeps
+/// 75–80 but raises it to 2.6e-7; 1e-6 keeps 65–69, 1.6e-6.
+pub const COMBINED_EPS: f32 = 1e-8;
+
+/// `G = M·W` (C × C): `M` float32, `W` a whitening matrix (its non-zeros),
+/// products accumulated in f64 in W's CSR order, rounded to float32
+/// (Kilosort4 multiplies the two float32 matrices in float32; this is as
+/// close to the exact product as float32 allows).
+pub fn combine(m: &Array2<f32>, w: &Whitening) -> Array2<f32> {
+    let n = m.ncols();
+    let (start, cols, vals) = w.csr();
+    let rows: Vec<Vec<f32>> = (0..m.nrows())
+        .into_par_iter()
+        .map(|c| {
+            let mut acc = vec![0f64; n];
+            for k in 0..n {
+                let a = f64::from(m[[c, k]]);
+                if a == 0.0 {
+                    continue;
+                }
+                for e in start[k] as usize..start[k + 1] as usize {
+                    acc[cols[e] as usize] += a * f64::from(vals[e]);
+                }
+            }
+            acc.into_iter().map(|v| v as f32).collect()
+        })
+        .collect();
+    Array2::from_shape_fn((m.nrows(), n), |(c, j)| rows[c][j])
 }
 
 /// Drift correction of a run: `dshift` and `yblk` from the estimate, the
@@ -154,6 +202,7 @@ pub struct DriftCorrection {
     sig_interp: f64,
     sparse: bool,
     zero_outside: Option<f64>,
+    exact: bool,
 }
 
 impl DriftCorrection {
@@ -194,6 +243,7 @@ impl DriftCorrection {
             sig_interp,
             sparse: true,
             zero_outside: Some(DEFAULT_EDGE_MARGIN),
+            exact: false,
         })
     }
 
@@ -234,14 +284,52 @@ impl DriftCorrection {
             .collect())
     }
 
-    /// Applies M_b as a dense product (`true`, Kilosort4's arithmetic; what
-    /// the pipeline uses) or as a sparse one without the entries below
-    /// [`SPARSE_EPS`] of M_b's largest ([`SparseMatrix`], the default of
-    /// [`DriftCorrection::new`]; measured slower than the dense sgemm on 64
-    /// sites and only about 1.3× faster on 384, so not yet worth it).
+    /// [`DriftCorrection::apply`] multiplies by M_b as a dense product (`true`)
+    /// or as a sparse one without the entries below [`SPARSE_EPS`] of M_b's
+    /// largest ([`SparseMatrix`], the default of [`DriftCorrection::new`]).
+    /// The pipeline uses neither: it applies `G_b = M_b·W`
+    /// ([`DriftCorrection::window_whitening`]) to the high-passed window.
     pub fn with_dense(mut self, dense: bool) -> Self {
         self.sparse = !dense;
         self
+    }
+
+    /// Keeps every non-zero of `G_b` (`true`; `--drift-mode kilosort`) instead
+    /// of dropping those below [`COMBINED_EPS`] of its largest (`false`, the default).
+    pub fn with_exact(mut self, exact: bool) -> Self {
+        self.exact = exact;
+        self
+    }
+
+    /// The drift-corrected whitening of window `window_index` (drift-spec.md §7
+    /// step 8): `G_b = M_b·W` ([`combine`]), the rows of sites whose target
+    /// lies beyond the edge margin zeroed
+    /// ([`DriftCorrection::with_zero_outside`]), the entries at most
+    /// [`COMBINED_EPS`] of its largest dropped (unless
+    /// [`DriftCorrection::with_exact`]), ready for the sparse product
+    /// ([`Whitening::sparse_with_floor`]). Apply it to the high-passed window
+    /// in place of W.
+    ///
+    /// # Errors
+    /// When the window index is past the rows of `dshift` or W is not C × C.
+    pub fn window_whitening(&self, window_index: u64, w: &Whitening) -> Result<Whitening> {
+        let c = self.xc.len();
+        if w.matrix().dim() != (c, c) {
+            bail!(
+                "the whitening matrix is {} × {}, the probe has {c} sites",
+                w.matrix().nrows(),
+                w.matrix().ncols()
+            );
+        }
+        let mut m = self.matrix(window_index)?;
+        if let Some(margin) = self.zero_outside {
+            for s in self.sites_outside(window_index, margin)? {
+                m.row_mut(s).fill(0.0);
+            }
+        }
+        let g = combine(&m, w);
+        let floor = if self.exact { 0.0 } else { COMBINED_EPS };
+        Ok(Whitening::sparse_with_floor(g, floor)?)
     }
 
     /// `iKxx`, C × C.
@@ -282,28 +370,9 @@ impl DriftCorrection {
         ))
     }
 
-    /// `M_b·W` (C × C, float32) for window `window_index`, the rows of sites
-    /// beyond the edge margin zero (see [`DriftCorrection::apply`]).
-    ///
-    /// # Errors
-    /// When the window index is out of range or `w` is not C × C.
-    pub fn combined(&self, window_index: u64, w: &Array2<f32>) -> Result<Array2<f32>> {
-        let c = self.xc.len();
-        if w.dim() != (c, c) {
-            bail!("whitening matrix is {:?}, the probe has {c} sites", w.dim());
-        }
-        let mut m = self.matrix(window_index)?;
-        if let Some(margin) = self.zero_outside {
-            for k in self.sites_outside(window_index, margin)? {
-                m.row_mut(k).fill(0.0);
-            }
-        }
-        let mut g = Array2::<f32>::zeros((c, c));
-        ndarray::linalg::general_mat_mul(1.0, &m, w, 0.0, &mut g);
-        Ok(g)
-    }
-
-    /// Corrects one whitened window in place: `X ← M_b · X` (C × N, float32),
+    /// Corrects one whitened window in place: `X ← M_b · X` (C × N, float32;
+    /// `M_b·(W·X)`, for tests and analysis; the pipeline applies
+    /// [`DriftCorrection::window_whitening`] to the high-passed window instead),
     /// with the rows of sites whose target lies outside the probe set to zero
     /// unless [`DriftCorrection::with_zero_outside`] turned that off.
     ///

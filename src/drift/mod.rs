@@ -10,8 +10,9 @@
 //! 2. the per-window depth × amplitude histogram, rigid and block registration
 //!    ([`estimate`]): `dshift` (windows × blocks, µm) and `yblk` (µm);
 //! 3. `drift.npy`, `drift_blocks.npy` and `drift.png` in the output folder;
-//! 4. the [`DriftCorrection`] stage that the second (reported) pass applies to
-//!    each whitened window before detection.
+//! 4. the [`DriftCorrection`] of the second (reported) pass: each window is
+//!    high-passed and then multiplied by `G_b = M_b·W` instead of W
+//!    ([`DriftRun::window_whitening`], [`DriftRun::preprocess`]).
 
 pub mod correct;
 pub mod estimate;
@@ -390,8 +391,32 @@ pub struct DriftRun {
     pub summary: serde_json::Value,
     /// Timings, seconds: first pass, estimate.
     pub timings: Vec<(&'static str, f64)>,
-    /// Time spent in [`DriftRun::apply`], nanoseconds.
+    /// Time spent in [`DriftRun::window_whitening`], nanoseconds.
     correct_ns: std::sync::atomic::AtomicU64,
+    /// The last matrices of [`DriftRun::window_whitening`], by shifts and W.
+    cache: std::sync::Mutex<Vec<(Vec<u64>, std::sync::Arc<crate::preprocess::Whitening>)>>,
+}
+
+/// Drift-corrected whitening matrices a [`DriftRun`] keeps for reuse
+/// (windows with equal shifts: dshift moves in steps of 0.1·dd).
+pub const CACHED_MATRICES: usize = 8;
+
+/// The window's shifts (bits) followed by a fingerprint of W's non-zeros.
+fn cache_key(dshift_row: &[f64], w: &crate::preprocess::Whitening) -> Vec<u64> {
+    let (start, cols, vals) = w.csr();
+    // FNV-1a over W's structure and values.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for v in start
+        .iter()
+        .chain(&cols)
+        .copied()
+        .chain(vals.iter().map(|v| v.to_bits()))
+    {
+        h = (h ^ u64::from(v)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let mut k: Vec<u64> = dshift_row.iter().map(|v| v.to_bits()).collect();
+    k.push(h);
+    k
 }
 
 impl DriftRun {
@@ -400,14 +425,15 @@ impl DriftRun {
         if self.drift_only { 0 } else { usize::MAX }
     }
 
-    /// Window `window_index`'s whitening and drift correction as one matrix,
-    /// `M_b·W` in float32 (Kilosort4 multiplies the two first and applies the
-    /// product to the high-passed window), with the rows of sites beyond the
-    /// edge margin zeroed as [`DriftCorrection::apply`] does; `None` when
-    /// correction is off.
+    /// The drift-corrected whitening of window `window_index`: `G_b = M_b·W`
+    /// ([`DriftCorrection::window_whitening`]), to apply to the high-passed
+    /// window ([`Preprocessor::filter_only`]) in place of `w`; `None` when
+    /// this run does not correct drift. Windows with the same shifts (and the
+    /// same `w`) share one matrix: the last [`CACHED_MATRICES`] are kept.
     ///
     /// # Errors
-    /// When the window index is out of range.
+    /// When the window index is past the estimate's windows or `w` does not
+    /// fit the probe.
     pub fn window_whitening(
         &self,
         window_index: u64,
@@ -416,26 +442,63 @@ impl DriftRun {
         let Some(c) = &self.correction else {
             return Ok(None);
         };
-        let g = c.combined(window_index, w.matrix())?;
-        Ok(Some(crate::preprocess::Whitening::new(g)?))
-    }
-
-    /// Corrects one whitened window when drift correction is on (see
-    /// [`DriftCorrection::apply`]).
-    ///
-    /// # Errors
-    /// As [`DriftCorrection::apply`].
-    pub fn apply(&self, window_index: u64, x: &mut Array2<f32>) -> Result<()> {
-        let Some(c) = &self.correction else {
-            return Ok(());
-        };
         let t = Instant::now();
-        c.apply(window_index, x)
-            .with_context(|| format!("drift correction of window {window_index}"))?;
+        let b = window_index as usize;
+        if b >= c.dshift().nrows() {
+            bail!(
+                "drift correction of window {window_index}: the drift estimate has {} windows",
+                c.dshift().nrows()
+            );
+        }
+        let key = cache_key(c.dshift().row(b).as_slice().unwrap_or(&[]), w);
+        let cached = self
+            .cache
+            .lock()
+            .ok()
+            .and_then(|m| m.iter().find(|(k, _)| *k == key).map(|(_, g)| g.clone()));
+        let g = match cached {
+            Some(g) => g,
+            None => {
+                let g = std::sync::Arc::new(
+                    c.window_whitening(window_index, w)
+                        .with_context(|| format!("drift correction of window {window_index}"))?,
+                );
+                if let Ok(mut m) = self.cache.lock() {
+                    if m.len() >= CACHED_MATRICES {
+                        m.remove(0);
+                    }
+                    m.push((key, g.clone()));
+                }
+                g
+            }
+        };
         self.correct_ns.fetch_add(
             t.elapsed().as_nanos() as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
+        Ok(Some((*g).clone()))
+    }
+
+    /// Preprocesses one raw window as the second pass sees it: with drift
+    /// correction, channel means, CAR, high-pass and artifact check
+    /// ([`Preprocessor::filter_only`]), then `G_b`
+    /// ([`DriftRun::window_whitening`]); without, [`Preprocessor::apply`].
+    ///
+    /// # Errors
+    /// As those.
+    pub fn preprocess(
+        &self,
+        pre: &Preprocessor,
+        window_index: u64,
+        x: &mut Array2<f32>,
+    ) -> Result<()> {
+        match self.window_whitening(window_index, pre.whitening())? {
+            Some(g) => {
+                pre.filter_only(x)?;
+                g.apply(x)?;
+            }
+            None => pre.apply(x)?,
+        }
         Ok(())
     }
 
@@ -541,9 +604,8 @@ pub fn prepare(
                 e.yblk.clone(),
                 settings.sig_interp,
             )?
-            // Dense: the sparse product measured slower on 64 sites and
-            // only about 1.3× faster on 384 (BENCHMARKS.md, "Drift").
-            .with_dense(true)
+            // The sparse G_b in both modes: on the fixture recordings it gives
+            // the same spike times as every non-zero (BENCHMARKS.md, "Drift").
             .with_zero_outside(
                 (settings.mode != DriftMode::Kilosort && settings.edge_margin.is_finite())
                     .then_some(settings.edge_margin),

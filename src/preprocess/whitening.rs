@@ -388,23 +388,108 @@ impl Whitening {
         &self.w
     }
 
-    /// The non-zeros as compressed rows: (C + 1 row starts, columns, values),
-    /// each row's in column order, the order [`Whitening::apply`]'s sparse
-    /// product adds them (four at a time) and the device's whitening kernel
-    /// takes them in.
+    // ---- issue 12 (drift): a whitening-like matrix applied as CSR; its CSR form ----
+
+    /// Wraps a (C × C) matrix for the sparse product only, without the
+    /// entries whose magnitude is at most `floor` × its largest (`floor` = 0
+    /// keeps every non-zero). Used for the drift-corrected whitening
+    /// `G_b = M_b·W` (drift-spec.md §7 step 8), which
+    /// [`crate::drift::DriftRun::window_whitening`] builds per window; the
+    /// sparse product is used whatever the density, so [`Whitening::csr`] is
+    /// always the CPU's summation order.
+    ///
+    /// # Errors
+    /// [`PreprocessError::Shape`] if it is not square;
+    /// [`PreprocessError::Setting`] if `floor` is negative or not finite.
+    pub fn sparse_with_floor(w: Array2<f32>, floor: f32) -> Result<Self, PreprocessError> {
+        let (r, c) = w.dim();
+        if r != c {
+            return Err(PreprocessError::Shape {
+                what: "whitening matrix",
+                rows: r,
+                cols: c,
+                expected_rows: r,
+                expected_cols: r,
+            });
+        }
+        if !(floor.is_finite() && floor >= 0.0) {
+            return Err(PreprocessError::Setting {
+                name: "sparse floor",
+                message: format!("is {floor}; it must be a finite fraction ≥ 0"),
+            });
+        }
+        let max = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let cut = floor * max;
+        let mut w = w.as_standard_layout().into_owned();
+        w.mapv_inplace(|v| if v.abs() > cut { v } else { 0.0 });
+        let rows: Vec<Vec<(usize, f32)>> = w
+            .outer_iter()
+            .map(|row| {
+                row.iter()
+                    .enumerate()
+                    .filter(|(_, v)| **v != 0.0)
+                    .map(|(k, &v)| (k, v))
+                    .collect()
+            })
+            .collect();
+        Ok(Whitening {
+            w,
+            sparse: Some(rows),
+        })
+    }
+
+    /// Whether [`Whitening::apply`] uses the sparse product (the order of
+    /// [`Whitening::csr`]); otherwise a dense sgemm (faer), used for a matrix
+    /// built by [`Whitening::new`] with more than a quarter of its entries non-zero.
+    pub fn is_sparse(&self) -> bool {
+        self.sparse.is_some()
+    }
+
+    /// Non-zero entries.
+    pub fn nnz(&self) -> usize {
+        match &self.sparse {
+            Some(rows) => rows.iter().map(Vec::len).sum(),
+            None => self.w.iter().filter(|v| **v != 0.0).count(),
+        }
+    }
+
+    /// The matrix in compressed rows: (row starts, C + 1 values; columns;
+    /// values). Row j's non-zeros are `columns/values[starts[j]..starts[j + 1]]`,
+    /// in increasing column order, which is the order in which the sparse
+    /// product sums them: output j at sample t is
+    /// `acc = 0; for each full group of four (w0..w3 at sites k0..k3):
+    /// acc += (w0·x[k0] + w1·x[k1]) + (w2·x[k2] + w3·x[k3]); then the
+    /// remaining one to three terms one by one: acc += w·x[k]` (float32).
+    /// When [`Whitening::is_sparse`] is false the CPU uses a dense sgemm
+    /// instead, whose order is faer's; the list is then every non-zero in
+    /// column order.
     pub fn csr(&self) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
         let (mut start, mut cols, mut vals) = (vec![0u32], Vec::new(), Vec::new());
-        for row in self.w.outer_iter() {
-            for (k, &v) in row.iter().enumerate() {
-                if v != 0.0 {
-                    cols.push(k as u32);
-                    vals.push(v);
+        match &self.sparse {
+            Some(rows) => {
+                for row in rows {
+                    for &(k, v) in row {
+                        cols.push(k as u32);
+                        vals.push(v);
+                    }
+                    start.push(cols.len() as u32);
                 }
             }
-            start.push(cols.len() as u32);
+            None => {
+                for row in self.w.outer_iter() {
+                    for (k, &v) in row.iter().enumerate() {
+                        if v != 0.0 {
+                            cols.push(k as u32);
+                            vals.push(v);
+                        }
+                    }
+                    start.push(cols.len() as u32);
+                }
+            }
         }
         (start, cols, vals)
     }
+    // ---- end issue 12 ----
 
     fn whiten_block(
         &self,
@@ -503,6 +588,54 @@ mod tests {
         assert_eq!(covariance_windows(1, 25), vec![0]);
         assert!(covariance_windows(0, 25).is_empty());
         assert_eq!(covariance_windows(60, 25), vec![0, 25, 50]);
+    }
+
+    /// `csr()` lists the non-zeros in the order the sparse product sums them:
+    /// per row, groups of four `(w0·a0 + w1·a1) + (w2·a2 + w3·a3)` added to the
+    /// accumulator, then the remainder one by one (bitwise), for rows of 0 to 9
+    /// non-zeros; `sparse_with_floor` drops entries at most floor × the largest.
+    #[test]
+    fn csr_is_the_sparse_products_summation_order() {
+        let c = 10;
+        let n = 300;
+        let w = Array2::from_shape_fn((c, c), |(j, k)| {
+            if k < j {
+                0.37 * ((j * 7 + k * 3) % 11) as f32 - 1.9 + 1e-3 * k as f32
+            } else {
+                0.0
+            }
+        });
+        let mut w = w;
+        w[(3, 0)] = 1e-9; // below 1e-8 of the largest: dropped
+        let g = Whitening::sparse_with_floor(w.clone(), 1e-8).unwrap();
+        assert!(g.is_sparse());
+        let (start, cols, vals) = g.csr();
+        assert_eq!(start.len(), c + 1);
+        assert!(!cols[start[3] as usize..start[4] as usize].contains(&0));
+        let x = Array2::from_shape_fn((c, n), |(i, t)| ((i * 31 + t * 17) % 23) as f32 * 0.7 - 7.3);
+        let mut y = x.clone();
+        g.apply(&mut y).unwrap();
+        for j in 0..c {
+            let (a, b) = (start[j] as usize, start[j + 1] as usize);
+            for t in 0..n {
+                let mut acc = 0f32;
+                let mut e = a;
+                while e + 4 <= b {
+                    let term = |i: usize| vals[e + i] * x[(cols[e + i] as usize, t)];
+                    acc += (term(0) + term(1)) + (term(2) + term(3));
+                    e += 4;
+                }
+                while e < b {
+                    acc += vals[e] * x[(cols[e] as usize, t)];
+                    e += 1;
+                }
+                assert_eq!(acc.to_bits(), y[(j, t)].to_bits(), "row {j} sample {t}");
+            }
+        }
+        // Whitening::new's sparse form lists the same non-zeros.
+        let sparse_new = Whitening::new(g.matrix().clone()).unwrap();
+        assert_eq!(sparse_new.csr(), g.csr());
+        assert!(Whitening::sparse_with_floor(w, -1.0).is_err());
     }
 
     #[test]

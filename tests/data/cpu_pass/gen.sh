@@ -11,7 +11,7 @@ PY
 $B simulate -q --probe $W/probe32.json --seconds 6 --n-units 16 --rate 40 --seed 5 --out $W/sim32 >&2
 $B simulate -q --seconds 4.2 --n-units 12 --rate 8 --seed 6 --out $W/sim384 >&2
 $B detect -q $W/sim32/sim_g0_t0.imec0.ap.bin --out $W/a --threads 2 --nblocks 0 --templates-from-data false >&2
-$B detect -q $W/sim32/sim_g0_t0.imec0.ap.bin --out $W/b --threads 2 --min-learn-clips 100 >&2
+$B detect -q $W/sim32/sim_g0_t0.imec0.ap.bin --out $W/b --threads 2 --nblocks 0 --min-learn-clips 100 >&2
 $B detect -q $W/sim384/sim_g0_t0.imec0.ap.bin --out $W/c --threads 2 --nblocks 0 --templates-from-data false >&2
 python3 - "$W" <<'PY'
 import json, os, sys
