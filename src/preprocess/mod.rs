@@ -224,8 +224,8 @@ impl Preprocessor {
         settings: &PreprocessSettings,
     ) -> Result<Self, E>
     where
-        F: FnMut(u64) -> Result<Array2<f32>, E>,
-        E: From<PreprocessError>,
+        F: FnMut(u64) -> Result<Array2<f32>, E> + Send,
+        E: From<PreprocessError> + Send,
     {
         let w = fit_whitening(n_windows, read_raw_window, probe, settings)?;
         Ok(Preprocessor::new(settings, w)?)

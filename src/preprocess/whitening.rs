@@ -188,23 +188,34 @@ pub fn accumulate_covariance(
     // Sum X·Xᵀ over column chunks so the f64 copy stays small
     // (C × COV_CHUNK), then scale once by 1/T.
     let mut acc = Mat::<f64>::zeros(c, c);
-    let mut x = Mat::<f64>::zeros(c, COV_CHUNK.min(t));
+    // The chunk in f64, column-major (sample k's C values contiguous), filled
+    // in parallel by tiles of columns.
+    let mut x = vec![0f64; c * COV_CHUNK.min(t)];
+    let block = block.as_standard_layout();
+    let rows: &[f32] = block.as_slice().expect("standard layout");
+    const TILE: usize = 64;
     let mut start = 0;
     while start < t {
         let w = COV_CHUNK.min(t - start);
-        if x.ncols() != w {
-            x = Mat::<f64>::zeros(c, w);
-        }
-        for i in 0..c {
-            for k in 0..w {
-                x[(i, k)] = f64::from(block[(i, start + k)]);
-            }
-        }
+        let xs = &mut x[..c * w];
+        xs.par_chunks_mut(c * TILE)
+            .enumerate()
+            .for_each(|(j, cols)| {
+                let k0 = start + j * TILE;
+                let n_cols = cols.len() / c;
+                for i in 0..c {
+                    let src = &rows[i * t + k0..i * t + k0 + n_cols];
+                    for (k, &v) in src.iter().enumerate() {
+                        cols[k * c + i] = f64::from(v);
+                    }
+                }
+            });
+        let xm = MatRef::from_column_major_slice(xs, c, w);
         matmul(
             acc.as_mut(),
             Accum::Add,
-            x.as_ref(),
-            x.transpose(),
+            xm,
+            xm.transpose(),
             1.0,
             Par::rayon(0),
         );
@@ -251,8 +262,8 @@ pub fn fit_whitening<E, F>(
     settings: &PreprocessSettings,
 ) -> Result<Array2<f32>, E>
 where
-    F: FnMut(u64) -> Result<Array2<f32>, E>,
-    E: From<PreprocessError>,
+    F: FnMut(u64) -> Result<Array2<f32>, E> + Send,
+    E: From<PreprocessError> + Send,
 {
     let cc = whitening_covariance(n_windows, read_raw_window, probe, settings)?;
     Ok(whitening_from_covariance(
@@ -275,8 +286,8 @@ pub fn whitening_covariance<E, F>(
     settings: &PreprocessSettings,
 ) -> Result<Array2<f64>, E>
 where
-    F: FnMut(u64) -> Result<Array2<f32>, E>,
-    E: From<PreprocessError>,
+    F: FnMut(u64) -> Result<Array2<f32>, E> + Send,
+    E: From<PreprocessError> + Send,
 {
     settings.validate()?;
     let c = probe.n_sites();
@@ -307,8 +318,23 @@ where
         "fitting the whitening matrix"
     );
     let mut cc = Array2::<f64>::zeros((c, c));
+    // Reading (with the caller's checks) runs one window ahead, on its own
+    // thread; the windows are still read, and summed, in order.
+    std::thread::scope(|scope| -> Result<(), E> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Array2<f32>, E>>(1);
+    let list = windows.clone();
+    scope.spawn(move || {
+        for &i in &list {
+            let r = read_raw_window(i);
+            let failed = r.is_err();
+            if tx.send(r).is_err() || failed {
+                break;
+            }
+        }
+    });
     for &i in &windows {
-        let mut x = read_raw_window(i)?;
+        let Ok(x) = rx.recv() else { break };
+        let mut x = x?;
         if x.dim() != (c, n) {
             return Err(PreprocessError::Shape {
                 what: "raw window for the whitening fit",
@@ -334,6 +360,8 @@ where
         let central = x.slice(ndarray::s![.., nt..n - nt]);
         accumulate_covariance(&mut cc, central)?;
     }
+    Ok(())
+    })?;
     cc.mapv_inplace(|v| v / windows.len() as f64);
     Ok(cc)
 }
