@@ -356,6 +356,8 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let preprocess_on = if packer.is_some() { "device" } else { "host" };
     #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
     let preprocess_on = "host";
+    // The per-step seconds of `timings_s` count this pass only (not the drift's first pass).
+    let _ = detector.take_step_seconds();
     let mut pass: Box<dyn crate::stages::WindowPass> = match () {
         #[cfg(any(feature = "cuda", feature = "wgpu"))]
         _ if packer.is_some() => Box::new(crate::stages::DevicePass {
