@@ -1292,7 +1292,21 @@ mod tests {
             nt_w: 1000 + TILE - 3,
         };
         let mut cands = Vec::new();
-        centre_response_pruned_into(&b, &mut q, &tile, &mut as_p, &mut im_p, &mut cands);
+        centre_response_pruned_into(&b, &mut q, &tile, &mut as_p, &mut im_p, None, &mut cands);
+        // With flags: the same computed values, skipped chunks left as they were.
+        let (mut as_f, mut im_f) = (vec![7f32; nf * TILE], vec![7i8; nf * TILE]);
+        let mut done = vec![9u8; nf * CHUNKS];
+        let mut cands_f = Vec::new();
+        centre_response_pruned_into(
+            &b,
+            &mut q,
+            &tile,
+            &mut as_f,
+            &mut im_f,
+            Some(&mut done),
+            &mut cands_f,
+        );
+        assert_eq!(cands_f, cands);
         let qs = |c: usize, t: usize| {
             (0..NK).fold(0f32, |m, k| m.max(b[(c * NK + k) * TILE + t].powi(2)))
         };
@@ -1307,8 +1321,11 @@ mod tests {
                     sum * scale >= th * th
                 });
                 computed += usize::from(fires);
+                assert_eq!(done[j * CHUNKS + tc / LANES], u8::from(fires));
                 for l in 0..LANES {
                     let i = j * TILE + tc + l;
+                    let flagged = if fires { (as_p[i], im_p[i]) } else { (7.0, 7) };
+                    assert_eq!((as_f[i], im_f[i]), flagged);
                     if fires {
                         assert_eq!(
                             (as_p[i], im_p[i]),

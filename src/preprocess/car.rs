@@ -165,7 +165,7 @@ pub fn common_reference(window: &mut Array2<f32>, do_car: bool) -> Result<(), Pr
     let data = window
         .as_slice_mut()
         .expect("standard layout was just ensured");
-    let means: Vec<f32> = data.par_chunks(n).map(|row| row_mean(row)).collect();
+    let means: Vec<f32> = data.par_chunks(n).map(row_mean).collect();
     mean_and_median_in_blocks(data, c, n, &means);
     Ok(())
 }
