@@ -416,3 +416,92 @@ fn a_templates_file_of_the_wrong_shape_is_refused() {
     assert!(err.contains("bad.npz") && err.contains("6 × 50"), "{err}");
     assert!(!dir.path().join("o").exists());
 }
+
+/// Kilosort4's detection with the templates it learned from a recording
+/// (`tests/data/learned/detection/`, made by `make_learned_detection.py`): given
+/// those wTEMP/wPCA through the `--templates` reader and Kilosort4's iC, iC2 and
+/// weigh, our detector gives the same detections (centre, sample, imax, sign) on
+/// Kilosort4's whitened windows, and amp, adist, yct and tF within the detection
+/// fixtures' tolerance (|ours − Kilosort4| ≤ 1e-5 · max(|Kilosort4|, 1)).
+#[test]
+fn detections_with_kilosort4s_learned_templates_are_identical_to_kilosort4s() {
+    const TOL: f64 = 1e-5;
+    let max_rel = |a: &[f32], b: &[f32]| -> f64 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(&r, &o)| (f64::from(r) - f64::from(o)).abs() / f64::from(r).abs().max(1.0))
+            .fold(0.0, f64::max)
+    };
+    let dir = data("learned/detection");
+    let templates =
+        spikecube::universal::load_npz(&dir.join("wTEMP.npz"), 6, 6, 61).unwrap();
+    // They are learned ones, not the built-in templates.
+    assert_ne!(templates.wtemp, spikecube::UniversalTemplates::builtin().wtemp);
+    let probe = spikecube::Probe::load(&dir.join("probe.json")).unwrap();
+    let i_c = npy::read::<i64, ndarray::Ix2>(&dir.join("iC.npy"))
+        .unwrap()
+        .mapv(|v| v as u32);
+    let i_c2 = npy::read::<i64, ndarray::Ix2>(&dir.join("iC2.npy"))
+        .unwrap()
+        .mapv(|v| v as u32);
+    let weigh: Array3<f32> = npy::read(&dir.join("weigh.npy")).unwrap();
+    let settings = spikecube::DetectionSettings {
+        nearest_chans: i_c.nrows(),
+        ..Default::default()
+    };
+    let geometry =
+        spikecube::Geometry::with_neighbourhoods(&probe, &settings, i_c, i_c2, weigh).unwrap();
+    let mut det = spikecube::detect::cpu::CpuDetector::new(geometry, templates, settings).unwrap();
+    let mut total = 0;
+    for b in [0, 899] {
+        let w = dir.join(format!("batch_{b}"));
+        let x: Array2<f32> = npy::read(&w.join("X.npy")).unwrap();
+        let d = det.detect(x.view(), &probe.yc).unwrap();
+        let xy: Array2<i64> = npy::read(&w.join("xy.npy")).unwrap();
+        let ours: Vec<(i64, i64)> = d
+            .centre
+            .iter()
+            .zip(&d.sample)
+            .map(|(&j, &t)| (i64::from(j), t as i64))
+            .collect();
+        let theirs: Vec<(i64, i64)> = xy.rows().into_iter().map(|r| (r[0], r[1])).collect();
+        assert_eq!(ours, theirs, "batch {b}: (centre, sample)");
+        let imax: ndarray::Array1<i64> = npy::read(&w.join("imax.npy")).unwrap();
+        let our_imax: Vec<i64> = d.imax.iter().map(|&v| i64::from(v)).collect();
+        assert_eq!(our_imax, imax.to_vec(), "batch {b}: imax");
+        let sign: ndarray::Array1<i8> = npy::read(&w.join("sign.npy")).unwrap();
+        assert_eq!(d.sign, sign.to_vec(), "batch {b}: sign");
+        let amp: ndarray::Array1<f32> = npy::read(&w.join("amp.npy")).unwrap();
+        let yct: ndarray::Array1<f32> = npy::read(&w.join("yct.npy")).unwrap();
+        let adist: Array2<f32> = npy::read(&w.join("adist.npy")).unwrap();
+        let tf: Array3<f32> = npy::read(&w.join("tF.npy")).unwrap();
+        assert_eq!(tf.shape(), d.tf_array().shape(), "batch {b}: tF shape");
+        let diffs = [
+            ("amp", max_rel(amp.as_slice().unwrap(), &d.amp)),
+            ("yct", max_rel(yct.as_slice().unwrap(), &d.yct)),
+            (
+                "adist",
+                max_rel(
+                    &adist.iter().copied().collect::<Vec<_>>(),
+                    &d.adist_kilosort().iter().copied().collect::<Vec<_>>(),
+                ),
+            ),
+            ("tF", max_rel(tf.as_slice().unwrap(), &d.tf)),
+        ];
+        eprintln!("batch {b}: {} detections identical; {diffs:?}", d.len());
+        for (what, v) in diffs {
+            assert!(v <= TOL, "batch {b}: {what} differs by {v:.3e} > {TOL:e}");
+        }
+        // Kilosort4's spike table of that batch: time (s from the recording's
+        // start), yct, amp, imax, batch, centre.
+        let st: Array2<f64> = npy::read(&w.join("st.npy")).unwrap();
+        for (i, r) in st.rows().into_iter().enumerate() {
+            let t = d.sample[i] as f64;
+            assert_eq!(r[0], (t - 61.0) / 30000.0 + f64::from(b) * (2000.0 / 30000.0));
+            assert_eq!((r[3], r[4], r[5]), (imax[i] as f64, f64::from(b), xy[[i, 0]] as f64));
+        }
+        total += d.len();
+    }
+    assert_eq!(total, 25 + 27);
+}
