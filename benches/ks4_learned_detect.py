@@ -17,8 +17,9 @@ detections; their windows are not read): Kilosort4's CPU detection takes minutes
 windows). The recall is then counted against the true spikes of those batches only.
 OUT.npz is rewritten after each detected batch (partial results are usable).
 
-Writes OUT.npz: `spike_times` (int64 samples: Kilosort4's st0 time column times fs,
-rounded), `st0` (Kilosort4's spike table), `wTEMP`, `wPCA` (the learned templates, in
+Writes OUT.npz: `spike_times` (int64 samples, sorted: each detection's sample in its
+window − nt + batch · batch_size), `st0` (Kilosort4's spike table, when the run is
+complete), `wTEMP`, `wPCA` (the learned templates, in
 Kilosort4's wTEMP.npz layout, so OUT.npz can be given to `spikecube detect --templates`),
 and timings. With the ground truth (trough sample in column 0, as `spikecube simulate`
 writes it) it prints recall and precision the way benches/learned_vs_ks4.py does: a true
@@ -86,11 +87,12 @@ def main():
     orig_learn, orig_tm, orig_batch = (spikedetect.extract_wPCA_wTEMP,
                                        spikedetect.template_match, bfile.padded_batch_to_torch)
 
-    def save(final=False):
+    def save(final=False, st0=None):
         times = np.sort(np.concatenate(state['times'])) if state['times'] else np.zeros(0, np.int64)
+        extra = {} if st0 is None else {'st0': st0}
         np.savez(out, spike_times=times, wTEMP=state['wTEMP'], wPCA=state['wPCA'],
                  batches_detected=np.array(state['done'], np.int64),
-                 preprocessing_s=t1 - t0, elapsed_s=time.perf_counter() - t1)
+                 preprocessing_s=t1 - t0, elapsed_s=time.perf_counter() - t1, **extra)
         r = {'n': int(len(times)), 'batches_detected': len(state['done']), 'final': final,
              'preprocessing_s': t1 - t0, 'learn_and_detect_s': time.perf_counter() - t1}
         if truth is not None:
@@ -126,8 +128,8 @@ def main():
 
     spikedetect.extract_wPCA_wTEMP, spikedetect.template_match = learn, tm
     bfile.padded_batch_to_torch = batch
-    spikedetect.run(ops, bfile, device=dev)
-    save(final=True)
+    st0, _, _ = spikedetect.run(ops, bfile, device=dev)
+    save(final=True, st0=st0)
 
 
 if __name__ == '__main__':

@@ -505,3 +505,88 @@ fn detections_with_kilosort4s_learned_templates_are_identical_to_kilosort4s() {
     }
     assert_eq!(total, 25 + 27);
 }
+
+/// The whole pipeline on the two real example recordings with Kilosort4's own
+/// learned templates (`tests/data/learned/real/*_ks4.npz`, written by
+/// `benches/ks4_learned_detect.py`: Kilosort4 4.1.7 with `templates_from_data`
+/// and `nblocks 0`, its learned wTEMP/wPCA and its spike table st0): given them
+/// with `--templates`, every spike of Kilosort4 (sample, centre, winning filter)
+/// and no other, amplitudes within 1e-5 relative.
+#[test]
+fn whole_recordings_with_kilosort4s_learned_templates_give_kilosort4s_spikes() {
+    use ndarray::Array1;
+    use ndarray_npy::NpzReader;
+    let real = data("data/real");
+    let probes = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/probes");
+    let oe = real.join("openephys_example_16ch/binary_format/Record Node 101/experiment1/recording1");
+    let locust = real.join("locust_tetrode_tridesclous/locust_trial_01.raw");
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, Vec<&str>, &str, f64, usize); 2] = [
+        (
+            "openephys",
+            vec![common::s(&oe)],
+            "openephys_16ch_linear.json",
+            40_000.0,
+            1511,
+        ),
+        (
+            "locust",
+            vec![common::s(&locust), "--n-channels", "4", "--fs", "15000"],
+            "locust_tetrode.json",
+            15_000.0,
+            515,
+        ),
+    ];
+    for (name, rec, probe, fs, n_ks4) in cases {
+        let npz = data(&format!("learned/real/{name}_ks4.npz"));
+        let out = dir.path().join(name);
+        let probe = probes.join(probe);
+        let mut args = vec!["detect"];
+        args.extend(rec);
+        args.extend([
+            "--probe",
+            common::s(&probe),
+            "--templates",
+            common::s(&npz),
+            "--nblocks",
+            "0",
+            "--out",
+            common::s(&out),
+            "-q",
+        ]);
+        let o = common::spikecube(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let st0: Array2<f64> = NpzReader::new(std::fs::File::open(&npz).unwrap())
+            .unwrap()
+            .by_name("st0")
+            .unwrap();
+        assert_eq!(st0.nrows(), n_ks4);
+        // Kilosort4's rows: (sample, centre, imax) and amp, sorted.
+        let mut theirs: Vec<((i64, i64, i64), f64)> = st0
+            .rows()
+            .into_iter()
+            .map(|r| {
+                let t = (r[0] * fs).round() as i64;
+                ((t, r[5] as i64, r[3] as i64), r[2])
+            })
+            .collect();
+        theirs.sort_by(|a, b| a.0.cmp(&b.0));
+        let t: Array1<i64> = npy::read(&out.join("spike_times.npy")).unwrap();
+        let c: Array1<i64> = npy::read(&out.join("spike_centers.npy")).unwrap();
+        let k: Array1<i64> = npy::read(&out.join("spike_detection_templates.npy")).unwrap();
+        let a: Array1<f32> = npy::read(&out.join("amplitudes.npy")).unwrap();
+        let mut ours: Vec<((i64, i64, i64), f64)> = (0..t.len())
+            .map(|i| ((t[i], c[i], k[i]), f64::from(a[i])))
+            .collect();
+        ours.sort_by(|a, b| a.0.cmp(&b.0));
+        let keys = |v: &[((i64, i64, i64), f64)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+        assert_eq!(keys(&ours), keys(&theirs), "{name}: (sample, centre, imax)");
+        let worst = ours
+            .iter()
+            .zip(&theirs)
+            .map(|(o, r)| (o.1 - r.1).abs() / r.1.abs().max(1.0))
+            .fold(0.0, f64::max);
+        eprintln!("{name}: {} spikes identical to Kilosort4's; amplitudes within {worst:.1e}", ours.len());
+        assert!(worst <= 1e-5, "{name}: amplitude differs by {worst:e}");
+    }
+}
