@@ -1,8 +1,9 @@
 //! Universal templates learned from the data (`templates_from_data`, issue 11):
 //! the clips against Kilosort4's own `extract_snippets`, wPCA and wTEMP against
 //! Kilosort4's `TruncatedSVD` and `KMeans` runs on Kilosort4's clips
-//! (`tests/data/learned/`, made by `make_learned_reference.py` there), and
-//! independence of the thread count.
+//! (`tests/data/learned/`, made by `make_learned_reference.py` there),
+//! independence of the thread count and of the back end, and detection with
+//! Kilosort4's own learned templates against Kilosort4's.
 
 mod common;
 
@@ -224,28 +225,56 @@ fn wtemp_reaches_kilosort4s_kmeans_objective_and_centroids() {
     }
 }
 
+/// Kilosort4's 1500 reference clips and 6 perturbed copies of them (10 500
+/// clips): more than two of the 4096-clip chunks every sum over clips is split
+/// into, so the chunked sums are exercised.
+fn many_clips() -> Array2<f32> {
+    let base = ks4_runs().clips;
+    let mut rng = common::Rng(12345);
+    let mut all = base.clone();
+    for _ in 0..6 {
+        let copy = base.mapv(|v| v + 0.02 * rng.normal() as f32);
+        all.append(Axis(0), copy.view()).unwrap();
+    }
+    all
+}
+
 #[test]
-fn learning_gives_identical_results_with_1_and_2_threads() {
-    let r = ks4_runs();
+fn learning_gives_identical_results_with_1_2_and_16_threads() {
+    let clips = many_clips();
+    assert!(clips.nrows() > 2 * 4096);
+    let x: Array2<f32> = npy::read(&data("fixtures/detection/np1/X.npy")).unwrap();
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
             .unwrap();
         pool.install(|| {
-            let (w, km) = learn_wtemp(r.clips.view(), &LearnSettings::default()).unwrap();
-            let p = learn_wpca(r.clips.view(), 6).unwrap();
-            let x: Array2<f32> = npy::read(&data("fixtures/detection/np1/X.npy")).unwrap();
-            let (peaks, clips) = extract_clips(x.view(), 6.0, 61, 20);
-            (w, km.inertia.to_bits(), p, peaks, clips)
+            let (w, km) = learn_wtemp(clips.view(), &LearnSettings::default()).unwrap();
+            let p = learn_wpca(clips.view(), 6).unwrap();
+            let (peaks, c) = extract_clips(x.view(), 6.0, 61, 20);
+            let mut pool = ClipPool::new(61, MAX_CLIPS);
+            pool.add_window(c.view());
+            (
+                w,
+                km.inertia.to_bits(),
+                km.counts,
+                p,
+                peaks,
+                pool.normalised(),
+            )
         })
     };
-    let (a, b) = (run(1), run(2));
-    assert_eq!(a.0, b.0);
-    assert_eq!(a.1, b.1);
-    assert_eq!(a.2, b.2);
-    assert_eq!(a.3, b.3);
-    assert_eq!(a.4, b.4);
+    let one = run(1);
+    for threads in [2, 16] {
+        let other = run(threads);
+        assert_eq!(one.0, other.0, "wTEMP, {threads} threads");
+        assert_eq!(one.1, other.1, "k-means inertia, {threads} threads");
+        assert_eq!(one.2, other.2, "cluster sizes, {threads} threads");
+        assert_eq!(one.3, other.3, "wPCA, {threads} threads");
+        assert_eq!(one.4, other.4, "isolated peaks, {threads} threads");
+        assert_eq!(one.5, other.5, "normalised clips, {threads} threads");
+    }
 }
 
 #[test]
@@ -344,8 +373,9 @@ fn tetrode_example_falls_back_to_builtin_templates_with_a_warning() {
 }
 
 /// Templates learned on the tetrode example (allowed with --min-learn-clips):
-/// the same with 1 and 2 threads, byte for byte; saved with np.savez's layout
-/// and given back with --templates, the same spikes.
+/// the same with 1, 2 and 16 threads, byte for byte (templates, spikes and
+/// features); saved with np.savez's layout and given back with --templates, the
+/// same spikes.
 #[test]
 fn learned_templates_are_thread_independent_and_reusable_from_a_file() {
     let dir = tempfile::tempdir().unwrap();
@@ -353,6 +383,7 @@ fn learned_templates_are_thread_independent_and_reusable_from_a_file() {
     let learn = ["--min-learn-clips", "60"];
     let j1 = detect_locust(&d.join("t1"), &learn, Some("1"));
     detect_locust(&d.join("t2"), &learn, Some("2"));
+    detect_locust(&d.join("t16"), &learn, Some("16"));
     let t = &j1["settings"]["templates"];
     assert_eq!(t["source"], "learned", "{t}");
     assert_eq!(t["n_clips"], 66);
@@ -360,6 +391,7 @@ fn learned_templates_are_thread_independent_and_reusable_from_a_file() {
     let mut all = SPIKE_FILES.to_vec();
     all.extend(["wTEMP.npy", "wPCA.npy"]);
     same_files(&d.join("t1"), &d.join("t2"), &all);
+    same_files(&d.join("t1"), &d.join("t16"), &all);
     let wtemp: Array2<f32> = npy::read(&d.join("t1/wTEMP.npy")).unwrap();
     let wpca: Array2<f32> = npy::read(&d.join("t1/wPCA.npy")).unwrap();
     assert_ne!(wtemp, spikecube::UniversalTemplates::builtin().wtemp);
@@ -589,4 +621,25 @@ fn whole_recordings_with_kilosort4s_learned_templates_give_kilosort4s_spikes() {
         eprintln!("{name}: {} spikes identical to Kilosort4's; amplitudes within {worst:.1e}", ours.len());
         assert!(worst <= 1e-5, "{name}: amplitude differs by {worst:e}");
     }
+}
+
+/// The template step runs on the CPU whatever the back end (it reads the windows
+/// preprocessed on the CPU): `--backend wgpu` writes the same `wTEMP.npy`,
+/// `wPCA.npy`, `templates.png` and `"templates"` record as `--backend cpu`, byte
+/// for byte. In the wgpu test group (Mesa's lavapipe in CI, like tests/gpu.rs).
+#[cfg(feature = "wgpu")]
+#[test]
+fn the_template_step_gives_the_same_files_on_the_cpu_and_wgpu_back_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let learn = ["--min-learn-clips", "60"];
+    let cpu = detect_locust(&d.join("cpu"), &[&learn[..], &["--backend", "cpu"]].concat(), None);
+    let gpu = detect_locust(&d.join("wgpu"), &[&learn[..], &["--backend", "wgpu"]].concat(), None);
+    assert_eq!(cpu["settings"]["templates"]["source"], "learned");
+    assert_eq!(cpu["settings"]["templates"], gpu["settings"]["templates"]);
+    same_files(
+        &d.join("cpu"),
+        &d.join("wgpu"),
+        &["wTEMP.npy", "wPCA.npy", "templates.png"],
+    );
 }
