@@ -466,10 +466,12 @@ fn detections_with_kilosort4s_learned_templates_are_identical_to_kilosort4s() {
             .fold(0.0, f64::max)
     };
     let dir = data("learned/detection");
-    let templates =
-        spikecube::universal::load_npz(&dir.join("wTEMP.npz"), 6, 6, 61).unwrap();
+    let templates = spikecube::universal::load_npz(&dir.join("wTEMP.npz"), 6, 6, 61).unwrap();
     // They are learned ones, not the built-in templates.
-    assert_ne!(templates.wtemp, spikecube::UniversalTemplates::builtin().wtemp);
+    assert_ne!(
+        templates.wtemp,
+        spikecube::UniversalTemplates::builtin().wtemp
+    );
     let probe = spikecube::Probe::load(&dir.join("probe.json")).unwrap();
     let i_c = npy::read::<i64, ndarray::Ix2>(&dir.join("iC.npy"))
         .unwrap()
@@ -530,8 +532,14 @@ fn detections_with_kilosort4s_learned_templates_are_identical_to_kilosort4s() {
         let st: Array2<f64> = npy::read(&w.join("st.npy")).unwrap();
         for (i, r) in st.rows().into_iter().enumerate() {
             let t = d.sample[i] as f64;
-            assert_eq!(r[0], (t - 61.0) / 30000.0 + f64::from(b) * (2000.0 / 30000.0));
-            assert_eq!((r[3], r[4], r[5]), (imax[i] as f64, f64::from(b), xy[[i, 0]] as f64));
+            assert_eq!(
+                r[0],
+                (t - 61.0) / 30000.0 + f64::from(b) * (2000.0 / 30000.0)
+            );
+            assert_eq!(
+                (r[3], r[4], r[5]),
+                (imax[i] as f64, f64::from(b), xy[[i, 0]] as f64)
+            );
         }
         total += d.len();
     }
@@ -550,7 +558,8 @@ fn whole_recordings_with_kilosort4s_learned_templates_give_kilosort4s_spikes() {
     use ndarray_npy::NpzReader;
     let real = data("data/real");
     let probes = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/probes");
-    let oe = real.join("openephys_example_16ch/binary_format/Record Node 101/experiment1/recording1");
+    let oe =
+        real.join("openephys_example_16ch/binary_format/Record Node 101/experiment1/recording1");
     let locust = real.join("locust_tetrode_tridesclous/locust_trial_01.raw");
     let dir = tempfile::tempdir().unwrap();
     let cases: [(&str, Vec<&str>, &str, f64, usize); 2] = [
@@ -618,7 +627,10 @@ fn whole_recordings_with_kilosort4s_learned_templates_give_kilosort4s_spikes() {
             .zip(&theirs)
             .map(|(o, r)| (o.1 - r.1).abs() / r.1.abs().max(1.0))
             .fold(0.0, f64::max);
-        eprintln!("{name}: {} spikes identical to Kilosort4's; amplitudes within {worst:.1e}", ours.len());
+        eprintln!(
+            "{name}: {} spikes identical to Kilosort4's; amplitudes within {worst:.1e}",
+            ours.len()
+        );
         assert!(worst <= 1e-5, "{name}: amplitude differs by {worst:e}");
     }
 }
@@ -633,8 +645,16 @@ fn the_template_step_gives_the_same_files_on_the_cpu_and_wgpu_back_ends() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let learn = ["--min-learn-clips", "60"];
-    let cpu = detect_locust(&d.join("cpu"), &[&learn[..], &["--backend", "cpu"]].concat(), None);
-    let gpu = detect_locust(&d.join("wgpu"), &[&learn[..], &["--backend", "wgpu"]].concat(), None);
+    let cpu = detect_locust(
+        &d.join("cpu"),
+        &[&learn[..], &["--backend", "cpu"]].concat(),
+        None,
+    );
+    let gpu = detect_locust(
+        &d.join("wgpu"),
+        &[&learn[..], &["--backend", "wgpu"]].concat(),
+        None,
+    );
     assert_eq!(cpu["settings"]["templates"]["source"], "learned");
     assert_eq!(cpu["settings"]["templates"], gpu["settings"]["templates"]);
     same_files(
