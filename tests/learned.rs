@@ -611,7 +611,7 @@ fn whole_recordings_with_kilosort4s_learned_templates_give_kilosort4s_spikes() {
                 ((t, r[5] as i64, r[3] as i64), r[2])
             })
             .collect();
-        theirs.sort_by(|a, b| a.0.cmp(&b.0));
+        theirs.sort_by_key(|a| a.0);
         let t: Array1<i64> = npy::read(&out.join("spike_times.npy")).unwrap();
         let c: Array1<i64> = npy::read(&out.join("spike_centers.npy")).unwrap();
         let k: Array1<i64> = npy::read(&out.join("spike_detection_templates.npy")).unwrap();
@@ -619,7 +619,7 @@ fn whole_recordings_with_kilosort4s_learned_templates_give_kilosort4s_spikes() {
         let mut ours: Vec<((i64, i64, i64), f64)> = (0..t.len())
             .map(|i| ((t[i], c[i], k[i]), f64::from(a[i])))
             .collect();
-        ours.sort_by(|a, b| a.0.cmp(&b.0));
+        ours.sort_by_key(|a| a.0);
         let keys = |v: &[((i64, i64, i64), f64)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
         assert_eq!(keys(&ours), keys(&theirs), "{name}: (sample, centre, imax)");
         let worst = ours
