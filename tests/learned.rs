@@ -644,15 +644,14 @@ fn whole_recordings_with_kilosort4s_learned_templates_give_kilosort4s_spikes() {
 fn the_template_step_gives_the_same_files_on_the_cpu_and_wgpu_back_ends() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let learn = ["--min-learn-clips", "60"];
     let cpu = detect_locust(
         &d.join("cpu"),
-        &[&learn[..], &["--backend", "cpu"]].concat(),
+        &["--min-learn-clips", "60", "--backend", "cpu"],
         None,
     );
     let gpu = detect_locust(
         &d.join("wgpu"),
-        &[&learn[..], &["--backend", "wgpu"]].concat(),
+        &["--min-learn-clips", "60", "--backend", "wgpu"],
         None,
     );
     assert_eq!(cpu["settings"]["templates"]["source"], "learned");
