@@ -1,8 +1,9 @@
 //! Universal templates learned from the data (`templates_from_data`, issue 11):
 //! the clips against Kilosort4's own `extract_snippets`, wPCA and wTEMP against
 //! Kilosort4's `TruncatedSVD` and `KMeans` runs on Kilosort4's clips
-//! (`tests/data/learned/`, made by `make_learned_reference.py` there), and
-//! independence of the thread count.
+//! (`tests/data/learned/`, made by `make_learned_reference.py` there),
+//! independence of the thread count and of the back end, and detection with
+//! Kilosort4's own learned templates against Kilosort4's.
 
 mod common;
 
@@ -224,28 +225,56 @@ fn wtemp_reaches_kilosort4s_kmeans_objective_and_centroids() {
     }
 }
 
+/// Kilosort4's 1500 reference clips and 6 perturbed copies of them (10 500
+/// clips): more than two of the 4096-clip chunks every sum over clips is split
+/// into, so the chunked sums are exercised.
+fn many_clips() -> Array2<f32> {
+    let base = ks4_runs().clips;
+    let mut rng = common::Rng(12345);
+    let mut all = base.clone();
+    for _ in 0..6 {
+        let copy = base.mapv(|v| v + 0.02 * rng.normal() as f32);
+        all.append(Axis(0), copy.view()).unwrap();
+    }
+    all
+}
+
 #[test]
-fn learning_gives_identical_results_with_1_and_2_threads() {
-    let r = ks4_runs();
+fn learning_gives_identical_results_with_1_2_and_16_threads() {
+    let clips = many_clips();
+    assert!(clips.nrows() > 2 * 4096);
+    let x: Array2<f32> = npy::read(&data("fixtures/detection/np1/X.npy")).unwrap();
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
             .unwrap();
         pool.install(|| {
-            let (w, km) = learn_wtemp(r.clips.view(), &LearnSettings::default()).unwrap();
-            let p = learn_wpca(r.clips.view(), 6).unwrap();
-            let x: Array2<f32> = npy::read(&data("fixtures/detection/np1/X.npy")).unwrap();
-            let (peaks, clips) = extract_clips(x.view(), 6.0, 61, 20);
-            (w, km.inertia.to_bits(), p, peaks, clips)
+            let (w, km) = learn_wtemp(clips.view(), &LearnSettings::default()).unwrap();
+            let p = learn_wpca(clips.view(), 6).unwrap();
+            let (peaks, c) = extract_clips(x.view(), 6.0, 61, 20);
+            let mut pool = ClipPool::new(61, MAX_CLIPS);
+            pool.add_window(c.view());
+            (
+                w,
+                km.inertia.to_bits(),
+                km.counts,
+                p,
+                peaks,
+                pool.normalised(),
+            )
         })
     };
-    let (a, b) = (run(1), run(2));
-    assert_eq!(a.0, b.0);
-    assert_eq!(a.1, b.1);
-    assert_eq!(a.2, b.2);
-    assert_eq!(a.3, b.3);
-    assert_eq!(a.4, b.4);
+    let one = run(1);
+    for threads in [2, 16] {
+        let other = run(threads);
+        assert_eq!(one.0, other.0, "wTEMP, {threads} threads");
+        assert_eq!(one.1, other.1, "k-means inertia, {threads} threads");
+        assert_eq!(one.2, other.2, "cluster sizes, {threads} threads");
+        assert_eq!(one.3, other.3, "wPCA, {threads} threads");
+        assert_eq!(one.4, other.4, "isolated peaks, {threads} threads");
+        assert_eq!(one.5, other.5, "normalised clips, {threads} threads");
+    }
 }
 
 #[test]
@@ -344,8 +373,9 @@ fn tetrode_example_falls_back_to_builtin_templates_with_a_warning() {
 }
 
 /// Templates learned on the tetrode example (allowed with --min-learn-clips):
-/// the same with 1 and 2 threads, byte for byte; saved with np.savez's layout
-/// and given back with --templates, the same spikes.
+/// the same with 1, 2 and 16 threads, byte for byte (templates, spikes and
+/// features); saved with np.savez's layout and given back with --templates, the
+/// same spikes.
 #[test]
 fn learned_templates_are_thread_independent_and_reusable_from_a_file() {
     let dir = tempfile::tempdir().unwrap();
@@ -353,6 +383,7 @@ fn learned_templates_are_thread_independent_and_reusable_from_a_file() {
     let learn = ["--min-learn-clips", "60"];
     let j1 = detect_locust(&d.join("t1"), &learn, Some("1"));
     detect_locust(&d.join("t2"), &learn, Some("2"));
+    detect_locust(&d.join("t16"), &learn, Some("16"));
     let t = &j1["settings"]["templates"];
     assert_eq!(t["source"], "learned", "{t}");
     assert_eq!(t["n_clips"], 66);
@@ -360,6 +391,7 @@ fn learned_templates_are_thread_independent_and_reusable_from_a_file() {
     let mut all = SPIKE_FILES.to_vec();
     all.extend(["wTEMP.npy", "wPCA.npy"]);
     same_files(&d.join("t1"), &d.join("t2"), &all);
+    same_files(&d.join("t1"), &d.join("t16"), &all);
     let wtemp: Array2<f32> = npy::read(&d.join("t1/wTEMP.npy")).unwrap();
     let wpca: Array2<f32> = npy::read(&d.join("t1/wPCA.npy")).unwrap();
     assert_ne!(wtemp, spikecube::UniversalTemplates::builtin().wtemp);
@@ -415,4 +447,218 @@ fn a_templates_file_of_the_wrong_shape_is_refused() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("bad.npz") && err.contains("6 × 50"), "{err}");
     assert!(!dir.path().join("o").exists());
+}
+
+/// Kilosort4's detection with the templates it learned from a recording
+/// (`tests/data/learned/detection/`, made by `make_learned_detection.py`): given
+/// those wTEMP/wPCA through the `--templates` reader and Kilosort4's iC, iC2 and
+/// weigh, our detector gives the same detections (centre, sample, imax, sign) on
+/// Kilosort4's whitened windows, and amp, adist, yct and tF within the detection
+/// fixtures' tolerance (|ours − Kilosort4| ≤ 1e-5 · max(|Kilosort4|, 1)).
+#[test]
+fn detections_with_kilosort4s_learned_templates_are_identical_to_kilosort4s() {
+    const TOL: f64 = 1e-5;
+    let max_rel = |a: &[f32], b: &[f32]| -> f64 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(&r, &o)| (f64::from(r) - f64::from(o)).abs() / f64::from(r).abs().max(1.0))
+            .fold(0.0, f64::max)
+    };
+    let dir = data("learned/detection");
+    let templates = spikecube::universal::load_npz(&dir.join("wTEMP.npz"), 6, 6, 61).unwrap();
+    // They are learned ones, not the built-in templates.
+    assert_ne!(
+        templates.wtemp,
+        spikecube::UniversalTemplates::builtin().wtemp
+    );
+    let probe = spikecube::Probe::load(&dir.join("probe.json")).unwrap();
+    let i_c = npy::read::<i64, ndarray::Ix2>(&dir.join("iC.npy"))
+        .unwrap()
+        .mapv(|v| v as u32);
+    let i_c2 = npy::read::<i64, ndarray::Ix2>(&dir.join("iC2.npy"))
+        .unwrap()
+        .mapv(|v| v as u32);
+    let weigh: Array3<f32> = npy::read(&dir.join("weigh.npy")).unwrap();
+    let settings = spikecube::DetectionSettings {
+        nearest_chans: i_c.nrows(),
+        ..Default::default()
+    };
+    let geometry =
+        spikecube::Geometry::with_neighbourhoods(&probe, &settings, i_c, i_c2, weigh).unwrap();
+    let mut det = spikecube::detect::cpu::CpuDetector::new(geometry, templates, settings).unwrap();
+    let mut total = 0;
+    for b in [0, 899] {
+        let w = dir.join(format!("batch_{b}"));
+        let x: Array2<f32> = npy::read(&w.join("X.npy")).unwrap();
+        let d = det.detect(x.view(), &probe.yc).unwrap();
+        let xy: Array2<i64> = npy::read(&w.join("xy.npy")).unwrap();
+        let ours: Vec<(i64, i64)> = d
+            .centre
+            .iter()
+            .zip(&d.sample)
+            .map(|(&j, &t)| (i64::from(j), t as i64))
+            .collect();
+        let theirs: Vec<(i64, i64)> = xy.rows().into_iter().map(|r| (r[0], r[1])).collect();
+        assert_eq!(ours, theirs, "batch {b}: (centre, sample)");
+        let imax: ndarray::Array1<i64> = npy::read(&w.join("imax.npy")).unwrap();
+        let our_imax: Vec<i64> = d.imax.iter().map(|&v| i64::from(v)).collect();
+        assert_eq!(our_imax, imax.to_vec(), "batch {b}: imax");
+        let sign: ndarray::Array1<i8> = npy::read(&w.join("sign.npy")).unwrap();
+        assert_eq!(d.sign, sign.to_vec(), "batch {b}: sign");
+        let amp: ndarray::Array1<f32> = npy::read(&w.join("amp.npy")).unwrap();
+        let yct: ndarray::Array1<f32> = npy::read(&w.join("yct.npy")).unwrap();
+        let adist: Array2<f32> = npy::read(&w.join("adist.npy")).unwrap();
+        let tf: Array3<f32> = npy::read(&w.join("tF.npy")).unwrap();
+        assert_eq!(tf.shape(), d.tf_array().shape(), "batch {b}: tF shape");
+        let diffs = [
+            ("amp", max_rel(amp.as_slice().unwrap(), &d.amp)),
+            ("yct", max_rel(yct.as_slice().unwrap(), &d.yct)),
+            (
+                "adist",
+                max_rel(
+                    &adist.iter().copied().collect::<Vec<_>>(),
+                    &d.adist_kilosort().iter().copied().collect::<Vec<_>>(),
+                ),
+            ),
+            ("tF", max_rel(tf.as_slice().unwrap(), &d.tf)),
+        ];
+        eprintln!("batch {b}: {} detections identical; {diffs:?}", d.len());
+        for (what, v) in diffs {
+            assert!(v <= TOL, "batch {b}: {what} differs by {v:.3e} > {TOL:e}");
+        }
+        // Kilosort4's spike table of that batch: time (s from the recording's
+        // start), yct, amp, imax, batch, centre.
+        let st: Array2<f64> = npy::read(&w.join("st.npy")).unwrap();
+        for (i, r) in st.rows().into_iter().enumerate() {
+            let t = d.sample[i] as f64;
+            assert_eq!(
+                r[0],
+                (t - 61.0) / 30000.0 + f64::from(b) * (2000.0 / 30000.0)
+            );
+            assert_eq!(
+                (r[3], r[4], r[5]),
+                (imax[i] as f64, f64::from(b), xy[[i, 0]] as f64)
+            );
+        }
+        total += d.len();
+    }
+    assert_eq!(total, 25 + 27);
+}
+
+/// The whole pipeline on the two real example recordings with Kilosort4's own
+/// learned templates (`tests/data/learned/real/*_ks4.npz`, written by
+/// `benches/ks4_learned_detect.py`: Kilosort4 4.1.7 with `templates_from_data`
+/// and `nblocks 0`, its learned wTEMP/wPCA and its spike table st0): given them
+/// with `--templates`, every spike of Kilosort4 (sample, centre, winning filter)
+/// and no other, amplitudes within 1e-5 relative.
+#[test]
+fn whole_recordings_with_kilosort4s_learned_templates_give_kilosort4s_spikes() {
+    use ndarray::Array1;
+    use ndarray_npy::NpzReader;
+    let real = data("data/real");
+    let probes = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/probes");
+    let oe =
+        real.join("openephys_example_16ch/binary_format/Record Node 101/experiment1/recording1");
+    let locust = real.join("locust_tetrode_tridesclous/locust_trial_01.raw");
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, Vec<&str>, &str, f64, usize); 2] = [
+        (
+            "openephys",
+            vec![common::s(&oe)],
+            "openephys_16ch_linear.json",
+            40_000.0,
+            1511,
+        ),
+        (
+            "locust",
+            vec![common::s(&locust), "--n-channels", "4", "--fs", "15000"],
+            "locust_tetrode.json",
+            15_000.0,
+            515,
+        ),
+    ];
+    for (name, rec, probe, fs, n_ks4) in cases {
+        let npz = data(&format!("learned/real/{name}_ks4.npz"));
+        let out = dir.path().join(name);
+        let probe = probes.join(probe);
+        let mut args = vec!["detect"];
+        args.extend(rec);
+        args.extend([
+            "--probe",
+            common::s(&probe),
+            "--templates",
+            common::s(&npz),
+            "--nblocks",
+            "0",
+            "--out",
+            common::s(&out),
+            "-q",
+        ]);
+        let o = common::spikecube(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let st0: Array2<f64> = NpzReader::new(std::fs::File::open(&npz).unwrap())
+            .unwrap()
+            .by_name("st0")
+            .unwrap();
+        assert_eq!(st0.nrows(), n_ks4);
+        // Kilosort4's rows: (sample, centre, imax) and amp, sorted.
+        let mut theirs: Vec<((i64, i64, i64), f64)> = st0
+            .rows()
+            .into_iter()
+            .map(|r| {
+                let t = (r[0] * fs).round() as i64;
+                ((t, r[5] as i64, r[3] as i64), r[2])
+            })
+            .collect();
+        theirs.sort_by_key(|a| a.0);
+        let t: Array1<i64> = npy::read(&out.join("spike_times.npy")).unwrap();
+        let c: Array1<i64> = npy::read(&out.join("spike_centers.npy")).unwrap();
+        let k: Array1<i64> = npy::read(&out.join("spike_detection_templates.npy")).unwrap();
+        let a: Array1<f32> = npy::read(&out.join("amplitudes.npy")).unwrap();
+        let mut ours: Vec<((i64, i64, i64), f64)> = (0..t.len())
+            .map(|i| ((t[i], c[i], k[i]), f64::from(a[i])))
+            .collect();
+        ours.sort_by_key(|a| a.0);
+        let keys = |v: &[((i64, i64, i64), f64)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+        assert_eq!(keys(&ours), keys(&theirs), "{name}: (sample, centre, imax)");
+        let worst = ours
+            .iter()
+            .zip(&theirs)
+            .map(|(o, r)| (o.1 - r.1).abs() / r.1.abs().max(1.0))
+            .fold(0.0, f64::max);
+        eprintln!(
+            "{name}: {} spikes identical to Kilosort4's; amplitudes within {worst:.1e}",
+            ours.len()
+        );
+        assert!(worst <= 1e-5, "{name}: amplitude differs by {worst:e}");
+    }
+}
+
+/// The template step runs on the CPU whatever the back end (it reads the windows
+/// preprocessed on the CPU): `--backend wgpu` writes the same `wTEMP.npy`,
+/// `wPCA.npy`, `templates.png` and `"templates"` record as `--backend cpu`, byte
+/// for byte. In the wgpu test group (Mesa's lavapipe in CI, like tests/gpu.rs).
+#[cfg(feature = "wgpu")]
+#[test]
+fn the_template_step_gives_the_same_files_on_the_cpu_and_wgpu_back_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let cpu = detect_locust(
+        &d.join("cpu"),
+        &["--min-learn-clips", "60", "--backend", "cpu"],
+        None,
+    );
+    let gpu = detect_locust(
+        &d.join("wgpu"),
+        &["--min-learn-clips", "60", "--backend", "wgpu"],
+        None,
+    );
+    assert_eq!(cpu["settings"]["templates"]["source"], "learned");
+    assert_eq!(cpu["settings"]["templates"], gpu["settings"]["templates"]);
+    same_files(
+        &d.join("cpu"),
+        &d.join("wgpu"),
+        &["wTEMP.npy", "wPCA.npy", "templates.png"],
+    );
 }
