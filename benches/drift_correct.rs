@@ -23,10 +23,10 @@ use std::time::Instant;
 
 use ndarray::Array2;
 use spikecube::detect::cpu::CpuDetector;
-use spikecube::{DetectionSettings, Geometry, Probe, UniversalTemplates};
 use spikecube::drift::DriftCorrection;
 use spikecube::drift::correct::apply_matrix;
 use spikecube::preprocess::{PreprocessSettings, Whitening, whitening_from_covariance};
+use spikecube::{DetectionSettings, Geometry, Probe, UniversalTemplates};
 
 const N_SITES: usize = 384;
 
@@ -144,7 +144,10 @@ fn main() {
         det.detect(x.view(), &p.yc).expect("detect");
     });
     let copy = time_runs(runs, || x.assign(&raw));
-    println!("{:<34} {:8.1} ms", "detection (CPU), whitened window", detect);
+    println!(
+        "{:<34} {:8.1} ms",
+        "detection (CPU), whitened window", detect
+    );
     println!("{:<34} {:8.1} ms", "copy (subtracted below)", copy);
     println!("{:<34} {:8.1} ms", "W·X", white - copy);
     for b in 0..shifts.len() as u64 {
