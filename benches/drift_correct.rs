@@ -9,7 +9,9 @@
 //!   below `COMBINED_EPS` and the CSR form (once per window, or per distinct shift);
 //! * `G_b·X`: the sparse product that replaces `W·X` (default, and exact:
 //!   every non-zero, `--drift-mode kilosort`);
-//! * `M_b·(W·X)`: the previous correction (a dense sgemm after whitening).
+//! * `M_b·(W·X)`: the previous correction (a dense sgemm after whitening);
+//! * CPU detection on the whitened window, for the ratio "extra cost of the
+//!   correction over the uncorrected whitening / detection".
 //!
 //! Times are CPU ms (all threads; `WALL=1`: wall ms), as the machine the
 //! figures were taken on was shared.
@@ -20,10 +22,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use ndarray::Array2;
-use spikecube::Probe;
+use spikecube::detect::cpu::CpuDetector;
 use spikecube::drift::DriftCorrection;
 use spikecube::drift::correct::apply_matrix;
 use spikecube::preprocess::{PreprocessSettings, Whitening, whitening_from_covariance};
+use spikecube::{DetectionSettings, Geometry, Probe, UniversalTemplates};
 
 const N_SITES: usize = 384;
 
@@ -127,7 +130,24 @@ fn main() {
         x.assign(&raw);
         w.apply(&mut x).expect("W·X");
     });
+    // Detection (CPU) on the whitened window, for the ratio.
+    let ds = DetectionSettings::default();
+    let mut det = CpuDetector::new(
+        Geometry::new(&p, &ds).expect("geometry"),
+        UniversalTemplates::builtin(),
+        ds,
+    )
+    .expect("detector");
+    x.assign(&raw);
+    w.apply(&mut x).expect("W·X");
+    let detect = time_runs(runs, || {
+        det.detect(x.view(), &p.yc).expect("detect");
+    });
     let copy = time_runs(runs, || x.assign(&raw));
+    println!(
+        "{:<34} {:8.1} ms",
+        "detection (CPU), whitened window", detect
+    );
     println!("{:<34} {:8.1} ms", "copy (subtracted below)", copy);
     println!("{:<34} {:8.1} ms", "W·X", white - copy);
     for b in 0..shifts.len() as u64 {
@@ -136,6 +156,11 @@ fn main() {
         });
         let g = corr.window_whitening(b, &w).expect("G_b");
         let ge = exact.window_whitening(b, &w).expect("G_b exact");
+        // W·X again next to G_b·X: the machine's speed drifted over a run.
+        let white = time_runs(runs, || {
+            x.assign(&raw);
+            w.apply(&mut x).expect("W·X");
+        });
         let apply = time_runs(runs, || {
             x.assign(&raw);
             g.apply(&mut x).expect("G·X");
@@ -162,6 +187,13 @@ fn main() {
             apply_matrix(m.view(), &mut x);
         });
         println!(
+            "shift {:6.1} µm: W·X {:.1} ms; extra over W·X {:.1} ms ({:.1} % of detection)",
+            shifts[b as usize],
+            white - copy,
+            build + apply - white,
+            (build + apply - white) / detect * 100.0
+        );
+        println!(
             "shift {:6.1} µm: G_b build {build:7.1} ms; G_b·X {:7.1} ms ({:.1} per row), exact {:7.1} ms ({:.1} per row); previous M_b·(W·X) {:7.1} ms + W·X",
             shifts[b as usize],
             apply - copy,
@@ -175,9 +207,13 @@ fn main() {
         x.assign(&raw);
         w.apply(&mut x).expect("W·X");
     });
+    let detect2 = time_runs(runs, || {
+        det.detect(x.view(), &p.yc).expect("detect");
+    });
     println!(
-        "{:<34} {:8.1} ms (the machine's speed drifts: compare with the first)",
+        "{:<34} {:8.1} ms, detection {:.1} ms (the machine's speed drifts: compare with the first)",
         "W·X again",
-        white2 - copy
+        white2 - copy,
+        detect2
     );
 }
