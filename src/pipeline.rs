@@ -132,9 +132,7 @@ pub struct InputRequest {
 /// # Errors
 /// No recording given, a recording that cannot be opened, no probe (naming
 /// `probe_hint`), or excluded channels the probe does not have.
-pub fn open_for_detection(
-    req: &InputRequest,
-) -> Result<(crate::recording::Opened, Probe, Checks)> {
+pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opened, Probe, Checks)> {
     let opened = match req.paths.as_slice() {
         [] => bail!("no recording given"),
         [one] => crate::recording::open(one, &req.open)?,

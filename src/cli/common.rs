@@ -251,4 +251,3 @@ pub struct CheckArgs {
     #[arg(long)]
     pub keep_boundary_duplicates: bool,
 }
-

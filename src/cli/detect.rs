@@ -9,8 +9,8 @@ use spikecube::output::RunInfo;
 use spikecube::pipeline::{DetectJob, run_detection};
 
 use super::common::{
-    open_input,
-    BackendArg, CheckArgs, DetectionArgs, PreprocessArgs, RecordingArgs, default_out, progress_bar,
+    BackendArg, CheckArgs, DetectionArgs, PreprocessArgs, RecordingArgs, default_out, open_input,
+    progress_bar,
 };
 
 /// Flags of `detect`.

@@ -321,46 +321,46 @@ where
     // Reading (with the caller's checks) runs one window ahead, on its own
     // thread; the windows are still read, and summed, in order.
     std::thread::scope(|scope| -> Result<(), E> {
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Array2<f32>, E>>(1);
-    let list = windows.clone();
-    scope.spawn(move || {
-        for &i in &list {
-            let r = read_raw_window(i);
-            let failed = r.is_err();
-            if tx.send(r).is_err() || failed {
-                break;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Array2<f32>, E>>(1);
+        let list = windows.clone();
+        scope.spawn(move || {
+            for &i in &list {
+                let r = read_raw_window(i);
+                let failed = r.is_err();
+                if tx.send(r).is_err() || failed {
+                    break;
+                }
             }
-        }
-    });
-    for &i in &windows {
-        let Ok(x) = rx.recv() else { break };
-        let mut x = x?;
-        if x.dim() != (c, n) {
-            return Err(PreprocessError::Shape {
-                what: "raw window for the whitening fit",
-                rows: x.nrows(),
-                cols: x.ncols(),
-                expected_rows: c,
-                expected_cols: n,
+        });
+        for &i in &windows {
+            let Ok(x) = rx.recv() else { break };
+            let mut x = x?;
+            if x.dim() != (c, n) {
+                return Err(PreprocessError::Shape {
+                    what: "raw window for the whitening fit",
+                    rows: x.nrows(),
+                    cols: x.ncols(),
+                    expected_rows: c,
+                    expected_cols: n,
+                }
+                .into());
             }
-            .into());
+            if settings.invert_sign {
+                invert_sign(&mut x);
+            }
+            common_reference(&mut x, settings.do_car)?;
+            hp.apply(&mut x)?;
+            if exceeds_artifact_threshold(&x, settings.artifact_threshold) {
+                tracing::info!(
+                    window = i,
+                    "window reaches artifact_threshold; it enters the whitening covariance as zeros"
+                );
+                x.fill(0.0);
+            }
+            let central = x.slice(ndarray::s![.., nt..n - nt]);
+            accumulate_covariance(&mut cc, central)?;
         }
-        if settings.invert_sign {
-            invert_sign(&mut x);
-        }
-        common_reference(&mut x, settings.do_car)?;
-        hp.apply(&mut x)?;
-        if exceeds_artifact_threshold(&x, settings.artifact_threshold) {
-            tracing::info!(
-                window = i,
-                "window reaches artifact_threshold; it enters the whitening covariance as zeros"
-            );
-            x.fill(0.0);
-        }
-        let central = x.slice(ndarray::s![.., nt..n - nt]);
-        accumulate_covariance(&mut cc, central)?;
-    }
-    Ok(())
+        Ok(())
     })?;
     cc.mapv_inplace(|v| v / windows.len() as f64);
     Ok(cc)
