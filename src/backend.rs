@@ -448,6 +448,26 @@ impl Detector {
 
     /// The geometry in use.
     pub fn geometry(&self) -> &Geometry {
+        self.geometry_inner()
+    }
+
+    /// Detects with other universal templates (same shapes) from the next
+    /// window on, keeping the device's buffers (e.g. templates learned again
+    /// for the drift-corrected pass, issue 11).
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] when their shapes do not fit this detector.
+    pub fn set_templates(&mut self, templates: &UniversalTemplates) -> Result<(), DetectError> {
+        match self {
+            Detector::Cpu(d) => d.set_templates(templates),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.set_templates(templates),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.set_templates(templates),
+        }
+    }
+
+    fn geometry_inner(&self) -> &Geometry {
         match self {
             Detector::Cpu(d) => d.geometry(),
             #[cfg(feature = "cuda")]

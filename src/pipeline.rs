@@ -459,12 +459,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         if let Some(w) = &second.warning {
             warnings.push(format!("second pass (drift-corrected): {w}"));
         }
-        pass.set_detector(Detector::new(
-            &chosen,
-            geometry.clone(),
-            second.templates.clone(),
-            job.detection.clone(),
-        )?)?;
+        pass.set_templates(&second.templates)?;
         crate::universal::write_outputs(writer.partial_path(), &second)?;
         templates_first_pass = Some(std::mem::replace(&mut chosen_templates, second));
         relearn_s = t.elapsed().as_secs_f64();

@@ -158,6 +158,17 @@ pub trait WindowPass: Send {
         "host"
     }
 
+    /// Detects with other universal templates (same shapes) from the next
+    /// window on, keeping the detector's buffers (templates learned again for
+    /// the drift-corrected pass, issue 11).
+    ///
+    /// # Errors
+    /// When the templates do not fit (the default: the pass has no detector).
+    fn set_templates(&mut self, templates: &crate::detect::UniversalTemplates) -> Result<()> {
+        let _ = templates;
+        Err(anyhow!("this pass has no detector"))
+    }
+
     /// Per-window medians of finer steps, seconds, measured on some windows
     /// (a device pass: upload, preprocess, each detection step, download), for
     /// `spikecube.json`; empty by default.
@@ -258,6 +269,10 @@ impl WindowPass for HostPass {
     fn set_detector(&mut self, detector: Detector) -> Result<()> {
         self.detector = detector;
         Ok(())
+    }
+
+    fn set_templates(&mut self, templates: &crate::detect::UniversalTemplates) -> Result<()> {
+        Ok(self.detector.set_templates(templates)?)
     }
 }
 
@@ -452,6 +467,10 @@ impl WindowPass for DevicePass {
 
     fn preprocess_on(&self) -> &'static str {
         "device"
+    }
+
+    fn set_templates(&mut self, templates: &crate::detect::UniversalTemplates) -> Result<()> {
+        Ok(self.detector.set_templates(templates)?)
     }
 
     fn step_medians(&self) -> Vec<(String, f64)> {

@@ -211,6 +211,19 @@ thread_local! {
 pub const STEP_NAMES: [&str; 4] = ["check", "steps_1_3", "peaks", "features"];
 
 impl CpuDetector {
+    /// Detects with other universal templates from the next window on.
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] when they do not fit the settings (as [`CpuDetector::new`]).
+    pub fn set_templates(&mut self, templates: &UniversalTemplates) -> Result<(), DetectError> {
+        *self = CpuDetector::new(
+            self.geometry.clone(),
+            templates.clone(),
+            self.settings.clone(),
+        )?;
+        Ok(())
+    }
+
     /// Prepares a detector for `geometry` (template centres and neighbourhoods).
     ///
     /// # Errors

@@ -535,6 +535,35 @@ impl<R: Runtime> GpuDetector<R> {
         Ok(())
     }
 
+    /// Detects with other universal templates of the same shape from the next
+    /// window on (e.g. learned again for the drift-corrected pass), keeping
+    /// every device buffer.
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] when their shapes differ from the current ones.
+    pub fn set_templates(&mut self, templates: &UniversalTemplates) -> Result<(), DetectError> {
+        let (nk, nt) = templates.wtemp.dim();
+        let (npc, nt2) = templates.wpca.dim();
+        if nk != NK || nt != self.settings.nt || npc != self.settings.n_pcs || nt2 != nt {
+            return Err(DetectError::Setting {
+                name: "templates",
+                message: format!(
+                    "wTEMP is {nk} × {nt} and wPCA {npc} × {nt2}; this detector takes {NK} × {} and {} × {}",
+                    self.settings.nt, self.settings.n_pcs, self.settings.nt
+                ),
+            });
+        }
+        let wtemp = templates.wtemp.as_standard_layout().to_owned();
+        let wpca = templates.wpca.as_standard_layout().to_owned();
+        self.wtemp = self
+            .client
+            .create_from_slice(bytes_f32(wtemp.as_slice().expect("standard layout")));
+        self.wpca = self
+            .client
+            .create_from_slice(bytes_f32(wpca.as_slice().expect("standard layout")));
+        Ok(())
+    }
+
     /// Whether [`GpuDetector::set_preprocessing`] was called.
     pub fn preprocesses(&self) -> bool {
         self.pre.is_some()
