@@ -342,20 +342,26 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // ---- issue 11: universal templates learned from the data (or built-in, or a file) ----
     // Learning reads every 25th window, preprocessed exactly as detection sees it.
     let t_learn = Instant::now();
+    // Window i as read, stuck stretches masked when the run masks them (the
+    // learning steps' windows, before and after drift correction).
+    let min_run_learn = checks::stuck_min_run(fs);
+    let read_masked = |i: u64| -> Result<Array2<f32>> {
+        let mut w = Array2::zeros((n_sites, plan.window_len()));
+        read_window(rec.as_ref(), &plan, i, &chan_map, &mut w)?;
+        if job.checks.mask_clipped {
+            let cols = WindowColumns::of(&plan, i);
+            checks::mask_stuck_runs(&mut w, cols.lo, cols.hi, cols.pad_repeats, min_run_learn);
+        }
+        Ok(w)
+    };
     let mut chosen_templates = {
-        let min_run = checks::stuck_min_run(fs);
         crate::universal::choose(
             &job.templates,
             plan.n_windows,
             job.detection.nt,
             job.detection.nt0min(),
             |i| {
-                let mut w = Array2::zeros((n_sites, plan.window_len()));
-                read_window(rec.as_ref(), &plan, i, &chan_map, &mut w)?;
-                if job.checks.mask_clipped {
-                    let cols = WindowColumns::of(&plan, i);
-                    checks::mask_stuck_runs(&mut w, cols.lo, cols.hi, cols.pad_repeats, min_run);
-                }
+                let mut w = read_masked(i)?;
                 pre.apply(&mut w)
                     .with_context(|| format!("preprocessing window {i} for learning templates"))?;
                 Ok(w)
@@ -435,19 +441,13 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         && matches!(job.templates, crate::universal::TemplateSource::Learned(_))
     {
         let t = Instant::now();
-        let min_run = checks::stuck_min_run(fs);
         let second = crate::universal::choose(
             &job.templates,
             plan.n_windows,
             job.detection.nt,
             job.detection.nt0min(),
             |i| {
-                let mut w = Array2::zeros((n_sites, plan.window_len()));
-                read_window(rec.as_ref(), &plan, i, &chan_map, &mut w)?;
-                if job.checks.mask_clipped {
-                    let cols = WindowColumns::of(&plan, i);
-                    checks::mask_stuck_runs(&mut w, cols.lo, cols.hi, cols.pad_repeats, min_run);
-                }
+                let mut w = read_masked(i)?;
                 drift.preprocess(&pre, i, &mut w).with_context(|| {
                     format!("preprocessing window {i} (drift-corrected) for learning templates")
                 })?;

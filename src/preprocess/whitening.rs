@@ -366,6 +366,19 @@ where
     Ok(cc)
 }
 
+/// Each row's (column, value) non-zeros, in column order.
+fn nonzero_rows(w: &Array2<f32>) -> Vec<Vec<(usize, f32)>> {
+    w.outer_iter()
+        .map(|row| {
+            row.iter()
+                .enumerate()
+                .filter(|(_, v)| **v != 0.0)
+                .map(|(k, &v)| (k, v))
+                .collect()
+        })
+        .collect()
+}
+
 /// One output row of the sparse product over a column block: `dst` (b
 /// samples) = Σ over the row's non-zeros `nz` of w·`tmp`'s row k, four terms
 /// per pass as `(w0·a0 + w1·a1) + (w2·a2 + w3·a3)` added to the accumulator,
@@ -439,16 +452,7 @@ impl Whitening {
             });
         }
         let w = w.as_standard_layout().into_owned();
-        let rows: Vec<Vec<(usize, f32)>> = w
-            .outer_iter()
-            .map(|row| {
-                row.iter()
-                    .enumerate()
-                    .filter(|(_, v)| **v != 0.0)
-                    .map(|(k, &v)| (k, v))
-                    .collect()
-            })
-            .collect();
+        let rows = nonzero_rows(&w);
         let nnz: usize = rows.iter().map(Vec::len).sum();
         let sparse = (nnz * 4 <= r * c).then_some(rows);
         Ok(Whitening { w, sparse })
@@ -493,16 +497,7 @@ impl Whitening {
         let cut = floor * max;
         let mut w = w.as_standard_layout().into_owned();
         w.mapv_inplace(|v| if v.abs() > cut { v } else { 0.0 });
-        let rows: Vec<Vec<(usize, f32)>> = w
-            .outer_iter()
-            .map(|row| {
-                row.iter()
-                    .enumerate()
-                    .filter(|(_, v)| **v != 0.0)
-                    .map(|(k, &v)| (k, v))
-                    .collect()
-            })
-            .collect();
+        let rows = nonzero_rows(&w);
         Ok(Whitening {
             w,
             sparse: Some(rows),
