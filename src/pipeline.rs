@@ -627,7 +627,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     Ok(Report {
         summary,
         n_windows: plan.n_windows,
-        seconds: seconds_done,
+        // `--drift-only`: the first pass covered the recording.
+        seconds: if drift.windows_to_detect() == 0 {
+            plan.n_used as f64 / fs
+        } else {
+            seconds_done
+        },
         wall: t_start.elapsed().as_secs_f64(),
         n_centres,
         dropped_in_padding: dropped,
