@@ -142,17 +142,6 @@ pub trait WindowPass: Send {
         }
     }
 
-    /// Detects with `detector` from the next window on (e.g. with templates
-    /// learned again for the second pass, issue 11).
-    ///
-    /// # Errors
-    /// When a device detector cannot be set up for this pass's preprocessing
-    /// (the default: the pass has no detector).
-    fn set_detector(&mut self, detector: Detector) -> Result<()> {
-        let _ = detector;
-        Err(anyhow!("this pass has no detector to replace"))
-    }
-
     /// Where preprocessing runs: `host` or `device`.
     fn preprocess_on(&self) -> &'static str {
         "host"
@@ -263,11 +252,6 @@ impl WindowPass for HostPass {
 
     fn set_drift(&mut self, drift: Option<Arc<crate::drift::DriftRun>>) -> Result<()> {
         self.drift = drift.filter(|d| d.correction.is_some());
-        Ok(())
-    }
-
-    fn set_detector(&mut self, detector: Detector) -> Result<()> {
-        self.detector = detector;
         Ok(())
     }
 
@@ -446,21 +430,6 @@ impl WindowPass for DevicePass {
             // Back to the plain whitening.
             let (start, cols, vals) = self.pre.whitening().csr();
             self.detector.set_whitening(&start, &cols, &vals)?;
-        }
-        Ok(())
-    }
-
-    fn set_detector(&mut self, mut detector: Detector) -> Result<()> {
-        if !detector.set_preprocessing(&self.pre)? {
-            anyhow::bail!("the new detector cannot preprocess on the device");
-        }
-        let Some(packer) = detector.packer() else {
-            anyhow::bail!("the new detector is not on a device");
-        };
-        self.detector = detector;
-        self.packer = packer;
-        if let Some(d) = self.drift.take() {
-            self.set_drift(Some(d))?;
         }
         Ok(())
     }

@@ -366,6 +366,21 @@ where
     Ok(cc)
 }
 
+/// The matrix's size, checked square.
+fn square(w: &Array2<f32>) -> Result<(usize, usize), PreprocessError> {
+    let (r, c) = w.dim();
+    if r != c {
+        return Err(PreprocessError::Shape {
+            what: "whitening matrix",
+            rows: r,
+            cols: c,
+            expected_rows: r,
+            expected_cols: r,
+        });
+    }
+    Ok((r, c))
+}
+
 /// Each row's (column, value) non-zeros, in column order.
 fn nonzero_rows(w: &Array2<f32>) -> Vec<Vec<(usize, f32)>> {
     w.outer_iter()
@@ -441,16 +456,7 @@ impl Whitening {
     /// # Errors
     /// [`PreprocessError::Shape`] if it is not square.
     pub fn new(w: Array2<f32>) -> Result<Self, PreprocessError> {
-        let (r, c) = w.dim();
-        if r != c {
-            return Err(PreprocessError::Shape {
-                what: "whitening matrix",
-                rows: r,
-                cols: c,
-                expected_rows: r,
-                expected_cols: r,
-            });
-        }
+        let (r, c) = square(&w)?;
         let w = w.as_standard_layout().into_owned();
         let rows = nonzero_rows(&w);
         let nnz: usize = rows.iter().map(Vec::len).sum();
@@ -477,16 +483,7 @@ impl Whitening {
     /// [`PreprocessError::Shape`] if it is not square;
     /// [`PreprocessError::Setting`] if `floor` is negative or not finite.
     pub fn sparse_with_floor(w: Array2<f32>, floor: f32) -> Result<Self, PreprocessError> {
-        let (r, c) = w.dim();
-        if r != c {
-            return Err(PreprocessError::Shape {
-                what: "whitening matrix",
-                rows: r,
-                cols: c,
-                expected_rows: r,
-                expected_cols: r,
-            });
-        }
+        square(&w)?;
         if !(floor.is_finite() && floor >= 0.0) {
             return Err(PreprocessError::Setting {
                 name: "sparse floor",
@@ -530,28 +527,21 @@ impl Whitening {
     /// instead, whose order is faer's; the list is then every non-zero in
     /// column order.
     pub fn csr(&self) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
-        let (mut start, mut cols, mut vals) = (vec![0u32], Vec::new(), Vec::new());
-        match &self.sparse {
-            Some(rows) => {
-                for row in rows {
-                    for &(k, v) in row {
-                        cols.push(k as u32);
-                        vals.push(v);
-                    }
-                    start.push(cols.len() as u32);
-                }
-            }
+        let dense;
+        let rows = match &self.sparse {
+            Some(rows) => rows,
             None => {
-                for row in self.w.outer_iter() {
-                    for (k, &v) in row.iter().enumerate() {
-                        if v != 0.0 {
-                            cols.push(k as u32);
-                            vals.push(v);
-                        }
-                    }
-                    start.push(cols.len() as u32);
-                }
+                dense = nonzero_rows(&self.w);
+                &dense
             }
+        };
+        let (mut start, mut cols, mut vals) = (vec![0u32], Vec::new(), Vec::new());
+        for row in rows {
+            for &(k, v) in row {
+                cols.push(k as u32);
+                vals.push(v);
+            }
+            start.push(cols.len() as u32);
         }
         (start, cols, vals)
     }
