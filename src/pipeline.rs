@@ -349,7 +349,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         let mut w = Array2::zeros((n_sites, plan.window_len()));
         read_window(rec.as_ref(), &plan, i, &chan_map, &mut w)?;
         if job.checks.mask_clipped {
-            let cols = WindowColumns::of(&plan, i);
+            let cols = checks::WindowColumns::of(&plan, i);
             checks::mask_stuck_runs(&mut w, cols.lo, cols.hi, cols.pad_repeats, min_run_learn);
         }
         Ok(w)
@@ -485,12 +485,8 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let mask_clipped = job.checks.mask_clipped;
     let health_ref = &mut health;
     let check = move |w: &mut crate::recording::Window| -> Result<()> {
-        let cols = WindowColumns::of(&plan, w.index);
-        let runs = checks::find_stuck_runs(&w.data, cols.lo, cols.hi, min_run);
-        health_ref.observe(w.data.view(), cols.own, w.first_sample, &runs);
-        if mask_clipped {
-            checks::fill_stuck_runs(&mut w.data, &runs, cols.lo, cols.hi, cols.pad_repeats);
-        }
+        let cols = checks::WindowColumns::of(&plan, w.index);
+        checks::check_window(w, &cols, min_run, Some(&mut *health_ref), mask_clipped);
         Ok(())
     };
     // `--drift-only`: the first pass's spikes are the output; no second pass.
@@ -906,7 +902,7 @@ pub fn write_whitened(
         {
             let mut win = window?;
             if checks.mask_clipped {
-                let cols = WindowColumns::of(&plan, win.index);
+                let cols = checks::WindowColumns::of(&plan, win.index);
                 checks::mask_stuck_runs(&mut win.data, cols.lo, cols.hi, cols.pad_repeats, min_run);
             }
             pre.apply(&mut win.data)?;
@@ -1019,37 +1015,6 @@ fn plan_windows(
     Ok(plan)
 }
 
-/// The columns of window `i` that hold real samples (`lo..hi`), its own
-/// columns, and whether the columns past `hi` repeat the last sample.
-#[derive(Debug, Clone, Copy)]
-struct WindowColumns {
-    lo: usize,
-    hi: usize,
-    own: (usize, usize),
-    pad_repeats: bool,
-}
-
-impl WindowColumns {
-    fn of(plan: &WindowPlan, i: u64) -> Self {
-        let s0 = plan.window_first_column(i);
-        let limit = if plan.n_windows == 1 {
-            plan.n_samples
-        } else {
-            plan.n_used
-        } as i64;
-        let n = plan.window_len() as i64;
-        let lo = (-s0).clamp(0, n) as usize;
-        let hi = (limit - s0).clamp(lo as i64, n) as usize;
-        let nt = plan.nt as usize;
-        WindowColumns {
-            lo,
-            hi,
-            own: (nt, nt + plan.own_len(i) as usize),
-            pad_repeats: plan.n_windows > 1,
-        }
-    }
-}
-
 /// What [`fit`] found.
 struct Fitted {
     /// W to apply to the (unscaled) data: `k·W(k²·C)`.
@@ -1082,7 +1047,7 @@ fn fit(
         |i| -> Result<Array2<f32>> {
             let mut w = Array2::zeros((probe.n_sites(), plan.window_len()));
             read_window(rec.as_ref(), plan, i, &probe.chan_map, &mut w)?;
-            let cols = WindowColumns::of(plan, i);
+            let cols = checks::WindowColumns::of(plan, i);
             let first = rec.first_sample() as i64 + plan.window_first_column(i);
             let runs = checks::find_stuck_runs(&w, cols.lo, cols.hi, min_run);
             health.observe(w.view(), cols.own, first, &runs);
@@ -1135,7 +1100,7 @@ pub fn channel_check(
     let mut w = Array2::zeros((probe.n_sites(), plan.window_len()));
     for i in crate::preprocess::covariance_windows(plan.n_windows, settings.nskip as u64) {
         read_window(rec, &plan, i, &probe.chan_map, &mut w)?;
-        let cols = WindowColumns::of(&plan, i);
+        let cols = checks::WindowColumns::of(&plan, i);
         let runs = checks::find_stuck_runs(&w, cols.lo, cols.hi, min_run);
         let first = rec.first_sample() as i64 + plan.window_first_column(i);
         health.observe(w.view(), cols.own, first, &runs);

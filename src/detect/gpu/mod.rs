@@ -323,6 +323,77 @@ impl Packer {
     }
 }
 
+/// An int16 window's storage made by [`Packer::raw16_buffer`]: the reader
+/// fills it ([`crate::recording::read_window_i16`]), the input checks work on
+/// it, and it goes to the device as it is, a packed [`RawWindow`] (issue 10:
+/// no float copy and no packing on the host).
+pub struct PackedRows {
+    data: cubecl::bytes::Bytes,
+    pinned: bool,
+}
+
+impl crate::recording::Raw16Buffer for PackedRows {
+    fn values(&self) -> &[i16] {
+        let bytes: &[u8] = &self.data;
+        // SAFETY: every i16 bit pattern is valid; alignment is checked below.
+        let (pre, v, post) = unsafe { bytes.align_to::<i16>() };
+        assert!(pre.is_empty() && post.is_empty(), "aligned buffer");
+        v
+    }
+    fn values_mut(&mut self) -> &mut [i16] {
+        let bytes: &mut [u8] = &mut self.data;
+        // SAFETY: as in `values`.
+        let (pre, v, post) = unsafe { bytes.align_to_mut::<i16>() };
+        assert!(pre.is_empty() && post.is_empty(), "aligned buffer");
+        v
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Packer {
+    /// Row length (int16 values) of the windows [`Packer::raw16_buffer`]
+    /// holds: `n_t` rounded up to whole 32-bit words, a packed
+    /// [`RawWindow`]'s rows.
+    pub fn raw16_stride(n_t: usize) -> usize {
+        n_t.div_ceil(2) * 2
+    }
+
+    /// Storage for `n_values` int16 values (page-locked with CUDA), for a
+    /// window of rows of [`Packer::raw16_stride`].
+    pub fn raw16_buffer(&self, n_values: usize) -> PackedRows {
+        let (data, pinned) = self.buffer(n_values.div_ceil(2));
+        PackedRows { data, pinned }
+    }
+
+    /// The packed [`RawWindow`] of an int16 window read into a
+    /// [`Packer::raw16_buffer`]; the window back when it is in other storage
+    /// or rows of another length.
+    pub fn from_raw16(
+        &self,
+        raw: crate::recording::Raw16,
+    ) -> std::result::Result<RawWindow, crate::recording::Raw16> {
+        if raw.stride != Self::raw16_stride(raw.n_cols) || !raw.buffer().is::<PackedRows>() {
+            return Err(raw);
+        }
+        let (n_rows, n_t) = (raw.n_rows, raw.n_cols);
+        match raw.into_buffer().downcast::<PackedRows>() {
+            Ok(p) => Ok(RawWindow {
+                n_rows,
+                n_t,
+                packed: true,
+                pinned: p.pinned,
+                data: p.data,
+            }),
+            Err(_) => unreachable!("checked"),
+        }
+    }
+}
+
 /// The bytes as 32-bit words (every buffer here is 4096- or 4-byte aligned and a
 /// whole number of words long).
 fn bytemuck_words(b: &mut cubecl::bytes::Bytes) -> &mut [u32] {
