@@ -307,9 +307,14 @@ impl DevicePass {
         if !detector.set_preprocessing(pre)? {
             return Ok(Err(detector));
         }
-        let Some(packer) = detector.packer() else {
+        let Some(mut packer) = detector.packer() else {
             return Ok(Err(detector));
         };
+        // Two upload buffers for int16 windows (the usual case), so that a
+        // window's copy overlaps the device's work on the one before.
+        let (c, n) = pre.window_shape();
+        let bytes = c * crate::detect::gpu::Packer::raw16_stride(n) * 2;
+        detector.give_upload_slots(&mut packer, bytes);
         Ok(Ok(DevicePass {
             detector,
             packer,
@@ -362,6 +367,11 @@ impl DeviceStager {
                 raw
             }
         };
+        let t0 = Instant::now();
+        let raw = self.packer.send_ahead(raw);
+        if raw.is_sent() {
+            times.lap("upload", t0);
+        }
         Ok(DeviceStaged { raw, whitening })
     }
 }
