@@ -599,13 +599,13 @@ impl<R: Runtime> GpuDetector<R> {
                 ),
             });
         }
-        if form.n_sites > preprocess::CAR_SHARED {
+        if form.n_sites > preprocess::CAR_MAX_SITES {
             return Err(DetectError::Setting {
                 name: "probe",
                 message: format!(
-                    "{} sites; the device median CAR takes at most {}",
+                    "{} sites; the device median CAR takes at most {} (use --backend cpu)",
                     form.n_sites,
-                    preprocess::CAR_SHARED
+                    preprocess::CAR_MAX_SITES
                 ),
             });
         }
@@ -831,13 +831,7 @@ impl<R: Runtime> GpuDetector<R> {
         let clock = Instant::now();
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let units = CubeDim::new_1d(preprocess::UNITS as u32);
-        // Columns per CAR tile: a power of two (so units divide evenly) with the
-        // tile's C × cols values within CAR_SHARED.
-        let mut cols = 64usize;
-        while cols > 1 && c * cols > preprocess::CAR_SHARED {
-            cols /= 2;
-        }
-        let rows_per_unit = c.div_ceil(preprocess::UNITS / cols).max(1);
+        let (cols, slots) = preprocess::car_tile(c);
         // SAFETY (all four launches): row r < c reads words r·wpr .. r·wpr + wpr of
         // `raw` (c·wpr words) and writes row r of the C × N buffers; samples
         // t < N only; taps q < K; CSR indices are < C by construction
@@ -867,7 +861,7 @@ impl<R: Runtime> GpuDetector<R> {
                     n_t as u32,
                     wpr as u32,
                     cols,
-                    rows_per_unit,
+                    slots,
                     packed,
                     pre.form.do_car,
                 );
