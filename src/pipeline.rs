@@ -33,7 +33,7 @@ use crate::detect::cpu::Detections;
 use crate::detect::{DetectionSettings, Geometry, UniversalTemplates};
 use crate::output::{OutputWriter, RunInfo, Summary};
 use crate::preprocess::{
-    PreprocessSettings, Preprocessor, whitening_covariance, whitening_from_covariance,
+    PreprocessSettings, Preprocessor, whitening_from_covariance,
 };
 use crate::probe::Probe;
 use crate::recording::{Recording, WindowLoader, WindowPlan, read_window};
@@ -336,6 +336,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         warnings.push(m.clone());
     }
     let whiten_mat = fitted.whitening;
+    let fit_times = fitted.times;
     let fit_s = t_fit.elapsed().as_secs_f64();
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
 
@@ -597,6 +598,9 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         .insert("backend_reason".into(), chosen.reason.clone());
     // ---- issue 10: busy seconds per stage, the stages' wall and overlap ----
     info.timings.insert("whitening_fit".into(), fit_s);
+    for (part, v) in &fit_times.0 {
+        info.timings.insert(format!("whitening_fit.{part}"), *v);
+    }
     for (k, v) in &stages.times.0 {
         info.timings.insert(k.clone(), *v);
     }
@@ -661,6 +665,10 @@ pub struct WhiteningFit {
     pub settings: PreprocessSettings,
     /// Warnings of the fit (scale, channel check over the fit's windows).
     pub warnings: Vec<String>,
+    /// Busy seconds of the fit's parts (issue 10): those of
+    /// [`FitTimes`](crate::preprocess::FitTimes), plus `checks` (the input
+    /// checks, out of `read`) and `zca` (the matrix from the covariance).
+    pub times: crate::preprocess::FitTimes,
 }
 
 /// The whitening fit of [`run_detection`] on its own (Kilosort4's
@@ -697,6 +705,7 @@ pub fn fit_whitening_for(
         plan,
         settings,
         warnings,
+        times: fitted.times,
     })
 }
 // ==== end issue 13 ====
@@ -1060,6 +1069,8 @@ struct Fitted {
     scale_message: Option<String>,
     /// Channel check over the windows of the fit.
     health: ChannelHealth,
+    /// Busy seconds of the fit's parts (`whitening_fit.<part>` in the timings).
+    times: crate::preprocess::FitTimes,
 }
 
 /// Kilosort4's whitening fit over the planned windows of `rec` (raw windows read
@@ -1077,11 +1088,15 @@ fn fit(
 ) -> Result<Fitted> {
     let min_run = checks::stuck_min_run(rec.fs());
     let mut health = ChannelHealth::new(&probe.chan_map);
-    let cc = whitening_covariance(
+    // ---- issue 10 (whitening fit speed): parts' busy seconds ----
+    let mut times = crate::preprocess::FitTimes::default();
+    let mut checks_s = 0.0;
+    let cc = crate::preprocess::whitening_covariance_timed(
         plan.n_windows,
         |i| -> Result<Array2<f32>> {
             let mut w = Array2::zeros((probe.n_sites(), plan.window_len()));
             read_window(rec.as_ref(), plan, i, &probe.chan_map, &mut w)?;
+            let t_checks = Instant::now();
             let cols = WindowColumns::of(plan, i);
             let first = rec.first_sample() as i64 + plan.window_first_column(i);
             let runs = checks::find_stuck_runs(&w, cols.lo, cols.hi, min_run);
@@ -1089,12 +1104,18 @@ fn fit(
             if checks.mask_clipped {
                 checks::fill_stuck_runs(&mut w, &runs, cols.lo, cols.hi, cols.pad_repeats);
             }
+            checks_s += t_checks.elapsed().as_secs_f64();
             Ok(w)
         },
         probe,
         settings,
+        &mut times,
     )
     .context("fitting the whitening matrix")?;
+    // `read` (the closure) includes the checks: split them.
+    times.add("read", -checks_s);
+    times.add("checks", checks_s);
+    let t_zca = Instant::now();
     let (k, message) = match checks::scale_factor(&cc) {
         Some((k, sd)) if checks.auto_scale => (k, Some(checks::scale_message(k, sd))),
         _ => (1.0, None),
@@ -1106,11 +1127,13 @@ fn fit(
             .map(|w| w.mapv(|v| (f64::from(v) * k) as f32))
     }
     .context("fitting the whitening matrix")?;
+    times.lap("zca", t_zca);
     Ok(Fitted {
         whitening,
         scale_factor: k,
         scale_message: message,
         health,
+        times,
     })
 }
 

@@ -37,8 +37,9 @@ pub use highpass::{
     highpass_kernel,
 };
 pub use whitening::{
-    WHITENING_EPS, Whitening, accumulate_covariance, covariance_windows, fit_whitening,
-    whitening_covariance, whitening_from_covariance, whitening_neighbours,
+    FitTimes, WHITENING_EPS, Whitening, accumulate_covariance, covariance_windows, fit_whitening,
+    whitening_covariance, whitening_covariance_timed, whitening_from_covariance,
+    whitening_neighbours,
 };
 
 use ndarray::Array2;

@@ -172,6 +172,14 @@ pub fn accumulate_covariance(
     cc: &mut Array2<f64>,
     block: ndarray::ArrayView2<'_, f32>,
 ) -> Result<(), PreprocessError> {
+    accumulate_covariance_timed(cc, block, &mut FitTimes::default())
+}
+
+fn accumulate_covariance_timed(
+    cc: &mut Array2<f64>,
+    block: ndarray::ArrayView2<'_, f32>,
+    times: &mut FitTimes,
+) -> Result<(), PreprocessError> {
     let (c, t) = block.dim();
     if cc.dim() != (c, c) {
         return Err(PreprocessError::Shape {
@@ -198,6 +206,7 @@ pub fn accumulate_covariance(
     while start < t {
         let w = COV_CHUNK.min(t - start);
         let xs = &mut x[..c * w];
+        let t0 = std::time::Instant::now();
         xs.par_chunks_mut(c * TILE)
             .enumerate()
             .for_each(|(j, cols)| {
@@ -210,6 +219,7 @@ pub fn accumulate_covariance(
                     }
                 }
             });
+        let t0 = times.lap("to_f64", t0);
         let xm = MatRef::from_column_major_slice(xs, c, w);
         matmul(
             acc.as_mut(),
@@ -219,14 +229,17 @@ pub fn accumulate_covariance(
             1.0,
             Par::rayon(0),
         );
+        times.lap("product", t0);
         start += w;
     }
+    let t0 = std::time::Instant::now();
     let inv_t = 1.0 / t as f64;
     for i in 0..c {
         for k in 0..c {
             cc[(i, k)] += acc[(i, k)] * inv_t;
         }
     }
+    times.lap("sum", t0);
     Ok(())
 }
 
@@ -281,9 +294,54 @@ where
 /// As [`fit_whitening`], except for the decomposition.
 pub fn whitening_covariance<E, F>(
     n_windows: u64,
+    read_raw_window: F,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+) -> Result<Array2<f64>, E>
+where
+    F: FnMut(u64) -> Result<Array2<f32>, E> + Send,
+    E: From<PreprocessError> + Send,
+{
+    whitening_covariance_timed(
+        n_windows,
+        read_raw_window,
+        probe,
+        settings,
+        &mut FitTimes::default(),
+    )
+}
+
+/// Busy seconds of the whitening fit's parts, summed over its windows, by
+/// name: `read` (the caller's `read_raw_window`, with its checks), `invert`,
+/// `car`, `highpass`, `artifact`, `to_f64` (the f64 copy), `product`
+/// (`X·Xᵀ`) and `sum` (adding the window's term). Parts may overlap in time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FitTimes(pub std::collections::BTreeMap<&'static str, f64>);
+
+impl FitTimes {
+    /// Adds `seconds` to `part`.
+    pub fn add(&mut self, part: &'static str, seconds: f64) {
+        *self.0.entry(part).or_insert(0.0) += seconds;
+    }
+
+    /// Adds the seconds since `since` to `part`; returns now.
+    pub fn lap(&mut self, part: &'static str, since: std::time::Instant) -> std::time::Instant {
+        let now = std::time::Instant::now();
+        self.add(part, (now - since).as_secs_f64());
+        now
+    }
+}
+
+/// As [`whitening_covariance`], adding each part's busy seconds to `times`.
+///
+/// # Errors
+/// As [`whitening_covariance`].
+pub fn whitening_covariance_timed<E, F>(
+    n_windows: u64,
     mut read_raw_window: F,
     probe: &Probe,
     settings: &PreprocessSettings,
+    times: &mut FitTimes,
 ) -> Result<Array2<f64>, E>
 where
     F: FnMut(u64) -> Result<Array2<f32>, E> + Send,
@@ -320,21 +378,26 @@ where
     let mut cc = Array2::<f64>::zeros((c, c));
     // Reading (with the caller's checks) runs one window ahead, on its own
     // thread; the windows are still read, and summed, in order.
-    std::thread::scope(|scope| -> Result<(), E> {
+    let read_s = std::thread::scope(|scope| -> Result<f64, E> {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Array2<f32>, E>>(1);
         let list = windows.clone();
-        scope.spawn(move || {
+        let reader = scope.spawn(move || {
+            let mut busy = 0.0;
             for &i in &list {
+                let t = std::time::Instant::now();
                 let r = read_raw_window(i);
+                busy += t.elapsed().as_secs_f64();
                 let failed = r.is_err();
                 if tx.send(r).is_err() || failed {
                     break;
                 }
             }
+            busy
         });
         for &i in &windows {
             let Ok(x) = rx.recv() else { break };
             let mut x = x?;
+            let t = std::time::Instant::now();
             if x.dim() != (c, n) {
                 return Err(PreprocessError::Shape {
                     what: "raw window for the whitening fit",
@@ -348,8 +411,11 @@ where
             if settings.invert_sign {
                 invert_sign(&mut x);
             }
+            let t = times.lap("invert", t);
             common_reference(&mut x, settings.do_car)?;
+            let t = times.lap("car", t);
             hp.apply(&mut x)?;
+            let t = times.lap("highpass", t);
             if exceeds_artifact_threshold(&x, settings.artifact_threshold) {
                 tracing::info!(
                     window = i,
@@ -357,11 +423,13 @@ where
                 );
                 x.fill(0.0);
             }
+            times.lap("artifact", t);
             let central = x.slice(ndarray::s![.., nt..n - nt]);
-            accumulate_covariance(&mut cc, central)?;
+            accumulate_covariance_timed(&mut cc, central, times)?;
         }
-        Ok(())
+        Ok(reader.join().unwrap_or(0.0))
     })?;
+    times.add("read", read_s);
     cc.mapv_inplace(|v| v / windows.len() as f64);
     Ok(cc)
 }
