@@ -12,13 +12,18 @@
 //!   use instead of a simulation;
 //! * `SPIKECUBE_BENCH_SECONDS`: seconds to simulate (default 26);
 //! * `SPIKECUBE_BENCH_NSKIP`: `nskip` (default 1);
-//! * `SPIKECUBE_BENCH_RUNS`: runs (default 5, after one warm-up run);
+//! * `SPIKECUBE_BENCH_RUNS`: rounds (default 3, after one warm-up run);
 //! * `SPIKECUBE_BENCH_THREADS`: rayon threads (default: `RAYON_NUM_THREADS`,
 //!   else one per core).
 //!
+//! Four schedules of the same fit run interleaved, `RUNS` rounds: before
+//! issue 10's fit work (one step at a time, faer's full `X·Xᵀ` on all
+//! threads), each change alone, and both (the default). All must give the
+//! same W: its FNV-1a hash is printed for each.
+//!
 //! Parts (busy seconds summed over the windows; they overlap in time): `read`
 //! and `checks` (on the reading thread), `invert`, `car`, `highpass`,
-//! `artifact`, `to_f64`, `product`, `sum`, `zca`.
+//! `artifact`, `product` (with the f64 copy), `sum`, `zca`.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -27,8 +32,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use spikecube::Probe;
-use spikecube::pipeline::{Checks, fit_whitening_for};
-use spikecube::preprocess::PreprocessSettings;
+use spikecube::pipeline::{Checks, fit_whitening_with};
+use spikecube::preprocess::{FitOptions, PreprocessSettings};
 use spikecube::recording::{OpenOptions, Recording, open};
 use spikecube::simulate::{SimConfig, default_probe, simulate};
 
@@ -59,9 +64,14 @@ struct Run {
     w_bits: u64,
 }
 
-fn one_run(rec: &Arc<dyn Recording>, probe: &Probe, settings: &PreprocessSettings) -> Result<Run> {
+fn one_run(
+    rec: &Arc<dyn Recording>,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    options: FitOptions,
+) -> Result<Run> {
     let t = Instant::now();
-    let fit = fit_whitening_for(rec, probe, settings, &Checks::default())?;
+    let fit = fit_whitening_with(rec, probe, settings, &Checks::default(), options)?;
     let wall = t.elapsed().as_secs_f64();
     // FNV-1a of W's bits: equal across runs, thread counts and versions.
     let mut h = 0xcbf2_9ce4_8422_2325u64;
@@ -72,7 +82,12 @@ fn one_run(rec: &Arc<dyn Recording>, probe: &Probe, settings: &PreprocessSetting
     }
     Ok(Run {
         wall,
-        parts: fit.times.0.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        parts: fit
+            .times
+            .0
+            .iter()
+            .map(|(k, v)| (k.to_string(), *v))
+            .collect(),
         w_bits: h,
     })
 }
@@ -80,7 +95,7 @@ fn one_run(rec: &Arc<dyn Recording>, probe: &Probe, settings: &PreprocessSetting
 fn main() -> Result<()> {
     let seconds: f64 = env("SPIKECUBE_BENCH_SECONDS", 26.0)?;
     let nskip: usize = env("SPIKECUBE_BENCH_NSKIP", 1usize)?.max(1);
-    let n_runs: usize = env("SPIKECUBE_BENCH_RUNS", 5usize)?.max(1);
+    let n_runs: usize = env("SPIKECUBE_BENCH_RUNS", 3usize)?.max(1);
     let threads: usize = env("SPIKECUBE_BENCH_THREADS", 0usize)?;
     if threads > 0 {
         rayon::ThreadPoolBuilder::new()
@@ -108,10 +123,6 @@ fn main() -> Result<()> {
         nskip,
         ..PreprocessSettings::default()
     };
-    let warm = one_run(&rec, &probe, &settings)?; // warm-up: page cache, plans
-    let runs: Vec<Run> = (0..n_runs)
-        .map(|_| one_run(&rec, &probe, &settings))
-        .collect::<Result<_>>()?;
     let n_windows = rec.n_samples().div_ceil(settings.batch_size as u64);
     let used = spikecube::preprocess::covariance_windows(n_windows, nskip as u64).len();
     println!(
@@ -120,25 +131,62 @@ fn main() -> Result<()> {
         probe.n_sites(),
         rayon::current_num_threads()
     );
-    let same = runs.iter().all(|r| r.w_bits == warm.w_bits);
-    println!(
-        "W hash (FNV-1a of its f32 bits) {:016x}{}",
-        warm.w_bits,
-        if same { "" } else { " — DIFFERS BETWEEN RUNS" }
-    );
-    let wall = median(runs.iter().map(|r| r.wall).collect());
-    println!(
-        "whitening fit: median wall {:.3} s ({:.1} ms per window)",
-        wall,
-        wall * 1e3 / used as f64
-    );
-    for k in warm.parts.keys() {
-        let m = median(
-            runs.iter()
-                .map(|r| r.parts.get(k).copied().unwrap_or(f64::NAN))
-                .collect(),
+    let variants = [
+        (
+            "before: one step at a time, plain product",
+            FitOptions {
+                pipelined: false,
+                fast_product: false,
+            },
+        ),
+        (
+            "plain product, pipelined",
+            FitOptions {
+                pipelined: true,
+                fast_product: false,
+            },
+        ),
+        (
+            "fast product, one step at a time",
+            FitOptions {
+                pipelined: false,
+                fast_product: true,
+            },
+        ),
+        ("after: fast product, pipelined", FitOptions::default()),
+    ];
+    one_run(&rec, &probe, &settings, FitOptions::default())?; // warm-up: page cache
+    // Runs interleaved (variant by variant, round by round) so that a change
+    // of the machine's load touches every variant alike.
+    let mut runs: Vec<Vec<Run>> = variants.iter().map(|_| Vec::new()).collect();
+    for _ in 0..n_runs {
+        for (v, (_, options)) in variants.iter().enumerate() {
+            runs[v].push(one_run(&rec, &probe, &settings, *options)?);
+        }
+    }
+    let hash = runs[0][0].w_bits;
+    for ((name, _), runs) in variants.iter().zip(&runs) {
+        let same = runs.iter().all(|r| r.w_bits == hash);
+        let wall = median(runs.iter().map(|r| r.wall).collect());
+        println!(
+            "{name}: median wall {wall:.3} s ({:.1} ms per window), W hash {:016x}{}",
+            wall * 1e3 / used as f64,
+            runs[0].w_bits,
+            if same { "" } else { " — W DIFFERS" }
         );
-        println!("  {k:<10} {m:8.3} s busy");
+        let parts: Vec<String> = runs[0]
+            .parts
+            .keys()
+            .filter_map(|k| {
+                let m = median(
+                    runs.iter()
+                        .map(|r| r.parts.get(k).copied().unwrap_or(f64::NAN))
+                        .collect(),
+                );
+                (m >= 0.0005).then(|| format!("{k} {m:.2}"))
+            })
+            .collect();
+        println!("    busy s: {}", parts.join(", "));
     }
     Ok(())
 }

@@ -32,9 +32,7 @@ use crate::checks::{self, ChannelHealth, Near};
 use crate::detect::cpu::Detections;
 use crate::detect::{DetectionSettings, Geometry, UniversalTemplates};
 use crate::output::{OutputWriter, RunInfo, Summary};
-use crate::preprocess::{
-    PreprocessSettings, Preprocessor, whitening_from_covariance,
-};
+use crate::preprocess::{FitOptions, PreprocessSettings, Preprocessor, whitening_from_covariance};
 use crate::probe::Probe;
 use crate::recording::{Recording, WindowLoader, WindowPlan, read_window};
 use crate::stages::{HostPass, WindowInfo, run_windows};
@@ -325,7 +323,14 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     );
 
     let t_fit = Instant::now();
-    let fitted = fit(&rec, &plan, &job.probe, &job.preprocess, &job.checks)?;
+    let fitted = fit(
+        &rec,
+        &plan,
+        &job.probe,
+        &job.preprocess,
+        &job.checks,
+        FitOptions::default(),
+    )?;
     if let Some(w) = fitted
         .health
         .warning("the windows of the whitening fit", job.checks.mask_clipped)
@@ -686,12 +691,27 @@ pub fn fit_whitening_for(
     settings: &PreprocessSettings,
     checks: &Checks,
 ) -> Result<WhiteningFit> {
+    fit_whitening_with(rec, probe, settings, checks, FitOptions::default())
+}
+
+/// [`fit_whitening_for`] scheduled as `options` says (issue 10: the same W
+/// whatever the options; for benchmarks).
+///
+/// # Errors
+/// As [`fit_whitening_for`].
+pub fn fit_whitening_with(
+    rec: &Arc<dyn Recording>,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    checks: &Checks,
+    options: FitOptions,
+) -> Result<WhiteningFit> {
     let mut settings = settings.clone();
     settings.fs = rec.fs();
     settings.validate()?;
     fit_batch_to_recording(rec.as_ref(), &mut settings);
     let plan = plan_windows(rec.as_ref(), probe, settings.batch_size, settings.nt)?;
-    let fitted = fit(rec, &plan, probe, &settings, checks)?;
+    let fitted = fit(rec, &plan, probe, &settings, checks, options)?;
     let mut warnings: Vec<String> = fitted.scale_message.iter().cloned().collect();
     if let Some(w) = fitted
         .health
@@ -898,7 +918,14 @@ pub fn write_whitened(
     let mut written = 0u64;
     let mut bytes = Vec::new();
     let result: Result<Array2<f32>> = (|| {
-        let fitted = fit(&recording, &plan, probe, &settings, checks)?;
+        let fitted = fit(
+            &recording,
+            &plan,
+            probe,
+            &settings,
+            checks,
+            FitOptions::default(),
+        )?;
         if let Some(m) = &fitted.scale_message {
             warnings.push(m.clone());
         }
@@ -1085,13 +1112,14 @@ fn fit(
     probe: &Probe,
     settings: &PreprocessSettings,
     checks: &Checks,
+    options: FitOptions,
 ) -> Result<Fitted> {
     let min_run = checks::stuck_min_run(rec.fs());
     let mut health = ChannelHealth::new(&probe.chan_map);
     // ---- issue 10 (whitening fit speed): parts' busy seconds ----
     let mut times = crate::preprocess::FitTimes::default();
     let mut checks_s = 0.0;
-    let cc = crate::preprocess::whitening_covariance_timed(
+    let cc = crate::preprocess::whitening_covariance_with(
         plan.n_windows,
         |i| -> Result<Array2<f32>> {
             let mut w = Array2::zeros((probe.n_sites(), plan.window_len()));
@@ -1109,6 +1137,7 @@ fn fit(
         },
         probe,
         settings,
+        options,
         &mut times,
     )
     .context("fitting the whitening matrix")?;
