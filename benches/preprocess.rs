@@ -141,6 +141,10 @@ fn main() {
     report("fit: X·Xᵀ fast (same bits)", cov_fast);
     println!(
         "fit covariance, fast vs plain: {}",
-        if same { "bit-identical" } else { "DIFFERENT BITS" }
+        if same {
+            "bit-identical"
+        } else {
+            "DIFFERENT BITS"
+        }
     );
 }

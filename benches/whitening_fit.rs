@@ -18,8 +18,12 @@
 //!
 //! Four schedules of the same fit run interleaved, `RUNS` rounds: before
 //! issue 10's fit work (one step at a time, faer's full `X·Xᵀ` on all
-//! threads), each change alone, and both (the default). All must give the
-//! same W: its FNV-1a hash is printed for each.
+//! threads, a new buffer per window read), then with the changes added one
+//! by one (`FitOptions`; the last is the default). All must give the same W:
+//! its FNV-1a hash is printed for each.
+//!
+//! The process's CPU seconds (user + system) are printed beside the wall
+//! time: on a machine shared with other work they vary less.
 //!
 //! Parts (busy seconds summed over the windows; they overlap in time): `read`
 //! and `checks` (on the reading thread), `invert`, `car`, `highpass`,
@@ -60,8 +64,27 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 struct Run {
     wall: f64,
+    /// CPU seconds of the process (user + system) during the run.
+    cpu: f64,
     parts: BTreeMap<String, f64>,
     w_bits: u64,
+}
+
+/// User + system CPU seconds of this process so far (NaN where unknown).
+#[cfg(unix)]
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return f64::NAN;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    tv(u.ru_utime) + tv(u.ru_stime)
+}
+
+#[cfg(not(unix))]
+fn cpu_seconds() -> f64 {
+    f64::NAN
 }
 
 fn one_run(
@@ -70,9 +93,11 @@ fn one_run(
     settings: &PreprocessSettings,
     options: FitOptions,
 ) -> Result<Run> {
+    let cpu0 = cpu_seconds();
     let t = Instant::now();
     let fit = fit_whitening_with(rec, probe, settings, &Checks::default(), options)?;
     let wall = t.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - cpu0;
     // FNV-1a of W's bits: equal across runs, thread counts and versions.
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for v in fit.whitening.iter() {
@@ -82,6 +107,7 @@ fn one_run(
     }
     Ok(Run {
         wall,
+        cpu,
         parts: fit
             .times
             .0
@@ -131,29 +157,31 @@ fn main() -> Result<()> {
         probe.n_sites(),
         rayon::current_num_threads()
     );
+    let plain = FitOptions::plain();
     let variants = [
         (
-            "before: one step at a time, plain product",
-            FitOptions {
-                pipelined: false,
-                fast_product: false,
-            },
+            "before: one step at a time, plain product, new buffers",
+            plain,
         ),
         (
-            "plain product, pipelined",
+            "fast product",
             FitOptions {
-                pipelined: true,
-                fast_product: false,
-            },
-        ),
-        (
-            "fast product, one step at a time",
-            FitOptions {
-                pipelined: false,
                 fast_product: true,
+                ..plain
             },
         ),
-        ("after: fast product, pipelined", FitOptions::default()),
+        (
+            "fast product, pipelined",
+            FitOptions {
+                fast_product: true,
+                pipelined: true,
+                ..plain
+            },
+        ),
+        (
+            "after: fast product, pipelined, reused buffers",
+            FitOptions::default(),
+        ),
     ];
     one_run(&rec, &probe, &settings, FitOptions::default())?; // warm-up: page cache
     // Runs interleaved (variant by variant, round by round) so that a change
@@ -168,8 +196,9 @@ fn main() -> Result<()> {
     for ((name, _), runs) in variants.iter().zip(&runs) {
         let same = runs.iter().all(|r| r.w_bits == hash);
         let wall = median(runs.iter().map(|r| r.wall).collect());
+        let cpu = median(runs.iter().map(|r| r.cpu).collect());
         println!(
-            "{name}: median wall {wall:.3} s ({:.1} ms per window), W hash {:016x}{}",
+            "{name}: median wall {wall:.3} s ({:.1} ms per window), CPU {cpu:.2} s, W hash {:016x}{}",
             wall * 1e3 / used as f64,
             runs[0].w_bits,
             if same { "" } else { " — W DIFFERS" }

@@ -1119,21 +1119,20 @@ fn fit(
     // ---- issue 10 (whitening fit speed): parts' busy seconds ----
     let mut times = crate::preprocess::FitTimes::default();
     let mut checks_s = 0.0;
-    let cc = crate::preprocess::whitening_covariance_with(
+    let cc = crate::preprocess::whitening_covariance_into(
         plan.n_windows,
-        |i| -> Result<Array2<f32>> {
-            let mut w = Array2::zeros((probe.n_sites(), plan.window_len()));
-            read_window(rec.as_ref(), plan, i, &probe.chan_map, &mut w)?;
+        |i, w: &mut Array2<f32>| -> Result<()> {
+            read_window(rec.as_ref(), plan, i, &probe.chan_map, w)?;
             let t_checks = Instant::now();
             let cols = WindowColumns::of(plan, i);
             let first = rec.first_sample() as i64 + plan.window_first_column(i);
-            let runs = checks::find_stuck_runs(&w, cols.lo, cols.hi, min_run);
+            let runs = checks::find_stuck_runs(w, cols.lo, cols.hi, min_run);
             health.observe(w.view(), cols.own, first, &runs);
             if checks.mask_clipped {
-                checks::fill_stuck_runs(&mut w, &runs, cols.lo, cols.hi, cols.pad_repeats);
+                checks::fill_stuck_runs(w, &runs, cols.lo, cols.hi, cols.pad_repeats);
             }
             checks_s += t_checks.elapsed().as_secs_f64();
-            Ok(w)
+            Ok(())
         },
         probe,
         settings,

@@ -8,7 +8,7 @@ use ndarray::Array2;
 use spikecube::Probe;
 use spikecube::preprocess::{
     FitOptions, FitTimes, PreprocessSettings, accumulate_covariance, accumulate_covariance_plain,
-    fit_whitening, whitening_covariance_with, whitening_from_covariance,
+    fit_whitening, whitening_covariance_into, whitening_covariance_with, whitening_from_covariance,
 };
 
 fn two_column_probe(c: usize) -> Probe {
@@ -49,10 +49,7 @@ fn case(c: usize, settings: &PreprocessSettings, n_windows: u64, spike_window: O
     let n = settings.window_len();
     let read =
         |i: u64| -> Result<Array2<f32>, anyhow::Error> { Ok(raw_window(c, n, i, spike_window)) };
-    let plain = FitOptions {
-        pipelined: false,
-        fast_product: false,
-    };
+    let plain = FitOptions::plain();
     let pool1 = rayon::ThreadPoolBuilder::new()
         .num_threads(1)
         .build()
@@ -81,6 +78,7 @@ fn case(c: usize, settings: &PreprocessSettings, n_windows: u64, spike_window: O
                 let options = FitOptions {
                     pipelined,
                     fast_product,
+                    reuse_buffers: true,
                 };
                 let mut times = FitTimes::default();
                 let cc = pool
@@ -98,6 +96,26 @@ fn case(c: usize, settings: &PreprocessSettings, n_windows: u64, spike_window: O
                 assert!(times.0.contains_key("product") && times.0.contains_key("car"));
             }
         }
+        // Read into the fit's reused buffers (as `spikecube detect` reads).
+        let mut reads = 0;
+        let cc = pool
+            .install(|| {
+                whitening_covariance_into(
+                    n_windows,
+                    |i, x: &mut Array2<f32>| -> Result<(), anyhow::Error> {
+                        reads += 1;
+                        x.assign(&raw_window(c, n, i, spike_window));
+                        Ok(())
+                    },
+                    &probe,
+                    settings,
+                    FitOptions::default(),
+                    &mut FitTimes::default(),
+                )
+            })
+            .unwrap();
+        assert_eq!(bits(&cc), bits(&reference), "{c} sites: read into buffers");
+        assert!(reads >= 1);
         let w = pool
             .install(|| fit_whitening::<anyhow::Error, _>(n_windows, read, &probe, settings))
             .unwrap();
@@ -130,6 +148,18 @@ fn fit_schedules_and_thread_counts_give_the_plain_fits_bits_61_sites() {
     };
     // Windows 0 … 3 of 5; window 2 is zeroed by the artifact check.
     case(61, &settings, 5, Some(2));
+}
+
+#[test]
+fn fit_schedules_and_thread_counts_give_the_plain_fits_bits_many_windows() {
+    let settings = PreprocessSettings {
+        batch_size: 3000,
+        nskip: 1,
+        whitening_range: 8,
+        ..PreprocessSettings::default()
+    };
+    // Windows 0 … 8 of 10: buffers are reused several times.
+    case(48, &settings, 10, None);
 }
 
 /// `accumulate_covariance` (fast where it keeps the bits) and the plain

@@ -40,8 +40,8 @@ pub use highpass::{
 pub use whitening::{
     FitOptions, FitTimes, WHITENING_EPS, Whitening, accumulate_covariance,
     accumulate_covariance_plain, covariance_windows, fit_whitening, whitening_covariance,
-    whitening_covariance_timed, whitening_covariance_with, whitening_from_covariance,
-    whitening_neighbours,
+    whitening_covariance_into, whitening_covariance_timed, whitening_covariance_with,
+    whitening_from_covariance, whitening_neighbours,
 };
 
 use ndarray::Array2;

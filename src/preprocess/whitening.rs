@@ -360,6 +360,21 @@ pub struct FitOptions {
     /// bits ([`accumulate_covariance`]), or always the plain product
     /// ([`accumulate_covariance_plain`]).
     pub fast_product: bool,
+    /// [`whitening_covariance_into`] reads into window buffers used before
+    /// (`true`), or into a new zeroed buffer for every window (`false`).
+    pub reuse_buffers: bool,
+}
+
+impl FitOptions {
+    /// The schedule before issue 10's fit work: one step at a time, the plain
+    /// product, a new buffer per window.
+    pub fn plain() -> Self {
+        FitOptions {
+            pipelined: false,
+            fast_product: false,
+            reuse_buffers: false,
+        }
+    }
 }
 
 impl Default for FitOptions {
@@ -367,6 +382,7 @@ impl Default for FitOptions {
         FitOptions {
             pipelined: true,
             fast_product: true,
+            reuse_buffers: true,
         }
     }
 }
@@ -428,12 +444,6 @@ fn preprocess_for_fit(
 /// As [`whitening_covariance_timed`], scheduled as `options` says (the
 /// result does not depend on it).
 ///
-/// Reading (with the caller's checks) runs one window ahead on its own
-/// thread. With `options.pipelined`, window k's product `X·Xᵀ` runs (on the
-/// rayon pool) beside window k + 1's preprocessing; the windows' terms are
-/// still added in window order. Windows in memory at once: at most two
-/// being read or queued, one preprocessed, one in the product.
-///
 /// # Errors
 /// As [`whitening_covariance`].
 pub fn whitening_covariance_with<E, F>(
@@ -446,6 +456,45 @@ pub fn whitening_covariance_with<E, F>(
 ) -> Result<Array2<f64>, E>
 where
     F: FnMut(u64) -> Result<Array2<f32>, E> + Send,
+    E: From<PreprocessError> + Send,
+{
+    whitening_covariance_into(
+        n_windows,
+        |i, x: &mut Array2<f32>| {
+            *x = read_raw_window(i)?;
+            Ok(())
+        },
+        probe,
+        settings,
+        options,
+        times,
+    )
+}
+
+/// As [`whitening_covariance_with`], the windows read into buffers the fit
+/// reuses: `read_raw_window_into(i, x)` overwrites every value of `x`
+/// (C × N, allocated zeroed the first times) with window i, as
+/// `read_raw_window(i)` of [`fit_whitening`] returns it. Saves allocating
+/// (and the OS zeroing) a window per read.
+///
+/// Reading (with the caller's checks) runs ahead on its own thread. With
+/// `options.pipelined`, window k's product `X·Xᵀ` runs (on the rayon pool)
+/// beside window k + 1's preprocessing; the windows' terms are still added in
+/// window order. Window buffers at once: at most four (one being read, one
+/// queued, one being preprocessed, one in the product).
+///
+/// # Errors
+/// As [`whitening_covariance`].
+pub fn whitening_covariance_into<E, F>(
+    n_windows: u64,
+    mut read_raw_window_into: F,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    options: FitOptions,
+    times: &mut FitTimes,
+) -> Result<Array2<f64>, E>
+where
+    F: FnMut(u64, &mut Array2<f32>) -> Result<(), E> + Send,
     E: From<PreprocessError> + Send,
 {
     settings.validate()?;
@@ -478,22 +527,31 @@ where
     );
     let mut cc = Array2::<f64>::zeros((c, c));
     let mut sum = WindowSum::new(options.fast_product);
-    // Adds a preprocessed window's central NT columns to `cc`.
+    // Adds a preprocessed window's central NT columns to `cc`; hands the
+    // buffer back.
     let add = |sum: &mut WindowSum,
                cc: &mut Array2<f64>,
                x: Array2<f32>,
                times: &mut FitTimes|
-     -> Result<(), PreprocessError> {
-        sum.add(cc, x.slice(ndarray::s![.., nt..n - nt]), times)
+     -> Result<Array2<f32>, PreprocessError> {
+        sum.add(cc, x.slice(ndarray::s![.., nt..n - nt]), times)?;
+        Ok(x)
     };
     let read_s = std::thread::scope(|scope| -> Result<f64, E> {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Array2<f32>, E>>(1);
+        // Buffers back from the product, for the reader to fill again.
+        let (free_tx, free_rx) = std::sync::mpsc::channel::<Array2<f32>>();
         let list = windows.clone();
         let reader = scope.spawn(move || {
             let mut busy = 0.0;
             for &i in &list {
                 let t = std::time::Instant::now();
-                let r = read_raw_window(i);
+                let reused = match options.reuse_buffers {
+                    true => free_rx.try_recv().ok(),
+                    false => None,
+                };
+                let mut x = reused.unwrap_or_else(|| Array2::<f32>::zeros((c, n)));
+                let r = read_raw_window_into(i, &mut x).map(|()| x);
                 busy += t.elapsed().as_secs_f64();
                 let failed = r.is_err();
                 if tx.send(r).is_err() || failed {
@@ -524,17 +582,20 @@ where
                 let (pre, added) = rayon::join(
                     || preprocess_for_fit(x, i, settings, &hp, &mut pre_times),
                     || match previous {
-                        Some(p) => add(&mut sum, &mut cc, p, &mut sum_times),
-                        None => Ok(()),
+                        Some(p) => add(&mut sum, &mut cc, p, &mut sum_times).map(Some),
+                        None => Ok(None),
                     },
                 );
                 times.merge(&pre_times);
                 times.merge(&sum_times);
-                added?;
+                if let Some(done) = added? {
+                    let _ = free_tx.send(done);
+                }
                 pending = Some(pre?);
             } else {
                 let x = preprocess_for_fit(x, i, settings, &hp, times)?;
-                add(&mut sum, &mut cc, x, times)?;
+                let done = add(&mut sum, &mut cc, x, times)?;
+                let _ = free_tx.send(done);
             }
         }
         if let Some(p) = pending.take() {
