@@ -162,11 +162,11 @@ pub(crate) fn gram_fast(rows: &[&[f32]], t: usize, acc: &mut Vec<f64>, scratch: 
         scratch.partials[..nb]
             .par_iter_mut()
             .enumerate()
-            .for_each_init(
-                || vec![0f64; c * KC],
-                |x, (q, part)| {
+            .for_each(|(q, part)| {
+                BLOCK_F64.with_borrow_mut(|x| {
                     let k0 = (b0 + q) * KC;
                     let w = KC.min(t - k0);
+                    x.resize(c * KC, 0.0);
                     to_f64_columns(rows, k0, w, &mut x[..c * w]);
                     let xm = MatRef::from_column_major_slice(&x[..c * w], c, w);
                     let dst = MatMut::from_column_major_slice_mut(&mut part[..], c, c);
@@ -181,8 +181,8 @@ pub(crate) fn gram_fast(rows: &[&[f32]], t: usize, acc: &mut Vec<f64>, scratch: 
                         1.0,
                         Par::Seq,
                     );
-                },
-            );
+                })
+            });
         // acc(i, j) += s_b(i, j) for i ≥ j, blocks in order; columns in parallel.
         let parts = &scratch.partials[..nb];
         acc.par_chunks_mut(c).enumerate().for_each(|(j, col)| {
@@ -200,6 +200,11 @@ pub(crate) fn gram_fast(rows: &[&[f32]], t: usize, acc: &mut Vec<f64>, scratch: 
             acc[j * c + i] = acc[i * c + j];
         }
     }
+}
+
+thread_local! {
+    /// A block's f64 columns, per thread (every value read is written first).
+    static BLOCK_F64: std::cell::RefCell<Vec<f64>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `acc` (C × C, column-major) ← `X·Xᵀ` of a (C × T) f32 block:
