@@ -15,6 +15,8 @@
 //! the `detect` output folder, Kilosort4's batch_size; writes `sc_X_<b>.npy`,
 //! float32 sites × (batch_size + 2·nt), into DEST). Settings as
 //! `detect --scale 1 --mask-clipped false` (no other input correction).
+//! `fit REC.bin PROBE.json - BATCH_SIZE -` only opens the recording and fits
+//! the whitening, as `detect` does, and exits (for timing).
 //! DETECT_OUT `-` writes the first pass's windows (W·X, no correction).
 //! DETECT_OUT may be any folder holding `drift.npy` and `drift_blocks.npy`,
 //! e.g. one written by the `estimate` mode (below) from Kilosort4's `st0`.
@@ -74,13 +76,16 @@ fn main() -> Result<()> {
     if args.first().is_some_and(|a| a == "estimate") {
         return estimate_from_st0(&args[1..]);
     }
-    let [rec, probe, det, batch, dest] = args.as_slice() else {
+    let fit_only = args.first().is_some_and(|a| a == "fit");
+    let args: &[String] = if fit_only { &args[1..] } else { &args[..] };
+    let [rec, probe, det, batch, dest] = args else {
         anyhow::bail!("usage: drift_windows REC.bin PROBE.json DETECT_OUT BATCH_SIZE DEST");
     };
     let req = InputRequest {
         paths: vec![PathBuf::from(rec)],
         open: OpenOptions {
-            scale: Some(1.0),
+            // `detect`'s default (automatic scale) for `fit`, else `--scale 1`.
+            scale: (!fit_only).then_some(1.0),
             ..OpenOptions::default()
         },
         probe: Some(spikecube::Probe::load(std::path::Path::new(probe))?),
@@ -93,6 +98,13 @@ fn main() -> Result<()> {
         ..PreprocessSettings::default()
     };
     let fit = fit_whitening_for(&opened.recording, &probe, &settings, &checks)?;
+    if fit_only {
+        // `fit …`: the whitening fit of a `detect` run alone (opening, checks,
+        // fit), the part of a run that the drift step does not repeat; timed
+        // as a whole process for the drift step's cost (BENCHMARKS.md).
+        eprintln!("fit: W is {:?}", fit.whitening.dim());
+        return Ok(());
+    }
     let pre = Preprocessor::new(&fit.settings, fit.whitening.clone())?;
     // DETECT_OUT "-": the first pass's windows (W, no correction).
     let corr = if det == "-" {
