@@ -64,7 +64,10 @@ fn estimate_from_st0(args: &[String]) -> Result<()> {
     let dest = PathBuf::from(dest);
     std::fs::create_dir_all(&dest)?;
     spikecube::npy::write(&dest.join("drift.npy"), &e.dshift)?;
-    spikecube::npy::write(&dest.join("drift_blocks.npy"), &Array1::from(e.yblk.clone()))?;
+    spikecube::npy::write(
+        &dest.join("drift_blocks.npy"),
+        &Array1::from(e.yblk.clone()),
+    )?;
     Ok(())
 }
 
@@ -123,13 +126,7 @@ fn main() -> Result<()> {
     let plan = fit.plan;
     for b in 0..plan.n_windows {
         let mut x = Array2::zeros((probe.n_sites(), plan.window_len()));
-        read_window(
-            opened.recording.as_ref(),
-            &plan,
-            b,
-            &probe.chan_map,
-            &mut x,
-        )?;
+        read_window(opened.recording.as_ref(), &plan, b, &probe.chan_map, &mut x)?;
         match &corr {
             Some(corr) => {
                 pre.filter_only(&mut x)?;

@@ -171,12 +171,20 @@ fn interpolation_matrix_equals_kilosort() {
 fn interpolation_matrix_is_the_f64_sum_in_site_order() {
     let p = fixture_probe();
     for (nb, shifts) in [(1usize, vec![-17.3]), (3, vec![4.0, -9.5, 22.0])] {
-        let yblk: Vec<f64> = if nb == 1 { vec![172.5] } else { vec![60.0, 172.5, 285.0] };
+        let yblk: Vec<f64> = if nb == 1 {
+            vec![172.5]
+        } else {
+            vec![60.0, 172.5, 285.0]
+        };
         let dshift = Array2::from_shape_vec((1, shifts.len()), shifts.clone()).unwrap();
         let c = DriftCorrection::new(&p.xc, &p.yc, dshift, yblk.clone(), 20.0).unwrap();
         let m = c.matrix(0).unwrap();
         let s = correct::site_shifts(&shifts, &yblk, &p.yc);
-        let qy: Vec<f32> = p.yc.iter().zip(&s).map(|(&y, &d)| (y as f64 - d) as f32).collect();
+        let qy: Vec<f32> =
+            p.yc.iter()
+                .zip(&s)
+                .map(|(&y, &d)| (y as f64 - d) as f32)
+                .collect();
         let k = correct::kernel2d(&p.xc, &qy, &p.xc, &p.yc, 20.0);
         let n = p.n_sites();
         for r in 0..n {
