@@ -718,3 +718,39 @@ fn combined_whitening_with_kilosorts_matrix() {
     eprintln!("with Kilosort4's M_b: {rms:.2e} RMS, {max:.2e} max");
     assert!(rms < 1e-4 && max < 1e-3, "{rms:e} {max:e}");
 }
+
+/// `--neighbourhoods DIR` (`DetectionSettings::neighbourhoods`): every
+/// geometry of a run takes Kilosort4's own iC, iC2 and weigh (its order
+/// among equally distant sites, which depends on the CPU's numpy code path),
+/// so a comparison with Kilosort4 needs no tie rule (BENCHMARKS.md, "every
+/// difference with Kilosort4 explained"). A folder without the files is an
+/// error naming the file.
+#[test]
+fn neighbourhoods_from_kilosort_replace_the_tie_rule() {
+    let dir = data("learned/detection");
+    let p = Probe::load(&dir.join("probe.json")).unwrap();
+    let settings = spikecube::DetectionSettings {
+        neighbourhoods: Some(dir.clone()),
+        ..spikecube::DetectionSettings::default()
+    };
+    let g = spikecube::Geometry::new(&p, &settings).unwrap();
+    let i_c: Array2<i64> = npy::read(&dir.join("iC.npy")).unwrap();
+    let i_c2: Array2<i64> = npy::read(&dir.join("iC2.npy")).unwrap();
+    let weigh: ndarray::Array3<f32> = npy::read(&dir.join("weigh.npy")).unwrap();
+    assert_eq!(g.i_c.mapv(i64::from), i_c);
+    assert_eq!(g.i_c2.mapv(i64::from), i_c2);
+    assert_eq!(g.weigh, weigh);
+    let own = spikecube::Geometry::new(&p, &spikecube::DetectionSettings::default()).unwrap();
+    assert_eq!(
+        (own.xcup.clone(), own.ycup.clone()),
+        (g.xcup.clone(), g.ycup.clone())
+    );
+    let missing = spikecube::DetectionSettings {
+        neighbourhoods: Some(data("drift")),
+        ..spikecube::DetectionSettings::default()
+    };
+    let err = spikecube::Geometry::new(&p, &missing)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("iC.npy"), "{err}");
+}
