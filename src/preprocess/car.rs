@@ -188,7 +188,7 @@ fn row_mean(row: &[f32]) -> f32 {
 }
 
 /// Columns per parallel job of [`mean_and_median_in_blocks`].
-const CAR_JOB: usize = 1024;
+const CAR_JOB: usize = 512;
 
 /// [`remove_channel_means`] then [`subtract_channel_median`] in one pass over
 /// the (C × N) row-major `data`, block of [`MEDIAN_BLOCK`] columns by block:
