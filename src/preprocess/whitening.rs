@@ -474,7 +474,7 @@ fn sparse_run<const R: usize>(
 }
 
 /// Columns per block in [`Whitening::apply`]: a (C × block) copy stays in cache.
-const WHITEN_BLOCK: usize = 256;
+const WHITEN_BLOCK: usize = 128;
 
 /// A whitening matrix ready to apply: W dense, plus its non-zeros per row for
 /// the sparse product used when most entries are zero (local whitening).
