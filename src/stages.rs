@@ -215,7 +215,9 @@ pub trait Stager: Send {
 }
 
 /// Preprocessing on the CPU ([`Preprocessor`]), then detection on any back
-/// end ([`Detector`]); stage names `preprocess` and `detect`.
+/// end ([`Detector`]); stage names `preprocess` and `detect`. In
+/// [`run_windows`] the preprocessing runs one window ahead of the detection,
+/// on the staging thread ([`WindowPass::stager`]).
 pub struct HostPass {
     /// Channel means, median CAR, high-pass, whitening.
     pub pre: Preprocessor,
@@ -228,26 +230,66 @@ pub struct HostPass {
     pub drift: Option<Arc<crate::drift::DriftRun>>,
 }
 
-impl WindowPass for HostPass {
-    fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
-        let t0 = Instant::now();
-        // Issue 12: with drift correction, G_b = M_b·W in place of W.
-        let pre = match &self.drift {
-            Some(d) => d.preprocess(&self.pre, w.index, &mut w.data),
-            None => self
-                .pre
-                .apply_timed(&mut w.data, &mut |part, s| {
-                    times.add(&format!("preprocess.{part}"), s)
-                })
-                .map_err(anyhow::Error::from),
-        };
-        pre.with_context(|| {
-            format!(
-                "preprocessing window {} (samples from {})",
-                w.index, w.own_start
-            )
-        })?;
-        let t1 = times.lap("preprocess", t0);
+/// The preprocessing half of a [`HostPass`], run one window ahead of its
+/// detection on the staging thread ([`WindowPass::stager`]): window k + 1 is
+/// preprocessed while window k is detected in, both on the shared thread
+/// pool, so that one step's serial parts and joins leave no core idle. Each
+/// window is preprocessed exactly as [`HostPass::run`] does it.
+struct HostStager {
+    pre: Preprocessor,
+    drift: Option<Arc<crate::drift::DriftRun>>,
+}
+
+/// What [`HostStager`] made of a window: the window itself is preprocessed in place.
+struct HostStaged;
+
+/// Preprocesses one window in place as [`HostPass`] does: `pre`'s steps,
+/// with the window's drift-corrected whitening when `drift` is on; stage
+/// name `preprocess` (and its parts).
+fn host_preprocess(
+    pre: &Preprocessor,
+    drift: Option<&crate::drift::DriftRun>,
+    w: &mut Window,
+    times: &mut StageTimes,
+) -> Result<()> {
+    let t0 = Instant::now();
+    // Issue 12: with drift correction, G_b = M_b·W in place of W.
+    let res = match drift {
+        Some(d) => d.preprocess(pre, w.index, &mut w.data),
+        None => pre
+            .apply_timed(&mut w.data, &mut |part, s| {
+                times.add(&format!("preprocess.{part}"), s)
+            })
+            .map_err(anyhow::Error::from),
+    };
+    res.with_context(|| {
+        format!(
+            "preprocessing window {} (samples from {})",
+            w.index, w.own_start
+        )
+    })?;
+    times.lap("preprocess", t0);
+    Ok(())
+}
+
+impl Stager for HostStager {
+    fn stage(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Staged> {
+        host_preprocess(&self.pre, self.drift.as_deref(), w, times)?;
+        Ok(Box::new(HostStaged))
+    }
+}
+
+impl HostPass {
+    fn stager_now(&self) -> HostStager {
+        HostStager {
+            pre: self.pre.clone(),
+            drift: self.drift.clone(),
+        }
+    }
+
+    /// Detection in a preprocessed window.
+    fn detect(&mut self, w: &Window, times: &mut StageTimes) -> Result<Detections> {
+        let t1 = Instant::now();
         let det = self
             .detector
             .detect(w.data.view(), &self.yc)
@@ -262,6 +304,29 @@ impl WindowPass for HostPass {
             times.add(&format!("detect.{part}"), s);
         }
         Ok(det)
+    }
+}
+
+impl WindowPass for HostPass {
+    fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
+        host_preprocess(&self.pre, self.drift.as_deref(), w, times)?;
+        self.detect(w, times)
+    }
+
+    fn stager(&mut self) -> Option<Box<dyn Stager>> {
+        Some(Box::new(self.stager_now()))
+    }
+
+    fn run_staged(
+        &mut self,
+        w: &mut Window,
+        staged: Staged,
+        times: &mut StageTimes,
+    ) -> Result<Detections> {
+        match staged.downcast::<HostStaged>() {
+            Ok(_) => self.detect(w, times),
+            Err(_) => self.run(w, times),
+        }
     }
 
     fn set_drift(&mut self, drift: Option<Arc<crate::drift::DriftRun>>) -> Result<()> {

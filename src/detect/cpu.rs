@@ -437,7 +437,10 @@ impl CpuDetector {
                     let t0 = tile * TILE;
                     for c in 0..n_ch {
                         let row = &xs[c * nt_w..(c + 1) * nt_w];
-                        filter_bank(row, wtemp, t0, &mut b[c * NK * TILE..(c + 1) * NK * TILE]);
+                        let out = &mut b[c * NK * TILE..(c + 1) * NK * TILE];
+                        // The pruned step 2's bound terms come with the outputs.
+                        let q_c = (!dense).then(|| &mut q[c * TILE..(c + 1) * TILE]);
+                        filter_bank_with_bound(row, wtemp, t0, out, q_c);
                     }
                     if dense {
                         centre_response(b, sites, weights, nsz, as_t, imax_t);
@@ -453,6 +456,7 @@ impl CpuDetector {
                             th,
                             t0,
                             nt_w,
+                            q_ready: true,
                         };
                         centre_response_pruned_into(
                             b,
@@ -681,11 +685,31 @@ macro_rules! dispatch {
 /// window (torch `conv1d` with zero padding: a cross-correlation). The sum runs
 /// over m in ascending order. `wtemp` is 6 × 61 row-major; `out` holds 6·TILE values.
 pub fn filter_bank(x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]) {
-    dispatch!(filter_bank_avx2, filter_bank_impl, (x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]));
+    filter_bank_with_bound(x, wtemp, t0, out, None);
+}
+
+/// [`filter_bank`], also writing, when `q` is given (TILE values), the
+/// pruning bound's per-sample term `q[i]` = max_k B\[k, t0 + i\]² (k
+/// ascending, from 0) while the outputs are still in registers: the same
+/// operations [`centre_response_pruned`] does on the stored B, so the same bits.
+fn filter_bank_with_bound(
+    x: &[f32],
+    wtemp: &[f32],
+    t0: usize,
+    out: &mut [f32],
+    q: Option<&mut [f32]>,
+) {
+    dispatch!(filter_bank_avx2, filter_bank_impl, (x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32], q: Option<&mut [f32]>));
 }
 
 #[inline(always)]
-fn filter_bank_impl(x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]) {
+fn filter_bank_impl(
+    x: &[f32],
+    wtemp: &[f32],
+    t0: usize,
+    out: &mut [f32],
+    mut q: Option<&mut [f32]>,
+) {
     let ntaps = wtemp.len() / NK;
     let half = ntaps / 2;
     // Input samples t0 − half .. t0 + TILE + half, zero outside the window:
@@ -725,6 +749,17 @@ fn filter_bank_impl(x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]) {
         for k in 0..NK {
             out[k * TILE + tc..k * TILE + tc + LANES].copy_from_slice(&acc0[k]);
             out[k * TILE + tc + LANES..k * TILE + tc + 2 * LANES].copy_from_slice(&acc1[k]);
+        }
+        if let Some(q) = q.as_deref_mut() {
+            let (mut m0, mut m1) = ([0f32; LANES], [0f32; LANES]);
+            for k in 0..NK {
+                for l in 0..LANES {
+                    m0[l] = m0[l].max(acc0[k][l] * acc0[k][l]);
+                    m1[l] = m1[l].max(acc1[k][l] * acc1[k][l]);
+                }
+            }
+            q[tc..tc + LANES].copy_from_slice(&m0);
+            q[tc + LANES..tc + 2 * LANES].copy_from_slice(&m1);
         }
     }
 }
@@ -898,6 +933,7 @@ pub fn centre_response_pruned(
         th,
         t0: 0,
         nt_w: 0,
+        q_ready: false,
     };
     centre_response_pruned_into(b, q, &tile, as_t, imax_t, None, &mut Vec::new());
 }
@@ -913,6 +949,9 @@ struct PrunedTile<'a> {
     th: f32,
     t0: usize,
     nt_w: usize,
+    /// Whether the scratch's per-sample bound terms (its first C·TILE
+    /// values) were already written by [`filter_bank_with_bound`].
+    q_ready: bool,
 }
 
 /// [`centre_response_pruned`], also appending to `cands` the (centre, sample)
@@ -956,14 +995,16 @@ fn centre_response_pruned_sizes(
         .zip(qg.chunks_exact_mut(N_GROUPS))
         .enumerate()
     {
-        let bc = &b[c * NK * TILE..(c + 1) * NK * TILE];
-        for (t, v) in qc.iter_mut().enumerate() {
-            let mut m = 0f32;
-            for k in 0..NK {
-                let x = bc[k * TILE + t];
-                m = m.max(x * x);
+        if !tile.q_ready {
+            let bc = &b[c * NK * TILE..(c + 1) * NK * TILE];
+            for (t, v) in qc.iter_mut().enumerate() {
+                let mut m = 0f32;
+                for k in 0..NK {
+                    let x = bc[k * TILE + t];
+                    m = m.max(x * x);
+                }
+                *v = m;
             }
-            *v = m;
         }
         for (g, v) in qgc.iter_mut().enumerate() {
             *v = qc[g * GROUP..(g + 1) * GROUP]
@@ -1251,6 +1292,39 @@ pub fn detect_window(
 mod tests {
     use super::*;
 
+    /// The bound terms the filter bank writes equal those computed from its
+    /// stored outputs, bit for bit, at the window's edges and inside.
+    #[test]
+    fn filter_bank_bound_terms_equal_those_from_the_outputs() {
+        let wtemp = UniversalTemplates::builtin().wtemp;
+        let wtemp = wtemp.as_standard_layout();
+        let wtemp = wtemp.as_slice().unwrap();
+        let mut state = 5u64;
+        let x: Vec<f32> = (0..3 * TILE + 17)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 20.0
+            })
+            .collect();
+        for t0 in [0, TILE, 3 * TILE] {
+            let mut plain = vec![0f32; NK * TILE];
+            filter_bank(&x, wtemp, t0, &mut plain);
+            let mut out = vec![0f32; NK * TILE];
+            let mut q = vec![-1f32; TILE];
+            filter_bank_with_bound(&x, wtemp, t0, &mut out, Some(&mut q));
+            assert_eq!(out, plain);
+            for (t, &v) in q.iter().enumerate() {
+                let m = (0..NK).fold(0f32, |m, k| {
+                    let b = plain[k * TILE + t];
+                    m.max(b * b)
+                });
+                assert_eq!(v.to_bits(), m.to_bits(), "t0 {t0}, sample {t}");
+            }
+        }
+    }
+
     /// The coarse bound changes nothing: the pruned step 2 computes exactly the
     /// chunks the per-sample bound alone lets through (there with the dense
     /// values, elsewhere zeros), and the candidates gathered on the way are the
@@ -1303,6 +1377,7 @@ mod tests {
             th,
             t0: 1000,
             nt_w: 1000 + TILE - 3,
+            q_ready: false,
         };
         let mut cands = Vec::new();
         centre_response_pruned_into(&b, &mut q, &tile, &mut as_p, &mut im_p, None, &mut cands);

@@ -8,7 +8,7 @@ use crate::error::PreprocessError;
 
 /// Columns gathered at once when taking the median across channels: a block of
 /// `MEDIAN_BLOCK × channels` floats stays in the L2 cache.
-const MEDIAN_BLOCK: usize = 64;
+const MEDIAN_BLOCK: usize = 32;
 
 /// Makes `window` a standard (row-major, contiguous) array, copying only when needed.
 pub(crate) fn ensure_standard(window: &mut Array2<f32>) {
@@ -79,7 +79,7 @@ pub fn channel_medians(window: &Array2<f32>) -> Result<Vec<f32>, PreprocessError
     let k = (c - 1) / 2;
     let mut med = vec![0.0f32; n];
     med.par_chunks_mut(MEDIAN_BLOCK).enumerate().for_each_init(
-        || vec![0u32; MEDIAN_BLOCK * c],
+        || vec![0i32; MEDIAN_BLOCK * c],
         |buf, (b, out)| {
             let c0 = b * MEDIAN_BLOCK;
             let w = out.len();
@@ -101,17 +101,18 @@ pub fn channel_medians(window: &Array2<f32>) -> Result<Vec<f32>, PreprocessError
     Ok(med)
 }
 
-/// Maps an f32 to a u32 whose unsigned order is `f32::total_cmp`'s order.
+/// Maps an f32 to an i32 whose order is `f32::total_cmp`'s order (its own
+/// trick: a negative number's 31 lower bits are flipped).
 #[inline]
-fn sort_key(v: f32) -> u32 {
-    let b = v.to_bits();
-    if b >> 31 == 1 { !b } else { b | 0x8000_0000 }
+fn sort_key(v: f32) -> i32 {
+    let b = v.to_bits() as i32;
+    b ^ (((b >> 31) as u32) >> 1) as i32
 }
 
 /// Inverse of [`sort_key`].
 #[inline]
-fn from_sort_key(k: u32) -> f32 {
-    f32::from_bits(if k >> 31 == 1 { k & 0x7FFF_FFFF } else { !k })
+fn from_sort_key(k: i32) -> f32 {
+    f32::from_bits((k ^ (((k >> 31) as u32) >> 1) as i32) as u32)
 }
 
 /// Median common average reference: at every column, subtracts the lower
@@ -187,7 +188,7 @@ fn row_mean(row: &[f32]) -> f32 {
 }
 
 /// Columns per parallel job of [`mean_and_median_in_blocks`].
-const CAR_JOB: usize = 16 * MEDIAN_BLOCK;
+const CAR_JOB: usize = 512;
 
 /// [`remove_channel_means`] then [`subtract_channel_median`] in one pass over
 /// the (C × N) row-major `data`, block of [`MEDIAN_BLOCK`] columns by block:
@@ -206,38 +207,198 @@ fn mean_and_median_in_blocks(data: &mut [f32], c: usize, n: usize, means: &[f32]
         }
     }
     jobs.into_par_iter().for_each(|mut rows| {
-        CAR_SCRATCH.with_borrow_mut(|buf| {
+        CAR_SCRATCH.with_borrow_mut(|(buf, small)| {
             buf.resize(MEDIAN_BLOCK * c, 0);
-            let mut med = [0f32; MEDIAN_BLOCK];
-            let len = rows.first().map_or(0, |r| r.len());
-            let mut c0 = 0;
-            while c0 < len {
-                let w = MEDIAN_BLOCK.min(len - c0);
-                for (r, (row, &mean)) in rows.iter_mut().zip(means).enumerate() {
-                    for (t, v) in row[c0..c0 + w].iter_mut().enumerate() {
-                        *v -= mean;
-                        buf[t * c + r] = sort_key(*v);
-                    }
-                }
-                for (t, o) in med.iter_mut().take(w).enumerate() {
-                    let col = &mut buf[t * c..(t + 1) * c];
-                    let (_, m, _) = col.select_nth_unstable(k);
-                    *o = from_sort_key(*m);
-                }
-                for row in rows.iter_mut() {
-                    for (v, m) in row[c0..c0 + w].iter_mut().zip(&med[..w]) {
-                        *v -= *m;
-                    }
-                }
-                c0 += w;
-            }
+            small.resize(c, 0);
+            car_job(&mut rows, means, k, buf, small);
         })
     });
 }
 
+/// One job of [`mean_and_median_in_blocks`]: `rows` are its columns of every
+/// row; `buf` holds [`MEDIAN_BLOCK`] × C keys, `small` C. Compiled for AVX2
+/// too and chosen at run time (integer compares and the same f32
+/// subtractions: the same bits).
+fn car_job(rows: &mut [&mut [f32]], means: &[f32], k: usize, buf: &mut [i32], small: &mut [i32]) {
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn car_job_avx2(
+        rows: &mut [&mut [f32]],
+        means: &[f32],
+        k: usize,
+        buf: &mut [i32],
+        small: &mut [i32],
+    ) {
+        car_job_impl(rows, means, k, buf, small)
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        unsafe { car_job_avx2(rows, means, k, buf, small) };
+        return;
+    }
+    car_job_impl(rows, means, k, buf, small)
+}
+
+#[inline(always)]
+fn car_job_impl(
+    rows: &mut [&mut [f32]],
+    means: &[f32],
+    k: usize,
+    buf: &mut [i32],
+    small: &mut [i32],
+) {
+    let c = rows.len();
+    let mut guess = MedianGuess::default();
+    let mut med = [0f32; MEDIAN_BLOCK];
+    let len = rows.first().map_or(0, |r| r.len());
+    let mut c0 = 0;
+    while c0 < len {
+        let w = MEDIAN_BLOCK.min(len - c0);
+        // The next block's cache lines of every row, asked for now: C rows
+        // are too many separate streams for the hardware prefetcher.
+        #[cfg(target_arch = "x86_64")]
+        if c0 + w < len {
+            let next = (c0 + w..(c0 + 2 * w).min(len)).step_by(16);
+            for row in rows.iter() {
+                for t in next.clone() {
+                    // SAFETY: a prefetch only hints; `t` is inside the row.
+                    unsafe {
+                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                            row.as_ptr().add(t).cast(),
+                        )
+                    };
+                }
+            }
+        }
+        for (r, (row, &mean)) in rows.iter_mut().zip(means).enumerate() {
+            for (t, v) in row[c0..c0 + w].iter_mut().enumerate() {
+                *v -= mean;
+                buf[t * c + r] = sort_key(*v);
+            }
+        }
+        for (t, o) in med.iter_mut().take(w).enumerate() {
+            let col = &mut buf[t * c..(t + 1) * c];
+            *o = from_sort_key(guess.select(col, k, small));
+        }
+        for row in rows.iter_mut() {
+            for (v, m) in row[c0..c0 + w].iter_mut().zip(&med[..w]) {
+                *v -= *m;
+            }
+        }
+        c0 += w;
+    }
+}
+
 thread_local! {
-    /// A block's sort keys, per thread (every value written before it is read).
-    static CAR_SCRATCH: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A block's sort keys and [`MedianGuess::select`]'s scratch, per thread
+    /// (every value written before it is read).
+    static CAR_SCRATCH: std::cell::RefCell<(Vec<i32>, Vec<i32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// The k-th smallest sort key of a column, found faster by guessing where it
+/// lies from the previous column's: the column's median moves little from
+/// one sample to the next. The result never depends on the guess (a wrong
+/// one costs a full selection), so it is exactly `select_nth_unstable`'s.
+#[derive(Debug, Clone, Copy)]
+struct MedianGuess {
+    /// The previous column's median.
+    centre: f32,
+    /// Half-width of the value interval tried around it, adapted so that
+    /// about [`GUESS_TARGET`] values fall inside.
+    half: f32,
+}
+
+/// Values wanted inside [`MedianGuess`]'s interval: few enough for a quick
+/// selection among them, enough that the median usually stays inside.
+const GUESS_TARGET: (usize, usize) = (8, 48);
+
+impl Default for MedianGuess {
+    fn default() -> Self {
+        MedianGuess {
+            centre: 0.0,
+            half: 1.0,
+        }
+    }
+}
+
+impl MedianGuess {
+    /// The k-th smallest of `col` (k < `col.len()`); `small` is scratch of
+    /// at least `col.len()` keys. `col` may be reordered.
+    ///
+    /// With an interval [lo, hi] of keys: if `below` keys are under lo and
+    /// `inside` lie in it, and below ≤ k < below + inside, the answer is the
+    /// (k − below)-th smallest of those inside. The interval starts around the
+    /// last median; when the answer lies outside, the next interval is the
+    /// stretch just beyond it on that side (twice as wide), a few times, and
+    /// then the whole column is searched.
+    #[inline(always)]
+    fn select(&mut self, col: &mut [i32], k: usize, small: &mut [i32]) -> i32 {
+        let mut lo = sort_key(self.centre - self.half);
+        let mut hi = sort_key(self.centre + self.half);
+        let mut half = self.half;
+        for attempt in 0..4 {
+            let (below, inside) = count_keys(col, lo, hi);
+            if below <= k && k < below + inside {
+                let mut n = 0;
+                let width = hi.wrapping_sub(lo) as u32;
+                for &v in col.iter() {
+                    small[n] = v;
+                    n += usize::from(v.wrapping_sub(lo) as u32 <= width);
+                }
+                let (_, m, _) = small[..n].select_nth_unstable(k - below);
+                if attempt == 0 && inside > GUESS_TARGET.1 {
+                    self.half *= 0.75;
+                } else if attempt == 0 && inside < GUESS_TARGET.0 {
+                    self.half *= 1.5;
+                } else if attempt > 0 {
+                    self.half *= 1.25;
+                }
+                return self.found(*m);
+            }
+            half *= 2.0;
+            if k < below {
+                // Every key at or below hi' = lo − 1 is under the old lo.
+                if lo == i32::MIN {
+                    break;
+                }
+                hi = lo - 1;
+                lo = sort_key(from_sort_key(hi) - half).min(hi);
+            } else {
+                if hi == i32::MAX {
+                    break;
+                }
+                lo = hi + 1;
+                hi = sort_key(from_sort_key(lo) + half).max(lo);
+            }
+        }
+        self.half *= 2.0;
+        let (_, m, _) = col.select_nth_unstable(k);
+        self.found(*m)
+    }
+
+    /// Records the median found and returns it.
+    #[inline(always)]
+    fn found(&mut self, key: i32) -> i32 {
+        let value = from_sort_key(key);
+        self.centre = if value.is_finite() { value } else { 0.0 };
+        if !(self.half > 1e-30 && self.half < 1e30) {
+            self.half = 1.0;
+        }
+        key
+    }
+}
+
+/// How many of `col` are below `lo`, and how many lie in [lo, hi].
+#[inline(always)]
+fn count_keys(col: &[i32], lo: i32, hi: i32) -> (usize, usize) {
+    let (mut below, mut inside) = (0u32, 0u32);
+    for &v in col {
+        below += u32::from(v < lo);
+        inside += u32::from((v >= lo) & (v <= hi));
+    }
+    (below as usize, inside as usize)
 }
 
 #[cfg(test)]
@@ -320,6 +481,53 @@ mod tests {
             subtract_channel_median(&mut steps).unwrap();
             let bits = |a: &Array2<f32>| a.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&fused), bits(&steps), "{c} × {n}");
+        }
+    }
+
+    /// The guessed selection returns select_nth_unstable's key whatever the
+    /// columns: slow drifts, jumps, constant columns, ties, ±0, ±∞, NaN,
+    /// odd and even counts.
+    #[test]
+    fn guessed_median_equals_full_selection() {
+        let mut state = 3u64;
+        let mut rnd = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) as u32
+        };
+        for c in [1usize, 2, 3, 10, 383, 384] {
+            let mut guess = MedianGuess::default();
+            let mut small = vec![0i32; c];
+            let k = (c - 1) / 2;
+            for t in 0..600 {
+                let scale = match t / 100 {
+                    0 => 1.0,
+                    1 => 1e4,
+                    2 => 1e-6,
+                    _ => 30.0,
+                };
+                let offset = (t as f32 * 0.37).sin() * 50.0 + if t % 97 == 0 { 1e5 } else { 0.0 };
+                let col: Vec<f32> = (0..c)
+                    .map(|_| {
+                        let r = rnd();
+                        match (t / 50 % 6, r % 64) {
+                            (5, _) => 7.0,
+                            (_, 0) => f32::NAN,
+                            (_, 1) => f32::INFINITY,
+                            (_, 2) => f32::NEG_INFINITY,
+                            (_, 3) => -0.0,
+                            (_, 4) => 0.0,
+                            (4, _) => (r % 5) as f32,
+                            _ => offset + scale * ((r % 20001) as f32 / 10000.0 - 1.0),
+                        }
+                    })
+                    .collect();
+                let mut keys: Vec<i32> = col.iter().map(|&v| sort_key(v)).collect();
+                let mut full = keys.clone();
+                let want = *full.select_nth_unstable(k).1;
+                assert_eq!(guess.select(&mut keys, k, &mut small), want, "c {c}, t {t}");
+            }
         }
     }
 

@@ -661,28 +661,64 @@ fn sparse_row(dst: &mut [f32], nz: &[(usize, f32)], tmp: &[f32], b: usize) {
 
 #[inline(always)]
 fn sparse_row_impl(dst: &mut [f32], nz: &[(usize, f32)], tmp: &[f32], b: usize) {
-    dst.fill(0.0);
-    // Four terms per pass over dst: fewer loads and stores.
-    let mut quads = nz.chunks_exact(4);
-    for q in &mut quads {
-        let row = |i: usize| &tmp[q[i].0 * b..(q[i].0 + 1) * b];
-        let (s0, s1, s2, s3) = (row(0), row(1), row(2), row(3));
-        let (w0, w1, w2, w3) = (q[0].1, q[1].1, q[2].1, q[3].1);
-        let terms = s0.iter().zip(s1).zip(s2).zip(s3);
-        for (d, (((a0, a1), a2), a3)) in dst.iter_mut().zip(terms) {
-            *d += (w0 * a0 + w1 * a1) + (w2 * a2 + w3 * a3);
-        }
+    // [`SPARSE_RUN`] samples at a time, their sums kept in registers over all
+    // the row's terms (one store per sample instead of one per group of
+    // four). Each sample still gets `0 + group + group + … + term + …` in
+    // the order below, so the bits do not depend on the run length.
+    let mut t0 = 0;
+    while t0 + SPARSE_RUN <= b {
+        sparse_run::<SPARSE_RUN>(&mut dst[t0..t0 + SPARSE_RUN], nz, tmp, b, t0);
+        t0 += SPARSE_RUN;
     }
-    for &(k, wv) in quads.remainder() {
-        let src = &tmp[k * b..(k + 1) * b];
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d += wv * s;
-        }
+    while t0 + LANES8 <= b {
+        sparse_run::<LANES8>(&mut dst[t0..t0 + LANES8], nz, tmp, b, t0);
+        t0 += LANES8;
+    }
+    while t0 < b {
+        sparse_run::<1>(&mut dst[t0..t0 + 1], nz, tmp, b, t0);
+        t0 += 1;
     }
 }
 
+/// Samples whose sums [`sparse_row_impl`] keeps in registers at once.
+const SPARSE_RUN: usize = 32;
+/// One 256-bit vector of f32.
+const LANES8: usize = 8;
+
+/// `dst` (R samples from `t0`) = the row's sum, as [`sparse_row`] describes.
+#[inline(always)]
+fn sparse_run<const R: usize>(
+    dst: &mut [f32],
+    nz: &[(usize, f32)],
+    tmp: &[f32],
+    b: usize,
+    t0: usize,
+) {
+    let mut acc = [0f32; R];
+    let src = |k: usize| -> &[f32; R] {
+        tmp[k * b + t0..k * b + t0 + R]
+            .try_into()
+            .expect("R samples")
+    };
+    let mut quads = nz.chunks_exact(4);
+    for q in &mut quads {
+        let (s0, s1, s2, s3) = (src(q[0].0), src(q[1].0), src(q[2].0), src(q[3].0));
+        let (w0, w1, w2, w3) = (q[0].1, q[1].1, q[2].1, q[3].1);
+        for l in 0..R {
+            acc[l] += (w0 * s0[l] + w1 * s1[l]) + (w2 * s2[l] + w3 * s3[l]);
+        }
+    }
+    for &(k, wv) in quads.remainder() {
+        let s = src(k);
+        for l in 0..R {
+            acc[l] += wv * s[l];
+        }
+    }
+    dst.copy_from_slice(&acc);
+}
+
 /// Columns per block in [`Whitening::apply`]: a (C × block) copy stays in cache.
-const WHITEN_BLOCK: usize = 256;
+const WHITEN_BLOCK: usize = 128;
 
 /// A whitening matrix ready to apply: W dense, plus its non-zeros per row for
 /// the sparse product used when most entries are zero (local whitening).
@@ -800,7 +836,10 @@ impl Whitening {
         let (c, b) = block.dim();
         tmp.clear();
         for row in block.outer_iter() {
-            tmp.extend(row.iter().copied());
+            match row.as_slice() {
+                Some(r) => tmp.extend_from_slice(r),
+                None => tmp.extend(row.iter().copied()),
+            }
         }
         match &self.sparse {
             Some(rows) => {
