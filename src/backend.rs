@@ -403,6 +403,39 @@ impl Detector {
         }
     }
 
+    /// Gives `packer` two upload buffers of this detector for windows of
+    /// `bytes` bytes, so that its [`crate::detect::gpu::Packer::send_ahead`]
+    /// copies a window while the device works on the one before (CUDA with
+    /// page-locked memory; nothing on the other back ends). Returns whether
+    /// it did.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn give_upload_slots(
+        &mut self,
+        packer: &mut crate::detect::gpu::Packer,
+        bytes: usize,
+    ) -> bool {
+        let _ = (&packer, bytes);
+        match self {
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => {
+                let Some(pool) = packer.pool() else {
+                    return false;
+                };
+                let Some(ptrs) = d.upload_slot_ptrs(bytes) else {
+                    return false;
+                };
+                match pool.upload_slots(ptrs, bytes) {
+                    Some(slots) => {
+                        packer.set_slots(slots);
+                        true
+                    }
+                    None => false,
+                }
+            }
+            _ => false,
+        }
+    }
+
     /// Preprocesses a raw window on the device and detects in it (after
     /// [`Detector::set_preprocessing`] returned true); with `times`, syncs after
     /// each step and records its seconds there.

@@ -22,13 +22,96 @@ pub fn stuck_min_run(fs: f64) -> usize {
     ((fs * 1e-3).round() as usize).max(8)
 }
 
+/// A raw sample as the input checks see it: f32 (any reader) or the file's
+/// int16 value (a GPU pass's int16 windows, issue 10). Every check gives the
+/// same answer for an int16 value and its (exact) f32 conversion.
+pub trait RawSample: Copy + PartialEq + PartialOrd + Send + Sync + 'static {
+    /// The value as f32 (exact for int16).
+    fn to_f32(self) -> f32;
+    /// The smaller value (f32: `f32::min`, which skips NaN).
+    fn min_of(self, other: Self) -> Self;
+    /// The larger value (f32: `f32::max`, which skips NaN).
+    fn max_of(self, other: Self) -> Self;
+    /// A total order, for medians.
+    fn order(&self, other: &Self) -> std::cmp::Ordering;
+}
+
+impl RawSample for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn min_of(self, other: Self) -> Self {
+        self.min(other)
+    }
+    fn max_of(self, other: Self) -> Self {
+        self.max(other)
+    }
+    fn order(&self, other: &Self) -> std::cmp::Ordering {
+        self.total_cmp(other)
+    }
+}
+
+impl RawSample for i16 {
+    fn to_f32(self) -> f32 {
+        f32::from(self)
+    }
+    fn min_of(self, other: Self) -> Self {
+        self.min(other)
+    }
+    fn max_of(self, other: Self) -> Self {
+        self.max(other)
+    }
+    fn order(&self, other: &Self) -> std::cmp::Ordering {
+        self.cmp(other)
+    }
+}
+
+/// A window's rows as one slice: `n_rows` rows of `n_cols` samples, row r at
+/// `values[r·stride ..]` (an f32 window: `stride = n_cols`; an int16 window:
+/// [`crate::recording::Raw16`]).
+#[derive(Debug)]
+pub struct Rows<'a, T> {
+    /// The values, rows of `stride`.
+    pub values: &'a mut [T],
+    /// Rows (sites).
+    pub n_rows: usize,
+    /// Samples per row.
+    pub n_cols: usize,
+    /// Values from one row's start to the next's.
+    pub stride: usize,
+}
+
+impl<'a, T: RawSample> Rows<'a, T> {
+    /// Row `r`.
+    pub fn row(&self, r: usize) -> &[T] {
+        &self.values[r * self.stride..r * self.stride + self.n_cols]
+    }
+
+    /// The rows of an f32 window in standard layout (`None` otherwise).
+    pub fn of_array(a: &'a mut Array2<T>) -> Option<Self> {
+        let (n_rows, n_cols) = a.dim();
+        let values = a.as_slice_mut()?;
+        Some(Rows {
+            values,
+            n_rows,
+            n_cols,
+            stride: n_cols,
+        })
+    }
+}
+
 /// The stuck runs of one channel's row: maximal runs of at least `min_run`
 /// identical values, equal to the row's largest or smallest value in
 /// `row[lo..hi]` (the columns that hold real samples). A row that is constant
 /// over `lo..hi` has no runs (it is reported as zero or flat, not clipped).
 ///
 /// Returns half-open column ranges inside `lo..hi`, in order.
-pub fn stuck_runs(row: &[f32], lo: usize, hi: usize, min_run: usize) -> Vec<(usize, usize)> {
+pub fn stuck_runs<T: RawSample>(
+    row: &[T],
+    lo: usize,
+    hi: usize,
+    min_run: usize,
+) -> Vec<(usize, usize)> {
     let hi = hi.min(row.len());
     if hi <= lo || hi - lo < min_run {
         return Vec::new();
@@ -64,8 +147,8 @@ pub fn stuck_runs(row: &[f32], lo: usize, hi: usize, min_run: usize) -> Vec<(usi
     }
     let (mut mn, mut mx) = (seg[0], seg[0]);
     for &v in seg {
-        mn = mn.min(v);
-        mx = mx.max(v);
+        mn = mn.min_of(v);
+        mx = mx.max_of(v);
     }
     if mn == mx {
         return Vec::new();
@@ -99,6 +182,20 @@ pub fn find_stuck_runs(
         .collect()
 }
 
+/// [`find_stuck_runs`] over [`Rows`] of any sample type.
+pub fn find_stuck_runs_rows<T: RawSample>(
+    rows: &Rows<'_, T>,
+    lo: usize,
+    hi: usize,
+    min_run: usize,
+) -> Vec<Vec<(usize, usize)>> {
+    use rayon::prelude::*;
+    (0..rows.n_rows)
+        .into_par_iter()
+        .map(|r| stuck_runs(rows.row(r), lo, hi, min_run))
+        .collect()
+}
+
 /// Replaces the stuck runs `runs` (from [`find_stuck_runs`]) of each row of a
 /// raw window by the median of that row's other real samples (columns
 /// `lo..hi`), so the filters see no step: a rail-to-rail step would otherwise
@@ -113,12 +210,32 @@ pub fn fill_stuck_runs(
     hi: usize,
     pad_repeats: bool,
 ) {
-    let n = window.ncols();
-    for (mut row, runs) in window.outer_iter_mut().zip(runs) {
+    if let Some(mut rows) = Rows::of_array(window) {
+        fill_stuck_runs_rows(&mut rows, runs, lo, hi, pad_repeats);
+        return;
+    }
+    let mut std = window.as_standard_layout().into_owned();
+    let mut rows = Rows::of_array(&mut std).expect("standard layout");
+    fill_stuck_runs_rows(&mut rows, runs, lo, hi, pad_repeats);
+    window.assign(&std);
+}
+
+/// [`fill_stuck_runs`] over [`Rows`] of any sample type (the median of
+/// integer values is one of them, so int16 rows get the f32 rows' values).
+pub fn fill_stuck_runs_rows<T: RawSample>(
+    rows: &mut Rows<'_, T>,
+    runs: &[Vec<(usize, usize)>],
+    lo: usize,
+    hi: usize,
+    pad_repeats: bool,
+) {
+    let (n, stride) = (rows.n_cols, rows.stride);
+    for (r, runs) in runs.iter().enumerate().take(rows.n_rows) {
         if runs.is_empty() {
             continue;
         }
-        let mut rest: Vec<f32> = Vec::with_capacity(hi.saturating_sub(lo));
+        let row = &mut rows.values[r * stride..r * stride + n];
+        let mut rest: Vec<T> = Vec::with_capacity(hi.saturating_sub(lo));
         let mut k = 0;
         for c in lo..hi.min(n) {
             while k < runs.len() && runs[k].1 <= c {
@@ -133,12 +250,12 @@ pub fn fill_stuck_runs(
             continue;
         }
         let mid = (rest.len() - 1) / 2;
-        let (_, m, _) = rest.select_nth_unstable_by(mid, f32::total_cmp);
+        let (_, m, _) = rest.select_nth_unstable_by(mid, T::order);
         let fill = *m;
         for &(a, b) in runs {
             let a = if a == lo { 0 } else { a };
             let b = if b == hi && pad_repeats { n } else { b };
-            row.slice_mut(ndarray::s![a..b]).fill(fill);
+            row[a..b].fill(fill);
         }
     }
 }
@@ -154,6 +271,91 @@ pub fn mask_stuck_runs(
     let runs = find_stuck_runs(window, lo, hi, min_run);
     fill_stuck_runs(window, &runs, lo, hi, pad_repeats);
     runs
+}
+
+/// Which columns of window i hold what: real samples `lo..hi` (the others
+/// repeat an edge sample or are zero), own samples `own.0..own.1`, and
+/// whether the columns past `hi` repeat the last sample (`pad_repeats`; not
+/// for a single window, which Kilosort4 pads with zeros).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowColumns {
+    /// First real column.
+    pub lo: usize,
+    /// End of the real columns.
+    pub hi: usize,
+    /// The own columns.
+    pub own: (usize, usize),
+    /// Whether the columns past `hi` repeat the last sample.
+    pub pad_repeats: bool,
+}
+
+impl WindowColumns {
+    /// The columns of window `i` of `plan`.
+    pub fn of(plan: &crate::recording::WindowPlan, i: u64) -> Self {
+        let s0 = plan.window_first_column(i);
+        let limit = if plan.n_windows == 1 {
+            plan.n_samples
+        } else {
+            plan.n_used
+        } as i64;
+        let n = plan.window_len() as i64;
+        let lo = (-s0).clamp(0, n) as usize;
+        let hi = (limit - s0).clamp(lo as i64, n) as usize;
+        let nt = plan.nt as usize;
+        WindowColumns {
+            lo,
+            hi,
+            own: (nt, nt + plan.own_len(i) as usize),
+            pad_repeats: plan.n_windows > 1,
+        }
+    }
+}
+
+/// The input checks of one window of a run, whichever form its samples are
+/// in (f32 `data`, or the file's int16 values in `raw16`): the stuck runs of
+/// every row over the real columns ([`find_stuck_runs`]), added with the own
+/// columns to `health` when given, and filled when `mask`
+/// ([`fill_stuck_runs`]). Returns the runs.
+pub fn check_window(
+    w: &mut crate::recording::Window,
+    cols: &WindowColumns,
+    min_run: usize,
+    health: Option<&mut ChannelHealth>,
+    mask: bool,
+) -> Vec<Vec<(usize, usize)>> {
+    fn on_rows<T: RawSample>(
+        rows: &mut Rows<'_, T>,
+        first_sample: i64,
+        (cols, min_run): (&WindowColumns, usize),
+        health: Option<&mut ChannelHealth>,
+        mask: bool,
+    ) -> Vec<Vec<(usize, usize)>> {
+        let runs = find_stuck_runs_rows(rows, cols.lo, cols.hi, min_run);
+        if let Some(h) = health {
+            h.observe_rows(rows, cols.own, first_sample, &runs);
+        }
+        if mask {
+            fill_stuck_runs_rows(rows, &runs, cols.lo, cols.hi, cols.pad_repeats);
+        }
+        runs
+    }
+    let args = (cols, min_run);
+    let first = w.first_sample;
+    if let Some(raw) = w.raw16.as_mut() {
+        let (n_rows, n_cols, stride) = (raw.n_rows, raw.n_cols, raw.stride);
+        let mut rows = Rows {
+            values: raw.values_mut(),
+            n_rows,
+            n_cols,
+            stride,
+        };
+        return on_rows(&mut rows, first, args, health, mask);
+    }
+    if !w.data.is_standard_layout() {
+        w.data = w.data.as_standard_layout().into_owned();
+    }
+    let mut rows = Rows::of_array(&mut w.data).expect("standard layout");
+    on_rows(&mut rows, first, args, health, mask)
 }
 
 /// Per-channel facts gathered over the samples seen: all zero, constant,
@@ -183,23 +385,25 @@ struct RowHealth {
 }
 
 impl RowHealth {
-    fn observe(
+    fn observe<T: RawSample>(
         &mut self,
-        own: &[f32],
+        own: &[T],
         first_own: i64,
         runs: &[(usize, usize)],
         a: usize,
-        row: &[f32],
+        row: &[T],
     ) {
-        if self.zero && own.iter().any(|&v| v != 0.0) {
+        // Everything is decided on the f32 value, so int16 and f32 windows of
+        // the same samples give the same findings (and the same hashes).
+        if self.zero && own.iter().any(|&v| v.to_f32() != 0.0) {
             self.zero = false;
         }
         if let (Some(&v0), None) = (own.first(), self.first) {
-            self.first = Some(v0);
+            self.first = Some(v0.to_f32());
         }
         if self.flat
             && let Some(f) = self.first
-            && own.iter().any(|v| v.to_bits() != f.to_bits())
+            && own.iter().any(|v| v.to_f32().to_bits() != f.to_bits())
         {
             self.flat = false;
         }
@@ -207,11 +411,11 @@ impl RowHealth {
         let mut quads = own.chunks_exact(4);
         for q in &mut quads {
             for k in 0..4 {
-                h[k] = (h[k] ^ u64::from(q[k].to_bits())).wrapping_mul(0x0100_0000_01b3);
+                h[k] = (h[k] ^ u64::from(q[k].to_f32().to_bits())).wrapping_mul(0x0100_0000_01b3);
             }
         }
         for &v in quads.remainder() {
-            h[0] = (h[0] ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3);
+            h[0] = (h[0] ^ u64::from(v.to_f32().to_bits())).wrapping_mul(0x0100_0000_01b3);
         }
         self.hash = h;
         let b = a + own.len();
@@ -221,7 +425,7 @@ impl RowHealth {
                 self.stuck += (e - s) as u64;
                 if self.first_stuck.is_none() {
                     let t = first_own + (s - a) as i64;
-                    self.first_stuck = Some((t.max(0) as u64, row[s]));
+                    self.first_stuck = Some((t.max(0) as u64, row[s].to_f32()));
                 }
             }
         }
@@ -289,6 +493,29 @@ impl ChannelHealth {
                     &owned
                 }
             };
+            let rr = runs.get(r).unwrap_or(&none);
+            h.observe(&row[a..b], first_sample + a as i64, rr, a, row);
+        });
+        self.samples += (b - a) as u64;
+    }
+
+    /// [`ChannelHealth::observe`] over [`Rows`] of any sample type (the same
+    /// findings for an int16 window as for its f32 values).
+    pub fn observe_rows<T: RawSample>(
+        &mut self,
+        raw: &Rows<'_, T>,
+        own: (usize, usize),
+        first_sample: i64,
+        runs: &[Vec<(usize, usize)>],
+    ) {
+        use rayon::prelude::*;
+        let (a, b) = (own.0.min(raw.n_cols), own.1.min(raw.n_cols));
+        if b <= a {
+            return;
+        }
+        let none: Vec<(usize, usize)> = Vec::new();
+        self.rows.par_iter_mut().enumerate().for_each(|(r, h)| {
+            let row = raw.row(r);
             let rr = runs.get(r).unwrap_or(&none);
             h.observe(&row[a..b], first_sample + a as i64, rr, a, row);
         });
@@ -770,6 +997,58 @@ mod tests {
         let w = h.warning("test", true).unwrap();
         assert!(w.contains("first at sample 1050"), "{w}");
         assert!(w.contains("--exclude-channels 10,11,13"), "{w}");
+    }
+
+    /// An int16 window (rows longer than the samples) gets the same runs,
+    /// findings, warning and masked values as its f32 values.
+    #[test]
+    fn int16_windows_are_checked_as_their_float_values() {
+        let n = 301;
+        let stride = n + 1;
+        let mut x = Array2::<f32>::zeros((6, n));
+        for t in 0..n {
+            let v = ((t * 37) % 23) as f32 - 11.0;
+            x[(1, t)] = 7.0;
+            x[(2, t)] = v;
+            x[(3, t)] = v;
+            x[(4, t)] = if (50..100).contains(&t) { 40.0 } else { -v };
+            x[(5, t)] = if t < 20 || t > 280 { -300.0 } else { v * 3.0 };
+        }
+        let mut raw = vec![0i16; 6 * stride];
+        for r in 0..6 {
+            for t in 0..n {
+                raw[r * stride + t] = x[(r, t)] as i16;
+            }
+        }
+        let window =
+            |data: Array2<f32>, raw16: Option<crate::recording::Raw16>| crate::recording::Window {
+                index: 0,
+                own_start: 10,
+                own_len: 281,
+                first_sample: 0,
+                data,
+                raw16,
+            };
+        let mut wf = window(x.clone(), None);
+        let r16 = crate::recording::Raw16::new(6, n, stride, Box::new(raw)).unwrap();
+        let mut wi = window(Array2::zeros((0, 0)), Some(r16));
+        let cols = WindowColumns {
+            lo: 0,
+            hi: n,
+            own: (10, 291),
+            pad_repeats: true,
+        };
+        let chans = [10, 11, 12, 13, 14, 15];
+        let (mut hf, mut hi) = (ChannelHealth::new(&chans), ChannelHealth::new(&chans));
+        let rf = check_window(&mut wf, &cols, 8, Some(&mut hf), true);
+        let ri = check_window(&mut wi, &cols, 8, Some(&mut hi), true);
+        assert_eq!(rf, ri);
+        assert_eq!(rf[4], vec![(50, 100)]);
+        assert_eq!(rf[5], vec![(0, 20), (281, 301)]);
+        assert_eq!(hf.findings(), hi.findings());
+        assert_eq!(hf.warning("test", true), hi.warning("test", true));
+        assert_eq!(wi.raw16.as_ref().unwrap().to_f32(), wf.data);
+        assert_ne!(wf.data, x, "the stuck runs were filled");
     }
 
     /// The plain definition: maximal runs of ≥ min_run equal values at an extreme.

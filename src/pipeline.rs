@@ -32,9 +32,7 @@ use crate::checks::{self, ChannelHealth, Near};
 use crate::detect::cpu::Detections;
 use crate::detect::{DetectionSettings, Geometry, UniversalTemplates};
 use crate::output::{OutputWriter, RunInfo, Summary};
-use crate::preprocess::{
-    PreprocessSettings, Preprocessor, whitening_covariance, whitening_from_covariance,
-};
+use crate::preprocess::{FitOptions, PreprocessSettings, Preprocessor, whitening_from_covariance};
 use crate::probe::Probe;
 use crate::recording::{Recording, WindowLoader, WindowPlan, read_window};
 use crate::stages::{HostPass, WindowInfo, run_windows};
@@ -325,7 +323,14 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     );
 
     let t_fit = Instant::now();
-    let fitted = fit(&rec, &plan, &job.probe, &job.preprocess, &job.checks)?;
+    let fitted = fit(
+        &rec,
+        &plan,
+        &job.probe,
+        &job.preprocess,
+        &job.checks,
+        FitOptions::default(),
+    )?;
     if let Some(w) = fitted
         .health
         .warning("the windows of the whitening fit", job.checks.mask_clipped)
@@ -336,6 +341,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         warnings.push(m.clone());
     }
     let whiten_mat = fitted.whitening;
+    let fit_times = fitted.times;
     let fit_s = t_fit.elapsed().as_secs_f64();
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
 
@@ -349,7 +355,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         let mut w = Array2::zeros((n_sites, plan.window_len()));
         read_window(rec.as_ref(), &plan, i, &chan_map, &mut w)?;
         if job.checks.mask_clipped {
-            let cols = WindowColumns::of(&plan, i);
+            let cols = checks::WindowColumns::of(&plan, i);
             checks::mask_stuck_runs(&mut w, cols.lo, cols.hi, cols.pad_repeats, min_run_learn);
         }
         Ok(w)
@@ -485,12 +491,8 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let mask_clipped = job.checks.mask_clipped;
     let health_ref = &mut health;
     let check = move |w: &mut crate::recording::Window| -> Result<()> {
-        let cols = WindowColumns::of(&plan, w.index);
-        let runs = checks::find_stuck_runs(&w.data, cols.lo, cols.hi, min_run);
-        health_ref.observe(w.data.view(), cols.own, w.first_sample, &runs);
-        if mask_clipped {
-            checks::fill_stuck_runs(&mut w.data, &runs, cols.lo, cols.hi, cols.pad_repeats);
-        }
+        let cols = checks::WindowColumns::of(&plan, w.index);
+        checks::check_window(w, &cols, min_run, Some(&mut *health_ref), mask_clipped);
         Ok(())
     };
     // `--drift-only`: the first pass's spikes are the output; no second pass.
@@ -597,6 +599,9 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         .insert("backend_reason".into(), chosen.reason.clone());
     // ---- issue 10: busy seconds per stage, the stages' wall and overlap ----
     info.timings.insert("whitening_fit".into(), fit_s);
+    for (part, v) in &fit_times.0 {
+        info.timings.insert(format!("whitening_fit.{part}"), *v);
+    }
     for (k, v) in &stages.times.0 {
         info.timings.insert(k.clone(), *v);
     }
@@ -661,6 +666,10 @@ pub struct WhiteningFit {
     pub settings: PreprocessSettings,
     /// Warnings of the fit (scale, channel check over the fit's windows).
     pub warnings: Vec<String>,
+    /// Busy seconds of the fit's parts (issue 10): those of
+    /// [`FitTimes`](crate::preprocess::FitTimes), plus `checks` (the input
+    /// checks, out of `read`) and `zca` (the matrix from the covariance).
+    pub times: crate::preprocess::FitTimes,
 }
 
 /// The whitening fit of [`run_detection`] on its own (Kilosort4's
@@ -678,12 +687,27 @@ pub fn fit_whitening_for(
     settings: &PreprocessSettings,
     checks: &Checks,
 ) -> Result<WhiteningFit> {
+    fit_whitening_with(rec, probe, settings, checks, FitOptions::default())
+}
+
+/// [`fit_whitening_for`] scheduled as `options` says (issue 10: the same W
+/// whatever the options; for benchmarks).
+///
+/// # Errors
+/// As [`fit_whitening_for`].
+pub fn fit_whitening_with(
+    rec: &Arc<dyn Recording>,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    checks: &Checks,
+    options: FitOptions,
+) -> Result<WhiteningFit> {
     let mut settings = settings.clone();
     settings.fs = rec.fs();
     settings.validate()?;
     fit_batch_to_recording(rec.as_ref(), &mut settings);
     let plan = plan_windows(rec.as_ref(), probe, settings.batch_size, settings.nt)?;
-    let fitted = fit(rec, &plan, probe, &settings, checks)?;
+    let fitted = fit(rec, &plan, probe, &settings, checks, options)?;
     let mut warnings: Vec<String> = fitted.scale_message.iter().cloned().collect();
     if let Some(w) = fitted
         .health
@@ -697,6 +721,7 @@ pub fn fit_whitening_for(
         plan,
         settings,
         warnings,
+        times: fitted.times,
     })
 }
 // ==== end issue 13 ====
@@ -889,7 +914,14 @@ pub fn write_whitened(
     let mut written = 0u64;
     let mut bytes = Vec::new();
     let result: Result<Array2<f32>> = (|| {
-        let fitted = fit(&recording, &plan, probe, &settings, checks)?;
+        let fitted = fit(
+            &recording,
+            &plan,
+            probe,
+            &settings,
+            checks,
+            FitOptions::default(),
+        )?;
         if let Some(m) = &fitted.scale_message {
             warnings.push(m.clone());
         }
@@ -906,7 +938,7 @@ pub fn write_whitened(
         {
             let mut win = window?;
             if checks.mask_clipped {
-                let cols = WindowColumns::of(&plan, win.index);
+                let cols = checks::WindowColumns::of(&plan, win.index);
                 checks::mask_stuck_runs(&mut win.data, cols.lo, cols.hi, cols.pad_repeats, min_run);
             }
             pre.apply(&mut win.data)?;
@@ -1019,37 +1051,6 @@ fn plan_windows(
     Ok(plan)
 }
 
-/// The columns of window `i` that hold real samples (`lo..hi`), its own
-/// columns, and whether the columns past `hi` repeat the last sample.
-#[derive(Debug, Clone, Copy)]
-struct WindowColumns {
-    lo: usize,
-    hi: usize,
-    own: (usize, usize),
-    pad_repeats: bool,
-}
-
-impl WindowColumns {
-    fn of(plan: &WindowPlan, i: u64) -> Self {
-        let s0 = plan.window_first_column(i);
-        let limit = if plan.n_windows == 1 {
-            plan.n_samples
-        } else {
-            plan.n_used
-        } as i64;
-        let n = plan.window_len() as i64;
-        let lo = (-s0).clamp(0, n) as usize;
-        let hi = (limit - s0).clamp(lo as i64, n) as usize;
-        let nt = plan.nt as usize;
-        WindowColumns {
-            lo,
-            hi,
-            own: (nt, nt + plan.own_len(i) as usize),
-            pad_repeats: plan.n_windows > 1,
-        }
-    }
-}
-
 /// What [`fit`] found.
 struct Fitted {
     /// W to apply to the (unscaled) data: `k·W(k²·C)`.
@@ -1060,6 +1061,8 @@ struct Fitted {
     scale_message: Option<String>,
     /// Channel check over the windows of the fit.
     health: ChannelHealth,
+    /// Busy seconds of the fit's parts (`whitening_fit.<part>` in the timings).
+    times: crate::preprocess::FitTimes,
 }
 
 /// Kilosort4's whitening fit over the planned windows of `rec` (raw windows read
@@ -1074,27 +1077,38 @@ fn fit(
     probe: &Probe,
     settings: &PreprocessSettings,
     checks: &Checks,
+    options: FitOptions,
 ) -> Result<Fitted> {
     let min_run = checks::stuck_min_run(rec.fs());
     let mut health = ChannelHealth::new(&probe.chan_map);
-    let cc = whitening_covariance(
+    // ---- issue 10 (whitening fit speed): parts' busy seconds ----
+    let mut times = crate::preprocess::FitTimes::default();
+    let mut checks_s = 0.0;
+    let cc = crate::preprocess::whitening_covariance_into(
         plan.n_windows,
-        |i| -> Result<Array2<f32>> {
-            let mut w = Array2::zeros((probe.n_sites(), plan.window_len()));
-            read_window(rec.as_ref(), plan, i, &probe.chan_map, &mut w)?;
-            let cols = WindowColumns::of(plan, i);
+        |i, w: &mut Array2<f32>| -> Result<()> {
+            read_window(rec.as_ref(), plan, i, &probe.chan_map, w)?;
+            let t_checks = Instant::now();
+            let cols = checks::WindowColumns::of(plan, i);
             let first = rec.first_sample() as i64 + plan.window_first_column(i);
-            let runs = checks::find_stuck_runs(&w, cols.lo, cols.hi, min_run);
+            let runs = checks::find_stuck_runs(w, cols.lo, cols.hi, min_run);
             health.observe(w.view(), cols.own, first, &runs);
             if checks.mask_clipped {
-                checks::fill_stuck_runs(&mut w, &runs, cols.lo, cols.hi, cols.pad_repeats);
+                checks::fill_stuck_runs(w, &runs, cols.lo, cols.hi, cols.pad_repeats);
             }
-            Ok(w)
+            checks_s += t_checks.elapsed().as_secs_f64();
+            Ok(())
         },
         probe,
         settings,
+        options,
+        &mut times,
     )
     .context("fitting the whitening matrix")?;
+    // `read` (the closure) includes the checks: split them.
+    times.add("read", -checks_s);
+    times.add("checks", checks_s);
+    let t_zca = Instant::now();
     let (k, message) = match checks::scale_factor(&cc) {
         Some((k, sd)) if checks.auto_scale => (k, Some(checks::scale_message(k, sd))),
         _ => (1.0, None),
@@ -1106,11 +1120,13 @@ fn fit(
             .map(|w| w.mapv(|v| (f64::from(v) * k) as f32))
     }
     .context("fitting the whitening matrix")?;
+    times.lap("zca", t_zca);
     Ok(Fitted {
         whitening,
         scale_factor: k,
         scale_message: message,
         health,
+        times,
     })
 }
 
@@ -1135,7 +1151,7 @@ pub fn channel_check(
     let mut w = Array2::zeros((probe.n_sites(), plan.window_len()));
     for i in crate::preprocess::covariance_windows(plan.n_windows, settings.nskip as u64) {
         read_window(rec, &plan, i, &probe.chan_map, &mut w)?;
-        let cols = WindowColumns::of(&plan, i);
+        let cols = checks::WindowColumns::of(&plan, i);
         let runs = checks::find_stuck_runs(&w, cols.lo, cols.hi, min_run);
         let first = rec.first_sample() as i64 + plan.window_first_column(i);
         health.observe(w.view(), cols.own, first, &runs);

@@ -165,6 +165,16 @@ pub trait WindowPass: Send {
         Vec::new()
     }
 
+    /// Storage for windows read as the file's int16 values
+    /// ([`crate::recording::read_window_i16`], rows of
+    /// `window_len` rounded up to even), when this pass takes them (a GPU
+    /// pass, issue 10: it uploads them as they are); `None` (the default)
+    /// for f32 windows. Recordings that cannot give int16 values get f32
+    /// windows anyway, so the pass must take both.
+    fn raw16_buffers(&self) -> Option<Raw16Alloc> {
+        None
+    }
+
     /// Host work of this pass that can run one window ahead of it on its own
     /// thread (`spikecube-stage`; e.g. packing a window for the upload while
     /// the device works on the previous one); `None` (the default) for none.
@@ -186,6 +196,10 @@ pub trait WindowPass: Send {
         self.run(window, times)
     }
 }
+
+/// Makes storage for an int16 window of the given number of values
+/// ([`WindowPass::raw16_buffers`]).
+pub type Raw16Alloc = Box<dyn FnMut(usize) -> Box<dyn crate::recording::Raw16Buffer> + Send>;
 
 /// What a [`Stager`] made of a window, for [`WindowPass::run_staged`].
 pub type Staged = Box<dyn std::any::Any + Send>;
@@ -358,9 +372,14 @@ impl DevicePass {
         if !detector.set_preprocessing(pre)? {
             return Ok(Err(detector));
         }
-        let Some(packer) = detector.packer() else {
+        let Some(mut packer) = detector.packer() else {
             return Ok(Err(detector));
         };
+        // Two upload buffers for int16 windows (the usual case), so that a
+        // window's copy overlaps the device's work on the one before.
+        let (c, n) = pre.window_shape();
+        let bytes = c * crate::detect::gpu::Packer::raw16_stride(n) * 2;
+        detector.give_upload_slots(&mut packer, bytes);
         Ok(Ok(DevicePass {
             detector,
             packer,
@@ -391,7 +410,7 @@ struct DeviceStaged {
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 impl DeviceStager {
-    fn stage_window(&self, w: &Window, times: &mut StageTimes) -> Result<DeviceStaged> {
+    fn stage_window(&self, w: &mut Window, times: &mut StageTimes) -> Result<DeviceStaged> {
         let t0 = Instant::now();
         let mut whitening = None;
         if let Some(d) = &self.drift {
@@ -402,8 +421,22 @@ impl DeviceStager {
             times.lap("drift_matrix", t0);
         }
         let t0 = Instant::now();
-        let raw = self.packer.pack(w.data.view());
-        times.lap("pack", t0);
+        // An int16 window read into the packer's storage goes up as it is;
+        // an f32 window (a recording of another type) is packed here.
+        let raw = match w.raw16.take().map(|r| self.packer.from_raw16(r)) {
+            Some(Ok(raw)) => raw,
+            Some(Err(r)) => self.packer.pack(r.to_f32().view()),
+            None => {
+                let raw = self.packer.pack(w.data.view());
+                times.lap("pack", t0);
+                raw
+            }
+        };
+        let t0 = Instant::now();
+        let raw = self.packer.send_ahead(raw);
+        if raw.is_sent() {
+            times.lap("upload", t0);
+        }
         Ok(DeviceStaged { raw, whitening })
     }
 }
@@ -471,6 +504,11 @@ impl WindowPass for DevicePass {
 
     fn stager(&mut self) -> Option<Box<dyn Stager>> {
         Some(Box::new(self.stager_now()))
+    }
+
+    fn raw16_buffers(&self) -> Option<Raw16Alloc> {
+        let packer = self.packer.clone();
+        Some(Box::new(move |n| Box::new(packer.raw16_buffer(n))))
     }
 
     fn run_staged(
@@ -548,6 +586,36 @@ impl StagesReport {
     }
 }
 
+/// Reads window `i`: as int16 values into storage from `raw16` when it is
+/// given and the recording gives int16 values (then `data` is left empty and
+/// the window is returned), else as f32 into `data` (allocated at its size when
+/// it is not). After a recording once answers that it cannot give int16 values,
+/// `raw16` is set to `None`.
+fn read_any(
+    rec: &dyn Recording,
+    plan: &WindowPlan,
+    i: u64,
+    chan_map: &[u64],
+    data: &mut Array2<f32>,
+    raw16: &mut Option<Raw16Alloc>,
+) -> Result<Option<crate::recording::Raw16>> {
+    let (rows, n) = (chan_map.len(), plan.window_len());
+    if let Some(alloc) = raw16.as_mut() {
+        let stride = n.div_ceil(2) * 2;
+        let mut raw = crate::recording::Raw16::new(rows, n, stride, alloc(rows * stride))?;
+        if crate::recording::read_window_i16(rec, plan, i, chan_map, &mut raw)? {
+            *data = Array2::zeros((0, 0));
+            return Ok(Some(raw));
+        }
+        *raw16 = None;
+    }
+    if data.dim() != (rows, n) {
+        *data = Array2::zeros((rows, n));
+    }
+    read_window(rec, plan, i, chan_map, data)?;
+    Ok(None)
+}
+
 /// Runs every window of `plan` through read (+ `check`), `pass` and `write`,
 /// the three overlapping on their own threads (module docs).
 ///
@@ -575,13 +643,13 @@ where
 {
     let t_start = Instant::now();
     let stager = pass.stager();
+    let raw16_alloc = pass.raw16_buffers();
     // One more buffer when a stager runs between the reader and the pass.
     let in_flight = WINDOWS_IN_FLIGHT + usize::from(stager.is_some());
     let (raw_tx, raw_rx) = bounded::<Result<Window>>(WINDOWS_IN_FLIGHT);
     let (staged_tx, staged_rx) = bounded::<Result<(Window, Option<Staged>)>>(1);
     let (det_tx, det_rx) = bounded::<Result<(WindowInfo, Detections)>>(WINDOWS_IN_FLIGHT);
     let (free_tx, free_rx) = unbounded::<Array2<f32>>();
-    let shape = (chan_map.len(), plan.window_len());
     let rec = rec.as_ref();
 
     std::thread::scope(|s| -> Result<StagesReport> {
@@ -591,11 +659,13 @@ where
                 let mut times = StageTimes::default();
                 let first = rec.first_sample();
                 let mut allocated = 0;
+                let mut raw16_alloc = raw16_alloc;
                 for i in 0..plan.n_windows {
-                    // A free buffer, or a new one while fewer than the bound exist.
+                    // A free buffer, or a new one while fewer than the bound
+                    // exist (allocated at its size only when f32 samples go in).
                     let mut data = if allocated < in_flight {
                         allocated += 1;
-                        Array2::zeros(shape)
+                        Array2::zeros((0, 0))
                     } else {
                         match free_rx.recv() {
                             Ok(d) => d,
@@ -604,9 +674,8 @@ where
                         }
                     };
                     let t1 = Instant::now();
-                    let res = read_window(rec, &plan, i, chan_map, &mut data)
-                        .map_err(anyhow::Error::from)
-                        .map(|()| {
+                    let res = read_any(rec, &plan, i, chan_map, &mut data, &mut raw16_alloc).map(
+                        |raw16| {
                             let own_start = first + plan.window_start(i);
                             Window {
                                 index: i,
@@ -614,8 +683,10 @@ where
                                 own_len: plan.own_len(i),
                                 first_sample: own_start as i64 - plan.nt as i64,
                                 data,
+                                raw16,
                             }
-                        });
+                        },
+                    );
                     let t2 = times.lap("read", t1);
                     let res = res.and_then(|mut w| check(&mut w).map(|()| w));
                     times.lap("checks", t2);

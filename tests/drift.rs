@@ -162,6 +162,50 @@ fn interpolation_matrix_equals_kilosort() {
     }
 }
 
+/// `M_b` keeps its bits (and so the second pass its spikes) whatever loop
+/// computes it: each entry is Σ_k K(Q_c, P_k)·iKxx[k, j] accumulated in f64
+/// in increasing k, zero kernel values skipped, rounded to float32 — checked
+/// entry for entry against that sum written out here, for rigid and
+/// non-rigid shifts.
+#[test]
+fn interpolation_matrix_is_the_f64_sum_in_site_order() {
+    let p = fixture_probe();
+    for (nb, shifts) in [(1usize, vec![-17.3]), (3, vec![4.0, -9.5, 22.0])] {
+        let yblk: Vec<f64> = if nb == 1 {
+            vec![172.5]
+        } else {
+            vec![60.0, 172.5, 285.0]
+        };
+        let dshift = Array2::from_shape_vec((1, shifts.len()), shifts.clone()).unwrap();
+        let c = DriftCorrection::new(&p.xc, &p.yc, dshift, yblk.clone(), 20.0).unwrap();
+        let m = c.matrix(0).unwrap();
+        let s = correct::site_shifts(&shifts, &yblk, &p.yc);
+        let qy: Vec<f32> =
+            p.yc.iter()
+                .zip(&s)
+                .map(|(&y, &d)| (y as f64 - d) as f32)
+                .collect();
+        let k = correct::kernel2d(&p.xc, &qy, &p.xc, &p.yc, 20.0);
+        let n = p.n_sites();
+        for r in 0..n {
+            for j in 0..n {
+                let mut acc = 0f64;
+                for q in 0..n {
+                    let a = k[[r, q]] as f64;
+                    if a != 0.0 {
+                        acc += a * c.ikxx()[[q, j]] as f64;
+                    }
+                }
+                assert_eq!(
+                    m[[r, j]].to_bits(),
+                    (acc as f32).to_bits(),
+                    "M_b[{r}, {j}], nblocks {nb}"
+                );
+            }
+        }
+    }
+}
+
 /// Correction with a zero shift is K(K + 0.01 I)⁻¹, not the identity (spec §7),
 /// and applying it multiplies the window by M_b.
 #[test]
@@ -673,4 +717,40 @@ fn combined_whitening_with_kilosorts_matrix() {
     let (rms, max) = rel_error(&y, &reference);
     eprintln!("with Kilosort4's M_b: {rms:.2e} RMS, {max:.2e} max");
     assert!(rms < 1e-4 && max < 1e-3, "{rms:e} {max:e}");
+}
+
+/// `--neighbourhoods DIR` (`DetectionSettings::neighbourhoods`): every
+/// geometry of a run takes Kilosort4's own iC, iC2 and weigh (its order
+/// among equally distant sites, which depends on the CPU's numpy code path),
+/// so a comparison with Kilosort4 needs no tie rule (BENCHMARKS.md, "every
+/// difference with Kilosort4 explained"). A folder without the files is an
+/// error naming the file.
+#[test]
+fn neighbourhoods_from_kilosort_replace_the_tie_rule() {
+    let dir = data("learned/detection");
+    let p = Probe::load(&dir.join("probe.json")).unwrap();
+    let settings = spikecube::DetectionSettings {
+        neighbourhoods: Some(dir.clone()),
+        ..spikecube::DetectionSettings::default()
+    };
+    let g = spikecube::Geometry::new(&p, &settings).unwrap();
+    let i_c: Array2<i64> = npy::read(&dir.join("iC.npy")).unwrap();
+    let i_c2: Array2<i64> = npy::read(&dir.join("iC2.npy")).unwrap();
+    let weigh: ndarray::Array3<f32> = npy::read(&dir.join("weigh.npy")).unwrap();
+    assert_eq!(g.i_c.mapv(i64::from), i_c);
+    assert_eq!(g.i_c2.mapv(i64::from), i_c2);
+    assert_eq!(g.weigh, weigh);
+    let own = spikecube::Geometry::new(&p, &spikecube::DetectionSettings::default()).unwrap();
+    assert_eq!(
+        (own.xcup.clone(), own.ycup.clone()),
+        (g.xcup.clone(), g.ycup.clone())
+    );
+    let missing = spikecube::DetectionSettings {
+        neighbourhoods: Some(data("drift")),
+        ..spikecube::DetectionSettings::default()
+    };
+    let err = spikecube::Geometry::new(&p, &missing)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("iC.npy"), "{err}");
 }

@@ -383,6 +383,7 @@ fn check_preprocessing<R: Runtime>(
         (31, true, true, false),
         (32, false, false, false),
         (17, true, true, true),
+        (161, false, true, false),
     ]
     .into_iter()
     .enumerate()
@@ -461,6 +462,32 @@ fn check_preprocessing<R: Runtime>(
             worst <= 1e-4 * peak,
             "case {case}: max |Δ| {worst} vs peak {peak}"
         );
+        // The median CAR alone: the device's lower median is the CPU's (the
+        // means may differ by an ulp or two, nothing more).
+        if do_car {
+            let mut car = raw.clone();
+            spikecube::preprocess::common_reference(&mut car, true).unwrap();
+            let got = det
+                .preprocess_stage(packer.pack(raw.view()), &p.yc, 2)
+                .unwrap();
+            // Bound: a few ulps of the row's largest raw value (its mean is
+            // below that) plus of the value itself.
+            let nw = raw.ncols();
+            let big: Vec<f32> = raw
+                .rows()
+                .into_iter()
+                .map(|row| row.iter().fold(0f32, |m, v| m.max(v.abs())))
+                .collect();
+            for (i, (a, b)) in car.iter().zip(&got).enumerate() {
+                let r = i / nw;
+                let bound = 4.0 * f32::EPSILON * (big[r] + a.abs());
+                assert!(
+                    (a - b).abs() <= bound,
+                    "case {case}: median CAR at [{r}, {}]: CPU {a}, device {b}",
+                    i % nw
+                );
+            }
+        }
         let mut cpu =
             CpuDetector::new(g.clone(), UniversalTemplates::builtin(), s.clone()).unwrap();
         let want_det = cpu.detect(want.view(), &p.yc).unwrap();

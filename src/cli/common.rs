@@ -164,6 +164,11 @@ pub struct DetectionArgs {
     /// Keep each centre's neighbour centres on its own shank (spikecube's; false = Kilosort4's rule).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub separate_shanks: bool,
+    /// Take iC.npy, iC2.npy and weigh.npy (Kilosort4's neighbourhoods, from its
+    /// ops) from this folder: Kilosort4 orders equally distant sites by numpy's
+    /// CPU-dependent unstable sort, spikecube by index (for exact comparisons).
+    #[arg(long, value_name = "DIR")]
+    pub neighbourhoods: Option<std::path::PathBuf>,
 }
 
 impl DetectionArgs {
@@ -179,6 +184,7 @@ impl DetectionArgs {
             nearest_templates: self.nearest_templates,
             max_channel_distance: self.max_channel_distance,
             separate_shanks: self.separate_shanks,
+            neighbourhoods: self.neighbourhoods.clone(),
             ..DetectionSettings::default()
         }
     }

@@ -79,7 +79,45 @@ impl Geometry {
     /// # Errors
     /// [`DetectError::Setting`] for invalid settings, [`DetectError::NoCentres`] when
     /// no grid point lies within `max_channel_distance` of a site.
+    ///
+    /// With `settings.neighbourhoods` set, iC, iC2 and weigh come from that
+    /// folder ([`Geometry::with_neighbourhoods`]); a missing or unfitting file
+    /// is [`DetectError::Input`] naming it.
     pub fn new(probe: &Probe, settings: &DetectionSettings) -> Result<Geometry, DetectError> {
+        let Some(dir) = &settings.neighbourhoods else {
+            return Geometry::computed(probe, settings);
+        };
+        let read_index = |name: &str| -> Result<Array2<u32>, DetectError> {
+            let path = dir.join(name);
+            let bad = |message: String| DetectError::Input {
+                what: path.display().to_string(),
+                message,
+            };
+            let a: Array2<i64> = crate::npy::read(&path).map_err(|e| bad(format!("{e:#}")))?;
+            if let Some(v) = a.iter().find(|&&v| v < 0 || v > i64::from(u32::MAX)) {
+                return Err(bad(format!(
+                    "holds {v}, which is not a site or centre index"
+                )));
+            }
+            Ok(a.mapv(|v| v as u32))
+        };
+        let i_c = read_index("iC.npy")?;
+        let i_c2 = read_index("iC2.npy")?;
+        let path = dir.join("weigh.npy");
+        let weigh: Array3<f32> = crate::npy::read(&path).map_err(|e| DetectError::Input {
+            what: path.display().to_string(),
+            message: format!("{e:#}"),
+        })?;
+        let settings = DetectionSettings {
+            nearest_chans: i_c.nrows(),
+            neighbourhoods: None,
+            ..settings.clone()
+        };
+        Geometry::with_neighbourhoods(probe, &settings, i_c, i_c2, weigh)
+    }
+
+    /// [`Geometry::new`] from the probe and settings alone.
+    fn computed(probe: &Probe, settings: &DetectionSettings) -> Result<Geometry, DetectError> {
         settings.validate()?;
         let grid = template_centers(probe, settings)?;
         let n_sites = probe.n_sites();
@@ -189,7 +227,7 @@ impl Geometry {
         i_c2: Array2<u32>,
         weigh: Array3<f32>,
     ) -> Result<Geometry, DetectError> {
-        let mut g = Geometry::new(probe, settings)?;
+        let mut g = Geometry::computed(probe, settings)?;
         let nf = i_c.ncols();
         let bad = |what: &str, message: String| DetectError::Input {
             what: what.to_owned(),

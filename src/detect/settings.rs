@@ -48,6 +48,14 @@ pub struct DetectionSettings {
     /// `nearest_templates` centres nearby; `false` reproduces that. A centre's sites
     /// (`iC`) are always taken from its own shank. Default true. Not a Kilosort4 setting.
     pub separate_shanks: bool,
+    /// A folder holding Kilosort4's `iC.npy`, `iC2.npy` and `weigh.npy` (e.g.
+    /// from its `ops`) to use instead of computing them (`--neighbourhoods`):
+    /// Kilosort4 orders equally distant sites and centres by numpy's unstable
+    /// argsort, whose order depends on the CPU, where spikecube takes the
+    /// lower index; with Kilosort4's own files a comparison needs no tie rule.
+    /// Default `None`. Not a Kilosort4 setting.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub neighbourhoods: Option<std::path::PathBuf>,
 }
 
 impl Default for DetectionSettings {
@@ -66,6 +74,7 @@ impl Default for DetectionSettings {
             n_templates: 6,
             n_pcs: 6,
             separate_shanks: true,
+            neighbourhoods: None,
         }
     }
 }

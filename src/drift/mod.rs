@@ -341,16 +341,8 @@ pub fn first_pass(
     let mask_clipped = fp.mask_clipped;
     let check = move |w: &mut crate::recording::Window| -> Result<()> {
         if mask_clipped {
-            let s0 = plan.window_first_column(w.index);
-            let limit = if plan.n_windows == 1 {
-                plan.n_samples
-            } else {
-                plan.n_used
-            } as i64;
-            let n = plan.window_len() as i64;
-            let lo = (-s0).clamp(0, n) as usize;
-            let hi = (limit - s0).clamp(lo as i64, n) as usize;
-            crate::checks::mask_stuck_runs(&mut w.data, lo, hi, plan.n_windows > 1, min_run);
+            let cols = crate::checks::WindowColumns::of(&plan, w.index);
+            crate::checks::check_window(w, &cols, min_run, None, true);
         }
         Ok(())
     };

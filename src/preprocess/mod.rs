@@ -26,6 +26,7 @@
 //! and padding, which belong to the reader.
 
 mod car;
+mod covariance;
 mod highpass;
 mod whitening;
 
@@ -37,8 +38,10 @@ pub use highpass::{
     highpass_kernel,
 };
 pub use whitening::{
-    WHITENING_EPS, Whitening, accumulate_covariance, covariance_windows, fit_whitening,
-    whitening_covariance, whitening_from_covariance, whitening_neighbours,
+    FitOptions, FitTimes, WHITENING_EPS, Whitening, accumulate_covariance,
+    accumulate_covariance_plain, covariance_windows, fit_whitening, whitening_covariance,
+    whitening_covariance_into, whitening_covariance_timed, whitening_covariance_with,
+    whitening_from_covariance, whitening_neighbours,
 };
 
 use ndarray::Array2;

@@ -12,6 +12,7 @@ use crate::error::PreprocessError;
 use crate::probe::Probe;
 
 use super::car::{common_reference, ensure_standard, invert_sign};
+use super::covariance::{self, GramScratch};
 use super::highpass::{HighpassFilter, highpass_kernel};
 use super::{PreprocessSettings, exceeds_artifact_threshold};
 
@@ -160,11 +161,15 @@ pub fn whitening_from_covariance(
     Ok(w)
 }
 
-/// Columns converted to f64 at a time in [`accumulate_covariance`].
-const COV_CHUNK: usize = 4096;
-
 /// Adds `X·Xᵀ / ncols` of a (C × T) block to `cc` (f64), the per-window term of
 /// Kilosort4's whitening covariance.
+///
+/// The product is f64 (each f32 value converted exactly), in the order of
+/// faer's full product over chunks of 4096 columns
+/// ([`accumulate_covariance_plain`]); on x86-64 with FMA it is computed as the
+/// same sums over 512-column blocks, lower triangle only, blocks in parallel
+/// (the bits do not change, nor depend on the thread count; see
+/// `src/preprocess/covariance.rs`).
 ///
 /// # Errors
 /// [`PreprocessError::Shape`] if `cc` is not C × C.
@@ -172,62 +177,78 @@ pub fn accumulate_covariance(
     cc: &mut Array2<f64>,
     block: ndarray::ArrayView2<'_, f32>,
 ) -> Result<(), PreprocessError> {
-    let (c, t) = block.dim();
-    if cc.dim() != (c, c) {
-        return Err(PreprocessError::Shape {
-            what: "whitening covariance accumulator",
-            rows: cc.nrows(),
-            cols: cc.ncols(),
-            expected_rows: c,
-            expected_cols: c,
-        });
-    }
-    if t == 0 {
-        return Ok(());
-    }
-    // Sum X·Xᵀ over column chunks so the f64 copy stays small
-    // (C × COV_CHUNK), then scale once by 1/T.
-    let mut acc = Mat::<f64>::zeros(c, c);
-    // The chunk in f64, column-major (sample k's C values contiguous), filled
-    // in parallel by tiles of columns.
-    let mut x = vec![0f64; c * COV_CHUNK.min(t)];
-    let block = block.as_standard_layout();
-    let rows: &[f32] = block.as_slice().expect("standard layout");
-    const TILE: usize = 64;
-    let mut start = 0;
-    while start < t {
-        let w = COV_CHUNK.min(t - start);
-        let xs = &mut x[..c * w];
-        xs.par_chunks_mut(c * TILE)
-            .enumerate()
-            .for_each(|(j, cols)| {
-                let k0 = start + j * TILE;
-                let n_cols = cols.len() / c;
-                for i in 0..c {
-                    let src = &rows[i * t + k0..i * t + k0 + n_cols];
-                    for (k, &v) in src.iter().enumerate() {
-                        cols[k * c + i] = f64::from(v);
-                    }
-                }
-            });
-        let xm = MatRef::from_column_major_slice(xs, c, w);
-        matmul(
-            acc.as_mut(),
-            Accum::Add,
-            xm,
-            xm.transpose(),
-            1.0,
-            Par::rayon(0),
-        );
-        start += w;
-    }
-    let inv_t = 1.0 / t as f64;
-    for i in 0..c {
-        for k in 0..c {
-            cc[(i, k)] += acc[(i, k)] * inv_t;
+    WindowSum::new(true).add(cc, block, &mut FitTimes::default())
+}
+
+/// As [`accumulate_covariance`], always with the plain product: one faer
+/// `X·Xᵀ` (all threads) per 4096 columns converted to f64, the code before
+/// issue 10's fit work, kept to check the fast form's bits and for the
+/// benchmark.
+///
+/// # Errors
+/// As [`accumulate_covariance`].
+pub fn accumulate_covariance_plain(
+    cc: &mut Array2<f64>,
+    block: ndarray::ArrayView2<'_, f32>,
+) -> Result<(), PreprocessError> {
+    WindowSum::new(false).add(cc, block, &mut FitTimes::default())
+}
+
+/// Adds windows' terms `X·Xᵀ / T` to a covariance, buffers kept between windows.
+struct WindowSum {
+    /// [`covariance::gram`] (fast when it keeps the bits) or always the plain product.
+    fast: bool,
+    /// The window's `X·Xᵀ`, C × C column-major.
+    acc: Vec<f64>,
+    scratch: GramScratch,
+}
+
+impl WindowSum {
+    fn new(fast: bool) -> Self {
+        WindowSum {
+            fast,
+            acc: Vec::new(),
+            scratch: GramScratch::default(),
         }
     }
-    Ok(())
+
+    /// `cc += X·Xᵀ / T` for the (C × T) `block` (`product` and `sum` in `times`).
+    fn add(
+        &mut self,
+        cc: &mut Array2<f64>,
+        block: ndarray::ArrayView2<'_, f32>,
+        times: &mut FitTimes,
+    ) -> Result<(), PreprocessError> {
+        let (c, t) = block.dim();
+        if cc.dim() != (c, c) {
+            return Err(PreprocessError::Shape {
+                what: "whitening covariance accumulator",
+                rows: cc.nrows(),
+                cols: cc.ncols(),
+                expected_rows: c,
+                expected_cols: c,
+            });
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        let t0 = std::time::Instant::now();
+        if self.fast {
+            covariance::gram(block, &mut self.acc, &mut self.scratch);
+        } else {
+            covariance::gram_reference(block, &mut self.acc);
+        }
+        let t0 = times.lap("product", t0);
+        // Scaled once by 1/T, entry by entry.
+        let inv_t = 1.0 / t as f64;
+        for i in 0..c {
+            for k in 0..c {
+                cc[(i, k)] += self.acc[k * c + i] * inv_t;
+            }
+        }
+        times.lap("sum", t0);
+        Ok(())
+    }
 }
 
 /// Fits Kilosort4's whitening matrix (`get_whitening_matrix`, spec section 5),
@@ -281,12 +302,199 @@ where
 /// As [`fit_whitening`], except for the decomposition.
 pub fn whitening_covariance<E, F>(
     n_windows: u64,
-    mut read_raw_window: F,
+    read_raw_window: F,
     probe: &Probe,
     settings: &PreprocessSettings,
 ) -> Result<Array2<f64>, E>
 where
     F: FnMut(u64) -> Result<Array2<f32>, E> + Send,
+    E: From<PreprocessError> + Send,
+{
+    whitening_covariance_timed(
+        n_windows,
+        read_raw_window,
+        probe,
+        settings,
+        &mut FitTimes::default(),
+    )
+}
+
+/// Busy seconds of the whitening fit's parts, summed over its windows, by
+/// name: `read` (the caller's `read_raw_window`, with its checks), `invert`,
+/// `car`, `highpass`, `artifact`, `product` (`X·Xᵀ` with the f64 copy) and
+/// `sum` (adding the window's term). Parts overlap in time: reading runs on
+/// its own thread, and a window's product runs beside the next window's
+/// preprocessing.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FitTimes(pub std::collections::BTreeMap<&'static str, f64>);
+
+impl FitTimes {
+    /// Adds `seconds` to `part`.
+    pub fn add(&mut self, part: &'static str, seconds: f64) {
+        *self.0.entry(part).or_insert(0.0) += seconds;
+    }
+
+    /// Adds the seconds since `since` to `part`; returns now.
+    pub fn lap(&mut self, part: &'static str, since: std::time::Instant) -> std::time::Instant {
+        let now = std::time::Instant::now();
+        self.add(part, (now - since).as_secs_f64());
+        now
+    }
+
+    /// Adds every part of `other`.
+    pub fn merge(&mut self, other: &FitTimes) {
+        for (k, v) in &other.0 {
+            self.add(k, *v);
+        }
+    }
+}
+
+/// How [`whitening_covariance_with`] schedules its work. Every choice gives
+/// the same covariance, bit for bit; the default is the fastest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FitOptions {
+    /// Window k's product runs beside window k + 1's preprocessing (`true`),
+    /// or after it (`false`: one step at a time, as before issue 10's fit work).
+    pub pipelined: bool,
+    /// `X·Xᵀ` by 512-column blocks, lower triangle only, where that keeps the
+    /// bits ([`accumulate_covariance`]), or always the plain product
+    /// ([`accumulate_covariance_plain`]).
+    pub fast_product: bool,
+    /// [`whitening_covariance_into`] reads into window buffers used before
+    /// (`true`), or into a new zeroed buffer for every window (`false`).
+    pub reuse_buffers: bool,
+}
+
+impl FitOptions {
+    /// The schedule before issue 10's fit work: one step at a time, the plain
+    /// product, a new buffer per window.
+    pub fn plain() -> Self {
+        FitOptions {
+            pipelined: false,
+            fast_product: false,
+            reuse_buffers: false,
+        }
+    }
+}
+
+impl Default for FitOptions {
+    fn default() -> Self {
+        FitOptions {
+            pipelined: true,
+            fast_product: true,
+            reuse_buffers: true,
+        }
+    }
+}
+
+/// As [`whitening_covariance`], adding each part's busy seconds to `times`.
+///
+/// # Errors
+/// As [`whitening_covariance`].
+pub fn whitening_covariance_timed<E, F>(
+    n_windows: u64,
+    read_raw_window: F,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    times: &mut FitTimes,
+) -> Result<Array2<f64>, E>
+where
+    F: FnMut(u64) -> Result<Array2<f32>, E> + Send,
+    E: From<PreprocessError> + Send,
+{
+    whitening_covariance_with(
+        n_windows,
+        read_raw_window,
+        probe,
+        settings,
+        FitOptions::default(),
+        times,
+    )
+}
+
+/// One window of the fit, preprocessed as [`fit_whitening`] describes:
+/// inverted if `invert_sign`, CAR, high-pass, zeroed at `artifact_threshold`.
+fn preprocess_for_fit(
+    mut x: Array2<f32>,
+    i: u64,
+    settings: &PreprocessSettings,
+    hp: &HighpassFilter,
+    times: &mut FitTimes,
+) -> Result<Array2<f32>, PreprocessError> {
+    let t = std::time::Instant::now();
+    if settings.invert_sign {
+        invert_sign(&mut x);
+    }
+    let t = times.lap("invert", t);
+    common_reference(&mut x, settings.do_car)?;
+    let t = times.lap("car", t);
+    hp.apply(&mut x)?;
+    let t = times.lap("highpass", t);
+    if exceeds_artifact_threshold(&x, settings.artifact_threshold) {
+        tracing::info!(
+            window = i,
+            "window reaches artifact_threshold; it enters the whitening covariance as zeros"
+        );
+        x.fill(0.0);
+    }
+    times.lap("artifact", t);
+    Ok(x)
+}
+
+/// As [`whitening_covariance_timed`], scheduled as `options` says (the
+/// result does not depend on it).
+///
+/// # Errors
+/// As [`whitening_covariance`].
+pub fn whitening_covariance_with<E, F>(
+    n_windows: u64,
+    mut read_raw_window: F,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    options: FitOptions,
+    times: &mut FitTimes,
+) -> Result<Array2<f64>, E>
+where
+    F: FnMut(u64) -> Result<Array2<f32>, E> + Send,
+    E: From<PreprocessError> + Send,
+{
+    whitening_covariance_into(
+        n_windows,
+        |i, x: &mut Array2<f32>| {
+            *x = read_raw_window(i)?;
+            Ok(())
+        },
+        probe,
+        settings,
+        options,
+        times,
+    )
+}
+
+/// As [`whitening_covariance_with`], the windows read into buffers the fit
+/// reuses: `read_raw_window_into(i, x)` overwrites every value of `x`
+/// (C × N, allocated zeroed the first times) with window i, as
+/// `read_raw_window(i)` of [`fit_whitening`] returns it. Saves allocating
+/// (and the OS zeroing) a window per read.
+///
+/// Reading (with the caller's checks) runs ahead on its own thread. With
+/// `options.pipelined`, window k's product `X·Xᵀ` runs (on the rayon pool)
+/// beside window k + 1's preprocessing; the windows' terms are still added in
+/// window order. Window buffers at once: at most four (one being read, one
+/// queued, one being preprocessed, one in the product).
+///
+/// # Errors
+/// As [`whitening_covariance`].
+pub fn whitening_covariance_into<E, F>(
+    n_windows: u64,
+    mut read_raw_window_into: F,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    options: FitOptions,
+    times: &mut FitTimes,
+) -> Result<Array2<f64>, E>
+where
+    F: FnMut(u64, &mut Array2<f32>) -> Result<(), E> + Send,
     E: From<PreprocessError> + Send,
 {
     settings.validate()?;
@@ -318,23 +526,45 @@ where
         "fitting the whitening matrix"
     );
     let mut cc = Array2::<f64>::zeros((c, c));
-    // Reading (with the caller's checks) runs one window ahead, on its own
-    // thread; the windows are still read, and summed, in order.
-    std::thread::scope(|scope| -> Result<(), E> {
+    let mut sum = WindowSum::new(options.fast_product);
+    // Adds a preprocessed window's central NT columns to `cc`; hands the
+    // buffer back.
+    let add = |sum: &mut WindowSum,
+               cc: &mut Array2<f64>,
+               x: Array2<f32>,
+               times: &mut FitTimes|
+     -> Result<Array2<f32>, PreprocessError> {
+        sum.add(cc, x.slice(ndarray::s![.., nt..n - nt]), times)?;
+        Ok(x)
+    };
+    let read_s = std::thread::scope(|scope| -> Result<f64, E> {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Array2<f32>, E>>(1);
+        // Buffers back from the product, for the reader to fill again.
+        let (free_tx, free_rx) = std::sync::mpsc::channel::<Array2<f32>>();
         let list = windows.clone();
-        scope.spawn(move || {
+        let reader = scope.spawn(move || {
+            let mut busy = 0.0;
             for &i in &list {
-                let r = read_raw_window(i);
+                let t = std::time::Instant::now();
+                let reused = match options.reuse_buffers {
+                    true => free_rx.try_recv().ok(),
+                    false => None,
+                };
+                let mut x = reused.unwrap_or_else(|| Array2::<f32>::zeros((c, n)));
+                let r = read_raw_window_into(i, &mut x).map(|()| x);
+                busy += t.elapsed().as_secs_f64();
                 let failed = r.is_err();
                 if tx.send(r).is_err() || failed {
                     break;
                 }
             }
+            busy
         });
+        // A preprocessed window whose product is still to come.
+        let mut pending: Option<Array2<f32>> = None;
         for &i in &windows {
             let Ok(x) = rx.recv() else { break };
-            let mut x = x?;
+            let x = x?;
             if x.dim() != (c, n) {
                 return Err(PreprocessError::Shape {
                     what: "raw window for the whitening fit",
@@ -345,23 +575,37 @@ where
                 }
                 .into());
             }
-            if settings.invert_sign {
-                invert_sign(&mut x);
-            }
-            common_reference(&mut x, settings.do_car)?;
-            hp.apply(&mut x)?;
-            if exceeds_artifact_threshold(&x, settings.artifact_threshold) {
-                tracing::info!(
-                    window = i,
-                    "window reaches artifact_threshold; it enters the whitening covariance as zeros"
+            if options.pipelined {
+                let mut pre_times = FitTimes::default();
+                let mut sum_times = FitTimes::default();
+                let previous = pending.take();
+                let (pre, added) = rayon::join(
+                    || preprocess_for_fit(x, i, settings, &hp, &mut pre_times),
+                    || match previous {
+                        Some(p) => add(&mut sum, &mut cc, p, &mut sum_times).map(Some),
+                        None => Ok(None),
+                    },
                 );
-                x.fill(0.0);
+                times.merge(&pre_times);
+                times.merge(&sum_times);
+                if let Some(done) = added? {
+                    let _ = free_tx.send(done);
+                }
+                pending = Some(pre?);
+            } else {
+                let x = preprocess_for_fit(x, i, settings, &hp, times)?;
+                let done = add(&mut sum, &mut cc, x, times)?;
+                let _ = free_tx.send(done);
             }
-            let central = x.slice(ndarray::s![.., nt..n - nt]);
-            accumulate_covariance(&mut cc, central)?;
         }
-        Ok(())
+        if let Some(p) = pending.take() {
+            add(&mut sum, &mut cc, p, times)?;
+        }
+        Ok(reader
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
     })?;
+    times.add("read", read_s);
     cc.mapv_inplace(|v| v / windows.len() as f64);
     Ok(cc)
 }

@@ -173,25 +173,30 @@ impl BinaryRecording {
     }
 }
 
-fn decode<const N: usize>(
+/// Decodes samples `start .. start + count` of the columns `chan_map` into
+/// rows of `stride` values of `out` (row i at `i·stride`), `conv` turning one
+/// item's bytes into a value.
+#[allow(clippy::too_many_arguments)]
+fn decode<const N: usize, T: Send>(
     data: &[u8],
     start: u64,
     count: usize,
+    stride: usize,
     n_channels: usize,
     chan_map: &[u64],
-    out: &mut [f32],
-    conv: impl Fn([u8; N]) -> f32 + Sync,
+    out: &mut [T],
+    conv: impl Fn([u8; N]) -> T + Sync,
 ) {
     let frame = n_channels * N;
     let base = start as usize * frame;
     // Runs of DECODE_CHUNK samples in parallel: each run fills its own columns
     // of every output row (a list of row pieces per run).
     let n_runs = count.div_ceil(DECODE_CHUNK);
-    let mut runs: Vec<Vec<&mut [f32]>> = (0..n_runs)
+    let mut runs: Vec<Vec<&mut [T]>> = (0..n_runs)
         .map(|_| Vec::with_capacity(chan_map.len()))
         .collect();
-    for row in out.chunks_mut(count.max(1)).take(chan_map.len()) {
-        for (run, piece) in runs.iter_mut().zip(row.chunks_mut(DECODE_CHUNK)) {
+    for row in out.chunks_mut(stride.max(1)).take(chan_map.len()) {
+        for (run, piece) in runs.iter_mut().zip(row[..count].chunks_mut(DECODE_CHUNK)) {
             run.push(piece);
         }
     }
@@ -258,19 +263,87 @@ impl Recording for BinaryRecording {
         let data = &map[self.offset as usize..];
         let nc = self.n_channels;
         match self.dtype {
-            Dtype::Int16 => decode::<2>(data, start, count, nc, chan_map, out, |b| {
-                i16::from_le_bytes(b) as f32
+            Dtype::Int16 => decode::<2, f32>(data, start, count, count, nc, chan_map, out, |b| {
+                f32::from(i16::from_le_bytes(b))
             }),
-            Dtype::Uint16 => decode::<2>(data, start, count, nc, chan_map, out, |b| {
+            Dtype::Uint16 => decode::<2, f32>(data, start, count, count, nc, chan_map, out, |b| {
                 (i32::from(u16::from_le_bytes(b)) - 32768) as f32
             }),
-            Dtype::Int32 => decode::<4>(data, start, count, nc, chan_map, out, |b| {
+            Dtype::Int32 => decode::<4, f32>(data, start, count, count, nc, chan_map, out, |b| {
                 i32::from_le_bytes(b) as f32
             }),
-            Dtype::Float32 => {
-                decode::<4>(data, start, count, nc, chan_map, out, f32::from_le_bytes)
+            Dtype::Float32 => decode::<4, f32>(
+                data,
+                start,
+                count,
+                count,
+                nc,
+                chan_map,
+                out,
+                f32::from_le_bytes,
+            ),
+        }
+        self.release_pages(start, count);
+        if self.scale.is_some() || self.shift.is_some() {
+            let (a, b) = (self.scale.unwrap_or(1.0), self.shift.unwrap_or(0.0));
+            for v in out.iter_mut() {
+                *v = *v * a + b;
             }
         }
+        Ok(())
+    }
+    fn read_channels_i16(
+        &self,
+        start: u64,
+        count: usize,
+        chan_map: &[u64],
+        out: &mut [i16],
+        stride: usize,
+    ) -> Result<bool, RecordingError> {
+        if self.dtype != Dtype::Int16 || self.scale.is_some() || self.shift.is_some() {
+            return Ok(false);
+        }
+        crate::recording::check_read_strided(self, start, count, chan_map, out.len(), stride)?;
+        if count == 0 || chan_map.is_empty() {
+            return Ok(true);
+        }
+        let Some(map) = &self.map else {
+            return Ok(true);
+        };
+        let data = &map[self.offset as usize..];
+        decode::<2, i16>(
+            data,
+            start,
+            count,
+            stride,
+            self.n_channels,
+            chan_map,
+            out,
+            i16::from_le_bytes,
+        );
+        self.release_pages(start, count);
+        Ok(true)
+    }
+    fn describe(&self) -> String {
+        format!(
+            "{} ({}, {} channels, {} samples at {} Hz, offset {} bytes)",
+            self.path.display(),
+            self.dtype.name(),
+            self.n_channels,
+            self.n_samples,
+            self.fs,
+            self.offset
+        )
+    }
+}
+
+impl BinaryRecording {
+    /// Drops samples `start .. start + count` from this process's memory.
+    fn release_pages(&self, start: u64, count: usize) {
+        let Some(map) = &self.map else {
+            return;
+        };
+        let nc = self.n_channels;
         // Drop the pages just read from this process's memory: a run reads each
         // sample about once, and without this the mapped file would count in full
         // towards the process's resident memory on long recordings (BR-23). The
@@ -283,24 +356,6 @@ impl Recording for BinaryRecording {
         let _ = unsafe {
             map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, begin, count * frame)
         };
-        if self.scale.is_some() || self.shift.is_some() {
-            let (a, b) = (self.scale.unwrap_or(1.0), self.shift.unwrap_or(0.0));
-            for v in out.iter_mut() {
-                *v = *v * a + b;
-            }
-        }
-        Ok(())
-    }
-    fn describe(&self) -> String {
-        format!(
-            "{} ({}, {} channels, {} samples at {} Hz, offset {} bytes)",
-            self.path.display(),
-            self.dtype.name(),
-            self.n_channels,
-            self.n_samples,
-            self.fs,
-            self.offset
-        )
     }
 }
 
@@ -343,6 +398,20 @@ mod tests {
                         "start {start}, count {count}, row {r}, sample {t}"
                     );
                 }
+            }
+            // The int16 read, into rows longer than the samples: the same
+            // values, the row ends untouched.
+            let stride = count + 3;
+            let mut raw = vec![-7i16; chan_map.len() * stride];
+            assert!(
+                rec.read_channels_i16(start as u64, count, &chan_map, &mut raw, stride)
+                    .unwrap()
+            );
+            for (r, &c) in chan_map.iter().enumerate() {
+                for t in 0..count {
+                    assert_eq!(raw[r * stride + t], value(start + t, c as usize));
+                }
+                assert_eq!(&raw[r * stride + count..(r + 1) * stride], &[-7, -7, -7]);
             }
         }
     }

@@ -102,6 +102,25 @@ impl Recording for ConcatRecording {
         }
         Ok(())
     }
+    fn read_channels_i16(
+        &self,
+        start: u64,
+        count: usize,
+        chan_map: &[u64],
+        out: &mut [i16],
+        stride: usize,
+    ) -> Result<bool, RecordingError> {
+        crate::recording::check_read_strided(self, start, count, chan_map, out.len(), stride)?;
+        // Within one file only; a read across files takes the float path.
+        let end = start + count as u64;
+        for (j, part) in self.parts.iter().enumerate() {
+            let (s, e) = (self.starts[j], self.starts[j + 1]);
+            if start >= s && end <= e {
+                return part.read_channels_i16(start - s, count, chan_map, out, stride);
+            }
+        }
+        Ok(false)
+    }
     fn describe(&self) -> String {
         let parts: Vec<String> = self.parts.iter().map(|p| p.describe()).collect();
         format!("concatenation of [{}]", parts.join("; "))
@@ -145,6 +164,18 @@ impl Recording for TimeSlice {
         check_read(self, start, count, chan_map, out.len())?;
         self.inner
             .read_channels(self.start + start, count, chan_map, out)
+    }
+    fn read_channels_i16(
+        &self,
+        start: u64,
+        count: usize,
+        chan_map: &[u64],
+        out: &mut [i16],
+        stride: usize,
+    ) -> Result<bool, RecordingError> {
+        crate::recording::check_read_strided(self, start, count, chan_map, out.len(), stride)?;
+        self.inner
+            .read_channels_i16(self.start + start, count, chan_map, out, stride)
     }
     fn describe(&self) -> String {
         format!(

@@ -27,7 +27,9 @@ use std::sync::Arc;
 
 pub use binary::BinaryRecording;
 pub use concat::ConcatRecording;
-pub use window::{Window, WindowLoader, WindowPlan, read_window};
+pub use window::{
+    Raw16, Raw16Buffer, Window, WindowLoader, WindowPlan, read_window, read_window_i16,
+};
 
 use crate::error::RecordingError;
 use crate::probe::Probe;
@@ -107,6 +109,29 @@ pub trait Recording: Send + Sync {
         chan_map: &[u64],
         out: &mut [f32],
     ) -> Result<(), RecordingError>;
+    /// Reads as [`Recording::read_channels`] does, but as the file's int16
+    /// values unchanged, into rows of `stride` values: row i (file column
+    /// `chan_map[i]`) in `out[i·stride .. i·stride + count]` (issue 10: a
+    /// window goes to the GPU as it lies in the file, with no float copy).
+    ///
+    /// Returns `Ok(false)`, leaving `out` alone, when the recording's values
+    /// are not int16 read unchanged (another dtype, a `scale` or `shift`, a
+    /// read across files); the caller then uses [`Recording::read_channels`].
+    ///
+    /// # Errors
+    /// As [`Recording::read_channels`]; also when `stride < count` or `out`
+    /// does not hold `chan_map.len()` rows of `stride`.
+    fn read_channels_i16(
+        &self,
+        start: u64,
+        count: usize,
+        chan_map: &[u64],
+        out: &mut [i16],
+        stride: usize,
+    ) -> Result<bool, RecordingError> {
+        let _ = (start, count, chan_map, out, stride);
+        Ok(false)
+    }
     /// One line naming the file(s), dtype, channels, samples and rate, for messages.
     fn describe(&self) -> String;
 }
@@ -162,6 +187,36 @@ pub(crate) fn check_read(
             "output buffer holds {out_len} values, expected {} channels × {count} samples",
             chan_map.len()
         )));
+    }
+    Ok(())
+}
+
+/// Checks the arguments of [`Recording::read_channels_i16`]: as
+/// [`check_read`], with rows of `stride ≥ count` values.
+pub(crate) fn check_read_strided(
+    rec: &dyn Recording,
+    start: u64,
+    count: usize,
+    chan_map: &[u64],
+    out_len: usize,
+    stride: usize,
+) -> Result<(), RecordingError> {
+    if stride < count {
+        return Err(RecordingError::Read {
+            what: rec.describe(),
+            message: format!("rows of {stride} values cannot hold {count} samples"),
+        });
+    }
+    // The range and the columns; the size is checked for rows of `stride`.
+    check_read(rec, start, count, chan_map, chan_map.len() * count)?;
+    if chan_map.len().checked_mul(stride) != Some(out_len) {
+        return Err(RecordingError::Read {
+            what: rec.describe(),
+            message: format!(
+                "output buffer holds {out_len} values, expected {} rows × {stride}",
+                chan_map.len()
+            ),
+        });
     }
     Ok(())
 }

@@ -107,8 +107,12 @@ pub struct Window {
     /// when the recording starts less than `nt` samples into the file. Column c
     /// holds absolute sample `first_sample + c` before edge clamping.
     pub first_sample: i64,
-    /// `n_sites × (batch_size + 2·nt)` values, f32.
+    /// `n_sites × (batch_size + 2·nt)` values, f32; empty (0 × 0) when the
+    /// samples are in `raw16` instead.
     pub data: Array2<f32>,
+    /// The samples as the file's int16 values, when the run reads them so
+    /// (a GPU pass on an int16 recording, issue 10); `data` is empty then.
+    pub raw16: Option<Raw16>,
 }
 
 /// Reads window `i` of `rec` into `out` (`chan_map.len() × (batch_size + 2·nt)`),
@@ -124,6 +128,78 @@ pub fn read_window(
     chan_map: &[u64],
     out: &mut Array2<f32>,
 ) -> Result<(), RecordingError> {
+    let nw = plan.window_len();
+    let rows = chan_map.len();
+    if out.dim() != (rows, nw) {
+        return Err(RecordingError::Read {
+            what: rec.describe(),
+            message: format!("window buffer is {:?}, expected ({rows}, {nw})", out.dim()),
+        });
+    }
+    if !out.is_standard_layout() {
+        *out = Array2::zeros((rows, nw));
+    }
+    let data = out.as_slice_mut().ok_or_else(|| RecordingError::Read {
+        what: rec.describe(),
+        message: "window buffer is not contiguous".into(),
+    })?;
+    read_window_rows(rec, plan, i, chan_map, data, nw, |a, m, buf, stride| {
+        debug_assert_eq!(stride, m);
+        rec.read_channels(a, m, chan_map, buf).map(|()| true)
+    })
+    .map(|_| ())
+}
+
+/// As [`read_window`], into `out` as the file's int16 values (rows of
+/// `out.stride`): what a GPU pass uploads (issue 10). Returns `Ok(false)`,
+/// with `out` unspecified, when the recording cannot give its values as int16
+/// unchanged ([`Recording::read_channels_i16`]).
+///
+/// # Errors
+/// As [`read_window`].
+pub fn read_window_i16(
+    rec: &dyn Recording,
+    plan: &WindowPlan,
+    i: u64,
+    chan_map: &[u64],
+    out: &mut Raw16,
+) -> Result<bool, RecordingError> {
+    let nw = plan.window_len();
+    if (out.n_rows, out.n_cols) != (chan_map.len(), nw) {
+        return Err(RecordingError::Read {
+            what: rec.describe(),
+            message: format!(
+                "int16 window buffer is ({}, {}), expected ({}, {nw})",
+                out.n_rows,
+                out.n_cols,
+                chan_map.len()
+            ),
+        });
+    }
+    let stride = out.stride;
+    read_window_rows(
+        rec,
+        plan,
+        i,
+        chan_map,
+        out.values_mut(),
+        stride,
+        |a, m, buf, stride| rec.read_channels_i16(a, m, chan_map, buf, stride),
+    )
+}
+
+/// The window logic of [`read_window`] for rows of `stride` values of any
+/// sample type: `read(first, count, rows, stride)` reads samples into rows of
+/// `stride`; the edge columns are then filled as Kilosort4 fills them.
+fn read_window_rows<T: Copy + Default>(
+    rec: &dyn Recording,
+    plan: &WindowPlan,
+    i: u64,
+    chan_map: &[u64],
+    data: &mut [T],
+    stride: usize,
+    mut read: impl FnMut(u64, usize, &mut [T], usize) -> Result<bool, RecordingError>,
+) -> Result<bool, RecordingError> {
     let err = |message: String| RecordingError::Read {
         what: rec.describe(),
         message,
@@ -143,14 +219,11 @@ pub fn read_window(
             rec.n_samples()
         )));
     }
-    if out.dim() != (rows, nw) {
+    if stride < nw || data.len() != rows * stride {
         return Err(err(format!(
-            "window buffer is {:?}, expected ({rows}, {nw})",
-            out.dim()
+            "window buffer holds {} values, expected {rows} rows of {stride} ≥ {nw}",
+            data.len()
         )));
-    }
-    if !out.is_standard_layout() {
-        *out = Array2::zeros((rows, nw));
     }
     let s0 = plan.window_first_column(i);
     let nt = plan.nt as usize;
@@ -162,21 +235,19 @@ pub fn read_window(
     let b = ((s0 + nw as i64).max(0) as u64).min(limit); // end of samples read
     let col_a = (a as i64 - s0) as usize;
     let m = b.saturating_sub(a) as usize;
-    let data = out
-        .as_slice_mut()
-        .ok_or_else(|| err("window buffer is not contiguous".into()))?;
     if m == nw {
-        rec.read_channels(a, m, chan_map, data)?;
-        return Ok(());
+        return read(a, m, data, stride);
     }
-    let mut tmp = vec![0f32; rows * m];
-    rec.read_channels(a, m, chan_map, &mut tmp)?;
+    let mut tmp = vec![T::default(); rows * m];
+    if !read(a, m, &mut tmp, m)? {
+        return Ok(false);
+    }
     for r in 0..rows {
-        let row = &mut data[r * nw..(r + 1) * nw];
+        let row = &mut data[r * stride..r * stride + nw];
         let src = &tmp[r * m..(r + 1) * m];
         row[col_a..col_a + m].copy_from_slice(src);
         if m == 0 {
-            row.fill(0.0);
+            row.fill(T::default());
             continue;
         }
         let first = src[0];
@@ -184,13 +255,137 @@ pub fn read_window(
         row[..col_a].fill(first);
         if single {
             // Kilosort4 zero-fills after the data when there is only one batch.
-            row[col_a + m..].fill(0.0);
+            row[col_a + m..].fill(T::default());
             debug_assert!(col_a == nt);
         } else {
             row[col_a + m..].fill(last);
         }
     }
-    Ok(())
+    Ok(true)
+}
+
+/// Storage for a [`Raw16`] window: a plain vector, or memory a GPU back end
+/// uploads from directly (page-locked with CUDA).
+pub trait Raw16Buffer: Send {
+    /// The values.
+    fn values(&self) -> &[i16];
+    /// The values, writable.
+    fn values_mut(&mut self) -> &mut [i16];
+    /// The buffer itself, for the back end that made it to take back.
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
+    /// The buffer itself, to see which kind it is.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+impl Raw16Buffer for Vec<i16> {
+    fn values(&self) -> &[i16] {
+        self
+    }
+    fn values_mut(&mut self) -> &mut [i16] {
+        self
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// A window's samples as the file's int16 values, rows in channel-map order:
+/// row r in `values()[r·stride .. r·stride + n_cols]` (issue 10: a GPU pass
+/// uploads this, with no float copy on the host).
+pub struct Raw16 {
+    /// Rows (probe sites).
+    pub n_rows: usize,
+    /// Samples per row (`batch_size + 2·nt`).
+    pub n_cols: usize,
+    /// Values from one row's start to the next's (≥ `n_cols`).
+    pub stride: usize,
+    buf: Box<dyn Raw16Buffer>,
+}
+
+impl Raw16 {
+    /// A window of `n_rows × n_cols` in `buf` (rows of `stride`).
+    ///
+    /// # Errors
+    /// [`RecordingError::Read`] when `stride < n_cols` or `buf` does not hold
+    /// `n_rows · stride` values.
+    pub fn new(
+        n_rows: usize,
+        n_cols: usize,
+        stride: usize,
+        buf: Box<dyn Raw16Buffer>,
+    ) -> Result<Self, RecordingError> {
+        if stride < n_cols || buf.values().len() != n_rows * stride {
+            return Err(RecordingError::Read {
+                what: "int16 window buffer".into(),
+                message: format!(
+                    "holds {} values; {n_rows} rows of {stride} ≥ {n_cols} were asked for",
+                    buf.values().len()
+                ),
+            });
+        }
+        Ok(Raw16 {
+            n_rows,
+            n_cols,
+            stride,
+            buf,
+        })
+    }
+
+    /// All values, rows of `stride`.
+    pub fn values(&self) -> &[i16] {
+        self.buf.values()
+    }
+
+    /// All values, writable.
+    pub fn values_mut(&mut self) -> &mut [i16] {
+        self.buf.values_mut()
+    }
+
+    /// Row `r`'s `n_cols` samples.
+    pub fn row(&self, r: usize) -> &[i16] {
+        &self.values()[r * self.stride..r * self.stride + self.n_cols]
+    }
+
+    /// The window as f32 (`n_rows × n_cols`), the values [`read_window`] gives.
+    pub fn to_f32(&self) -> Array2<f32> {
+        Array2::from_shape_fn((self.n_rows, self.n_cols), |(r, c)| {
+            f32::from(self.values()[r * self.stride + c])
+        })
+    }
+
+    /// The storage, to see which kind it is.
+    pub fn buffer(&self) -> &dyn std::any::Any {
+        self.buf.as_any()
+    }
+
+    /// The storage, for the back end that made it.
+    pub fn into_buffer(self) -> Box<dyn std::any::Any + Send> {
+        self.buf.into_any()
+    }
+}
+
+impl Clone for Raw16 {
+    fn clone(&self) -> Self {
+        Raw16 {
+            n_rows: self.n_rows,
+            n_cols: self.n_cols,
+            stride: self.stride,
+            buf: Box::new(self.values().to_vec()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Raw16 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Raw16")
+            .field("n_rows", &self.n_rows)
+            .field("n_cols", &self.n_cols)
+            .field("stride", &self.stride)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Reads windows ahead on a thread and hands them over by value.
@@ -238,6 +433,7 @@ impl WindowLoader {
                             own_len: plan.own_len(i),
                             first_sample: own_start as i64 - plan.nt as i64,
                             data,
+                            raw16: None,
                         }
                     });
                     let failed = res.is_err();
@@ -301,6 +497,49 @@ impl Drop for WindowLoader {
         self.rx = None;
         if let Some(h) = self.handle.take() {
             let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The int16 read gives the f32 read's values in every window, the edge
+    /// windows' padding included, for several windows and for one.
+    #[test]
+    fn int16_windows_equal_float_windows() {
+        let nc = 5usize;
+        for ns in [1000usize, 230] {
+            let mut bytes = Vec::new();
+            for t in 0..ns {
+                for c in 0..nc {
+                    let v = ((t * 7919 + c * 104_729) % 65_536) as u16 as i16;
+                    bytes.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("x.bin");
+            std::fs::write(&path, &bytes).unwrap();
+            let rec = crate::recording::BinaryRecording::open_flat(
+                &path,
+                nc as u64,
+                30_000.0,
+                crate::recording::Dtype::Int16,
+                0,
+            )
+            .unwrap();
+            let plan = WindowPlan::new(ns as u64, 300, 11).unwrap();
+            let chan_map = [4u64, 0, 2];
+            let n = plan.window_len();
+            for i in 0..plan.n_windows {
+                let mut f = Array2::zeros((3, n));
+                read_window(&rec, &plan, i, &chan_map, &mut f).unwrap();
+                let stride = n + 3;
+                let mut r = Raw16::new(3, n, stride, Box::new(vec![0i16; 3 * stride])).unwrap();
+                assert!(read_window_i16(&rec, &plan, i, &chan_map, &mut r).unwrap());
+                assert_eq!(r.to_f32(), f, "{ns} samples, window {i}");
+            }
         }
     }
 }

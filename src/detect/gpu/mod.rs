@@ -31,6 +31,9 @@ pub mod upload;
 
 use std::time::Instant;
 
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
+
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 use ndarray::ArrayView2;
@@ -162,6 +165,9 @@ pub struct GpuDetector<R: Runtime> {
     /// page-locked memory), bypassing CubeCL 0.10's `create`, which copies the
     /// bytes into a new pageable vector first.
     direct: Option<DirectUpload<R>>,
+    /// The two persistent buffers windows are sent ahead into (bytes,
+    /// handles; [`Packer::send_ahead`]).
+    raw_slots: Option<(usize, [Handle; 2])>,
 }
 
 /// See [`GpuDetector::direct`]'s field: copies the bytes into the handle's memory.
@@ -194,6 +200,12 @@ pub struct RawWindow {
     /// Whether `data` is page-locked.
     pub pinned: bool,
     data: cubecl::bytes::Bytes,
+    /// Bytes of the window (`data`'s, or what was sent ahead).
+    n_bytes: usize,
+    /// When the window was sent ahead into one of the detector's upload
+    /// buffers ([`Packer::send_ahead`]): which one, and the claim on it
+    /// (`data` is empty then).
+    slot: Option<(usize, Box<dyn Send>)>,
 }
 
 impl std::fmt::Debug for RawWindow {
@@ -219,7 +231,12 @@ impl RawWindow {
 
     /// Bytes sent to the device.
     pub fn n_bytes(&self) -> usize {
-        self.data.len()
+        self.n_bytes
+    }
+
+    /// Whether the window is already on the device ([`Packer::send_ahead`]).
+    pub fn is_sent(&self) -> bool {
+        self.slot.is_some()
     }
 }
 
@@ -229,6 +246,8 @@ impl RawWindow {
 pub struct Packer {
     #[cfg(feature = "cuda")]
     pinned: Option<pinned::PinnedPool>,
+    #[cfg(feature = "cuda")]
+    slots: Option<Arc<pinned::UploadSlots>>,
 }
 
 impl std::fmt::Debug for Packer {
@@ -246,7 +265,37 @@ impl Packer {
     pub fn pinned_cuda() -> Packer {
         Packer {
             pinned: pinned::PinnedPool::new(),
+            slots: None,
         }
+    }
+
+    /// Sends later windows ahead into `slots` ([`Packer::send_ahead`]).
+    #[cfg(feature = "cuda")]
+    pub fn set_slots(&mut self, slots: pinned::UploadSlots) {
+        self.slots = Some(Arc::new(slots));
+    }
+
+    /// Copies a page-locked window into the next of the detector's two upload
+    /// buffers ([`pinned::UploadSlots`]), on a stream of its own, so that the
+    /// copy overlaps the device's work on the window before (issue 10); waits
+    /// until the window that used that buffer before has been detected in.
+    /// Other windows (not page-locked, another size, no buffers: wgpu) come
+    /// back unchanged and are uploaded by [`GpuDetector::detect_raw`].
+    pub fn send_ahead(&self, raw: RawWindow) -> RawWindow {
+        #[cfg(feature = "cuda")]
+        if let Some(slots) = &self.slots
+            && raw.pinned
+            && raw.slot.is_none()
+            && raw.data.len() == slots.len()
+            && let Some(guard) = slots.upload(&raw.data)
+        {
+            return RawWindow {
+                data: cubecl::bytes::Bytes::from_bytes_vec(Vec::new()),
+                slot: Some((guard.slot, Box::new(guard))),
+                ..raw
+            };
+        }
+        raw
     }
 
     /// The page-locked pool, for [`GpuDetector::use_direct_upload`].
@@ -318,7 +367,82 @@ impl Packer {
             n_t: n,
             packed,
             pinned,
+            n_bytes: data.len(),
             data,
+            slot: None,
+        }
+    }
+}
+
+/// An int16 window's storage made by [`Packer::raw16_buffer`]: the reader
+/// fills it ([`crate::recording::read_window_i16`]), the input checks work on
+/// it, and it goes to the device as it is, a packed [`RawWindow`] (issue 10:
+/// no float copy and no packing on the host).
+pub struct PackedRows {
+    data: cubecl::bytes::Bytes,
+    pinned: bool,
+}
+
+impl crate::recording::Raw16Buffer for PackedRows {
+    fn values(&self) -> &[i16] {
+        let bytes: &[u8] = &self.data;
+        // SAFETY: every i16 bit pattern is valid; alignment is checked below.
+        let (pre, v, post) = unsafe { bytes.align_to::<i16>() };
+        assert!(pre.is_empty() && post.is_empty(), "aligned buffer");
+        v
+    }
+    fn values_mut(&mut self) -> &mut [i16] {
+        let bytes: &mut [u8] = &mut self.data;
+        // SAFETY: as in `values`.
+        let (pre, v, post) = unsafe { bytes.align_to_mut::<i16>() };
+        assert!(pre.is_empty() && post.is_empty(), "aligned buffer");
+        v
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Packer {
+    /// Row length (int16 values) of the windows [`Packer::raw16_buffer`]
+    /// holds: `n_t` rounded up to whole 32-bit words, a packed
+    /// [`RawWindow`]'s rows.
+    pub fn raw16_stride(n_t: usize) -> usize {
+        n_t.div_ceil(2) * 2
+    }
+
+    /// Storage for `n_values` int16 values (page-locked with CUDA), for a
+    /// window of rows of [`Packer::raw16_stride`].
+    pub fn raw16_buffer(&self, n_values: usize) -> PackedRows {
+        let (data, pinned) = self.buffer(n_values.div_ceil(2));
+        PackedRows { data, pinned }
+    }
+
+    /// The packed [`RawWindow`] of an int16 window read into a
+    /// [`Packer::raw16_buffer`]; the window back when it is in other storage
+    /// or rows of another length.
+    pub fn from_raw16(
+        &self,
+        raw: crate::recording::Raw16,
+    ) -> std::result::Result<RawWindow, crate::recording::Raw16> {
+        if raw.stride != Self::raw16_stride(raw.n_cols) || !raw.buffer().is::<PackedRows>() {
+            return Err(raw);
+        }
+        let (n_rows, n_t) = (raw.n_rows, raw.n_cols);
+        match raw.into_buffer().downcast::<PackedRows>() {
+            Ok(p) => Ok(RawWindow {
+                n_rows,
+                n_t,
+                packed: true,
+                pinned: p.pinned,
+                n_bytes: p.data.len(),
+                data: p.data,
+                slot: None,
+            }),
+            Err(_) => unreachable!("checked"),
         }
     }
 }
@@ -348,6 +472,24 @@ impl GpuDetector<cubecl::cuda::CudaRuntime> {
             // no kernel uses it.
             unsafe { pool.copy_to_device(ptr, bytes) }
         }));
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl GpuDetector<cubecl::cuda::CudaRuntime> {
+    /// Allocates the two persistent upload buffers of `len` bytes each (kept
+    /// while the size stays) and returns their device addresses, for
+    /// [`pinned::PinnedPool::upload_slots`].
+    pub fn upload_slot_ptrs(&mut self, len: usize) -> Option<[u64; 2]> {
+        if self.raw_slots.as_ref().map(|(n, _)| *n) != Some(len) {
+            self.raw_slots = None;
+            let h = self.persistent(|client| [client.empty(len.max(4)), client.empty(len.max(4))]);
+            self.raw_slots = Some((len, h));
+        }
+        let (_, h) = self.raw_slots.as_ref()?;
+        let a = self.client.get_resource(h[0].clone()).ok()?.resource().ptr;
+        let b = self.client.get_resource(h[1].clone()).ok()?.resource().ptr;
+        Some([a, b])
     }
 }
 
@@ -430,6 +572,7 @@ impl<R: Runtime> GpuDetector<R> {
             pre: None,
             raw_buf: None,
             direct: None,
+            raw_slots: None,
         })
     }
 
@@ -456,13 +599,13 @@ impl<R: Runtime> GpuDetector<R> {
                 ),
             });
         }
-        if form.n_sites > preprocess::CAR_SHARED {
+        if form.n_sites > preprocess::CAR_MAX_SITES {
             return Err(DetectError::Setting {
                 name: "probe",
                 message: format!(
-                    "{} sites; the device median CAR takes at most {}",
+                    "{} sites; the device median CAR takes at most {} (use --backend cpu)",
                     form.n_sites,
-                    preprocess::CAR_SHARED
+                    preprocess::CAR_MAX_SITES
                 ),
             });
         }
@@ -579,16 +722,23 @@ impl<R: Runtime> GpuDetector<R> {
     /// [`GpuDetector::detect`] otherwise.
     pub fn detect_raw(
         &mut self,
-        raw: RawWindow,
+        mut raw: RawWindow,
         yc: &[f32],
         times: Option<&mut StepTimes>,
     ) -> Result<Detections, DetectError> {
         let timed = times.is_some();
         let clock = Instant::now();
+        // A window sent ahead keeps its upload buffer until its detections
+        // are back (the kernels have read it then).
+        let claim = raw
+            .slot
+            .as_mut()
+            .map(|s| std::mem::replace(&mut s.1, Box::new(())));
         let pre_s = self.upload_raw(raw, yc, timed, 4)?;
         let upload_s = clock.elapsed().as_secs_f64() - pre_s;
         let mut times = times;
         let det = self.run_uploaded(yc, times.as_deref_mut(), Instant::now())?;
+        drop(claim);
         if let Some(t) = times {
             t.upload = upload_s;
             t.preprocess = pre_s;
@@ -661,7 +811,18 @@ impl<R: Runtime> GpuDetector<R> {
         let wpr = raw.words_per_row();
         let n_words = raw.n_bytes() / 4;
         let packed = raw.packed;
-        let raw_h = self.raw_to_device(raw.data, raw.pinned)?;
+        let raw_h = match raw.slot.as_ref().map(|s| s.0) {
+            Some(slot) => match &self.raw_slots {
+                Some((len, h)) if *len == raw.n_bytes => h[slot].clone(),
+                _ => {
+                    return Err(DetectError::Input {
+                        what: "raw window".into(),
+                        message: "was sent ahead into a buffer this detector does not hold".into(),
+                    });
+                }
+            },
+            None => self.raw_to_device(raw.data, raw.pinned)?,
+        };
         if timed {
             self.sync()?;
         }
@@ -670,13 +831,7 @@ impl<R: Runtime> GpuDetector<R> {
         let clock = Instant::now();
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let units = CubeDim::new_1d(preprocess::UNITS as u32);
-        // Columns per CAR tile: a power of two (so units divide evenly) with the
-        // tile's C × cols values within CAR_SHARED.
-        let mut cols = 64usize;
-        while cols > 1 && c * cols > preprocess::CAR_SHARED {
-            cols /= 2;
-        }
-        let rows_per_unit = c.div_ceil(preprocess::UNITS / cols).max(1);
+        let (cols, slots) = preprocess::car_tile(c);
         // SAFETY (all four launches): row r < c reads words r·wpr .. r·wpr + wpr of
         // `raw` (c·wpr words) and writes row r of the C × N buffers; samples
         // t < N only; taps q < K; CSR indices are < C by construction
@@ -706,7 +861,7 @@ impl<R: Runtime> GpuDetector<R> {
                     n_t as u32,
                     wpr as u32,
                     cols,
-                    rows_per_unit,
+                    slots,
                     packed,
                     pre.form.do_car,
                 );

@@ -11,7 +11,7 @@
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::mem::MaybeUninit;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use cubecl::bytes::{AllocationController, AllocationProperty, Bytes};
 
@@ -22,6 +22,13 @@ type CuCtxSetCurrent = unsafe extern "C" fn(*mut c_void) -> c_int;
 type CuMemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> c_int;
 type CuMemFreeHost = unsafe extern "C" fn(*mut c_void) -> c_int;
 type CuMemcpyHtoD = unsafe extern "C" fn(u64, *const c_void, usize) -> c_int;
+type CuMemcpyHtoDAsync = unsafe extern "C" fn(u64, *const c_void, usize, *mut c_void) -> c_int;
+type CuStreamCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
+type CuStreamSynchronize = unsafe extern "C" fn(*mut c_void) -> c_int;
+type CuStreamDestroy = unsafe extern "C" fn(*mut c_void) -> c_int;
+
+/// `CU_STREAM_NON_BLOCKING`: no implicit ordering with the default stream.
+const NON_BLOCKING: c_uint = 1;
 
 /// `CU_MEMHOSTALLOC_PORTABLE`: pinned for every CUDA context.
 const PORTABLE: c_uint = 1;
@@ -187,6 +194,154 @@ impl PinnedPool {
         // SAFETY: the block holds at least `len` initialised bytes (zeroed at
         // allocation, or written by an earlier window).
         Some(unsafe { Bytes::from_controller(Box::new(controller), len) })
+    }
+}
+
+/// Two device buffers that windows are copied into, in turn, on a CUDA stream
+/// of their own (issue 10): the copy of window k + 1 runs on the GPU's copy
+/// engine while its compute units work on window k, which reads the other
+/// buffer. A buffer is written only after the window that used it before has
+/// released it ([`SlotGuard`], dropped once its detections are downloaded).
+pub struct UploadSlots {
+    shared: Arc<Shared>,
+    stream: *mut c_void,
+    ptrs: [u64; 2],
+    len: usize,
+    state: Arc<SlotState>,
+}
+
+// SAFETY: the stream handle is only passed to the driver, which is
+// thread-safe; the slot state is behind a mutex.
+unsafe impl Send for UploadSlots {}
+unsafe impl Sync for UploadSlots {}
+
+struct SlotState {
+    /// Which buffers hold a window not yet released; the next one to use.
+    busy: Mutex<([bool; 2], usize)>,
+    freed: Condvar,
+}
+
+/// A window's claim on one of the [`UploadSlots`]: while it lives, the buffer
+/// `slot` holds that window and is not written again.
+pub struct SlotGuard {
+    /// Which buffer (0 or 1).
+    pub slot: usize,
+    state: Arc<SlotState>,
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        let mut b = self.state.busy.lock().unwrap_or_else(|e| e.into_inner());
+        b.0[self.slot] = false;
+        self.state.freed.notify_all();
+    }
+}
+
+impl Drop for UploadSlots {
+    fn drop(&mut self) {
+        if self.shared.set_current() {
+            // SAFETY: the stream was created by cuStreamCreate and is not used
+            // after this.
+            unsafe {
+                if let Ok(f) = self
+                    .shared
+                    .lib
+                    .get::<CuStreamDestroy>(b"cuStreamDestroy_v2\0")
+                {
+                    f(self.stream);
+                }
+            }
+        }
+    }
+}
+
+impl UploadSlots {
+    /// Bytes each buffer holds.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffers hold nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Copies `src` (page-locked, `len()` bytes) into the next buffer in turn,
+    /// once the window before in that buffer has released it, and waits for
+    /// the copy. `None` when the driver refuses (nothing is claimed then).
+    pub fn upload(&self, src: &[u8]) -> Option<SlotGuard> {
+        if src.len() != self.len {
+            return None;
+        }
+        let slot = {
+            let mut b = self.state.busy.lock().ok()?;
+            let slot = b.1;
+            while b.0[slot] {
+                b = self.state.freed.wait(b).ok()?;
+            }
+            b.0[slot] = true;
+            b.1 = 1 - slot;
+            slot
+        };
+        let guard = SlotGuard {
+            slot,
+            state: self.state.clone(),
+        };
+        if !self.shared.set_current() {
+            return None;
+        }
+        // SAFETY: ptrs[slot] is a device buffer of `len` bytes (UploadSlots
+        // was made for them) that no kernel reads: the window that used it
+        // released it after its kernels completed. src is valid host memory.
+        let ok = unsafe {
+            let copy = self
+                .shared
+                .lib
+                .get::<CuMemcpyHtoDAsync>(b"cuMemcpyHtoDAsync_v2\0")
+                .ok()?;
+            let sync = self
+                .shared
+                .lib
+                .get::<CuStreamSynchronize>(b"cuStreamSynchronize\0")
+                .ok()?;
+            copy(self.ptrs[slot], src.as_ptr().cast(), src.len(), self.stream) == 0
+                && sync(self.stream) == 0
+        };
+        ok.then_some(guard)
+    }
+}
+
+impl PinnedPool {
+    /// [`UploadSlots`] over the device buffers at `ptrs` (each `len` bytes, of
+    /// GPU 0, kept alive by the caller as long as the slots are used); `None`
+    /// when the driver gives no stream.
+    pub fn upload_slots(&self, ptrs: [u64; 2], len: usize) -> Option<UploadSlots> {
+        if !self.shared.set_current() {
+            return None;
+        }
+        let mut stream: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the symbol has the driver API's signature; the context is current.
+        let rc = unsafe {
+            let create = self
+                .shared
+                .lib
+                .get::<CuStreamCreate>(b"cuStreamCreate\0")
+                .ok()?;
+            create(&mut stream, NON_BLOCKING)
+        };
+        if rc != 0 || stream.is_null() {
+            return None;
+        }
+        Some(UploadSlots {
+            shared: self.shared.clone(),
+            stream,
+            ptrs,
+            len,
+            state: Arc::new(SlotState {
+                busy: Mutex::new(([false; 2], 0)),
+                freed: Condvar::new(),
+            }),
+        })
     }
 }
 

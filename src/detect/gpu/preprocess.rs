@@ -34,8 +34,25 @@ pub const UNITS: usize = 256;
 pub const HP_PER_UNIT: usize = 8;
 /// Outputs per cube of the high-pass kernel.
 pub const HP_TILE: usize = UNITS * HP_PER_UNIT;
-/// Floats of shared memory for one CAR tile (12 KiB: within every device's limit).
+/// Floats of shared memory for one CAR tile's values (12 KiB), and at most
+/// as many again for its sorting slots: within every device's limit.
 pub const CAR_SHARED: usize = 3072;
+
+/// Most sites the device CAR takes (their sorting slots fit [`CAR_SHARED`]).
+pub const CAR_MAX_SITES: usize = 2048;
+
+/// The CAR kernel's tile: (samples per cube, sorting slots per sample) for C
+/// sites — slots the power of two ≥ C, samples a power of two (at most 64,
+/// at least one) with both the values and the slots within [`CAR_SHARED`]
+/// floats.
+pub fn car_tile(c: usize) -> (usize, usize) {
+    let m = c.max(2).next_power_of_two();
+    let mut cols = 64usize;
+    while cols > 1 && (c * cols > CAR_SHARED || cols * m > CAR_SHARED) {
+        cols /= 2;
+    }
+    (cols, m)
+}
 
 /// Sample `t` of row `r` of a packed raw window as an integer: sample 2w in the
 /// low half of word w, 2w + 1 in the high half.
@@ -118,12 +135,14 @@ pub(crate) fn row_means_kernel(
 }
 
 /// Mean removal and median CAR: one cube per `cols` consecutive samples of every
-/// row, held in shared memory. `UNITS / cols` units share a column; each holds
-/// up to `rows_per_unit` of its values in registers and counts, over the column,
-/// the values below and at most each of them: the value v with
-/// #{< v} ≤ ⌊(C − 1)/2⌋ < #{≤ v} is the column's lower median (several equal
-/// values may qualify; they write the same number). Writes
-/// X\[r, t\] = (raw − mean\[r\]) − median\[t\] (no median when `do_car` is false).
+/// row, held in shared memory. With `do_car`, each column's C values are copied
+/// into a second shared array of `m` slots per column (`m`, a power of two ≥ C;
+/// the slots past C hold the largest float) and sorted there by a bitonic
+/// network (all columns at once, `log₂m·(log₂m + 1)/2` compare-exchange steps);
+/// slot ⌊(C − 1)/2⌋ is then the column's lower median (Kilosort4's torch
+/// median; a sorted order is unique up to equal values, so the value is the
+/// CPU's). Writes X\[r, t\] = (raw − mean\[r\]) − median\[t\] (no median when
+/// `do_car` is false).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn car_kernel(
@@ -134,12 +153,12 @@ pub(crate) fn car_kernel(
     n_t: u32,
     words: u32,
     #[comptime] cols: usize,
-    #[comptime] rows_per_unit: usize,
+    #[comptime] m: usize,
     #[comptime] packed: bool,
     #[comptime] do_car: bool,
 ) {
     let mut sh = SharedMemory::<f32>::new(CAR_SHARED);
-    let mut med = SharedMemory::<f32>::new(cols);
+    let mut srt = SharedMemory::<f32>::new(comptime!(cols * m));
     let c = n_rows as usize;
     let n_t = n_t as usize;
     let words = words as usize;
@@ -159,41 +178,49 @@ pub(crate) fn car_kernel(
         i += UNITS;
     }
     sync_cube();
+    let want = (c - 1) / 2;
     if comptime!(do_car) {
-        let per_col = comptime!(UNITS / cols);
-        let k = u / per_col;
-        let lane = u % per_col;
-        let want = (c - 1) / 2;
-        let mut vals = Array::<f32>::new(rows_per_unit);
-        let mut below = Array::<u32>::new(rows_per_unit);
-        let mut upto = Array::<u32>::new(rows_per_unit);
-        #[unroll]
-        for a in 0..rows_per_unit {
-            let r = lane + a * per_col;
-            let mut v = 0.0f32;
+        let slots = comptime!(cols * m);
+        let mut i = u;
+        while i < slots {
+            let k = i / m;
+            let r = i % m;
+            let mut v = 3.402_823_5e38f32;
             if r < c {
                 v = sh[r * cols + k];
             }
-            vals[a] = v;
-            below[a] = 0u32;
-            upto[a] = 0u32;
-        }
-        for j in 0..c {
-            let s = sh[j * cols + k];
-            #[unroll]
-            for a in 0..rows_per_unit {
-                below[a] += select(s < vals[a], 1u32, 0u32);
-                upto[a] += select(s <= vals[a], 1u32, 0u32);
-            }
-        }
-        #[unroll]
-        for a in 0..rows_per_unit {
-            let r = lane + a * per_col;
-            if r < c && below[a] as usize <= want && want < upto[a] as usize {
-                med[k] = vals[a];
-            }
+            srt[i] = v;
+            i += UNITS;
         }
         sync_cube();
+        let half = comptime!(m / 2);
+        let pairs = comptime!(cols * m / 2);
+        let mut size = 2usize;
+        while size <= m {
+            let mut j = size / 2;
+            while j > 0 {
+                let mut p = u;
+                while p < pairs {
+                    let col = p / half;
+                    let q = p % half;
+                    // The lower slot of pair q at distance j, and its partner.
+                    let lo = 2 * q - (q & (j - 1));
+                    let ia = col * m + lo;
+                    let ib = ia + j;
+                    let a = srt[ia];
+                    let b = srt[ib];
+                    let ascending = (lo & size) == 0;
+                    if (a > b) == ascending {
+                        srt[ia] = b;
+                        srt[ib] = a;
+                    }
+                    p += UNITS;
+                }
+                sync_cube();
+                j /= 2;
+            }
+            size *= 2;
+        }
     }
     let mut i = u;
     while i < total {
@@ -202,7 +229,7 @@ pub(crate) fn car_kernel(
         let t = t0 + k;
         if t < n_t {
             if comptime!(do_car) {
-                x[r * n_t + t] = sh[i] - med[k];
+                x[r * n_t + t] = sh[i] - srt[k * m + want];
             } else {
                 x[r * n_t + t] = sh[i];
             }
