@@ -237,14 +237,14 @@ pub fn fill_stuck_runs_rows<T: RawSample>(
         let row = &mut rows.values[r * stride..r * stride + n];
         let mut rest: Vec<T> = Vec::with_capacity(hi.saturating_sub(lo));
         let mut k = 0;
-        for c in lo..hi.min(n) {
+        for (c, &v) in row.iter().enumerate().take(hi.min(n)).skip(lo) {
             while k < runs.len() && runs[k].1 <= c {
                 k += 1;
             }
             if k < runs.len() && runs[k].0 <= c {
                 continue;
             }
-            rest.push(row[c]);
+            rest.push(v);
         }
         if rest.is_empty() {
             continue;
