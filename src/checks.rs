@@ -1012,7 +1012,11 @@ mod tests {
             x[(2, t)] = v;
             x[(3, t)] = v;
             x[(4, t)] = if (50..100).contains(&t) { 40.0 } else { -v };
-            x[(5, t)] = if (20..=280).contains(&t) { v * 3.0 } else { -300.0 };
+            x[(5, t)] = if (20..=280).contains(&t) {
+                v * 3.0
+            } else {
+                -300.0
+            };
         }
         let mut raw = vec![0i16; 6 * stride];
         for r in 0..6 {
