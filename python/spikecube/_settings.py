@@ -28,6 +28,9 @@ SETTINGS: dict[str, tuple[str, object]] = {
     "n_templates": ("detection", 6),
     "n_pcs": ("detection", 6),
     "separate_shanks": ("detection", True),
+    # Kilosort4's own iC.npy / iC2.npy / weigh.npy (a folder), instead of
+    # spikecube's neighbourhoods (README, "Where spikecube differs")
+    "neighbourhoods": ("detection", None),
     # preprocessing
     "batch_size": ("preprocessing", 60000),
     "highpass_cutoff": ("preprocessing", 300.0),
@@ -76,7 +79,8 @@ def split(settings: dict, allowed: set[str] | None = None) -> dict[str, dict]:
 
 
 def detection_json(d: dict) -> str:
-    return json.dumps(d)
+    # Paths (``neighbourhoods``) as strings.
+    return json.dumps(d, default=str)
 
 
 def preprocessing_json(d: dict, fs: float | None = None, nt: int = 61) -> str:

@@ -48,6 +48,15 @@ def test_settings_by_kilosort_names(sim_bin, tmp_path):
     assert r.pc_features.shape[1] == 8
 
 
+def test_kilosort_neighbourhoods_folder_reaches_the_core(sim_bin, tmp_path):
+    missing = tmp_path / "no-such-folder"
+    with pytest.raises(spikecube.SpikecubeError) as e:
+        spikecube.detect(sim_bin, progress=False, neighbourhoods=missing)
+    p = cli("detect", sim_bin, "--out", tmp_path / "o", "--neighbourhoods", missing, check=False)
+    assert p.returncode != 0
+    assert str(missing) in str(e.value) and str(missing) in p.stderr, (p.stderr, str(e.value))
+
+
 def test_unknown_setting_lists_valid_names(sim_bin):
     with pytest.raises(ValueError) as e:
         spikecube.detect(sim_bin, progress=False, Th_univresal=8)
