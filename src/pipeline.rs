@@ -558,7 +558,13 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
             "{duplicates} duplicate detections of events straddling a window boundary were removed (--keep-boundary-duplicates keeps them, as Kilosort4 does)"
         );
     }
-    let clipped = health.stuck_samples();
+    // Stuck samples are counted as masked only when they were (the channel
+    // findings name them either way).
+    let clipped = if job.checks.mask_clipped {
+        health.stuck_samples()
+    } else {
+        0
+    };
     if let Some(w) = health.warning("the whole recording", job.checks.mask_clipped) {
         warnings.push(w);
     }
@@ -576,7 +582,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         "detections_dropped_in_padding": dropped,
         "templates": chosen_templates.description, // issue 11
         "preprocessing_on": preprocess_on,
-        "upload_bytes_per_window": pass.bytes_uploaded() / plan.n_windows.max(1),
+        "upload_bytes_per_window": pass.bytes_uploaded() / pass.windows_uploaded().max(1),
         "checks": {
             "auto_scale": job.checks.auto_scale,
             "scale_factor_applied": fitted.scale_factor,

@@ -130,6 +130,12 @@ pub trait WindowPass: Send {
         0
     }
 
+    /// Windows sent to a device so far, over every pass of the run (0 for a
+    /// pass on the host).
+    fn windows_uploaded(&self) -> u64 {
+        0
+    }
+
     /// Corrects drift in every later window (issue 12): `Some` after the drift
     /// step estimated a correction, `None` for none (the first pass).
     ///
@@ -352,6 +358,7 @@ pub struct DevicePass {
     pre: Preprocessor,
     yc: Vec<f32>,
     upload_bytes: u64,
+    upload_windows: u64,
     drift: Option<Arc<crate::drift::DriftRun>>,
     timed_windows: Vec<crate::detect::gpu::StepTimes>,
 }
@@ -386,6 +393,7 @@ impl DevicePass {
             pre: pre.clone(),
             yc,
             upload_bytes: 0,
+            upload_windows: 0,
             drift: None,
             timed_windows: Vec::new(),
         }))
@@ -470,6 +478,7 @@ impl DevicePass {
         }
         let raw = staged.raw;
         self.upload_bytes += raw.n_bytes() as u64;
+        self.upload_windows += 1;
         // Every TIMED_EVERY-th window (not the first ones, which compile the
         // kernels) syncs after each step, for the per-step split.
         let mut step = crate::detect::gpu::StepTimes::default();
@@ -525,6 +534,10 @@ impl WindowPass for DevicePass {
 
     fn bytes_uploaded(&self) -> u64 {
         self.upload_bytes
+    }
+
+    fn windows_uploaded(&self) -> u64 {
+        self.upload_windows
     }
 
     fn set_drift(&mut self, drift: Option<Arc<crate::drift::DriftRun>>) -> Result<()> {

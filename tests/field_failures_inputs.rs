@@ -384,6 +384,9 @@ fn br22_bad_channels_are_named_and_a_clipped_stretch_makes_no_far_detections() {
         far_ks.len()
     );
     assert!(!far_ks.is_empty());
+    // Nothing was masked, though the stretch is still reported.
+    assert_eq!(ks.checks()["clipped_samples_masked"], 0);
+    assert!(ks.warnings().join("\n").contains("ch6 clipped"));
 
     // Spikes on the healthy channels 0–2 throughout, inside the stretch too.
     let spikes: Vec<usize> = (0..99).map(|i| 1500 + i * 3000).collect();
