@@ -69,10 +69,10 @@ impl RawSample for i16 {
 /// A window's rows as one slice: `n_rows` rows of `n_cols` samples, row r at
 /// `values[r·stride ..]` (an f32 window: `stride = n_cols`; an int16 window:
 /// [`crate::recording::Raw16`]).
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 pub struct Rows<'a, T> {
     /// The values, rows of `stride`.
-    pub values: &'a mut [T],
+    pub values: &'a [T],
     /// Rows (sites).
     pub n_rows: usize,
     /// Samples per row.
@@ -87,12 +87,11 @@ impl<'a, T: RawSample> Rows<'a, T> {
         &self.values[r * self.stride..r * self.stride + self.n_cols]
     }
 
-    /// The rows of an f32 window in standard layout (`None` otherwise).
-    pub fn of_array(a: &'a mut Array2<T>) -> Option<Self> {
+    /// The rows of a window in standard layout (`None` otherwise).
+    pub fn of_view(a: &'a ArrayView2<'a, T>) -> Option<Self> {
         let (n_rows, n_cols) = a.dim();
-        let values = a.as_slice_mut()?;
         Some(Rows {
-            values,
+            values: a.to_slice()?,
             n_rows,
             n_cols,
             stride: n_cols,
@@ -169,17 +168,10 @@ pub fn find_stuck_runs(
     hi: usize,
     min_run: usize,
 ) -> Vec<Vec<(usize, usize)>> {
-    use rayon::prelude::*;
-    (0..window.nrows())
-        .into_par_iter()
-        .map(|r| {
-            let row = window.row(r);
-            match row.as_slice() {
-                Some(s) => stuck_runs(s, lo, hi, min_run),
-                None => stuck_runs(&row.to_vec(), lo, hi, min_run),
-            }
-        })
-        .collect()
+    let std = window.as_standard_layout();
+    let view = std.view();
+    let rows = Rows::of_view(&view).expect("standard layout");
+    find_stuck_runs_rows(&rows, lo, hi, min_run)
 }
 
 /// [`find_stuck_runs`] over [`Rows`] of any sample type.
@@ -210,31 +202,32 @@ pub fn fill_stuck_runs(
     hi: usize,
     pad_repeats: bool,
 ) {
-    if let Some(mut rows) = Rows::of_array(window) {
-        fill_stuck_runs_rows(&mut rows, runs, lo, hi, pad_repeats);
-        return;
+    if !window.is_standard_layout() {
+        *window = window.as_standard_layout().into_owned();
     }
-    let mut std = window.as_standard_layout().into_owned();
-    let mut rows = Rows::of_array(&mut std).expect("standard layout");
-    fill_stuck_runs_rows(&mut rows, runs, lo, hi, pad_repeats);
-    window.assign(&std);
+    let n = window.ncols();
+    let values = window.as_slice_mut().expect("standard layout");
+    fill_stuck_runs_rows(values, n, n, runs, lo, hi, pad_repeats);
 }
 
-/// [`fill_stuck_runs`] over [`Rows`] of any sample type (the median of
-/// integer values is one of them, so int16 rows get the f32 rows' values).
+/// [`fill_stuck_runs`] over rows of any sample type: row r of `n` samples at
+/// `values[r·stride ..]`, one row per entry of `runs` (the median of integer
+/// values is one of them, so int16 rows get the f32 rows' values).
 pub fn fill_stuck_runs_rows<T: RawSample>(
-    rows: &mut Rows<'_, T>,
+    values: &mut [T],
+    n: usize,
+    stride: usize,
     runs: &[Vec<(usize, usize)>],
     lo: usize,
     hi: usize,
     pad_repeats: bool,
 ) {
-    let (n, stride) = (rows.n_cols, rows.stride);
-    for (r, runs) in runs.iter().enumerate().take(rows.n_rows) {
+    let n_rows = values.len().checked_div(stride).unwrap_or(0);
+    for (r, runs) in runs.iter().enumerate().take(n_rows) {
         if runs.is_empty() {
             continue;
         }
-        let row = &mut rows.values[r * stride..r * stride + n];
+        let row = &mut values[r * stride..r * stride + n];
         let mut rest: Vec<T> = Vec::with_capacity(hi.saturating_sub(lo));
         let mut k = 0;
         for (c, &v) in row.iter().enumerate().take(hi.min(n)).skip(lo) {
@@ -323,39 +316,59 @@ pub fn check_window(
     health: Option<&mut ChannelHealth>,
     mask: bool,
 ) -> Vec<Vec<(usize, usize)>> {
+    /// The checks on `n_rows` rows of `n_cols` samples at `values[r·stride ..]`.
+    #[allow(clippy::too_many_arguments)]
     fn on_rows<T: RawSample>(
-        rows: &mut Rows<'_, T>,
+        values: &mut [T],
+        (n_rows, n_cols, stride): (usize, usize, usize),
         first_sample: i64,
-        (cols, min_run): (&WindowColumns, usize),
+        cols: &WindowColumns,
+        min_run: usize,
         health: Option<&mut ChannelHealth>,
         mask: bool,
     ) -> Vec<Vec<(usize, usize)>> {
-        let runs = find_stuck_runs_rows(rows, cols.lo, cols.hi, min_run);
-        if let Some(h) = health {
-            h.observe_rows(rows, cols.own, first_sample, &runs);
-        }
-        if mask {
-            fill_stuck_runs_rows(rows, &runs, cols.lo, cols.hi, cols.pad_repeats);
-        }
-        runs
-    }
-    let args = (cols, min_run);
-    let first = w.first_sample;
-    if let Some(raw) = w.raw16.as_mut() {
-        let (n_rows, n_cols, stride) = (raw.n_rows, raw.n_cols, raw.stride);
-        let mut rows = Rows {
-            values: raw.values_mut(),
+        let rows = Rows {
+            values: &*values,
             n_rows,
             n_cols,
             stride,
         };
-        return on_rows(&mut rows, first, args, health, mask);
+        let runs = find_stuck_runs_rows(&rows, cols.lo, cols.hi, min_run);
+        if let Some(h) = health {
+            h.observe_rows(&rows, cols.own, first_sample, &runs);
+        }
+        if mask {
+            fill_stuck_runs_rows(
+                values,
+                n_cols,
+                stride,
+                &runs,
+                cols.lo,
+                cols.hi,
+                cols.pad_repeats,
+            );
+        }
+        runs
+    }
+    let first = w.first_sample;
+    if let Some(raw) = w.raw16.as_mut() {
+        let shape = (raw.n_rows, raw.n_cols, raw.stride);
+        return on_rows(raw.values_mut(), shape, first, cols, min_run, health, mask);
     }
     if !w.data.is_standard_layout() {
         w.data = w.data.as_standard_layout().into_owned();
     }
-    let mut rows = Rows::of_array(&mut w.data).expect("standard layout");
-    on_rows(&mut rows, first, args, health, mask)
+    let (n_rows, n_cols) = w.data.dim();
+    let values = w.data.as_slice_mut().expect("standard layout");
+    on_rows(
+        values,
+        (n_rows, n_cols, n_cols),
+        first,
+        cols,
+        min_run,
+        health,
+        mask,
+    )
 }
 
 /// Per-channel facts gathered over the samples seen: all zero, constant,
@@ -477,26 +490,10 @@ impl ChannelHealth {
         first_sample: i64,
         runs: &[Vec<(usize, usize)>],
     ) {
-        use rayon::prelude::*;
-        let (a, b) = (own.0.min(raw.ncols()), own.1.min(raw.ncols()));
-        if b <= a {
-            return;
-        }
-        let none: Vec<(usize, usize)> = Vec::new();
-        self.rows.par_iter_mut().enumerate().for_each(|(r, h)| {
-            let row = raw.row(r);
-            let owned;
-            let row: &[f32] = match row.as_slice() {
-                Some(s) => s,
-                None => {
-                    owned = row.to_vec();
-                    &owned
-                }
-            };
-            let rr = runs.get(r).unwrap_or(&none);
-            h.observe(&row[a..b], first_sample + a as i64, rr, a, row);
-        });
-        self.samples += (b - a) as u64;
+        let std = raw.as_standard_layout();
+        let view = std.view();
+        let rows = Rows::of_view(&view).expect("standard layout");
+        self.observe_rows(&rows, own, first_sample, runs);
     }
 
     /// [`ChannelHealth::observe`] over [`Rows`] of any sample type (the same

@@ -173,7 +173,7 @@ pub trait WindowPass: Send {
 
     /// Storage for windows read as the file's int16 values
     /// ([`crate::recording::read_window_i16`], rows of
-    /// `window_len` rounded up to even), when this pass takes them (a GPU
+    /// [`crate::recording::Raw16::stride_for`]), when this pass takes them (a GPU
     /// pass, issue 10: it uploads them as they are); `None` (the default)
     /// for f32 windows. Recordings that cannot give int16 values get f32
     /// windows anyway, so the pass must take both.
@@ -385,7 +385,7 @@ impl DevicePass {
         // Two upload buffers for int16 windows (the usual case), so that a
         // window's copy overlaps the device's work on the one before.
         let (c, n) = pre.window_shape();
-        let bytes = c * crate::detect::gpu::Packer::raw16_stride(n) * 2;
+        let bytes = c * crate::recording::Raw16::stride_for(n) * 2;
         detector.give_upload_slots(&mut packer, bytes);
         Ok(Ok(DevicePass {
             detector,
@@ -614,7 +614,7 @@ fn read_any(
 ) -> Result<Option<crate::recording::Raw16>> {
     let (rows, n) = (chan_map.len(), plan.window_len());
     if let Some(alloc) = raw16.as_mut() {
-        let stride = n.div_ceil(2) * 2;
+        let stride = crate::recording::Raw16::stride_for(n);
         let mut raw = crate::recording::Raw16::new(rows, n, stride, alloc(rows * stride))?;
         if crate::recording::read_window_i16(rec, plan, i, chan_map, &mut raw)? {
             *data = Array2::zeros((0, 0));

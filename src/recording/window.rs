@@ -306,6 +306,13 @@ pub struct Raw16 {
 }
 
 impl Raw16 {
+    /// The row length (values) a run reads int16 windows of `n_cols` samples
+    /// into: `n_cols` rounded up to even, so that rows are whole 32-bit words
+    /// (the layout a GPU pass uploads as it is).
+    pub fn stride_for(n_cols: usize) -> usize {
+        n_cols.div_ceil(2) * 2
+    }
+
     /// A window of `n_rows × n_cols` in `buf` (rows of `stride`).
     ///
     /// # Errors

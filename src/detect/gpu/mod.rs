@@ -407,15 +407,9 @@ impl crate::recording::Raw16Buffer for PackedRows {
 }
 
 impl Packer {
-    /// Row length (int16 values) of the windows [`Packer::raw16_buffer`]
-    /// holds: `n_t` rounded up to whole 32-bit words, a packed
-    /// [`RawWindow`]'s rows.
-    pub fn raw16_stride(n_t: usize) -> usize {
-        n_t.div_ceil(2) * 2
-    }
-
     /// Storage for `n_values` int16 values (page-locked with CUDA), for a
-    /// window of rows of [`Packer::raw16_stride`].
+    /// window of rows of [`crate::recording::Raw16::stride_for`] (whole
+    /// 32-bit words: a packed [`RawWindow`]'s rows).
     pub fn raw16_buffer(&self, n_values: usize) -> PackedRows {
         let (data, pinned) = self.buffer(n_values.div_ceil(2));
         PackedRows { data, pinned }
@@ -428,7 +422,9 @@ impl Packer {
         &self,
         raw: crate::recording::Raw16,
     ) -> std::result::Result<RawWindow, crate::recording::Raw16> {
-        if raw.stride != Self::raw16_stride(raw.n_cols) || !raw.buffer().is::<PackedRows>() {
+        if raw.stride != crate::recording::Raw16::stride_for(raw.n_cols)
+            || !raw.buffer().is::<PackedRows>()
+        {
             return Err(raw);
         }
         let (n_rows, n_t) = (raw.n_rows, raw.n_cols);
