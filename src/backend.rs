@@ -360,6 +360,44 @@ impl Detector {
         }
     }
 
+    /// Compiles the device's kernels and allocates its window buffers for
+    /// windows preprocessed as `pre` does (any whitening, e.g. the identity
+    /// before the fit) by one all-zero window ([`crate::detect::gpu::GpuDetector::warm_up`]);
+    /// `Ok(false)` on the CPU or when `pre` has no device form. Lets the
+    /// device start while the whitening fit runs on the host.
+    ///
+    /// # Errors
+    /// As [`Detector::set_preprocessing`] and [`Detector::detect_raw`].
+    #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(unused_variables))]
+    pub fn warm_up(
+        &mut self,
+        pre: &crate::preprocess::Preprocessor,
+        yc: &[f32],
+    ) -> Result<bool, DetectError> {
+        let Some(form) = pre.device_form(crate::preprocess::DEVICE_TAP_FLOOR) else {
+            return Ok(false);
+        };
+        match self {
+            Detector::Cpu(_) => Ok(false),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.warm_up(&form, yc).map(|_| true),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.warm_up(&form, yc).map(|_| true),
+        }
+    }
+
+    /// Seconds the host waited for a GPU's detections since the last call
+    /// (0 on the CPU).
+    pub fn take_wait_seconds(&mut self) -> f64 {
+        match self {
+            Detector::Cpu(_) => 0.0,
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.take_wait_seconds(),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.take_wait_seconds(),
+        }
+    }
+
     /// Replaces the device preprocessing's whitening by a C × C matrix in CSR
     /// form (see [`crate::detect::gpu::GpuDetector::set_whitening`]).
     ///

@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result, anyhow, bail};
 use ndarray::Array2;
 
 use crate::backend::{Backend, Detector};
@@ -284,6 +284,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // The back end next, before any data is read: a missing or too small device
     // fails (or, with `auto`, falls back to the CPU) at once.
     let mut chosen = crate::backend::choose(job.backend)?;
+    let t_open = Instant::now();
     let mut detector = Detector::new(
         &chosen,
         geometry.clone(),
@@ -322,15 +323,54 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         chosen.reason
     );
 
+    let device_open_s = t_open.elapsed().as_secs_f64();
+
+    // ---- issue 10: the device starts (kernels compiled, buffers allocated)
+    // on its own thread while the whitening fit runs on the host's cores; its
+    // whitening is a stand-in until the fitted one is set.
+    let warm_pre = if job.device_preprocessing && chosen.backend != "cpu" {
+        Some(Preprocessor::new(&job.preprocess, Array2::eye(n_sites))?)
+    } else {
+        None
+    };
     let t_fit = Instant::now();
-    let fitted = fit(
-        &rec,
-        &plan,
-        &job.probe,
-        &job.preprocess,
-        &job.checks,
-        FitOptions::default(),
-    )?;
+    let (fitted, warm_up_s) = std::thread::scope(|s| -> Result<_> {
+        let warm = warm_pre.as_ref().map(|p| {
+            let d = &mut detector;
+            let yc = &job.probe.yc;
+            std::thread::Builder::new()
+                .name("spikecube-warm-up".into())
+                .spawn_scoped(s, move || {
+                    let t = Instant::now();
+                    // A failure here shows again, with its context, when the
+                    // pass sets the fitted preprocessing: only logged.
+                    if let Err(e) = d.warm_up(p, yc) {
+                        tracing::debug!("device warm-up: {e}");
+                    }
+                    t.elapsed().as_secs_f64()
+                })
+        });
+        let fitted = fit(
+            &rec,
+            &plan,
+            &job.probe,
+            &job.preprocess,
+            &job.checks,
+            FitOptions::default(),
+        );
+        let warm_up_s = match warm {
+            Some(Ok(h)) => h
+                .join()
+                .map_err(|_| anyhow!("the device warm-up thread panicked"))?,
+            Some(Err(e)) => {
+                tracing::debug!("cannot start the device warm-up thread: {e}");
+                0.0
+            }
+            None => 0.0,
+        };
+        Ok((fitted?, warm_up_s))
+    })?;
+    // ---- end issue 10 ----
     if let Some(w) = fitted
         .health
         .warning("the windows of the whitening fit", job.checks.mask_clipped)
@@ -605,6 +645,10 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         .insert("backend_reason".into(), chosen.reason.clone());
     // ---- issue 10: busy seconds per stage, the stages' wall and overlap ----
     info.timings.insert("whitening_fit".into(), fit_s);
+    info.timings.insert("device_open".into(), device_open_s);
+    if warm_up_s > 0.0 {
+        info.timings.insert("device_warm_up".into(), warm_up_s);
+    }
     for (part, v) in &fit_times.0 {
         info.timings.insert(format!("whitening_fit.{part}"), *v);
     }

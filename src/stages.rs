@@ -361,6 +361,10 @@ pub struct DevicePass {
     upload_windows: u64,
     drift: Option<Arc<crate::drift::DriftRun>>,
     timed_windows: Vec<crate::detect::gpu::StepTimes>,
+    /// Device seconds (host wall) of window 0 and of each later window not
+    /// timed step by step.
+    first_window_s: f64,
+    window_s: Vec<f64>,
 }
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
@@ -396,6 +400,8 @@ impl DevicePass {
             upload_windows: 0,
             drift: None,
             timed_windows: Vec::new(),
+            first_window_s: 0.0,
+            window_s: Vec::new(),
         }))
     }
 }
@@ -492,7 +498,14 @@ impl DevicePass {
                     w.index, w.own_start
                 )
             })?;
-        times.lap("device", t1);
+        let t2 = times.lap("device", t1);
+        times.add("device.wait", self.detector.take_wait_seconds());
+        let secs = t2.duration_since(t1).as_secs_f64();
+        if w.index == 0 {
+            self.first_window_s = secs;
+        } else if !timed {
+            self.window_s.push(secs);
+        }
         if timed {
             self.timed_windows.push(step);
         }
@@ -502,7 +515,7 @@ impl DevicePass {
 
 /// Every how many windows a [`DevicePass`] times its device steps one by one.
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
-const TIMED_EVERY: u64 = 8;
+const TIMED_EVERY: u64 = 25;
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 impl WindowPass for DevicePass {
@@ -563,6 +576,8 @@ impl WindowPass for DevicePass {
         if t.is_empty() {
             return Vec::new();
         }
+        let mut whole = self.window_s.clone();
+        whole.sort_by(f64::total_cmp);
         let median = |f: fn(&crate::detect::gpu::StepTimes) -> f64| {
             let mut v: Vec<f64> = t.iter().map(f).collect();
             v.sort_by(f64::total_cmp);
@@ -578,6 +593,12 @@ impl WindowPass for DevicePass {
             ("features".into(), median(|s| s.features)),
             ("download".into(), median(|s| s.download)),
             ("windows_timed".into(), t.len() as f64),
+            // Whole windows as the pass ran them (no syncs between steps).
+            (
+                "whole".into(),
+                whole.get(whole.len() / 2).copied().unwrap_or(0.0),
+            ),
+            ("first_window".into(), self.first_window_s),
         ]
     }
 }

@@ -168,6 +168,9 @@ pub struct GpuDetector<R: Runtime> {
     /// The two persistent buffers windows are sent ahead into (bytes,
     /// handles; [`Packer::send_ahead`]).
     raw_slots: Option<(usize, [Handle; 2])>,
+    /// Seconds the host waited for detections to come back (the one download
+    /// per window), since [`GpuDetector::take_wait_seconds`].
+    wait_s: f64,
 }
 
 /// See [`GpuDetector::direct`]'s field: copies the bytes into the handle's memory.
@@ -569,7 +572,33 @@ impl<R: Runtime> GpuDetector<R> {
             raw_buf: None,
             direct: None,
             raw_slots: None,
+            wait_s: 0.0,
         })
+    }
+
+    /// Seconds the host spent waiting for the device's detections (inside
+    /// [`GpuDetector::detect_raw`]'s download) since the last call: the rest
+    /// of a window's host time is launching and sorting.
+    pub fn take_wait_seconds(&mut self) -> f64 {
+        std::mem::take(&mut self.wait_s)
+    }
+
+    /// Compiles every kernel of [`GpuDetector::detect_raw`] for windows of
+    /// `form`'s shape from int16 input, and allocates the window's buffers, by
+    /// running one all-zero window through them (it has no detections). For
+    /// hiding the device's start-up behind the whitening fit: `form` may carry
+    /// any whitening (e.g. the identity); [`GpuDetector::set_preprocessing`]
+    /// with the fitted one follows.
+    ///
+    /// # Errors
+    /// As [`GpuDetector::set_preprocessing`] and [`GpuDetector::detect_raw`].
+    pub fn warm_up(&mut self, form: &DevicePreprocessing, yc: &[f32]) -> Result<(), DetectError> {
+        self.set_preprocessing(form)?;
+        let zeros = ndarray::Array2::<f32>::zeros((form.n_sites, form.n));
+        let raw = Packer::default().pack(zeros.view());
+        self.detect_raw(raw, yc, None)?;
+        self.wait_s = 0.0;
+        Ok(())
     }
 
     /// Uploads the preprocessing constants, after which
@@ -1575,9 +1604,11 @@ impl<R: Runtime> GpuDetector<R> {
             p.yct.clone(),
             p.tf.clone(),
         ]);
+        let waiting = Instant::now();
         let out = cubecl::future::block_on(out).map_err(|e| DetectError::Device {
             message: format!("{} failed: {e:?}", self.device_name),
         })?;
+        self.wait_s += waiting.elapsed().as_secs_f64();
         let n = u32::from_bytes(&out[0])[0] as usize;
         let nc = self.geometry.n_chans();
         let npc = self.settings.n_pcs;
