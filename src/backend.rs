@@ -41,6 +41,51 @@ impl Backend {
     }
 }
 
+/// Where compiled GPU kernels are kept between runs: `$SPIKECUBE_KERNEL_CACHE`,
+/// else the user's cache folder (`~/.cache/spikecube/kernels` on Linux); `None`
+/// when that variable is `off` or the folder cannot be made and written.
+/// CUDA kernels are compiled (NVRTC) on first use, about 0.1 s each; kept
+/// there, a later run loads them instead (CubeCL's PTX cache, keyed by each
+/// kernel's source and settings, so a new spikecube version adds entries and
+/// never reads stale ones).
+pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
+    let dir = match std::env::var_os("SPIKECUBE_KERNEL_CACHE") {
+        Some(v) if v == "off" => return None,
+        Some(v) if !v.is_empty() => std::path::PathBuf::from(v),
+        _ => dirs::cache_dir()?.join("spikecube").join("kernels"),
+    };
+    std::fs::create_dir_all(&dir).ok()?;
+    // CubeCL stops on a folder it cannot write: try first.
+    let probe = dir.join(format!(".write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"").ok()?;
+    let _ = std::fs::remove_file(&probe);
+    Some(dir)
+}
+
+/// Points CubeCL's kernel cache at [`kernel_cache_dir`], once, before any
+/// device is opened (no effect when CubeCL's configuration was already
+/// read, e.g. from a `cubecl.toml`, which then decides).
+fn kernel_cache() {
+    #[cfg(feature = "cuda")]
+    {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig, cache::CacheConfig};
+            let Some(dir) = kernel_cache_dir() else {
+                return;
+            };
+            let mut slot = CubeClRuntimeConfig::storage().lock();
+            if slot.is_none() {
+                let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+                if config.compilation.cache.is_none() {
+                    config.compilation.cache = Some(CacheConfig::File(dir));
+                }
+                *slot = Some(std::sync::Arc::new(config));
+            }
+        });
+    }
+}
+
 /// What a probe found: a usable device's name, or why there is none.
 pub type Probe = Result<String, String>;
 
@@ -189,6 +234,7 @@ pub struct Chosen {
 /// [`DetectError::Device`] when an explicitly requested GPU back end is missing from
 /// this build or finds no device (the message says why); `auto` never fails.
 pub fn choose(backend: Backend) -> Result<Chosen, DetectError> {
+    kernel_cache();
     let cpu = |reason: String| Chosen {
         backend: "cpu".into(),
         device: format!("CPU, {} threads", rayon::current_num_threads()),
@@ -383,6 +429,29 @@ impl Detector {
             Detector::Cuda(d) => d.warm_up(&form, yc).map(|_| true),
             #[cfg(feature = "wgpu")]
             Detector::Wgpu(d) => d.warm_up(&form, yc).map(|_| true),
+        }
+    }
+
+    /// The whitening fit's Gram matrix of one raw window, preprocessed on the
+    /// device ([`crate::detect::gpu::GpuDetector::window_gram`]); `Ok(None)` on
+    /// the CPU.
+    ///
+    /// # Errors
+    /// As that method.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn window_gram(
+        &mut self,
+        raw: crate::detect::gpu::RawWindow,
+        yc: &[f32],
+        lo: usize,
+        hi: usize,
+    ) -> Result<Option<ndarray::Array2<f64>>, DetectError> {
+        match self {
+            Detector::Cpu(_) => Ok(None),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.window_gram(raw, yc, lo, hi).map(Some),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.window_gram(raw, yc, lo, hi).map(Some),
         }
     }
 

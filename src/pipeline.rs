@@ -325,51 +325,34 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
 
     let device_open_s = t_open.elapsed().as_secs_f64();
 
-    // ---- issue 10: the device starts (kernels compiled, buffers allocated)
-    // on its own thread while the whitening fit runs on the host's cores; its
-    // whitening is a stand-in until the fitted one is set.
+    // ---- issue 10: on a GPU that preprocesses, the device starts (kernels
+    // compiled, buffers allocated, with a stand-in whitening) and then fits
+    // the whitening itself: the host only reads and checks the fit's windows.
     let warm_pre = if job.device_preprocessing && chosen.backend != "cpu" {
         Some(Preprocessor::new(&job.preprocess, Array2::eye(n_sites))?)
     } else {
         None
     };
+    let t_warm = Instant::now();
+    let mut warm_up_s = 0.0;
+    if let Some(p) = &warm_pre {
+        // A failure shows again, with its context, when the fit or the pass
+        // sets the preprocessing: only logged here.
+        if let Err(e) = detector.warm_up(p, &job.probe.yc) {
+            tracing::debug!("device warm-up: {e}");
+        }
+        warm_up_s = t_warm.elapsed().as_secs_f64();
+    }
     let t_fit = Instant::now();
-    let (fitted, warm_up_s) = std::thread::scope(|s| -> Result<_> {
-        let warm = warm_pre.as_ref().map(|p| {
-            let d = &mut detector;
-            let yc = &job.probe.yc;
-            std::thread::Builder::new()
-                .name("spikecube-warm-up".into())
-                .spawn_scoped(s, move || {
-                    let t = Instant::now();
-                    // A failure here shows again, with its context, when the
-                    // pass sets the fitted preprocessing: only logged.
-                    if let Err(e) = d.warm_up(p, yc) {
-                        tracing::debug!("device warm-up: {e}");
-                    }
-                    t.elapsed().as_secs_f64()
-                })
-        });
-        let fitted = fit(
-            &rec,
-            &plan,
-            &job.probe,
-            &job.preprocess,
-            &job.checks,
-            FitOptions::default(),
-        );
-        let warm_up_s = match warm {
-            Some(Ok(h)) => h
-                .join()
-                .map_err(|_| anyhow!("the device warm-up thread panicked"))?,
-            Some(Err(e)) => {
-                tracing::debug!("cannot start the device warm-up thread: {e}");
-                0.0
-            }
-            None => 0.0,
-        };
-        Ok((fitted?, warm_up_s))
-    })?;
+    let fitted = fit_with_device(
+        &rec,
+        &plan,
+        &job.probe,
+        &job.preprocess,
+        &job.checks,
+        FitOptions::default(),
+        warm_pre.as_ref().map(|p| (&mut detector, p)),
+    )?;
     // ---- end issue 10 ----
     if let Some(w) = fitted
         .health
@@ -1129,10 +1112,42 @@ fn fit(
     checks: &Checks,
     options: FitOptions,
 ) -> Result<Fitted> {
+    fit_with_device(rec, plan, probe, settings, checks, options, None)
+}
+
+/// [`fit`], the covariance computed on `device`'s GPU when one is given and can
+/// ([`fit_covariance_on_device`]); on the host otherwise.
+fn fit_with_device(
+    rec: &Arc<dyn Recording>,
+    plan: &WindowPlan,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    checks: &Checks,
+    options: FitOptions,
+    device: Option<(&mut Detector, &Preprocessor)>,
+) -> Result<Fitted> {
     let min_run = checks::stuck_min_run(rec.fs());
     let mut health = ChannelHealth::new(&probe.chan_map);
     // ---- issue 10 (whitening fit speed): parts' busy seconds ----
     let mut times = crate::preprocess::FitTimes::default();
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if let Some((detector, pre)) = device
+        && let Some(cc) = fit_covariance_on_device(
+            rec,
+            plan,
+            probe,
+            settings,
+            checks,
+            detector,
+            pre,
+            &mut health,
+            &mut times,
+        )?
+    {
+        return finish_fit(cc, probe, settings, checks, health, times);
+    }
+    #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+    let _ = device;
     let mut checks_s = 0.0;
     let cc = crate::preprocess::whitening_covariance_into(
         plan.n_windows,
@@ -1158,6 +1173,18 @@ fn fit(
     // `read` (the closure) includes the checks: split them.
     times.add("read", -checks_s);
     times.add("checks", checks_s);
+    finish_fit(cc, probe, settings, checks, health, times)
+}
+
+/// The fit's last steps from the covariance `cc`: the scale check and W.
+fn finish_fit(
+    cc: Array2<f64>,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    checks: &Checks,
+    health: ChannelHealth,
+    mut times: crate::preprocess::FitTimes,
+) -> Result<Fitted> {
     let t_zca = Instant::now();
     let (k, message) = match checks::scale_factor(&cc) {
         Some((k, sd)) if checks.auto_scale => (k, Some(checks::scale_message(k, sd))),
@@ -1178,6 +1205,144 @@ fn fit(
         health,
         times,
     })
+}
+
+/// The whitening fit's covariance with the GPU doing the preprocessing and
+/// the product (issue 10): every `nskip`-th window ([`crate::preprocess::covariance_windows`])
+/// is read and checked on the host exactly as [`fit`] does (int16 rows
+/// straight into page-locked memory when the recording is int16), sent up,
+/// preprocessed as the detection pass does it on the device (channel means,
+/// median CAR, high-pass; `pre`'s whitening is not used) and multiplied there
+/// ([`crate::detect::gpu::GpuDetector::window_gram`]); the host adds each
+/// window's Gram matrix / NT in f64 and divides by the number of windows, as
+/// [`crate::preprocess::whitening_covariance`] does. The covariance equals
+/// the host's within float32 rounding (the device's truncated high-pass and
+/// its order of sums; tests/gpu.rs).
+///
+/// `Ok(None)` (nothing read) when the device cannot: a CPU detector, or a
+/// setting with no device form (`invert_sign`, `artifact_threshold`).
+///
+/// # Errors
+/// A failed read, or the device failing.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+#[allow(clippy::too_many_arguments)]
+fn fit_covariance_on_device(
+    rec: &Arc<dyn Recording>,
+    plan: &WindowPlan,
+    probe: &Probe,
+    settings: &PreprocessSettings,
+    checks: &Checks,
+    detector: &mut Detector,
+    pre: &Preprocessor,
+    health: &mut ChannelHealth,
+    times: &mut crate::preprocess::FitTimes,
+) -> Result<Option<Array2<f64>>> {
+    if settings.invert_sign || matches!(detector, Detector::Cpu(_)) {
+        return Ok(None);
+    }
+    if !detector.set_preprocessing(pre)? {
+        return Ok(None);
+    }
+    let Some(packer) = detector.packer() else {
+        return Ok(None);
+    };
+    settings.validate()?;
+    let c = probe.n_sites();
+    let n = plan.window_len();
+    let nt = settings.nt;
+    let windows = crate::preprocess::covariance_windows(plan.n_windows, settings.nskip as u64);
+    tracing::info!(
+        n_windows = plan.n_windows,
+        nskip = settings.nskip,
+        used = windows.len(),
+        "fitting the whitening matrix (preprocessing and products on the device)"
+    );
+    let min_run = checks::stuck_min_run(rec.fs());
+    let mask = checks.mask_clipped;
+    let chan_map = &probe.chan_map;
+    let mut cc = Array2::<f64>::zeros((c, c));
+    let inv_t = 1.0 / (n - 2 * nt) as f64;
+    let rec = rec.as_ref();
+    // Reading and checking window k + 1 on its own thread while the device
+    // works on window k.
+    let (read_s, checks_s) = std::thread::scope(|scope| -> Result<(f64, f64)> {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Result<crate::detect::gpu::RawWindow>>(1);
+        let list = windows.clone();
+        let packer_r = packer.clone();
+        let health_r = &mut *health;
+        let reader = scope.spawn(move || {
+            let (mut read_s, mut checks_s) = (0.0, 0.0);
+            let mut int16 = true;
+            for &i in &list {
+                let t0 = Instant::now();
+                let res = (|| -> Result<crate::detect::gpu::RawWindow> {
+                    let own_start = rec.first_sample() + plan.window_start(i);
+                    let mut w = crate::recording::Window {
+                        index: i,
+                        own_start,
+                        own_len: plan.own_len(i),
+                        first_sample: own_start as i64 - plan.nt as i64,
+                        data: Array2::zeros((0, 0)),
+                        raw16: None,
+                    };
+                    if int16 {
+                        let stride = crate::recording::Raw16::stride_for(n);
+                        let mut raw = crate::recording::Raw16::new(
+                            c,
+                            n,
+                            stride,
+                            Box::new(packer_r.raw16_buffer(c * stride)),
+                        )?;
+                        if crate::recording::read_window_i16(rec, plan, i, chan_map, &mut raw)? {
+                            w.raw16 = Some(raw);
+                        } else {
+                            int16 = false;
+                        }
+                    }
+                    if w.raw16.is_none() {
+                        w.data = Array2::zeros((c, n));
+                        read_window(rec, plan, i, chan_map, &mut w.data)?;
+                    }
+                    let t1 = Instant::now();
+                    read_s += (t1 - t0).as_secs_f64();
+                    let cols = checks::WindowColumns::of(plan, i);
+                    checks::check_window(&mut w, &cols, min_run, Some(&mut *health_r), mask);
+                    checks_s += t1.elapsed().as_secs_f64();
+                    Ok(match w.raw16.take().map(|r| packer_r.from_raw16(r)) {
+                        Some(Ok(raw)) => raw,
+                        Some(Err(r)) => packer_r.pack(r.to_f32().view()),
+                        None => packer_r.pack(w.data.view()),
+                    })
+                })();
+                let failed = res.is_err();
+                if tx.send(res).is_err() || failed {
+                    break;
+                }
+            }
+            (read_s, checks_s)
+        });
+        for &i in &windows {
+            let Ok(raw) = rx.recv() else { break };
+            let raw = raw?;
+            let t = Instant::now();
+            let g = detector
+                .window_gram(raw, &probe.yc, nt, n - nt)
+                .with_context(|| format!("the whitening fit's window {i} on the device"))?
+                .expect("a GPU detector");
+            for ((a, b), v) in cc.indexed_iter_mut() {
+                *v += g[(a, b)] * inv_t;
+            }
+            times.add("device", t.elapsed().as_secs_f64());
+        }
+        drop(rx);
+        reader
+            .join()
+            .map_err(|_| anyhow!("the whitening fit's reading thread panicked"))
+    })?;
+    times.add("read", read_s);
+    times.add("checks", checks_s);
+    cc.mapv_inplace(|v| v / windows.len() as f64);
+    Ok(Some(cc))
 }
 
 /// The channel check of a run before it starts (BR-22): reads the windows the

@@ -507,6 +507,32 @@ fn check_preprocessing<R: Runtime>(
             .detect_raw(packer.pack(raw.view()), &p.yc, None)
             .unwrap();
         assert_eq!(got_det, again, "case {case}: second call");
+        // The whitening fit's covariance of this window, device against CPU.
+        let cpu_cc = spikecube::preprocess::whitening_covariance(
+            1,
+            |_| -> Result<Array2<f32>, spikecube::error::PreprocessError> { Ok(raw.clone()) },
+            &p,
+            &settings,
+        )
+        .unwrap();
+        let nt = settings.nt;
+        let gram = det
+            .window_gram(packer.pack(raw.view()), &p.yc, nt, nw - nt)
+            .unwrap();
+        let inv_t = 1.0 / (nw - 2 * nt) as f64;
+        let top = cpu_cc.iter().fold(0f64, |a, v| a.max(v.abs()));
+        let worst = cpu_cc
+            .iter()
+            .zip(gram.iter())
+            .fold(0f64, |a, (w, g)| a.max((w - g * inv_t).abs()));
+        eprintln!(
+            "whitening covariance case {case}: max |Δ| {worst:.3e} = {:.2e} of the largest entry {top:.3e}",
+            worst / top
+        );
+        assert!(
+            worst <= 1e-5 * top,
+            "case {case}: covariance differs by {worst} (largest entry {top})"
+        );
     }
 }
 

@@ -22,6 +22,7 @@ pub mod blocks;
 pub mod centre_response;
 pub mod features;
 pub mod filter_bank;
+pub mod gram;
 pub mod local_peaks;
 pub mod neighbour_max;
 #[cfg(feature = "cuda")]
@@ -769,6 +770,71 @@ impl<R: Runtime> GpuDetector<R> {
             t.preprocess = pre_s;
         }
         Ok(det)
+    }
+
+    /// The whitening fit's term of one raw window (Kilosort4's
+    /// `get_whitening_matrix`): channel means, median CAR and high-pass on the
+    /// device as [`GpuDetector::detect_raw`] does them, then the Gram matrix
+    /// `Σ_t X[:, t]·X[:, t]ᵀ` over samples `lo .. hi` ([`gram`]), C × C, f64,
+    /// symmetric. Needs [`GpuDetector::set_preprocessing`] (its whitening is
+    /// not used).
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect_raw`]; [`DetectError::Input`] when `lo .. hi`
+    /// is not within the window.
+    pub fn window_gram(
+        &mut self,
+        raw: RawWindow,
+        yc: &[f32],
+        lo: usize,
+        hi: usize,
+    ) -> Result<ndarray::Array2<f64>, DetectError> {
+        let (c, n_t) = (raw.n_rows, raw.n_t);
+        if lo > hi || hi > n_t {
+            return Err(DetectError::Input {
+                what: "whitening fit".into(),
+                message: format!("samples {lo}..{hi} are not within a window of {n_t}"),
+            });
+        }
+        self.upload_raw(raw, yc, false, 3)?;
+        let w = self.window.as_ref().expect("allocated");
+        let nb = c.div_ceil(gram::GRAM_TILE);
+        let tiles = nb * (nb + 1) / 2;
+        // Enough cubes for every SM of a large GPU, each part ≥ a few runs long.
+        let parts = 264usize
+            .div_ceil(tiles)
+            .clamp(1, 16)
+            .min(((hi - lo) / (8 * gram::GRAM_RUN)).max(1));
+        let out = self.client.empty(parts * c * c * 4);
+        // SAFETY: rows < c and samples < hi ≤ n_t are read from the C × n_t
+        // buffer `q`; entries row·C + col with row, col < c of part z < parts
+        // are written to the parts·C·C buffer `out`.
+        unsafe {
+            gram::gram_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(nb as u32, nb as u32, parts as u32),
+                CubeDim::new_1d(gram::GRAM_UNITS as u32),
+                ArrayArg::from_raw_parts(w.q.clone(), c * n_t),
+                ArrayArg::from_raw_parts(out.clone(), parts * c * c),
+                c as u32,
+                n_t as u32,
+                lo as u32,
+                hi as u32,
+            );
+        }
+        let bytes = self.client.read(vec![out]);
+        let v = f32::from_bytes(&bytes[0]);
+        let mut g = ndarray::Array2::<f64>::zeros((c, c));
+        for i in 0..c {
+            for k in 0..=i {
+                let s: f64 = (0..parts)
+                    .map(|z| f64::from(v[z * c * c + i * c + k]))
+                    .sum();
+                g[(i, k)] = s;
+                g[(k, i)] = s;
+            }
+        }
+        Ok(g)
     }
 
     /// Whitened window X after [`GpuDetector::detect_raw`]'s preprocessing

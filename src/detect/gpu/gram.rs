@@ -1,0 +1,125 @@
+//! The whitening fit's product on the device: the Gram matrix `X·Xᵀ` of a
+//! preprocessed window's central columns (Kilosort4's `get_whitening_matrix`:
+//! the covariance is the mean of `X·Xᵀ/NT` over every `nskip`-th window,
+//! after channel means, median CAR and the high-pass).
+//!
+//! The CPU twin is [`crate::preprocess::whitening_covariance`] (f32 products
+//! summed along the samples, then an f64 sum over windows). Here each entry
+//! is summed in f32 over runs of [`GRAM_RUN`] samples, those run sums are
+//! added in f32 per part of the window, and the host adds the parts in f64:
+//! a different order from the CPU's, so entries agree within float32
+//! rounding, not bit for bit (tests/gpu.rs states the tolerance).
+
+use cubecl::prelude::*;
+
+/// Rows (and columns) of one cube's output tile.
+pub const GRAM_TILE: usize = 32;
+/// Samples per run: the tile's rows are staged in shared memory this many
+/// samples at a time, and each run's products are summed apart.
+pub const GRAM_RUN: usize = 32;
+/// Units per cube: 16 × 16, each computing 2 × 2 entries of the tile.
+pub const GRAM_UNITS: usize = 256;
+
+/// Partial Gram matrices of rows of `q` (C × N, row-major) over samples
+/// `lo .. hi`, split into `CUBE_COUNT_Z` parts: cube (bx, by, z) writes the
+/// 32 × 32 tile of rows `bx·32 ..` and columns `by·32 ..` (only tiles with
+/// by ≤ bx: the lower triangle and the diagonal) of part z into
+/// `out[z·C·C + row·C + col]`.
+#[cube(launch_unchecked)]
+pub(crate) fn gram_kernel(
+    q: &Array<f32>,
+    out: &mut Array<f32>,
+    n_rows: u32,
+    n_t: u32,
+    lo: u32,
+    hi: u32,
+) {
+    let stride = comptime!(GRAM_RUN + 1);
+    let mut sa = SharedMemory::<f32>::new(comptime!(GRAM_TILE * (GRAM_RUN + 1)));
+    let mut sb = SharedMemory::<f32>::new(comptime!(GRAM_TILE * (GRAM_RUN + 1)));
+    let bx = CUBE_POS_X as usize;
+    let by = CUBE_POS_Y as usize;
+    let z = CUBE_POS_Z as usize;
+    let parts = CUBE_COUNT_Z as usize;
+    let c = n_rows as usize;
+    let n_t = n_t as usize;
+    let u = UNIT_POS_X as usize;
+    // Uniform over the cube: the whole cube leaves (no sync is skipped by part of it).
+    if by <= bx {
+        let len = (hi - lo) as usize;
+        let start = lo as usize + z * len / parts;
+        let end = lo as usize + (z + 1) * len / parts;
+        let ua = (u / 16) * 2;
+        let ub = (u % 16) * 2;
+        let mut t00 = 0.0f32;
+        let mut t01 = 0.0f32;
+        let mut t10 = 0.0f32;
+        let mut t11 = 0.0f32;
+        let mut s0 = start;
+        while s0 < end {
+            // Stage GRAM_TILE rows × GRAM_RUN samples of both row blocks.
+            let mut i = u;
+            while i < comptime!(GRAM_TILE * GRAM_RUN) {
+                let r = i / GRAM_RUN;
+                let k = i % GRAM_RUN;
+                let t = s0 + k;
+                let ra = bx * GRAM_TILE + r;
+                let rb = by * GRAM_TILE + r;
+                let mut va = 0.0f32;
+                let mut vb = 0.0f32;
+                if t < end {
+                    if ra < c {
+                        va = q[ra * n_t + t];
+                    }
+                    if rb < c {
+                        vb = q[rb * n_t + t];
+                    }
+                }
+                sa[r * stride + k] = va;
+                sb[r * stride + k] = vb;
+                i += GRAM_UNITS;
+            }
+            sync_cube();
+            let mut p00 = 0.0f32;
+            let mut p01 = 0.0f32;
+            let mut p10 = 0.0f32;
+            let mut p11 = 0.0f32;
+            #[unroll]
+            for k in 0..GRAM_RUN {
+                let a0 = sa[ua * stride + k];
+                let a1 = sa[(ua + 1) * stride + k];
+                let b0 = sb[ub * stride + k];
+                let b1 = sb[(ub + 1) * stride + k];
+                p00 += a0 * b0;
+                p01 += a0 * b1;
+                p10 += a1 * b0;
+                p11 += a1 * b1;
+            }
+            t00 += p00;
+            t01 += p01;
+            t10 += p10;
+            t11 += p11;
+            sync_cube();
+            s0 += GRAM_RUN;
+        }
+        let base = z * c * c;
+        let r0 = bx * GRAM_TILE + ua;
+        let c0 = by * GRAM_TILE + ub;
+        if r0 < c {
+            if c0 < c {
+                out[base + r0 * c + c0] = t00;
+            }
+            if c0 + 1 < c {
+                out[base + r0 * c + c0 + 1] = t01;
+            }
+        }
+        if r0 + 1 < c {
+            if c0 < c {
+                out[base + (r0 + 1) * c + c0] = t10;
+            }
+            if c0 + 1 < c {
+                out[base + (r0 + 1) * c + c0 + 1] = t11;
+            }
+        }
+    }
+}
