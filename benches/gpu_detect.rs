@@ -86,6 +86,7 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize, o
         sparse_peaks: false,
         fb_per_unit: 1,
         upload_chunk: 0,
+        hp_per_unit: 8,
     };
     let full = GpuOptions::default();
     let variants = [

@@ -31,6 +31,7 @@ const DENSE: GpuOptions = GpuOptions {
     sparse_peaks: false,
     fb_per_unit: 1,
     upload_chunk: 0,
+    hp_per_unit: 8,
 };
 /// The default: every optimisation on.
 const FAST: GpuOptions = GpuOptions {
@@ -38,6 +39,7 @@ const FAST: GpuOptions = GpuOptions {
     sparse_peaks: true,
     fb_per_unit: 4,
     upload_chunk: 1 << 20,
+    hp_per_unit: 16,
 };
 /// The other combinations, mixed.
 const MIXED: GpuOptions = GpuOptions {
@@ -45,12 +47,14 @@ const MIXED: GpuOptions = GpuOptions {
     sparse_peaks: true,
     fb_per_unit: 3,
     upload_chunk: 1000,
+    hp_per_unit: 16,
 };
 const MIXED2: GpuOptions = GpuOptions {
     pruned: true,
     sparse_peaks: false,
     fb_per_unit: 2,
     upload_chunk: 0,
+    hp_per_unit: 8,
 };
 
 fn close(what: &str, a: &[f32], b: &[f32]) {
@@ -417,7 +421,12 @@ fn check_preprocessing<R: Runtime>(
             ..DetectionSettings::default()
         };
         let g = Geometry::new(&p, &s).unwrap();
-        let mut det = gpu::<R>(device, &g, &s, FAST);
+        // Both high-pass tilings (8 and 16 outputs per unit), alternately.
+        let options = GpuOptions {
+            hp_per_unit: if case % 2 == 0 { 16 } else { 8 },
+            ..FAST
+        };
+        let mut det = gpu::<R>(device, &g, &s, options);
         let form = pre.device_form(DEVICE_TAP_FLOOR).unwrap();
         det.set_preprocessing(&form).unwrap();
         setup(&mut det);

@@ -63,6 +63,10 @@ pub struct GpuOptions {
     pub fb_per_unit: usize,
     /// Floats per upload chunk (0: the window in one piece).
     pub upload_chunk: usize,
+    /// Consecutive outputs per unit of the high-pass kernel (8 or 16; the
+    /// same values either way). Default 16; the environment variable
+    /// `SPIKECUBE_HIGHPASS_PER_UNIT` (8 or 16) overrides it, for measuring.
+    pub hp_per_unit: usize,
 }
 
 impl Default for GpuOptions {
@@ -72,6 +76,10 @@ impl Default for GpuOptions {
             sparse_peaks: true,
             fb_per_unit: filter_bank::PER_UNIT,
             upload_chunk: upload::CHUNK,
+            hp_per_unit: match std::env::var("SPIKECUBE_HIGHPASS_PER_UNIT").as_deref() {
+                Ok("8") => 8,
+                _ => preprocess::HP_PER_UNIT,
+            },
         }
     }
 }
@@ -611,10 +619,11 @@ impl<R: Runtime> GpuDetector<R> {
     /// or the high-pass has more taps than shared memory holds.
     pub fn set_preprocessing(&mut self, form: &DevicePreprocessing) -> Result<(), DetectError> {
         let max_shared = self.client.properties().hardware.max_shared_memory_size;
-        // Taps zero-padded to a whole number of HP_PER_UNIT (zeros add exact zeros).
-        let n_taps = form.taps.len().div_ceil(preprocess::HP_PER_UNIT) * preprocess::HP_PER_UNIT;
+        // Taps zero-padded to a whole number of hp_per_unit (zeros add exact zeros).
+        let per = self.options.hp_per_unit;
+        let n_taps = form.taps.len().div_ceil(per) * per;
         let max_taps = n_taps.div_ceil(64) * 64;
-        let span = preprocess::HP_TILE + max_taps;
+        let span = preprocess::UNITS * per + max_taps;
         let hp_bytes = (span + span / 32 + 1 + max_taps) * 4;
         if hp_bytes > max_shared {
             return Err(DetectError::Setting {
@@ -960,7 +969,11 @@ impl<R: Runtime> GpuDetector<R> {
             if kernels > 2 {
                 preprocess::highpass_kernel::launch_unchecked::<R>(
                     &self.client,
-                    CubeCount::Static(n_t.div_ceil(preprocess::HP_TILE) as u32, c as u32, 1),
+                    CubeCount::Static(
+                        n_t.div_ceil(preprocess::UNITS * self.options.hp_per_unit) as u32,
+                        c as u32,
+                        1,
+                    ),
                     units,
                     arr(&w.x, c * n_t),
                     arr(&pre.taps, pre.n_taps),
@@ -969,6 +982,7 @@ impl<R: Runtime> GpuDetector<R> {
                     pre.form.first.rem_euclid(n_t as i32) as u32,
                     pre.n_taps as u32,
                     pre.max_taps,
+                    self.options.hp_per_unit,
                 );
             }
             if kernels > 3 {

@@ -30,10 +30,10 @@ use cubecl::prelude::*;
 
 /// Units per cube of every preprocessing kernel.
 pub const UNITS: usize = 256;
-/// Consecutive outputs per unit of the high-pass kernel.
-pub const HP_PER_UNIT: usize = 8;
-/// Outputs per cube of the high-pass kernel.
-pub const HP_TILE: usize = UNITS * HP_PER_UNIT;
+/// Consecutive outputs per unit of the high-pass kernel, by default
+/// ([`super::GpuOptions::hp_per_unit`]): 16 outputs from 32 values held in
+/// registers, so that each tap read from shared memory serves 16 products.
+pub const HP_PER_UNIT: usize = 16;
 /// Floats of shared memory for one CAR tile's values (12 KiB), and at most
 /// as many again for its sorting slots: within every device's limit.
 pub const CAR_SHARED: usize = 3072;
@@ -239,13 +239,13 @@ pub(crate) fn car_kernel(
 }
 
 /// The high-pass as a direct circular correlation over `k` taps (a multiple of
-/// [`HP_PER_UNIT`], zero-padded):
+/// `per` ([`HP_PER_UNIT`] by default), zero-padded):
 /// y\[r, t\] = Σ_{q<k} h\[q\]·x\[r, (t + first + q) mod N\], summed in q order.
-/// One cube per row and [`HP_TILE`] outputs, its stretch of the row (with k
+/// One cube per row and [`UNITS`]·`per` outputs, its stretch of the row (with k
 /// samples of wrap-around context) and the taps in shared memory; each unit
-/// computes [`HP_PER_UNIT`] consecutive outputs from a window of row values
+/// computes `per` consecutive outputs from a window of row values
 /// held in registers, so each value read from shared memory serves
-/// [`HP_PER_UNIT`] products. Shared memory is padded by one word every 32 so
+/// `per` products. Shared memory is padded by one word every 32 so
 /// that units reading [`HP_PER_UNIT`] words apart hit different banks.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
@@ -257,13 +257,15 @@ pub(crate) fn highpass_kernel(
     first: u32,
     k: u32,
     #[comptime] max_taps: usize,
+    #[comptime] per: usize,
 ) {
-    let span = comptime!(HP_TILE + max_taps);
+    let tile = comptime!(UNITS * per);
+    let span = comptime!(UNITS * per + max_taps);
     let padded = comptime!(span + span / 32 + 1);
     let mut xs = SharedMemory::<f32>::new(padded);
     let mut hs = SharedMemory::<f32>::new(max_taps);
     let r = CUBE_POS_Y as usize;
-    let t0 = CUBE_POS_X as usize * HP_TILE;
+    let t0 = CUBE_POS_X as usize * tile;
     let u = UNIT_POS_X as usize;
     let n = n_t as usize;
     let k = k as usize;
@@ -272,7 +274,7 @@ pub(crate) fn highpass_kernel(
         hs[i] = taps[i];
         i += UNITS;
     }
-    let len = HP_TILE + k;
+    let len = tile + k;
     let mut s = u;
     while s < len {
         // Index (t0 + s + first) mod N with `first` already reduced mod N on the
@@ -283,11 +285,11 @@ pub(crate) fn highpass_kernel(
         s += UNITS;
     }
     sync_cube();
-    let base = u * HP_PER_UNIT;
-    let mut w = Array::<f32>::new(comptime!(2 * HP_PER_UNIT));
-    let mut acc = Array::<f32>::new(HP_PER_UNIT);
+    let base = u * per;
+    let mut w = Array::<f32>::new(comptime!(2 * per));
+    let mut acc = Array::<f32>::new(per);
     #[unroll]
-    for a in 0..HP_PER_UNIT {
+    for a in 0..per {
         let idx = base + a;
         w[a] = xs[idx + idx / 32];
         acc[a] = 0.0f32;
@@ -295,26 +297,26 @@ pub(crate) fn highpass_kernel(
     let mut q0 = 0usize;
     while q0 < k {
         #[unroll]
-        for a in 0..HP_PER_UNIT {
-            let idx = base + q0 + HP_PER_UNIT + a;
-            w[HP_PER_UNIT + a] = xs[idx + idx / 32];
+        for a in 0..per {
+            let idx = base + q0 + per + a;
+            w[per + a] = xs[idx + idx / 32];
         }
         #[unroll]
-        for qq in 0..HP_PER_UNIT {
+        for qq in 0..per {
             let h = hs[q0 + qq];
             #[unroll]
-            for a in 0..HP_PER_UNIT {
+            for a in 0..per {
                 acc[a] += h * w[a + qq];
             }
         }
         #[unroll]
-        for a in 0..HP_PER_UNIT {
-            w[a] = w[HP_PER_UNIT + a];
+        for a in 0..per {
+            w[a] = w[per + a];
         }
-        q0 += HP_PER_UNIT;
+        q0 += per;
     }
     #[unroll]
-    for a in 0..HP_PER_UNIT {
+    for a in 0..per {
         let t = t0 + base + a;
         if t < n_t as usize {
             y[r * n_t as usize + t] = acc[a];
