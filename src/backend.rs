@@ -62,11 +62,11 @@ pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
     Some(dir)
 }
 
-/// Points CubeCL's kernel cache at [`kernel_cache_dir`], once, before any
-/// device is opened (no effect when CubeCL's configuration was already
-/// read, e.g. from a `cubecl.toml`, which then decides).
+/// Points CubeCL's kernel cache at [`kernel_cache_dir`], once, before the
+/// CUDA device is opened (no effect when CubeCL's configuration was already
+/// read; a `cubecl.toml` naming a cache decides instead).
+#[cfg(feature = "cuda")]
 fn kernel_cache() {
-    #[cfg(feature = "cuda")]
     {
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| {
@@ -234,7 +234,6 @@ pub struct Chosen {
 /// [`DetectError::Device`] when an explicitly requested GPU back end is missing from
 /// this build or finds no device (the message says why); `auto` never fails.
 pub fn choose(backend: Backend) -> Result<Chosen, DetectError> {
-    kernel_cache();
     let cpu = |reason: String| Chosen {
         backend: "cpu".into(),
         device: format!("CPU, {} threads", rayon::current_num_threads()),
@@ -331,7 +330,8 @@ impl Detector {
     ) -> Result<Detector, DetectError> {
         match chosen.backend.as_str() {
             #[cfg(feature = "cuda")]
-            "cuda" => Ok(Detector::Cuda(Box::new(
+            "cuda" => Ok(Detector::Cuda(Box::new({
+                kernel_cache();
                 crate::detect::gpu::GpuDetector::new(
                     &cubecl::cuda::CudaDevice::new(0),
                     chosen.device.clone(),
@@ -339,8 +339,8 @@ impl Detector {
                     templates,
                     settings,
                     Default::default(),
-                )?,
-            ))),
+                )?
+            }))),
             #[cfg(feature = "wgpu")]
             "wgpu" => Ok(Detector::Wgpu(Box::new(
                 crate::detect::gpu::GpuDetector::new(

@@ -24,7 +24,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use ndarray::Array2;
 
 use crate::backend::{Backend, Detector};
@@ -1337,7 +1337,7 @@ fn fit_covariance_on_device(
         drop(rx);
         reader
             .join()
-            .map_err(|_| anyhow!("the whitening fit's reading thread panicked"))
+            .map_err(|_| anyhow::anyhow!("the whitening fit's reading thread panicked"))
     })?;
     times.add("read", read_s);
     times.add("checks", checks_s);
