@@ -97,3 +97,115 @@ pub(crate) fn filter_bank_kernel(
         }
     }
 }
+
+/// Consecutive samples per unit of [`filter_bank_run_kernel`].
+pub const RUN: usize = 8;
+
+/// Step 1 as [`filter_bank_kernel`], with each unit computing the 6 outputs of
+/// [`RUN`] *consecutive* samples from a sliding window of 2·[`RUN`] samples
+/// held in registers: each sample read from shared memory serves
+/// [`RUN`] taps, each template tap (a broadcast read) 8 outputs. The taps are
+/// zero-padded to `ntaps_pad` (a multiple of [`RUN`]; zero weights add exact
+/// zeros to the finite sums), so every output is the same sum in the same
+/// order as [`filter_bank_kernel`]'s. Shared memory is padded by one word
+/// every 32 so that units reading [`RUN`] words apart hit different banks.
+#[cube(launch_unchecked)]
+#[allow(clippy::collapsible_if)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn filter_bank_run_kernel(
+    x: &Array<f32>,
+    wtemp: &Array<f32>,
+    b: &mut Array<f32>,
+    q: &mut Array<f32>,
+    n_t: u32,
+    #[comptime] nk: usize,
+    #[comptime] ntaps: usize,
+    #[comptime] ntaps_pad: usize,
+) {
+    let tile = comptime!(UNITS * RUN);
+    let half = comptime!(ntaps / 2);
+    let span = comptime!(UNITS * RUN + ntaps_pad);
+    let padded = comptime!(span + span / 32 + 1);
+    let n_w = comptime!(nk * ntaps_pad);
+    let n_acc = comptime!(nk * RUN);
+    let mut xs = SharedMemory::<f32>::new(padded);
+    let mut ws = SharedMemory::<f32>::new(n_w);
+    let ch = CUBE_POS_Y as usize;
+    let t0 = CUBE_POS_X as usize * tile;
+    let n_t = n_t as usize;
+    let u = UNIT_POS_X as usize;
+    let mut i = u;
+    while i < n_w {
+        let k = i / ntaps_pad;
+        let m = i % ntaps_pad;
+        let mut v = 0.0f32;
+        if m < ntaps {
+            v = wtemp[k * ntaps + m];
+        }
+        ws[i] = v;
+        i += UNITS;
+    }
+    let mut s = u;
+    while s < span {
+        let p = t0 + s;
+        let mut v = 0.0f32;
+        if p >= half {
+            if p - half < n_t {
+                v = x[ch * n_t + p - half];
+            }
+        }
+        xs[s + s / 32] = v;
+        s += UNITS;
+    }
+    sync_cube();
+    let base = u * RUN;
+    let mut acc = Array::<f32>::new(n_acc);
+    #[unroll]
+    for a in 0..n_acc {
+        acc[a] = 0.0f32;
+    }
+    let mut w = Array::<f32>::new(comptime!(2 * RUN));
+    #[unroll]
+    for a in 0..RUN {
+        let idx = base + a;
+        w[a] = xs[idx + idx / 32];
+    }
+    let mut m0 = 0usize;
+    while m0 < ntaps_pad {
+        #[unroll]
+        for a in 0..RUN {
+            let idx = base + m0 + RUN + a;
+            w[RUN + a] = xs[idx + idx / 32];
+        }
+        #[unroll]
+        for mm in 0..RUN {
+            #[unroll]
+            for k in 0..nk {
+                let wv = ws[k * ntaps_pad + m0 + mm];
+                #[unroll]
+                for a in 0..RUN {
+                    acc[a * nk + k] += wv * w[a + mm];
+                }
+            }
+        }
+        #[unroll]
+        for a in 0..RUN {
+            w[a] = w[RUN + a];
+        }
+        m0 += RUN;
+    }
+    #[unroll]
+    for a in 0..RUN {
+        let t = t0 + base + a;
+        if t < n_t {
+            let mut qm = 0.0f32;
+            #[unroll]
+            for k in 0..nk {
+                let v = acc[a * nk + k];
+                b[(ch * nk + k) * n_t + t] = v;
+                qm = max(qm, v * v);
+            }
+            q[ch * n_t + t] = qm;
+        }
+    }
+}
