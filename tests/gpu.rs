@@ -33,11 +33,11 @@ const DENSE: GpuOptions = GpuOptions {
     upload_chunk: 0,
     hp_per_unit: 8,
 };
-/// The default: every optimisation on (step 1 in runs of consecutive samples).
+/// The default: every optimisation on.
 const FAST: GpuOptions = GpuOptions {
     pruned: true,
     sparse_peaks: true,
-    fb_per_unit: 0,
+    fb_per_unit: 4,
     upload_chunk: 1 << 20,
     hp_per_unit: 16,
 };

@@ -59,10 +59,7 @@ pub struct GpuOptions {
     /// Step 3 runs only at candidates (As > Th_universal) inside step 4 instead of
     /// as a dense pass over all centres and samples.
     pub sparse_peaks: bool,
-    /// Samples per unit in step 1 (1 to 8), `UNITS` apart; 0: runs of
-    /// [`filter_bank::RUN`] consecutive samples ([`filter_bank::filter_bank_run_kernel`];
-    /// the same values). Default: runs; the environment variable
-    /// `SPIKECUBE_FILTER_BANK_PER_UNIT` (1 to 8) overrides it, for measuring.
+    /// Samples per unit in step 1 (1 to 8).
     pub fb_per_unit: usize,
     /// Floats per upload chunk (0: the window in one piece).
     pub upload_chunk: usize,
@@ -77,11 +74,7 @@ impl Default for GpuOptions {
         GpuOptions {
             pruned: true,
             sparse_peaks: true,
-            fb_per_unit: std::env::var("SPIKECUBE_FILTER_BANK_PER_UNIT")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .filter(|v| (1..=8).contains(v))
-                .unwrap_or(0),
+            fb_per_unit: filter_bank::PER_UNIT,
             upload_chunk: upload::CHUNK,
             hp_per_unit: match std::env::var("SPIKECUBE_HIGHPASS_PER_UNIT").as_deref() {
                 Ok("8") => 8,
@@ -1291,31 +1284,7 @@ impl<R: Runtime> GpuDetector<R> {
         let n_ch = self.yc.as_ref().expect("uploaded").0.len();
         let ntaps = self.settings.nt;
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
-        let per_unit = self.options.fb_per_unit;
-        if per_unit == 0 {
-            let pad = ntaps.div_ceil(filter_bank::RUN) * filter_bank::RUN;
-            // SAFETY: as below: channel rows < n_ch, samples < n_t, taps < ntaps.
-            unsafe {
-                filter_bank::filter_bank_run_kernel::launch_unchecked::<R>(
-                    &self.client,
-                    CubeCount::Static(
-                        n_t.div_ceil(filter_bank::UNITS * filter_bank::RUN) as u32,
-                        n_ch as u32,
-                        1,
-                    ),
-                    CubeDim::new_1d(filter_bank::UNITS as u32),
-                    arr(x, n_ch * n_t),
-                    arr(&self.wtemp, NK * ntaps),
-                    arr(&w.b, n_ch * NK * n_t),
-                    arr(&w.q, n_ch * n_t),
-                    n_t as u32,
-                    NK,
-                    ntaps,
-                    pad,
-                );
-            }
-            return;
-        }
+        let per_unit = self.options.fb_per_unit.max(1);
         // SAFETY: every index the kernel computes is within the lengths passed
         // (shapes fixed by the geometry and the window; checked by tests/gpu.rs
         // against the bounds-checked CPU twin on odd sizes).
