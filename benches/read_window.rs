@@ -142,13 +142,22 @@ fn main() -> Result<()> {
         option_env!("SPIKECUBE_COMMIT").unwrap_or("(set SPIKECUBE_COMMIT at build)")
     );
     println!(
-        "{:>7}  {:>10} {:>11} {:>10} {:>10} {:>11}  {:>10} {:>10}  (ms per window, medians)",
-        "threads", "read i16", "checks i16", "sum i16", "read f32", "checks f32", "sum f32", "stuck"
+        "{:>7}  {:<20} {:>9} {:>9}   (ms per window, medians; cpu: the process's user + system time)",
+        "threads", "step", "wall", "cpu"
     );
+    const STEPS: [&str; 6] = [
+        "read int16",
+        "checks int16",
+        "read + checks int16",
+        "read f32",
+        "checks f32",
+        "read + checks f32",
+    ];
     for &t in &args.threads {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
-        let (mut ri, mut ci, mut si, mut rf, mut cf, mut sf) =
-            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        // Per step: wall and CPU milliseconds of every timed window.
+        let mut wall: [Vec<f64>; 6] = Default::default();
+        let mut cpu: [Vec<f64>; 6] = Default::default();
         let mut stuck = 0u64;
         pool.install(|| -> Result<()> {
             let mut buf = vec![0i16; rows * stride];
@@ -158,20 +167,20 @@ fn main() -> Result<()> {
                 let mut health_f = ChannelHealth::new(&chan_map);
                 for &i in &indices {
                     let cols = WindowColumns::of(&plan, i);
-                    let t0 = Instant::now();
+                    let (t0, c0) = (Instant::now(), cpu_ms());
                     let mut raw = Raw16::new(rows, n, stride, Box::new(std::mem::take(&mut buf)))?;
                     if !read_window_i16(rec.as_ref(), &plan, i, &chan_map, &mut raw)? {
                         bail!("the recording does not give int16 values as they are");
                     }
-                    let t1 = Instant::now();
+                    let (t1, c1) = (Instant::now(), cpu_ms());
                     let mut w = window(&plan, first, i, Array2::zeros((0, 0)), Some(raw));
                     let runs_i = check_window(&mut w, &cols, min_run, Some(&mut health_i), true);
-                    let t2 = Instant::now();
+                    let (t2, c2) = (Instant::now(), cpu_ms());
                     read_window(rec.as_ref(), &plan, i, &chan_map, &mut data)?;
-                    let t3 = Instant::now();
+                    let (t3, c3) = (Instant::now(), cpu_ms());
                     let mut wf = window(&plan, first, i, std::mem::take(&mut data), None);
                     let runs_f = check_window(&mut wf, &cols, min_run, Some(&mut health_f), true);
-                    let t4 = Instant::now();
+                    let (t4, c4) = (Instant::now(), cpu_ms());
                     if runs_i != runs_f {
                         bail!("window {i}: the int16 and f32 checks disagree");
                     }
@@ -183,12 +192,12 @@ fn main() -> Result<()> {
                     data = wf.data;
                     if rep > 0 {
                         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-                        ri.push(ms(t0, t1));
-                        ci.push(ms(t1, t2));
-                        si.push(ms(t0, t2));
-                        rf.push(ms(t2, t3));
-                        cf.push(ms(t3, t4));
-                        sf.push(ms(t2, t4));
+                        let spans = [(0, 1), (1, 2), (0, 2), (2, 3), (3, 4), (2, 4)];
+                        let (ts, cs) = ([t0, t1, t2, t3, t4], [c0, c1, c2, c3, c4]);
+                        for (k, &(a, b)) in spans.iter().enumerate() {
+                            wall[k].push(ms(ts[a], ts[b]));
+                            cpu[k].push(cs[b] - cs[a]);
+                        }
                     }
                 }
                 if health_i.findings() != health_f.findings() {
@@ -198,16 +207,30 @@ fn main() -> Result<()> {
             }
             Ok(())
         })?;
-        println!(
-            "{t:>7}  {:>10.2} {:>11.2} {:>10.2} {:>10.2} {:>11.2}  {:>10.2} {:>10}",
-            median(ri),
-            median(ci),
-            median(si),
-            median(rf),
-            median(cf),
-            median(sf),
-            stuck
-        );
+        for (k, step) in STEPS.iter().enumerate() {
+            println!(
+                "{t:>7}  {step:<20} {:>9.2} {:>9.2}",
+                median(std::mem::take(&mut wall[k])),
+                median(std::mem::take(&mut cpu[k]))
+            );
+        }
+        println!("{t:>7}  (stuck samples found over the timed windows: {stuck})");
     }
     Ok(())
+}
+
+/// CPU time of the whole process (all threads, user + system), ms.
+fn cpu_ms() -> f64 {
+    #[cfg(unix)]
+    {
+        // SAFETY: clock_gettime writes one timespec, which we own.
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) } == 0 {
+            return ts.tv_sec as f64 * 1e3 + ts.tv_nsec as f64 * 1e-6;
+        }
+    }
+    f64::NAN
 }
