@@ -325,7 +325,8 @@ impl WindowColumns {
 /// in (f32 `data`, or the file's int16 values in `raw16`): the stuck runs of
 /// every row over the real columns ([`find_stuck_runs`]), added with the own
 /// columns to `health` when given, and filled when `mask`
-/// ([`fill_stuck_runs`]). Returns the runs.
+/// ([`fill_stuck_runs`]), in one pass over the rows, parallel over rows.
+/// Returns the runs.
 pub fn check_window(
     w: &mut crate::recording::Window,
     cols: &WindowColumns,

@@ -31,11 +31,14 @@ pub(crate) struct BinaryParams {
 }
 
 /// A flat binary file (sample-major: all channels of sample 0, then of sample 1,
-/// ...), little-endian, memory-mapped. Samples are converted to f32 only when read.
+/// ...), little-endian, memory-mapped (int16 files are read with positional
+/// reads on unix). Samples are converted to f32 only when read.
 #[derive(Debug)]
 pub struct BinaryRecording {
     path: PathBuf,
     map: Option<Mmap>,
+    /// The file, for positional reads (int16, unix).
+    file: File,
     n_channels: usize,
     n_samples: u64,
     fs: f64,
@@ -152,6 +155,7 @@ impl BinaryRecording {
         Ok(BinaryRecording {
             path: path.to_owned(),
             map,
+            file,
             n_channels: p.n_channels as usize,
             n_samples,
             fs: p.fs,
@@ -230,11 +234,13 @@ fn decode<const N: usize, T: Send>(
 /// frames transposed 8 channels × 8 samples at a time ([`transpose8x8`])
 /// instead of one value at a time; `conv` turns a value into the output type.
 /// Channel groups that run past the frame's end, and samples past the last
-/// whole 8, are decoded one value at a time. Each run calls `release(first
-/// sample, count)` on its samples once they are decoded.
+/// whole 8, are decoded one value at a time. The frames come from `source`.
+///
+/// # Errors
+/// When a positional read fails.
 #[allow(clippy::too_many_arguments)]
 fn decode_i16<T: Send>(
-    data: &[u8],
+    source: Frames<'_>,
     start: u64,
     count: usize,
     stride: usize,
@@ -242,8 +248,7 @@ fn decode_i16<T: Send>(
     chan_map: &[u64],
     out: &mut [T],
     conv: impl Fn(i16) -> T + Sync,
-    release: &(dyn Fn(u64, usize) + Sync),
-) {
+) -> std::io::Result<()> {
     let frame = n_channels * 2;
     let base = start as usize * frame;
     // (file channel, output row), by channel: the rows each group of eight
@@ -272,40 +277,75 @@ fn decode_i16<T: Send>(
         }
     }
     let value = |f: &[u8], c: usize| i16::from_le_bytes([f[2 * c], f[2 * c + 1]]);
-    runs.into_par_iter().enumerate().for_each(|(i, mut rows)| {
-        let t0 = i * DECODE_CHUNK;
-        let len = rows.first().map_or(0, |r| r.len());
-        let mut d0 = 0;
-        while d0 < len {
-            let d1 = (d0 + DECODE_BLOCK).min(len);
-            let frames = &data[base + (t0 + d0) * frame..base + (t0 + d1) * frame];
-            let touch = frames.iter().step_by(64).fold(0u8, |a, &b| a ^ b);
-            std::hint::black_box(touch);
-            // Samples d0 .. d0 + whole: in tiles of eight.
-            let whole = (d1 - d0) / 8 * 8;
-            for &(c0, feeds) in &groups {
-                let tiled = if c0 + 8 <= n_channels { whole } else { 0 };
-                for k in (0..tiled).step_by(8) {
-                    let tile = transpose8x8(&frames[k * frame..], frame, 2 * c0);
+    runs.into_par_iter()
+        .enumerate()
+        .try_for_each(|(i, mut rows)| {
+            let t0 = i * DECODE_CHUNK;
+            let len = rows.first().map_or(0, |r| r.len());
+            let mut d0 = 0;
+            let mut scratch = Vec::new();
+            while d0 < len {
+                let d1 = (d0 + DECODE_BLOCK).min(len);
+                let (a, b) = (base + (t0 + d0) * frame, base + (t0 + d1) * frame);
+                let frames: &[u8] = match &source {
+                    Frames::Map(data, _) => {
+                        let frames = &data[a..b];
+                        // One sequential touch per cache line first, so that
+                        // the loads below hit the cache.
+                        let touch = frames.iter().step_by(64).fold(0u8, |a, &b| a ^ b);
+                        std::hint::black_box(touch);
+                        frames
+                    }
+                    #[cfg(unix)]
+                    Frames::Read(file, offset) => {
+                        use std::os::unix::fs::FileExt;
+                        scratch.resize(b - a, 0u8);
+                        file.read_exact_at(&mut scratch, offset + a as u64)?;
+                        &scratch
+                    }
+                };
+                // Samples d0 .. d0 + whole: in tiles of eight.
+                let whole = (d1 - d0) / 8 * 8;
+                for &(c0, feeds) in &groups {
+                    let tiled = if c0 + 8 <= n_channels { whole } else { 0 };
+                    for k in (0..tiled).step_by(8) {
+                        let tile = transpose8x8(&frames[k * frame..], frame, 2 * c0);
+                        for &(c, r) in feeds {
+                            let dst = &mut rows[r][d0 + k..d0 + k + 8];
+                            for (v, &x) in dst.iter_mut().zip(&tile[c - c0]) {
+                                *v = conv(x);
+                            }
+                        }
+                    }
                     for &(c, r) in feeds {
-                        let dst = &mut rows[r][d0 + k..d0 + k + 8];
-                        for (v, &x) in dst.iter_mut().zip(&tile[c - c0]) {
-                            *v = conv(x);
+                        let dst = &mut rows[r][d0 + tiled..d1];
+                        let src = frames[tiled * frame..].chunks_exact(frame);
+                        for (v, f) in dst.iter_mut().zip(src) {
+                            *v = conv(value(f, c));
                         }
                     }
                 }
-                for &(c, r) in feeds {
-                    let dst = &mut rows[r][d0 + tiled..d1];
-                    let src = frames[tiled * frame..].chunks_exact(frame);
-                    for (v, f) in dst.iter_mut().zip(src) {
-                        *v = conv(value(f, c));
-                    }
-                }
+                d0 = d1;
             }
-            d0 = d1;
-        }
-        release(start + t0 as u64, len);
-    });
+            if let Frames::Map(_, release) = &source {
+                release(start + t0 as u64, len);
+            }
+            Ok(())
+        })
+}
+
+/// Where [`decode_i16`] takes a file's frames from.
+enum Frames<'a> {
+    /// The memory map from the first frame; each run calls `release(first
+    /// sample, count)` on its samples once they are decoded.
+    #[cfg_attr(unix, allow(dead_code))]
+    Map(&'a [u8], &'a (dyn Fn(u64, usize) + Sync)),
+    /// Positional reads (`pread`) of the file, frame 0 at this byte offset,
+    /// into a block buffer per run: no page of the file is mapped, so there
+    /// are no page faults, nothing to release and nothing for many threads
+    /// to contend on in the process's memory map.
+    #[cfg(unix)]
+    Read(&'a File, u64),
 }
 
 /// Eight frames' values of the eight channels starting at byte `off` of each
@@ -411,17 +451,9 @@ impl Recording for BinaryRecording {
         match self.dtype {
             Dtype::Int16 => {
                 let release = |a: u64, m: usize| self.release_pages(a, m);
-                decode_i16(
-                    data,
-                    start,
-                    count,
-                    count,
-                    nc,
-                    chan_map,
-                    out,
-                    f32::from,
-                    &release,
-                );
+                let source = self.frames(data, &release);
+                decode_i16(source, start, count, count, nc, chan_map, out, f32::from)
+                    .map_err(|e| self.io_error(e))?;
             }
             Dtype::Uint16 => decode::<2, f32>(data, start, count, count, nc, chan_map, out, |b| {
                 (i32::from(u16::from_le_bytes(b)) - 32768) as f32
@@ -470,17 +502,11 @@ impl Recording for BinaryRecording {
             return Ok(true);
         };
         let data = &map[self.offset as usize..];
-        decode_i16(
-            data,
-            start,
-            count,
-            stride,
-            self.n_channels,
-            chan_map,
-            out,
-            |v| v,
-            &|a, m| self.release_pages(a, m),
-        );
+        let release = |a: u64, m: usize| self.release_pages(a, m);
+        let source = self.frames(data, &release);
+        let nc = self.n_channels;
+        decode_i16(source, start, count, stride, nc, chan_map, out, |v| v)
+            .map_err(|e| self.io_error(e))?;
         Ok(true)
     }
     fn describe(&self) -> String {
@@ -497,6 +523,32 @@ impl Recording for BinaryRecording {
 }
 
 impl BinaryRecording {
+    /// Where an int16 read takes its frames from: positional reads of the
+    /// file on unix, the memory map `data` elsewhere.
+    fn frames<'a>(
+        &'a self,
+        data: &'a [u8],
+        release: &'a (dyn Fn(u64, usize) + Sync),
+    ) -> Frames<'a> {
+        #[cfg(unix)]
+        {
+            let _ = (data, release);
+            Frames::Read(&self.file, self.offset)
+        }
+        #[cfg(not(unix))]
+        {
+            Frames::Map(data, release)
+        }
+    }
+
+    /// A failed read of the file, as the error to report.
+    fn io_error(&self, source: std::io::Error) -> RecordingError {
+        RecordingError::Io {
+            path: self.path.clone(),
+            source,
+        }
+    }
+
     /// Drops samples `start .. start + count` from this process's memory.
     fn release_pages(&self, start: u64, count: usize) {
         let Some(map) = &self.map else {
@@ -538,6 +590,41 @@ mod tests {
             ),
         ] {
             decoding_case(nc, chan_map);
+        }
+    }
+
+    /// Frames from the memory map and from positional reads decode alike.
+    #[test]
+    fn mapped_and_positional_frames_decode_alike() {
+        let (nc, ns) = (19usize, 3 * DECODE_CHUNK + 5);
+        let bytes: Vec<u8> = (0..nc * ns * 2).map(|i| (i * 131 % 253) as u8).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.bin");
+        let offset = 6;
+        let mut file = vec![9u8; offset];
+        file.extend_from_slice(&bytes);
+        std::fs::write(&path, &file).unwrap();
+        let rec = BinaryRecording::open_flat(&path, nc as u64, 30_000.0, Dtype::Int16, 6).unwrap();
+        let map = &rec.map.as_ref().unwrap()[offset..];
+        let chan_map = [3u64, 18, 0, 9, 9];
+        for (start, count) in [(0u64, ns), (7, DECODE_CHUNK + 9)] {
+            let decoded = |source: Frames<'_>| {
+                let mut out = vec![0i16; chan_map.len() * count];
+                decode_i16(source, start, count, count, nc, &chan_map, &mut out, |v| v).unwrap();
+                out
+            };
+            let released = std::sync::atomic::AtomicUsize::new(0);
+            let release = |_: u64, m: usize| {
+                released.fetch_add(m, std::sync::atomic::Ordering::Relaxed);
+            };
+            let mapped = decoded(Frames::Map(map, &release));
+            assert_eq!(released.into_inner(), count, "every sample released once");
+            #[cfg(unix)]
+            assert_eq!(decoded(Frames::Read(&rec.file, offset as u64)), mapped);
+            let mut want = vec![0i16; chan_map.len() * count];
+            rec.read_channels_i16(start, count, &chan_map, &mut want, count)
+                .unwrap();
+            assert_eq!(mapped, want);
         }
     }
 
