@@ -224,32 +224,49 @@ pub fn fill_stuck_runs_rows<T: RawSample>(
 ) {
     let n_rows = values.len().checked_div(stride).unwrap_or(0);
     for (r, runs) in runs.iter().enumerate().take(n_rows) {
-        if runs.is_empty() {
+        fill_row(
+            &mut values[r * stride..r * stride + n],
+            runs,
+            lo,
+            hi,
+            pad_repeats,
+        );
+    }
+}
+
+/// [`fill_stuck_runs_rows`] on one row of `row.len()` samples.
+fn fill_row<T: RawSample>(
+    row: &mut [T],
+    runs: &[(usize, usize)],
+    lo: usize,
+    hi: usize,
+    pad_repeats: bool,
+) {
+    if runs.is_empty() {
+        return;
+    }
+    let n = row.len();
+    let mut rest: Vec<T> = Vec::with_capacity(hi.saturating_sub(lo));
+    let mut k = 0;
+    for (c, &v) in row.iter().enumerate().take(hi.min(n)).skip(lo) {
+        while k < runs.len() && runs[k].1 <= c {
+            k += 1;
+        }
+        if k < runs.len() && runs[k].0 <= c {
             continue;
         }
-        let row = &mut values[r * stride..r * stride + n];
-        let mut rest: Vec<T> = Vec::with_capacity(hi.saturating_sub(lo));
-        let mut k = 0;
-        for (c, &v) in row.iter().enumerate().take(hi.min(n)).skip(lo) {
-            while k < runs.len() && runs[k].1 <= c {
-                k += 1;
-            }
-            if k < runs.len() && runs[k].0 <= c {
-                continue;
-            }
-            rest.push(v);
-        }
-        if rest.is_empty() {
-            continue;
-        }
-        let mid = (rest.len() - 1) / 2;
-        let (_, m, _) = rest.select_nth_unstable_by(mid, T::order);
-        let fill = *m;
-        for &(a, b) in runs {
-            let a = if a == lo { 0 } else { a };
-            let b = if b == hi && pad_repeats { n } else { b };
-            row[a..b].fill(fill);
-        }
+        rest.push(v);
+    }
+    if rest.is_empty() {
+        return;
+    }
+    let mid = (rest.len() - 1) / 2;
+    let (_, m, _) = rest.select_nth_unstable_by(mid, T::order);
+    let fill = *m;
+    for &(a, b) in runs {
+        let a = if a == lo { 0 } else { a };
+        let b = if b == hi && pad_repeats { n } else { b };
+        row[a..b].fill(fill);
     }
 }
 
@@ -308,7 +325,8 @@ impl WindowColumns {
 /// in (f32 `data`, or the file's int16 values in `raw16`): the stuck runs of
 /// every row over the real columns ([`find_stuck_runs`]), added with the own
 /// columns to `health` when given, and filled when `mask`
-/// ([`fill_stuck_runs`]). Returns the runs.
+/// ([`fill_stuck_runs`]), in one pass over the rows, parallel over rows.
+/// Returns the runs.
 pub fn check_window(
     w: &mut crate::recording::Window,
     cols: &WindowColumns,
@@ -316,59 +334,82 @@ pub fn check_window(
     health: Option<&mut ChannelHealth>,
     mask: bool,
 ) -> Vec<Vec<(usize, usize)>> {
-    /// The checks on `n_rows` rows of `n_cols` samples at `values[r·stride ..]`.
-    #[allow(clippy::too_many_arguments)]
-    fn on_rows<T: RawSample>(
-        values: &mut [T],
-        (n_rows, n_cols, stride): (usize, usize, usize),
-        first_sample: i64,
-        cols: &WindowColumns,
-        min_run: usize,
-        health: Option<&mut ChannelHealth>,
-        mask: bool,
-    ) -> Vec<Vec<(usize, usize)>> {
-        let rows = Rows {
-            values: &*values,
-            n_rows,
-            n_cols,
-            stride,
-        };
-        let runs = find_stuck_runs_rows(&rows, cols.lo, cols.hi, min_run);
-        if let Some(h) = health {
-            h.observe_rows(&rows, cols.own, first_sample, &runs);
-        }
-        if mask {
-            fill_stuck_runs_rows(
-                values,
-                n_cols,
-                stride,
-                &runs,
-                cols.lo,
-                cols.hi,
-                cols.pad_repeats,
-            );
-        }
-        runs
-    }
     let first = w.first_sample;
     if let Some(raw) = w.raw16.as_mut() {
         let shape = (raw.n_rows, raw.n_cols, raw.stride);
-        return on_rows(raw.values_mut(), shape, first, cols, min_run, health, mask);
+        return check_rows(raw.values_mut(), shape, first, cols, min_run, health, mask);
     }
-    if !w.data.is_standard_layout() {
-        w.data = w.data.as_standard_layout().into_owned();
+    check_array(&mut w.data, first, cols, min_run, health, mask)
+}
+
+/// [`check_window`] on an f32 window `n_sites × n_cols` whose column 0 holds
+/// absolute sample `first_sample` (the whitening fit's windows).
+pub fn check_array(
+    window: &mut Array2<f32>,
+    first_sample: i64,
+    cols: &WindowColumns,
+    min_run: usize,
+    health: Option<&mut ChannelHealth>,
+    mask: bool,
+) -> Vec<Vec<(usize, usize)>> {
+    if !window.is_standard_layout() {
+        *window = window.as_standard_layout().into_owned();
     }
-    let (n_rows, n_cols) = w.data.dim();
-    let values = w.data.as_slice_mut().expect("standard layout");
-    on_rows(
-        values,
-        (n_rows, n_cols, n_cols),
-        first,
-        cols,
-        min_run,
-        health,
-        mask,
-    )
+    let (n_rows, n_cols) = window.dim();
+    let values = window.as_slice_mut().expect("standard layout");
+    let shape = (n_rows, n_cols, n_cols);
+    check_rows(values, shape, first_sample, cols, min_run, health, mask)
+}
+
+/// The checks of [`check_window`] on `n_rows` rows of `n_cols` samples at
+/// `values[r·stride ..]`: per row, in parallel over rows, the stuck runs
+/// ([`stuck_runs`]), then the row's channel health over the own columns (on
+/// the values as read), then the filling of its runs when `mask`. The same
+/// runs, findings and values as [`find_stuck_runs_rows`],
+/// [`ChannelHealth::observe_rows`] and [`fill_stuck_runs_rows`] one after
+/// the other (each row's steps see only that row), in one pass over the
+/// window instead of three.
+fn check_rows<T: RawSample>(
+    values: &mut [T],
+    (n_rows, n_cols, stride): (usize, usize, usize),
+    first_sample: i64,
+    cols: &WindowColumns,
+    min_run: usize,
+    health: Option<&mut ChannelHealth>,
+    mask: bool,
+) -> Vec<Vec<(usize, usize)>> {
+    use rayon::prelude::*;
+    let (a, b) = (cols.own.0.min(n_cols), cols.own.1.min(n_cols));
+    let observe = b > a;
+    // One health entry per row (none when not checked, or when the window
+    // has no own columns).
+    let mut health = health;
+    let mut row_health: Vec<Option<&mut RowHealth>> = match health.as_deref_mut() {
+        Some(h) if observe => h.rows.iter_mut().map(Some).collect(),
+        _ => Vec::new(),
+    };
+    row_health.resize_with(n_rows, || None);
+    let runs = values[..n_rows * stride]
+        .par_chunks_mut(stride.max(1))
+        .zip(row_health.into_par_iter())
+        .map(|(row, h)| {
+            let row = &mut row[..n_cols];
+            let runs = stuck_runs(row, cols.lo, cols.hi, min_run);
+            if let Some(h) = h {
+                h.observe(&row[a..b], first_sample + a as i64, &runs, a, row);
+            }
+            if mask {
+                fill_row(row, &runs, cols.lo, cols.hi, cols.pad_repeats);
+            }
+            runs
+        })
+        .collect();
+    if let Some(h) = health
+        && observe
+    {
+        h.samples += (b - a) as u64;
+    }
+    runs
 }
 
 /// Per-channel facts gathered over the samples seen: all zero, constant,
@@ -420,15 +461,31 @@ impl RowHealth {
         {
             self.flat = false;
         }
+        const P: u64 = 0x0100_0000_01b3;
         let mut h = self.hash;
-        let mut quads = own.chunks_exact(4);
+        // Sample j goes into lane j mod 4, the samples after the last whole
+        // four into lane 0. The bits of 64 samples are taken at a time first
+        // (one vectorised conversion from int16), then chained.
+        let mut bits = [0u32; 64];
+        let mut blocks = own.chunks_exact(bits.len());
+        for block in &mut blocks {
+            for (b, &v) in bits.iter_mut().zip(block) {
+                *b = v.to_f32().to_bits();
+            }
+            for q in bits.chunks_exact(4) {
+                for k in 0..4 {
+                    h[k] = (h[k] ^ u64::from(q[k])).wrapping_mul(P);
+                }
+            }
+        }
+        let mut quads = blocks.remainder().chunks_exact(4);
         for q in &mut quads {
             for k in 0..4 {
-                h[k] = (h[k] ^ u64::from(q[k].to_f32().to_bits())).wrapping_mul(0x0100_0000_01b3);
+                h[k] = (h[k] ^ u64::from(q[k].to_f32().to_bits())).wrapping_mul(P);
             }
         }
         for &v in quads.remainder() {
-            h[0] = (h[0] ^ u64::from(v.to_f32().to_bits())).wrapping_mul(0x0100_0000_01b3);
+            h[0] = (h[0] ^ u64::from(v.to_f32().to_bits())).wrapping_mul(P);
         }
         self.hash = h;
         let b = a + own.len();
@@ -1050,6 +1107,186 @@ mod tests {
         assert_eq!(hf.warning("test", true), hi.warning("test", true));
         assert_eq!(wi.raw16.as_ref().unwrap().to_f32(), wf.data);
         assert_ne!(wf.data, x, "the stuck runs were filled");
+    }
+
+    /// The channel hash taken 64 samples at a time is the plain definition:
+    /// sample j of the own samples into lane j mod 4, those after the last
+    /// whole four into lane 0; int16 and f32 rows alike, over several calls.
+    #[test]
+    fn row_hash_equals_the_definition() {
+        const P: u64 = 0x0100_0000_01b3;
+        let mut want = [0xcbf2_9ce4_8422_2325u64; 4];
+        let mut row = ChannelHealth::new(&[0]).rows.remove(0);
+        let mut row16 = row.clone();
+        for (call, len) in [0usize, 1, 3, 4, 63, 64, 65, 131, 256, 1001]
+            .into_iter()
+            .enumerate()
+        {
+            let own: Vec<i16> = (0..len)
+                .map(|j| ((j * 7919 + call * 104_729) % 65_536) as u16 as i16)
+                .collect();
+            let whole = len / 4 * 4;
+            for (j, &v) in own.iter().enumerate() {
+                let lane = if j < whole { j % 4 } else { 0 };
+                want[lane] = (want[lane] ^ u64::from(f32::from(v).to_bits())).wrapping_mul(P);
+            }
+            let own32: Vec<f32> = own.iter().map(|&v| f32::from(v)).collect();
+            row.observe(&own32, 0, &[], 0, &own32);
+            row16.observe(&own, 0, &[], 0, &own);
+            assert_eq!(row.hash, want, "f32, call {call}, {len} samples");
+            assert_eq!(row16.hash, want, "int16, call {call}, {len} samples");
+        }
+    }
+
+    /// A raw window as a reader gives it: real columns `lo..hi` with rows
+    /// that are noisy, zero, flat, duplicated, stuck at an extreme at the
+    /// real columns' ends and inside (runs across the own columns' edges),
+    /// entirely stuck; the other columns repeat the edge samples (zero past
+    /// `hi` when the pad does not repeat).
+    fn raw_window(n_rows: usize, cols: &WindowColumns, n: usize, seed: u64) -> Array2<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let (lo, hi) = (cols.lo, cols.hi);
+        let mut x = Array2::<f32>::zeros((n_rows, n));
+        for r in 0..n_rows {
+            for c in lo..hi {
+                x[(r, c)] = match r {
+                    0 => 0.0,
+                    1 => -3.0,
+                    2 | 3 => ((c * 7919 + seed as usize) % 41) as f32 - 20.0,
+                    _ => (next() % 61) as f32 - 30.0,
+                };
+            }
+            let mut stick = |a: usize, b: usize, v: f32| {
+                for c in a.max(lo)..b.min(hi) {
+                    x[(r, c)] = v;
+                }
+            };
+            match r {
+                4 => stick(lo, lo + 9 + (seed as usize % 5), 90.0),
+                5 => stick(hi.saturating_sub(12), hi, -90.0),
+                6 => {
+                    stick(cols.own.0 - 3, cols.own.0 + 20, 77.0);
+                    stick(cols.own.1 - 8, cols.own.1 + 9, -77.0);
+                }
+                7 => stick(lo, hi, 5.0),
+                8 => stick(lo + 40, lo + 46, 99.0), // too short to count
+                _ => {}
+            }
+            for c in 0..lo {
+                x[(r, c)] = x[(r, lo)];
+            }
+            for c in hi..n {
+                x[(r, c)] = if cols.pad_repeats {
+                    x[(r, hi - 1)]
+                } else {
+                    0.0
+                };
+            }
+        }
+        x
+    }
+
+    /// The one-pass checks ([`check_window`], [`check_array`]) give the runs,
+    /// channel health (every row's state, over several windows) and masked
+    /// values of the three separate steps, for f32 windows and for int16 rows
+    /// longer than the samples; first and last windows (edge padding), a
+    /// single window (zero pad), masking on and off.
+    #[test]
+    fn one_pass_checks_equal_the_separate_steps() {
+        let (n_rows, n, min_run) = (12, 517, 8);
+        let stride = n + 3;
+        let chans: Vec<u64> = (0..n_rows as u64).map(|c| 100 + c).collect();
+        let windows = [
+            WindowColumns {
+                lo: 11,
+                hi: n,
+                own: (11, 506),
+                pad_repeats: true,
+            },
+            WindowColumns {
+                lo: 0,
+                hi: n,
+                own: (11, 506),
+                pad_repeats: true,
+            },
+            WindowColumns {
+                lo: 0,
+                hi: 300,
+                own: (11, 300),
+                pad_repeats: true,
+            },
+            WindowColumns {
+                lo: 11,
+                hi: 250,
+                own: (11, 250),
+                pad_repeats: false,
+            },
+        ];
+        for mask in [false, true] {
+            let mut h_ref = ChannelHealth::new(&chans);
+            let mut h_f32 = ChannelHealth::new(&chans);
+            let mut h_i16 = ChannelHealth::new(&chans);
+            for (k, cols) in windows.iter().enumerate() {
+                let x = raw_window(n_rows, cols, n, k as u64 + 1);
+                let first = 1000 * k as i64 - 11;
+                let mut want = x.clone();
+                let runs = find_stuck_runs(&want, cols.lo, cols.hi, min_run);
+                h_ref.observe(want.view(), cols.own, first, &runs);
+                if mask {
+                    fill_stuck_runs(&mut want, &runs, cols.lo, cols.hi, cols.pad_repeats);
+                }
+                assert!(runs.iter().any(|r| !r.is_empty()), "window {k} has runs");
+                let mut got = x.clone();
+                let got_runs = check_array(&mut got, first, cols, min_run, Some(&mut h_f32), mask);
+                assert_eq!(got_runs, runs, "window {k}");
+                assert_eq!(got, want, "window {k}, mask {mask}");
+                let mut raw = vec![-1i16; n_rows * stride];
+                for r in 0..n_rows {
+                    for c in 0..n {
+                        raw[r * stride + c] = x[(r, c)] as i16;
+                    }
+                }
+                let r16 = crate::recording::Raw16::new(n_rows, n, stride, Box::new(raw)).unwrap();
+                let mut w = crate::recording::Window {
+                    index: k as u64,
+                    own_start: (first + 11) as u64,
+                    own_len: (cols.own.1 - cols.own.0) as u64,
+                    first_sample: first,
+                    data: Array2::zeros((0, 0)),
+                    raw16: Some(r16),
+                };
+                let got_runs = check_window(&mut w, cols, min_run, Some(&mut h_i16), mask);
+                assert_eq!(got_runs, runs, "window {k}, int16");
+                let r16 = w.raw16.unwrap();
+                assert_eq!(r16.to_f32(), want, "window {k}, int16, mask {mask}");
+                for r in 0..n_rows {
+                    let pad = &r16.values()[r * stride + n..(r + 1) * stride];
+                    assert_eq!(pad, &[-1, -1, -1], "the row ends are left alone");
+                }
+            }
+            let state = |h: &ChannelHealth| format!("{h:?}");
+            assert_eq!(state(&h_f32), state(&h_ref));
+            assert_eq!(state(&h_i16), state(&h_ref));
+            let kinds: Vec<&str> = h_ref.findings().iter().map(|f| f.kind).collect();
+            assert_eq!(
+                kinds,
+                [
+                    "zero",
+                    "flat",
+                    "duplicate",
+                    "clipped",
+                    "clipped",
+                    "clipped",
+                    "flat"
+                ]
+            );
+        }
     }
 
     /// The plain definition: maximal runs of ≥ min_run equal values at an extreme.

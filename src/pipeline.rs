@@ -1156,11 +1156,15 @@ fn fit_with_device(
             let t_checks = Instant::now();
             let cols = checks::WindowColumns::of(plan, i);
             let first = rec.first_sample() as i64 + plan.window_first_column(i);
-            let runs = checks::find_stuck_runs(w, cols.lo, cols.hi, min_run);
-            health.observe(w.view(), cols.own, first, &runs);
-            if checks.mask_clipped {
-                checks::fill_stuck_runs(w, &runs, cols.lo, cols.hi, cols.pad_repeats);
-            }
+            // issue 10 (reading thread): the checks in one pass over the rows.
+            checks::check_array(
+                w,
+                first,
+                &cols,
+                min_run,
+                Some(&mut health),
+                checks.mask_clipped,
+            );
             checks_s += t_checks.elapsed().as_secs_f64();
             Ok(())
         },

@@ -3,8 +3,9 @@
 //! * [`open`] / [`open_many`] pick a reader from the path (and [`OpenOptions`]) and
 //!   return an [`Opened`] recording, with a [`Probe`] when the metadata describes
 //!   the geometry (SpikeGLX).
-//! * Every reader memory-maps its file and converts samples to `f32` only when a
-//!   window is read ([`Recording::read_channels`]). Sample indices are `u64`
+//! * Every reader memory-maps its file (int16 files are read with positional
+//!   reads on unix) and converts samples to `f32` only when a window is read
+//!   ([`Recording::read_channels`]). Sample indices are `u64`
 //!   throughout, so recordings longer than 2³¹ samples work.
 //! * [`WindowPlan`] and [`read_window`] cut windows exactly as Kilosort4 4.1.7
 //!   cuts its batches (edge repeat, dropped short tail); [`WindowLoader`] reads

@@ -549,4 +549,163 @@ mod tests {
             }
         }
     }
+
+    /// The samples of [`parallel_reads_equal_the_plain_read`]'s file.
+    fn value(t: usize, c: usize) -> i16 {
+        // Stuck stretches at a channel's extreme (±900) that cross the
+        // decoding runs' boundaries (every 1024 samples from a read's start).
+        let stuck = [
+            (3, 1000, 1100, 900),
+            (9, 2000, 2100, -900),
+            (17, 3050, 3100, 900),
+            (12, 4080, 4300, -900),
+            (18, 0, 40, 900),
+            (5, 4950, 5000, -900),
+        ];
+        for &(ch, a, b, v) in &stuck {
+            if c == ch && (a..b).contains(&t) {
+                return v;
+            }
+        }
+        match c {
+            0 => 0,
+            1 => 17,
+            _ => ((t * 7919 + c * 104_729) % 1601) as i16 - 800,
+        }
+    }
+
+    /// A recording read one value at a time: the definition the memory-mapped
+    /// reader's parallel, tiled decoding must give.
+    struct Plain {
+        n_channels: usize,
+        n_samples: usize,
+    }
+
+    impl Recording for Plain {
+        fn n_channels(&self) -> usize {
+            self.n_channels
+        }
+        fn n_samples(&self) -> u64 {
+            self.n_samples as u64
+        }
+        fn fs(&self) -> f64 {
+            30_000.0
+        }
+        fn first_sample(&self) -> u64 {
+            0
+        }
+        fn read_channels(
+            &self,
+            start: u64,
+            count: usize,
+            chan_map: &[u64],
+            out: &mut [f32],
+        ) -> Result<(), RecordingError> {
+            crate::recording::check_read(self, start, count, chan_map, out.len())?;
+            for (r, &c) in chan_map.iter().enumerate() {
+                for t in 0..count {
+                    out[r * count + t] = f32::from(value(start as usize + t, c as usize));
+                }
+            }
+            Ok(())
+        }
+        fn describe(&self) -> String {
+            "plain".into()
+        }
+    }
+
+    /// Windows read in parallel runs of tiled channel groups (int16 rows and
+    /// f32), at the recording's start and end (edge padding) and for a single
+    /// window (zero padding), equal the plain value-by-value read, and so do
+    /// the input checks on them: the same stuck runs (crossing the decoding
+    /// runs' boundaries), channel findings and masked values.
+    #[test]
+    fn parallel_reads_equal_the_plain_read() {
+        use crate::checks::{ChannelHealth, WindowColumns, check_window};
+        let (nc, ns) = (19usize, 5000usize);
+        let mut bytes = Vec::with_capacity(nc * ns * 2);
+        for t in 0..ns {
+            for c in 0..nc {
+                bytes.extend_from_slice(&value(t, c).to_le_bytes());
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.bin");
+        std::fs::write(&path, &bytes).unwrap();
+        let rec = crate::recording::BinaryRecording::open_flat(
+            &path,
+            nc as u64,
+            30_000.0,
+            crate::recording::Dtype::Int16,
+            0,
+        )
+        .unwrap();
+        let plain = Plain {
+            n_channels: nc,
+            n_samples: ns,
+        };
+        // Every channel but 11, one (7) twice, out of order.
+        let chan_map: Vec<u64> = [
+            18u64, 0, 1, 2, 3, 4, 5, 6, 7, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17,
+        ]
+        .to_vec();
+        let rows = chan_map.len();
+        // Three windows of 2100 (the last one short), and one window of all.
+        for batch in [2100u64, 6000] {
+            let plan = WindowPlan::new(ns as u64, batch, 61).unwrap();
+            let n = plan.window_len();
+            let stride = Raw16::stride_for(n) + 2;
+            let mut healths = [(); 3].map(|()| ChannelHealth::new(&chan_map));
+            let mut n_runs = 0;
+            for i in 0..plan.n_windows {
+                let mut want = Array2::zeros((rows, n));
+                read_window(&plain, &plan, i, &chan_map, &mut want).unwrap();
+                let mut got = Array2::zeros((rows, n));
+                read_window(&rec, &plan, i, &chan_map, &mut got).unwrap();
+                assert_eq!(got, want, "batch {batch}, window {i}, f32");
+                let mut raw =
+                    Raw16::new(rows, n, stride, Box::new(vec![0i16; rows * stride])).unwrap();
+                assert!(read_window_i16(&rec, &plan, i, &chan_map, &mut raw).unwrap());
+                assert_eq!(raw.to_f32(), want, "batch {batch}, window {i}, int16");
+                let own_start = plan.window_start(i);
+                let window = |data, raw16| Window {
+                    index: i,
+                    own_start,
+                    own_len: plan.own_len(i),
+                    first_sample: own_start as i64 - plan.nt as i64,
+                    data,
+                    raw16,
+                };
+                let mut ws = [
+                    window(want, None),
+                    window(got, None),
+                    window(Array2::zeros((0, 0)), Some(raw)),
+                ];
+                let cols = WindowColumns::of(&plan, i);
+                let mut found = Vec::new();
+                for (w, h) in ws.iter_mut().zip(healths.iter_mut()) {
+                    found.push(check_window(w, &cols, 8, Some(h), true));
+                }
+                assert_eq!(found[1], found[0], "batch {batch}, window {i}");
+                assert_eq!(found[2], found[0], "batch {batch}, window {i}");
+                n_runs += found[0].iter().map(Vec::len).sum::<usize>();
+                let masked = ws[0].data.clone();
+                assert_eq!(ws[1].data, masked);
+                assert_eq!(ws[2].raw16.as_ref().unwrap().to_f32(), masked);
+            }
+            assert!(n_runs >= 6, "batch {batch}: {n_runs} stuck runs");
+            let state: Vec<String> = healths.iter().map(|h| format!("{h:?}")).collect();
+            assert_eq!(state[1], state[0]);
+            assert_eq!(state[2], state[0]);
+            let kinds: Vec<(u64, &str)> = healths[0]
+                .findings()
+                .iter()
+                .map(|f| (f.channel, f.kind))
+                .collect();
+            assert!(kinds.contains(&(0, "zero")), "{kinds:?}");
+            assert!(kinds.contains(&(1, "flat")), "{kinds:?}");
+            assert!(kinds.contains(&(7, "duplicate")), "{kinds:?}");
+            assert!(kinds.contains(&(12, "clipped")), "{kinds:?}");
+        }
+    }
 }
