@@ -423,12 +423,16 @@ impl Detector {
         let Some(form) = pre.device_form(crate::preprocess::DEVICE_TAP_FLOOR) else {
             return Ok(false);
         };
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        let Some(packer) = self.packer() else {
+            return Ok(false);
+        };
         match self {
             Detector::Cpu(_) => Ok(false),
             #[cfg(feature = "cuda")]
-            Detector::Cuda(d) => d.warm_up(&form, yc).map(|_| true),
+            Detector::Cuda(d) => d.warm_up(&form, yc, &packer).map(|_| true),
             #[cfg(feature = "wgpu")]
-            Detector::Wgpu(d) => d.warm_up(&form, yc).map(|_| true),
+            Detector::Wgpu(d) => d.warm_up(&form, yc, &packer).map(|_| true),
         }
     }
 

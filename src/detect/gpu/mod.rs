@@ -491,6 +491,10 @@ impl GpuDetector<cubecl::cuda::CudaRuntime> {
     pub fn upload_slot_ptrs(&mut self, len: usize) -> Option<[u64; 2]> {
         if self.raw_slots.as_ref().map(|(n, _)| *n) != Some(len) {
             self.raw_slots = None;
+            // The buffer of windows that were not sent ahead (the warm-up's, the
+            // whitening fit's; all synced by now): freed first, so that a slot
+            // of the same size takes its memory instead of adding to it.
+            self.raw_buf = None;
             let h = self.persistent(|client| [client.empty(len.max(4)), client.empty(len.max(4))]);
             self.raw_slots = Some((len, h));
         }
@@ -597,14 +601,20 @@ impl<R: Runtime> GpuDetector<R> {
     /// running one all-zero window through them (it has no detections). For
     /// hiding the device's start-up behind the whitening fit: `form` may carry
     /// any whitening (e.g. the identity); [`GpuDetector::set_preprocessing`]
-    /// with the fitted one follows.
+    /// with the fitted one follows. `packer`: the back end's (page-locked
+    /// memory under CUDA, so the window goes up as the fit's windows will).
     ///
     /// # Errors
     /// As [`GpuDetector::set_preprocessing`] and [`GpuDetector::detect_raw`].
-    pub fn warm_up(&mut self, form: &DevicePreprocessing, yc: &[f32]) -> Result<(), DetectError> {
+    pub fn warm_up(
+        &mut self,
+        form: &DevicePreprocessing,
+        yc: &[f32],
+        packer: &Packer,
+    ) -> Result<(), DetectError> {
         self.set_preprocessing(form)?;
         let zeros = ndarray::Array2::<f32>::zeros((form.n_sites, form.n));
-        let raw = Packer::default().pack(zeros.view());
+        let raw = packer.pack(zeros.view());
         self.detect_raw(raw, yc, None)?;
         self.wait_s = 0.0;
         Ok(())
