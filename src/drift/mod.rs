@@ -430,7 +430,7 @@ impl DriftRun {
         &self,
         window_index: u64,
         w: &crate::preprocess::Whitening,
-    ) -> Result<Option<crate::preprocess::Whitening>> {
+    ) -> Result<Option<Arc<crate::preprocess::Whitening>>> {
         let Some(c) = &self.correction else {
             return Ok(None);
         };
@@ -468,28 +468,36 @@ impl DriftRun {
             t.elapsed().as_nanos() as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
-        Ok(Some((*g).clone()))
+        Ok(Some(g))
     }
 
     /// Preprocesses one raw window as the second pass sees it: with drift
     /// correction, channel means, CAR, high-pass and artifact check
     /// ([`Preprocessor::filter_only`]), then `G_b`
     /// ([`DriftRun::window_whitening`]); without, [`Preprocessor::apply`].
+    /// `G_b` is built while the window is filtered (both on the thread pool,
+    /// so that the build's serial parts leave no core idle).
     ///
     /// # Errors
-    /// As those.
+    /// As those (the matrix's error first).
     pub fn preprocess(
         &self,
         pre: &Preprocessor,
         window_index: u64,
         x: &mut Array2<f32>,
     ) -> Result<()> {
-        match self.window_whitening(window_index, pre.whitening())? {
-            Some(g) => {
-                pre.filter_only(x)?;
-                g.apply(x)?;
-            }
-            None => pre.apply(x)?,
+        if self.correction.is_none() {
+            pre.apply(x)?;
+            return Ok(());
+        }
+        let (g, filtered) = rayon::join(
+            || self.window_whitening(window_index, pre.whitening()),
+            || pre.filter_only(x),
+        );
+        let g = g?;
+        filtered?;
+        if let Some(g) = g {
+            g.apply(x)?;
         }
         Ok(())
     }

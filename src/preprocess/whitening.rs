@@ -626,8 +626,10 @@ fn square(w: &Array2<f32>) -> Result<(usize, usize), PreprocessError> {
 }
 
 /// Each row's (column, value) non-zeros, in column order.
+/// Rows in parallel.
 fn nonzero_rows(w: &Array2<f32>) -> Vec<Vec<(usize, f32)>> {
-    w.outer_iter()
+    let rows: Vec<ndarray::ArrayView1<'_, f32>> = w.outer_iter().collect();
+    rows.into_par_iter()
         .map(|row| {
             row.iter()
                 .enumerate()
@@ -831,10 +833,25 @@ impl Whitening {
                 message: format!("is {floor}; it must be a finite fraction ≥ 0"),
             });
         }
-        let max = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let mut w = w;
+        if !w.is_standard_layout() {
+            w = w.as_standard_layout().into_owned();
+        }
+        // Rows in parallel (the largest |value| is the same in any order).
+        let n = w.ncols().max(1);
+        let vals = w.as_slice_mut().expect("standard layout");
+        let max = vals
+            .par_chunks(n)
+            .map(|row| row.iter().fold(0f32, |a, v| a.max(v.abs())))
+            .reduce(|| 0f32, f32::max);
         let cut = floor * max;
-        let mut w = w.as_standard_layout().into_owned();
-        w.mapv_inplace(|v| if v.abs() > cut { v } else { 0.0 });
+        vals.par_chunks_mut(n).for_each(|row| {
+            for v in row {
+                if !(v.abs() > cut) {
+                    *v = 0.0;
+                }
+            }
+        });
         let rows = nonzero_rows(&w);
         Ok(Whitening {
             w,
