@@ -326,11 +326,40 @@ pub struct FirstPass<'a> {
 /// by `pass` (on the host or the device), pipelined as the main pass
 /// ([`crate::stages::run_windows`]); detections in the window's own samples
 /// are kept. When `also` is given (`--drift-only`), each window's detections
-/// are passed to it too.
+/// are passed to it too, with their PC features; otherwise the pass goes
+/// without PC features ([`first_pass_with`]).
 ///
 /// # Errors
 /// When a read, the preprocessing or the detection fails (naming the window).
 pub fn first_pass(
+    fp: &FirstPass<'_>,
+    pass: &mut dyn crate::stages::WindowPass,
+    also: Option<&mut AppendDetections<'_>>,
+) -> Result<FirstPassSpikes> {
+    let pc_features = also.is_some();
+    first_pass_with(fp, pass, also, pc_features)
+}
+
+/// [`first_pass`], with the detections' PC features (`tF`) computed or not
+/// (`pc_features`; the drift estimate needs only each spike's sample, depth
+/// and amplitude, which do not depend on it: tests/drift.rs). The pass
+/// computes them again afterwards, whatever happened.
+///
+/// # Errors
+/// As [`first_pass`].
+pub fn first_pass_with(
+    fp: &FirstPass<'_>,
+    pass: &mut dyn crate::stages::WindowPass,
+    also: Option<&mut AppendDetections<'_>>,
+    pc_features: bool,
+) -> Result<FirstPassSpikes> {
+    pass.set_pc_features(pc_features);
+    let res = first_pass_run(fp, pass, also);
+    pass.set_pc_features(true);
+    res
+}
+
+fn first_pass_run(
     fp: &FirstPass<'_>,
     pass: &mut dyn crate::stages::WindowPass,
     mut also: Option<&mut AppendDetections<'_>>,
