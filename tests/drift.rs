@@ -854,20 +854,18 @@ fn first_pass_without_pc_features_gives_the_same_spikes_and_drift() {
     assert_eq!(with.batch, without.batch);
     assert_eq!(with.sample, without.sample);
 
-    let est = |sp: &FirstPassSpikes| {
-        match estimate(
-            sp,
-            &probe,
-            &DriftSettings::default(),
-            f64::from(ds.th_universal),
-            fit.plan.n_windows as usize,
-            &mut |_| {},
-        )
-        .unwrap()
-        {
-            Estimated::Drift(e) => e,
-            Estimated::Off(why) => panic!("drift off: {why}"),
-        }
+    let est = |sp: &FirstPassSpikes| match estimate(
+        sp,
+        &probe,
+        &DriftSettings::default(),
+        f64::from(ds.th_universal),
+        fit.plan.n_windows as usize,
+        &mut |_| {},
+    )
+    .unwrap()
+    {
+        Estimated::Drift(e) => e,
+        Estimated::Off(why) => panic!("drift off: {why}"),
     };
     let (a, b) = (est(&with), est(&without));
     let bits64 = |v: &Array2<f64>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

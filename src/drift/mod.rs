@@ -533,8 +533,10 @@ impl DriftRun {
 
     /// Adds the drift step to the run's `spikecube.json`: `settings.drift`
     /// (settings, both passes' spike counts, shifts) and the timings
-    /// `drift_first_pass`, `drift_estimate`, `drift_correct` (the last is
-    /// also inside `preprocess`). `second_pass_spikes`: the output's count.
+    /// `drift_first_pass`, `drift_estimate` (with its parts
+    /// `drift_estimate.register`, `.files` (drift.npy, drift_blocks.npy,
+    /// drift.png), `.correction` (iKxx)), `drift_correct` (also inside
+    /// `preprocess`). `second_pass_spikes`: the output's count.
     pub fn record(&self, info: &mut crate::output::RunInfo, second_pass_spikes: u64) {
         let mut summary = self.summary.clone();
         if self.correction.is_some() {
@@ -596,6 +598,7 @@ pub fn prepare(
     let t1 = Instant::now();
     let n_windows = fp.plan.n_windows as usize;
     let est = estimate(&spikes, fp.probe, settings, th, n_windows, warn)?;
+    let t_register = t1.elapsed().as_secs_f64();
     let mut run = DriftRun {
         drift_only: settings.drift_only,
         ..DriftRun::default()
@@ -605,6 +608,7 @@ pub fn prepare(
         "first_pass_spikes": spikes.len(),
         "first_pass_s": t_first,
     });
+    let mut parts = vec![("drift_estimate.register", t_register)];
     match est {
         Estimated::Off(why) => {
             warn(why.clone());
@@ -612,6 +616,7 @@ pub fn prepare(
             summary["off_because"] = why.into();
         }
         Estimated::Drift(e) => {
+            let t = Instant::now();
             crate::npy::write(&folder.join("drift.npy"), &e.dshift)?;
             crate::npy::write(
                 &folder.join("drift_blocks.npy"),
@@ -626,6 +631,8 @@ pub fn prepare(
                 fs,
                 fp.probe,
             )?;
+            parts.push(("drift_estimate.files", t.elapsed().as_secs_f64()));
+            let t = Instant::now();
             let corr = DriftCorrection::new(
                 &fp.probe.xc,
                 &fp.probe.yc,
@@ -639,6 +646,7 @@ pub fn prepare(
                 (settings.mode != DriftMode::Kilosort && settings.edge_margin.is_finite())
                     .then_some(settings.edge_margin),
             );
+            parts.push(("drift_estimate.correction", t.elapsed().as_secs_f64()));
             let col0 = e.dshift.column(0);
             summary["applied"] = (!settings.drift_only).into();
             summary["n_blocks_used"] = e.yblk.len().into();
@@ -658,5 +666,6 @@ pub fn prepare(
     summary["estimate_s"] = t_est.into();
     run.summary = summary;
     run.timings = vec![("drift_first_pass", t_first), ("drift_estimate", t_est)];
+    run.timings.extend(parts);
     Ok(run)
 }
