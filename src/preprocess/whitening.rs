@@ -847,9 +847,7 @@ impl Whitening {
         let cut = floor * max;
         vals.par_chunks_mut(n).for_each(|row| {
             for v in row {
-                if !(v.abs() > cut) {
-                    *v = 0.0;
-                }
+                *v = if v.abs() > cut { *v } else { 0.0 };
             }
         });
         let rows = nonzero_rows(&w);
