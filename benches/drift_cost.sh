@@ -27,11 +27,11 @@
 # (RAYON_NUM_THREADS=THREADS for the fit). Writes OUTDIR/times.tsv (one line per
 # process: repeat, kind, wall, user, sys, max RSS KiB) and keeps the outputs of
 # the last repeat (OUTDIR/nb0, OUTDIR/nb1: spikecube.json holds per-stage
-# timings). Prints the medians and the cost. Needs bash, awk, sort and GNU time.
+# timings). Prints the medians and the cost. Needs bash, awk and GNU time.
 set -euo pipefail
 
 if [ $# -lt 7 ]; then
-    sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 SC=$1 REC=$2 PROBE=$3 OUT=$4 THREADS=$5 REPEATS=$6 FIT=$7 BATCH=${8:-60000}
