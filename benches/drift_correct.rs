@@ -16,7 +16,8 @@
 //! Times are CPU ms (all threads; `WALL=1`: wall ms), as the machine the
 //! figures were taken on was shared.
 //!
-//! Usage: `cargo bench --bench drift_correct [-- RUNS]` (default 5 runs).
+//! Usage: `cargo bench --bench drift_correct [-- RUNS]` (default 5 runs);
+//! `-- parts [RUNS]`: the parts of building `G_b` (run with `RAYON_NUM_THREADS=1`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -89,6 +90,115 @@ fn time_runs(runs: usize, mut f: impl FnMut()) -> f64 {
     )
 }
 
+/// `parts`: CPU ms of each part of building one window's `G_b` (1 thread:
+/// `RAYON_NUM_THREADS=1`), each marked with where it ran before and after the
+/// sixth session's changes (serial: on the calling thread; pool: spread over
+/// the thread pool), for the serial milliseconds per window (BENCHMARKS.md,
+/// "Drift: the cost of the drift step, sixth session").
+fn parts(runs: usize, corr: &DriftCorrection, w: &Whitening, p: &Probe) {
+    use spikecube::drift::correct::{combine, kernel2d, site_shifts};
+    let b = 3; // +40 µm
+    let row = corr.dshift().row(b as usize).to_vec();
+    let s = site_shifts(&row, corr.yblk(), &p.yc);
+    let qy: Vec<f32> =
+        p.yc.iter()
+            .zip(&s)
+            .map(|(&y, &d)| (y as f64 - d) as f32)
+            .collect();
+    let m = corr.matrix(b).expect("M_b");
+    let g = combine(&m, w);
+    let gw = corr.window_whitening(b, w).expect("G_b");
+    let rows: Vec<(&str, &str, &str, f64)> = vec![
+        (
+            "site shifts, targets, sites outside",
+            "serial",
+            "serial",
+            time_runs(runs, || {
+                let s = site_shifts(&row, corr.yblk(), &p.yc);
+                std::hint::black_box(&s);
+                std::hint::black_box(corr.sites_outside(b, 15.0).expect("outside"));
+            }),
+        ),
+        (
+            "kernel K(Q, P)",
+            "serial",
+            "pool",
+            time_runs(runs, || {
+                std::hint::black_box(kernel2d(&p.xc, &qy, &p.xc, &p.yc, 20.0));
+            }),
+        ),
+        (
+            "M_b = K·iKxx (with the kernel)",
+            "pool",
+            "pool",
+            time_runs(runs, || {
+                std::hint::black_box(corr.matrix(b).expect("M_b"));
+            }),
+        ),
+        (
+            "copy of a C × C matrix (M_b, G_b: 2 before)",
+            "serial",
+            "none",
+            time_runs(runs, || {
+                std::hint::black_box(Array2::from_shape_fn(m.dim(), |(i, j)| m[[i, j]]));
+            }),
+        ),
+        (
+            "W's CSR (in M_b·W, and the cache key)",
+            "serial",
+            "serial",
+            time_runs(runs, || {
+                std::hint::black_box(w.csr());
+            }),
+        ),
+        (
+            "M_b·W (with W's CSR)",
+            "pool",
+            "pool",
+            time_runs(runs, || {
+                std::hint::black_box(combine(&m, w));
+            }),
+        ),
+        (
+            "drop below COMBINED_EPS, CSR rows",
+            "serial",
+            "pool",
+            time_runs(runs, || {
+                std::hint::black_box(
+                    Whitening::sparse_with_floor(
+                        g.clone(),
+                        spikecube::drift::correct::COMBINED_EPS,
+                    )
+                    .expect("G_b"),
+                );
+            }),
+        ),
+        (
+            "copy of G_b per window (before)",
+            "serial",
+            "none",
+            time_runs(runs, || {
+                std::hint::black_box(gw.clone());
+            }),
+        ),
+        (
+            "whole build (window_whitening)",
+            "-",
+            "-",
+            time_runs(runs, || {
+                std::hint::black_box(corr.window_whitening(b, w).expect("G_b"));
+            }),
+        ),
+    ];
+    println!(
+        "G_b build, CPU ms per window on {} thread(s):",
+        rayon::current_num_threads()
+    );
+    for (name, before, after, ms) in rows {
+        println!("{name:<46} {ms:7.2} ms   before: {before:<6} after: {after}");
+    }
+}
+
 fn main() {
     let runs: usize = std::env::args()
         .skip(1)
@@ -143,6 +253,10 @@ fn main() {
     let detect = time_runs(runs, || {
         det.detect(x.view(), &p.yc).expect("detect");
     });
+    if std::env::args().any(|a| a == "parts") {
+        parts(runs, &corr, &w, &p);
+        return;
+    }
     let copy = time_runs(runs, || x.assign(&raw));
     println!(
         "{:<34} {:8.1} ms",

@@ -383,6 +383,20 @@ impl Detector {
         }
     }
 
+    /// Whether detection computes the PC features `tF`
+    /// ([`CpuDetector::set_pc_features`]; the drift step's first pass goes
+    /// without); `false` when this back end always computes them (a GPU).
+    pub fn set_pc_features(&mut self, on: bool) -> bool {
+        match self {
+            Detector::Cpu(d) => {
+                d.set_pc_features(on);
+                true
+            }
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
     /// Moves preprocessing onto the device for the windows given to
     /// [`Detector::detect_raw`]; `Ok(false)` on the CPU or when the preprocessing
     /// has no device form (`artifact_threshold` set).

@@ -148,6 +148,15 @@ pub trait WindowPass: Send {
         }
     }
 
+    // ---- issue 12 (drift cost): the first pass goes without PC features ----
+    /// Whether detection computes the PC features `tF` from the next window
+    /// on (the drift step's first pass needs only times, depths and
+    /// amplitudes); a pass that always computes them ignores it (the default).
+    fn set_pc_features(&mut self, on: bool) {
+        let _ = on;
+    }
+    // ---- end issue 12 ----
+
     /// Where preprocessing runs: `host` or `device`.
     fn preprocess_on(&self) -> &'static str {
         "host"
@@ -342,6 +351,11 @@ impl WindowPass for HostPass {
 
     fn set_templates(&mut self, templates: &crate::detect::UniversalTemplates) -> Result<()> {
         Ok(self.detector.set_templates(templates)?)
+    }
+
+    fn set_pc_features(&mut self, on: bool) {
+        // Issue 12: the drift step's first pass goes without.
+        self.detector.set_pc_features(on);
     }
 }
 

@@ -754,3 +754,122 @@ fn neighbourhoods_from_kilosort_replace_the_tie_rule() {
         .to_string();
     assert!(err.contains("iC.npy"), "{err}");
 }
+
+/// The drift step's first pass goes without PC features (issue 12, its
+/// cost): on a simulated drifting recording (tests/data/drift/probe.json),
+/// the first pass with and without them gives the same detections bit for
+/// bit (times, centres, amplitudes, depths yct, adist, ...; only `tF` is left
+/// out), the same first-pass spikes and the same drift estimate.
+#[test]
+fn first_pass_without_pc_features_gives_the_same_spikes_and_drift() {
+    use spikecube::backend::{Backend, Detector, choose};
+    use spikecube::drift::{FirstPass, first_pass_with};
+    use spikecube::pipeline::{InputRequest, fit_whitening_for, open_for_detection};
+    use spikecube::preprocess::Preprocessor;
+    use spikecube::stages::HostPass;
+    use spikecube::{DetectionSettings, Detections, Geometry, UniversalTemplates};
+
+    let tmp = tempfile::tempdir().unwrap();
+    let p = fixture_probe();
+    let cfg = spikecube::simulate::SimConfig {
+        seconds: 3.0,
+        n_units: 12,
+        rate_hz: 10.0,
+        seed: 3,
+        drift: Some(spikecube::simulate::DriftModel::rigid(3.0)),
+        ..Default::default()
+    };
+    spikecube::simulate::simulate(&p, &cfg, tmp.path()).unwrap();
+    let req = InputRequest {
+        paths: vec![tmp.path().join("sim_g0_t0.imec0.ap.bin")],
+        probe: Some(p),
+        probe_hint: "--probe",
+        ..InputRequest::default()
+    };
+    let (opened, probe, checks) = open_for_detection(&req).unwrap();
+    let settings = spikecube::preprocess::PreprocessSettings {
+        batch_size: 7500,
+        ..Default::default()
+    };
+    let fit = fit_whitening_for(&opened.recording, &probe, &settings, &checks).unwrap();
+    let pre = Preprocessor::new(&fit.settings, fit.whitening.clone()).unwrap();
+    let ds = DetectionSettings::default();
+    let run = |pc_features: bool| -> (FirstPassSpikes, Vec<(Detections, i64)>) {
+        let detector = Detector::new(
+            &choose(Backend::Cpu).unwrap(),
+            Geometry::new(&probe, &ds).unwrap(),
+            UniversalTemplates::builtin(),
+            ds.clone(),
+        )
+        .unwrap();
+        let mut pass = HostPass {
+            pre: pre.clone(),
+            detector,
+            yc: probe.yc.clone(),
+            drift: None,
+        };
+        let fp = FirstPass {
+            recording: &opened.recording,
+            plan: &fit.plan,
+            probe: &probe,
+            pre: &pre,
+            nt: ds.nt as u64,
+            mask_clipped: checks.mask_clipped,
+        };
+        let mut dets = Vec::new();
+        let mut keep = |d: &Detections, first: i64| -> anyhow::Result<()> {
+            dets.push((d.clone(), first));
+            Ok(())
+        };
+        let spikes = first_pass_with(&fp, &mut pass, Some(&mut keep), pc_features).unwrap();
+        (spikes, dets)
+    };
+    let (with, dets_with) = run(true);
+    let (without, dets_without) = run(false);
+    assert!(with.len() > 50, "{} first-pass spikes", with.len());
+    assert_eq!(dets_with.len(), dets_without.len());
+    let mut n_pcs = 0;
+    for ((a, fa), (b, fb)) in dets_with.iter().zip(&dets_without) {
+        assert_eq!(fa, fb);
+        assert_eq!(b.n_pcs, 0);
+        assert!(b.tf.is_empty());
+        n_pcs = n_pcs.max(a.n_pcs);
+        assert_eq!(a.tf.len(), a.len() * a.n_chans * a.n_pcs);
+        let without_tf = Detections {
+            tf: Vec::new(),
+            n_pcs: 0,
+            ..a.clone()
+        };
+        // Bitwise: f32 fields compared through their bits.
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&without_tf.amp), bits(&b.amp));
+        assert_eq!(bits(&without_tf.yct), bits(&b.yct));
+        assert_eq!(bits(&without_tf.adist), bits(&b.adist));
+        assert_eq!(&without_tf, b);
+    }
+    assert_eq!(n_pcs, ds.n_pcs, "the run with features has them");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&with.y), bits(&without.y));
+    assert_eq!(bits(&with.amp), bits(&without.amp));
+    assert_eq!(with.batch, without.batch);
+    assert_eq!(with.sample, without.sample);
+
+    let est = |sp: &FirstPassSpikes| match estimate(
+        sp,
+        &probe,
+        &DriftSettings::default(),
+        f64::from(ds.th_universal),
+        fit.plan.n_windows as usize,
+        &mut |_| {},
+    )
+    .unwrap()
+    {
+        Estimated::Drift(e) => e,
+        Estimated::Off(why) => panic!("drift off: {why}"),
+    };
+    let (a, b) = (est(&with), est(&without));
+    let bits64 = |v: &Array2<f64>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits64(&a.dshift), bits64(&b.dshift));
+    assert_eq!(a.yblk, b.yblk);
+    assert_eq!(a.counts, b.counts);
+}

@@ -199,6 +199,8 @@ pub struct CpuDetector {
     nt_window: usize,
     /// Busy seconds per step since the last [`CpuDetector::take_step_seconds`].
     step_seconds: [f64; 4],
+    /// Whether step 5 computes the PC features `tF` ([`CpuDetector::set_pc_features`]).
+    pc_features: bool,
 }
 
 thread_local! {
@@ -216,12 +218,22 @@ impl CpuDetector {
     /// # Errors
     /// [`DetectError::Setting`] when they do not fit the settings (as [`CpuDetector::new`]).
     pub fn set_templates(&mut self, templates: &UniversalTemplates) -> Result<(), DetectError> {
+        let pc_features = self.pc_features;
         *self = CpuDetector::new(
             self.geometry.clone(),
             templates.clone(),
             self.settings.clone(),
         )?;
+        self.pc_features = pc_features;
         Ok(())
+    }
+
+    /// Whether step 5 computes the PC features `tF` (`true`, the default).
+    /// Without them (`false`: the drift step's first pass, which needs only
+    /// each spike's sample, depth `yct` and amplitude) the detections have
+    /// `n_pcs = 0` and an empty `tf`; every other field keeps its bits.
+    pub fn set_pc_features(&mut self, on: bool) {
+        self.pc_features = on;
     }
 
     /// Prepares a detector for `geometry` (template centres and neighbourhoods).
@@ -255,6 +267,7 @@ impl CpuDetector {
             candidates: Vec::new(),
             nt_window: 0,
             step_seconds: [0.0; 4],
+            pc_features: true,
         })
     }
 
@@ -551,7 +564,11 @@ impl CpuDetector {
 
     fn features(&self, x: ArrayView2<f32>, yc: &[f32], peaks: &[(u32, u64)]) -> Detections {
         let nc = self.geometry.n_chans();
-        let npc = self.settings.n_pcs;
+        let npc = if self.pc_features {
+            self.settings.n_pcs
+        } else {
+            0
+        };
         let mut d = Detections {
             n_chans: nc,
             n_pcs: npc,

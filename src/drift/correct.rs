@@ -30,13 +30,19 @@ pub const RIDGE: f64 = 0.01;
 
 /// Gaussian kernel `exp(−|a_i − b_k|² / (2σ²))` between two point sets
 /// (µm), float32 as Kilosort4 computes it (`kernel2D`).
+/// Rows in parallel (each entry on its own: the same bits in any order).
 pub fn kernel2d(ax: &[f32], ay: &[f32], bx: &[f32], by: &[f32], sig_interp: f64) -> Array2<f32> {
     let den = (2.0 * sig_interp * sig_interp) as f32;
-    Array2::from_shape_fn((ax.len(), bx.len()), |(i, k)| {
-        let dx = ax[i] - bx[k];
-        let dy = ay[i] - by[k];
-        (-(dx * dx + dy * dy) / den).exp()
-    })
+    let n = bx.len();
+    let mut k = vec![0f32; ax.len() * n];
+    k.par_chunks_mut(n.max(1)).enumerate().for_each(|(i, row)| {
+        for (j, v) in row.iter_mut().enumerate() {
+            let dx = ax[i] - bx[j];
+            let dy = ay[i] - by[j];
+            *v = (-(dx * dx + dy * dy) / den).exp();
+        }
+    });
+    Array2::from_shape_vec((ax.len(), n), k).expect("rows × columns values")
 }
 
 /// `inv(K + ridge·I)` of a square float32 matrix, computed in f64 (Gauss–Jordan
@@ -131,10 +137,11 @@ pub fn drift_matrix(
     let kyx = kernel2d(xc, &qy, xc, yc, sig_interp);
     let ikxx = ikxx.as_standard_layout();
     let n = xc.len();
-    let rows: Vec<Vec<f32>> = (0..n)
-        .into_par_iter()
-        .map(|c| {
-            let mut acc = vec![0f64; n];
+    let mut m = vec![0f32; n * n];
+    m.par_chunks_mut(n.max(1)).enumerate().for_each_init(
+        || vec![0f64; n],
+        |acc, (c, out)| {
+            acc.fill(0.0);
             for (k, &a) in kyx.row(c).iter().enumerate() {
                 let a = a as f64;
                 // Far sites' kernel values underflow to 0 in float32 (beyond
@@ -149,10 +156,12 @@ pub fn drift_matrix(
                     *v += a * m as f64;
                 }
             }
-            acc.into_iter().map(|v| v as f32).collect()
-        })
-        .collect();
-    Array2::from_shape_fn((n, n), |(c, j)| rows[c][j])
+            for (o, &v) in out.iter_mut().zip(acc.iter()) {
+                *o = v as f32;
+            }
+        },
+    );
+    Array2::from_shape_vec((n, n), m).expect("n × n values")
 }
 
 /// Entries of `G_b = M_b·W` at most this fraction of its largest are dropped
@@ -171,15 +180,18 @@ pub const COMBINED_EPS: f32 = 1e-8;
 /// products accumulated in f64 in W's CSR order, rounded to float32
 /// (Kilosort4 multiplies the two float32 matrices in float32; this is as
 /// close to the exact product as float32 allows).
+///
+/// Rows in parallel, each written in place.
 pub fn combine(m: &Array2<f32>, w: &Whitening) -> Array2<f32> {
     let n = m.ncols();
     let (start, cols, vals) = w.csr();
-    let rows: Vec<Vec<f32>> = (0..m.nrows())
-        .into_par_iter()
-        .map(|c| {
-            let mut acc = vec![0f64; n];
-            for k in 0..n {
-                let a = f64::from(m[[c, k]]);
+    let mut g = vec![0f32; m.nrows() * n];
+    g.par_chunks_mut(n.max(1)).enumerate().for_each_init(
+        || vec![0f64; n],
+        |acc, (c, out)| {
+            acc.fill(0.0);
+            for (k, &a) in m.row(c).iter().enumerate() {
+                let a = f64::from(a);
                 if a == 0.0 {
                     continue;
                 }
@@ -187,10 +199,12 @@ pub fn combine(m: &Array2<f32>, w: &Whitening) -> Array2<f32> {
                     acc[cols[e] as usize] += a * f64::from(vals[e]);
                 }
             }
-            acc.into_iter().map(|v| v as f32).collect()
-        })
-        .collect();
-    Array2::from_shape_fn((m.nrows(), n), |(c, j)| rows[c][j])
+            for (o, &v) in out.iter_mut().zip(acc.iter()) {
+                *o = v as f32;
+            }
+        },
+    );
+    Array2::from_shape_vec((m.nrows(), n), g).expect("rows × n values")
 }
 
 /// Drift correction of a run: `dshift` and `yblk` from the estimate, the

@@ -326,11 +326,40 @@ pub struct FirstPass<'a> {
 /// by `pass` (on the host or the device), pipelined as the main pass
 /// ([`crate::stages::run_windows`]); detections in the window's own samples
 /// are kept. When `also` is given (`--drift-only`), each window's detections
-/// are passed to it too.
+/// are passed to it too, with their PC features; otherwise the pass goes
+/// without PC features ([`first_pass_with`]).
 ///
 /// # Errors
 /// When a read, the preprocessing or the detection fails (naming the window).
 pub fn first_pass(
+    fp: &FirstPass<'_>,
+    pass: &mut dyn crate::stages::WindowPass,
+    also: Option<&mut AppendDetections<'_>>,
+) -> Result<FirstPassSpikes> {
+    let pc_features = also.is_some();
+    first_pass_with(fp, pass, also, pc_features)
+}
+
+/// [`first_pass`], with the detections' PC features (`tF`) computed or not
+/// (`pc_features`; the drift estimate needs only each spike's sample, depth
+/// and amplitude, which do not depend on it: tests/drift.rs). The pass
+/// computes them again afterwards, whatever happened.
+///
+/// # Errors
+/// As [`first_pass`].
+pub fn first_pass_with(
+    fp: &FirstPass<'_>,
+    pass: &mut dyn crate::stages::WindowPass,
+    also: Option<&mut AppendDetections<'_>>,
+    pc_features: bool,
+) -> Result<FirstPassSpikes> {
+    pass.set_pc_features(pc_features);
+    let res = first_pass_run(fp, pass, also);
+    pass.set_pc_features(true);
+    res
+}
+
+fn first_pass_run(
     fp: &FirstPass<'_>,
     pass: &mut dyn crate::stages::WindowPass,
     mut also: Option<&mut AppendDetections<'_>>,
@@ -430,7 +459,7 @@ impl DriftRun {
         &self,
         window_index: u64,
         w: &crate::preprocess::Whitening,
-    ) -> Result<Option<crate::preprocess::Whitening>> {
+    ) -> Result<Option<Arc<crate::preprocess::Whitening>>> {
         let Some(c) = &self.correction else {
             return Ok(None);
         };
@@ -468,36 +497,46 @@ impl DriftRun {
             t.elapsed().as_nanos() as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
-        Ok(Some((*g).clone()))
+        Ok(Some(g))
     }
 
     /// Preprocesses one raw window as the second pass sees it: with drift
     /// correction, channel means, CAR, high-pass and artifact check
     /// ([`Preprocessor::filter_only`]), then `G_b`
     /// ([`DriftRun::window_whitening`]); without, [`Preprocessor::apply`].
+    /// `G_b` is built while the window is filtered (both on the thread pool,
+    /// so that the build's serial parts leave no core idle).
     ///
     /// # Errors
-    /// As those.
+    /// As those (the matrix's error first).
     pub fn preprocess(
         &self,
         pre: &Preprocessor,
         window_index: u64,
         x: &mut Array2<f32>,
     ) -> Result<()> {
-        match self.window_whitening(window_index, pre.whitening())? {
-            Some(g) => {
-                pre.filter_only(x)?;
-                g.apply(x)?;
-            }
-            None => pre.apply(x)?,
+        if self.correction.is_none() {
+            pre.apply(x)?;
+            return Ok(());
+        }
+        let (g, filtered) = rayon::join(
+            || self.window_whitening(window_index, pre.whitening()),
+            || pre.filter_only(x),
+        );
+        let g = g?;
+        filtered?;
+        if let Some(g) = g {
+            g.apply(x)?;
         }
         Ok(())
     }
 
     /// Adds the drift step to the run's `spikecube.json`: `settings.drift`
     /// (settings, both passes' spike counts, shifts) and the timings
-    /// `drift_first_pass`, `drift_estimate`, `drift_correct` (the last is
-    /// also inside `preprocess`). `second_pass_spikes`: the output's count.
+    /// `drift_first_pass`, `drift_estimate` (with its parts
+    /// `drift_estimate.register`, `.files` (drift.npy, drift_blocks.npy,
+    /// drift.png), `.correction` (iKxx)), `drift_correct` (also inside
+    /// `preprocess`). `second_pass_spikes`: the output's count.
     pub fn record(&self, info: &mut crate::output::RunInfo, second_pass_spikes: u64) {
         let mut summary = self.summary.clone();
         if self.correction.is_some() {
@@ -559,6 +598,7 @@ pub fn prepare(
     let t1 = Instant::now();
     let n_windows = fp.plan.n_windows as usize;
     let est = estimate(&spikes, fp.probe, settings, th, n_windows, warn)?;
+    let t_register = t1.elapsed().as_secs_f64();
     let mut run = DriftRun {
         drift_only: settings.drift_only,
         ..DriftRun::default()
@@ -568,6 +608,7 @@ pub fn prepare(
         "first_pass_spikes": spikes.len(),
         "first_pass_s": t_first,
     });
+    let mut parts = vec![("drift_estimate.register", t_register)];
     match est {
         Estimated::Off(why) => {
             warn(why.clone());
@@ -575,6 +616,7 @@ pub fn prepare(
             summary["off_because"] = why.into();
         }
         Estimated::Drift(e) => {
+            let t = Instant::now();
             crate::npy::write(&folder.join("drift.npy"), &e.dshift)?;
             crate::npy::write(
                 &folder.join("drift_blocks.npy"),
@@ -589,6 +631,8 @@ pub fn prepare(
                 fs,
                 fp.probe,
             )?;
+            parts.push(("drift_estimate.files", t.elapsed().as_secs_f64()));
+            let t = Instant::now();
             let corr = DriftCorrection::new(
                 &fp.probe.xc,
                 &fp.probe.yc,
@@ -602,6 +646,7 @@ pub fn prepare(
                 (settings.mode != DriftMode::Kilosort && settings.edge_margin.is_finite())
                     .then_some(settings.edge_margin),
             );
+            parts.push(("drift_estimate.correction", t.elapsed().as_secs_f64()));
             let col0 = e.dshift.column(0);
             summary["applied"] = (!settings.drift_only).into();
             summary["n_blocks_used"] = e.yblk.len().into();
@@ -621,5 +666,6 @@ pub fn prepare(
     summary["estimate_s"] = t_est.into();
     run.summary = summary;
     run.timings = vec![("drift_first_pass", t_first), ("drift_estimate", t_est)];
+    run.timings.extend(parts);
     Ok(run)
 }
