@@ -400,7 +400,11 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     if let Some(w) = &chosen_templates.warning {
         warnings.push(w.clone());
     }
-    if chosen_templates.templates != UniversalTemplates::builtin() {
+    if chosen_templates.templates != UniversalTemplates::builtin()
+        && detector.set_templates(&chosen_templates.templates).is_err()
+    {
+        // Templates of other shapes than the detector's (a new one is made);
+        // otherwise the same detector goes on, and a GPU keeps its buffers.
         detector = Detector::new(
             &chosen,
             geometry.clone(),

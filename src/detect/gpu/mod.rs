@@ -180,6 +180,9 @@ pub struct GpuDetector<R: Runtime> {
     /// Seconds the host waited for detections to come back (the one download
     /// per window), since [`GpuDetector::take_wait_seconds`].
     wait_s: f64,
+    /// The whitening fit's Gram output (bytes, handle), kept at its exact size
+    /// ([`GpuDetector::window_gram`]).
+    gram_out: Option<(usize, Handle)>,
 }
 
 /// See [`GpuDetector::direct`]'s field: copies the bytes into the handle's memory.
@@ -586,6 +589,7 @@ impl<R: Runtime> GpuDetector<R> {
             direct: None,
             raw_slots: None,
             wait_s: 0.0,
+            gram_out: None,
         })
     }
 
@@ -824,7 +828,13 @@ impl<R: Runtime> GpuDetector<R> {
             .div_ceil(tiles)
             .clamp(1, 16)
             .min(((hi - lo) / (8 * gram::GRAM_RUN)).max(1));
-        let out = self.client.empty(parts * c * c * 4);
+        let bytes = parts * c * c * 4;
+        if self.gram_out.as_ref().map(|(n, _)| *n) != Some(bytes) {
+            self.gram_out = None;
+            // Exact size: a pool page for it would stay held through the pass.
+            self.gram_out = Some((bytes, self.persistent(|client| client.empty(bytes))));
+        }
+        let out = self.gram_out.as_ref().expect("allocated").1.clone();
         // SAFETY: rows < c and samples < hi ≤ n_t are read from the C × n_t
         // buffer `q`; entries row·C + col with row, col < c of part z < parts
         // are written to the parts·C·C buffer `out`.
