@@ -101,7 +101,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         run_info,
         backend: args.backend.backend,
         checks,
-        drift: args.drift.settings(),
+        drift: args.drift.settings()?,
         device_preprocessing: args.preprocess_on == "device",
     };
     let bar = progress_bar(quiet);

@@ -9,8 +9,9 @@ pub struct DriftArgs {
     /// correction; n > 1 gives 2n − 1 overlapping depth blocks (non-rigid).
     #[arg(long, default_value_t = 1)]
     pub nblocks: usize,
-    /// Gaussian σ of the drift scores over (lag, window, block), three comma-separated numbers.
-    #[arg(long, value_delimiter = ',', num_args = 3, default_values_t = [0.5, 0.5, 0.5])]
+    /// Gaussian σ of the drift scores over (lag, window, block), three
+    /// numbers: `0.5,0.5,0.5` or `0.5 0.5 0.5`.
+    #[arg(long, value_delimiter = ',', num_args = 1..=3, default_values_t = [0.5, 0.5, 0.5])]
     pub drift_smoothing: Vec<f64>,
     /// Width of the interpolation kernel of the correction, µm.
     #[arg(long, default_value_t = 20.0)]
@@ -35,9 +36,18 @@ pub struct DriftArgs {
 
 impl DriftArgs {
     /// The settings.
-    pub fn settings(&self) -> DriftSettings {
+    ///
+    /// # Errors
+    /// `--drift-smoothing` without exactly three numbers.
+    pub fn settings(&self) -> anyhow::Result<DriftSettings> {
         let s = &self.drift_smoothing;
-        DriftSettings {
+        if s.len() != 3 {
+            anyhow::bail!(
+                "--drift-smoothing takes three numbers (σ over lag, window, block), e.g. 0.5,0.5,0.5; got {}",
+                s.len()
+            );
+        }
+        Ok(DriftSettings {
             nblocks: self.nblocks,
             binning_depth: self.binning_depth,
             drift_smoothing: [s[0], s[1], s[2]],
@@ -45,6 +55,6 @@ impl DriftArgs {
             drift_only: self.drift_only,
             mode: self.drift_mode,
             edge_margin: self.drift_edge_margin,
-        }
+        })
     }
 }
