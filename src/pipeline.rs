@@ -632,7 +632,9 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         .insert("backend_reason".into(), chosen.reason.clone());
     // ---- issue 10: busy seconds per stage, the stages' wall and overlap ----
     info.timings.insert("whitening_fit".into(), fit_s);
-    info.timings.insert("device_open".into(), device_open_s);
+    if chosen.backend != "cpu" {
+        info.timings.insert("device_open".into(), device_open_s);
+    }
     if warm_up_s > 0.0 {
         info.timings.insert("device_warm_up".into(), warm_up_s);
     }
