@@ -67,23 +67,21 @@ pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
 /// read; a `cubecl.toml` naming a cache decides instead).
 #[cfg(feature = "cuda")]
 fn kernel_cache() {
-    {
-        static ONCE: std::sync::Once = std::sync::Once::new();
-        ONCE.call_once(|| {
-            use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig, cache::CacheConfig};
-            let Some(dir) = kernel_cache_dir() else {
-                return;
-            };
-            let mut slot = CubeClRuntimeConfig::storage().lock();
-            if slot.is_none() {
-                let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
-                if config.compilation.cache.is_none() {
-                    config.compilation.cache = Some(CacheConfig::File(dir));
-                }
-                *slot = Some(std::sync::Arc::new(config));
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig, cache::CacheConfig};
+        let Some(dir) = kernel_cache_dir() else {
+            return;
+        };
+        let mut slot = CubeClRuntimeConfig::storage().lock();
+        if slot.is_none() {
+            let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+            if config.compilation.cache.is_none() {
+                config.compilation.cache = Some(CacheConfig::File(dir));
             }
-        });
-    }
+            *slot = Some(std::sync::Arc::new(config));
+        }
+    });
 }
 
 /// What a probe found: a usable device's name, or why there is none.

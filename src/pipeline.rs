@@ -1279,50 +1279,29 @@ fn fit_covariance_on_device(
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<crate::detect::gpu::RawWindow>>(1);
         let list = windows.clone();
         let packer_r = packer.clone();
+        let packer = &packer;
         let health_r = &mut *health;
         let reader = scope.spawn(move || {
             let (mut read_s, mut checks_s) = (0.0, 0.0);
-            let mut int16 = true;
+            // Int16 rows straight into page-locked memory when the recording
+            // gives them (the pass's read, `stages::read_any`).
+            let mut raw16: Option<crate::stages::Raw16Alloc> = Some(Box::new(move |len| {
+                Box::new(packer_r.raw16_buffer(len)) as Box<dyn crate::recording::Raw16Buffer>
+            }));
             for &i in &list {
                 let t0 = Instant::now();
                 let res = (|| -> Result<crate::detect::gpu::RawWindow> {
-                    let own_start = rec.first_sample() + plan.window_start(i);
-                    let mut w = crate::recording::Window {
-                        index: i,
-                        own_start,
-                        own_len: plan.own_len(i),
-                        first_sample: own_start as i64 - plan.nt as i64,
-                        data: Array2::zeros((0, 0)),
-                        raw16: None,
-                    };
-                    if int16 {
-                        let stride = crate::recording::Raw16::stride_for(n);
-                        let mut raw = crate::recording::Raw16::new(
-                            c,
-                            n,
-                            stride,
-                            Box::new(packer_r.raw16_buffer(c * stride)),
-                        )?;
-                        if crate::recording::read_window_i16(rec, plan, i, chan_map, &mut raw)? {
-                            w.raw16 = Some(raw);
-                        } else {
-                            int16 = false;
-                        }
-                    }
-                    if w.raw16.is_none() {
-                        w.data = Array2::zeros((c, n));
-                        read_window(rec, plan, i, chan_map, &mut w.data)?;
-                    }
+                    let mut data = Array2::zeros((0, 0));
+                    let r16 =
+                        crate::stages::read_any(rec, plan, i, chan_map, &mut data, &mut raw16)?;
+                    let mut w =
+                        crate::recording::Window::of(rec.first_sample(), plan, i, data, r16);
                     let t1 = Instant::now();
                     read_s += (t1 - t0).as_secs_f64();
                     let cols = checks::WindowColumns::of(plan, i);
                     checks::check_window(&mut w, &cols, min_run, Some(&mut *health_r), mask);
                     checks_s += t1.elapsed().as_secs_f64();
-                    Ok(match w.raw16.take().map(|r| packer_r.from_raw16(r)) {
-                        Some(Ok(raw)) => raw,
-                        Some(Err(r)) => packer_r.pack(r.to_f32().view()),
-                        None => packer_r.pack(w.data.view()),
-                    })
+                    Ok(packer.raw_window(&mut w))
                 })();
                 let failed = res.is_err();
                 if tx.send(res).is_err() || failed {

@@ -449,17 +449,11 @@ impl DeviceStager {
             times.lap("drift_matrix", t0);
         }
         let t0 = Instant::now();
-        // An int16 window read into the packer's storage goes up as it is;
-        // an f32 window (a recording of another type) is packed here.
-        let raw = match w.raw16.take().map(|r| self.packer.from_raw16(r)) {
-            Some(Ok(raw)) => raw,
-            Some(Err(r)) => self.packer.pack(r.to_f32().view()),
-            None => {
-                let raw = self.packer.pack(w.data.view());
-                times.lap("pack", t0);
-                raw
-            }
-        };
+        let packed_here = w.raw16.is_none();
+        let raw = self.packer.raw_window(w);
+        if packed_here {
+            times.lap("pack", t0);
+        }
         let t0 = Instant::now();
         let raw = self.packer.send_ahead(raw);
         if raw.is_sent() {
@@ -639,7 +633,7 @@ impl StagesReport {
 /// the window is returned), else as f32 into `data` (allocated at its size when
 /// it is not). After a recording once answers that it cannot give int16 values,
 /// `raw16` is set to `None`.
-fn read_any(
+pub(crate) fn read_any(
     rec: &dyn Recording,
     plan: &WindowPlan,
     i: u64,
@@ -722,19 +716,8 @@ where
                         }
                     };
                     let t1 = Instant::now();
-                    let res = read_any(rec, &plan, i, chan_map, &mut data, &mut raw16_alloc).map(
-                        |raw16| {
-                            let own_start = first + plan.window_start(i);
-                            Window {
-                                index: i,
-                                own_start,
-                                own_len: plan.own_len(i),
-                                first_sample: own_start as i64 - plan.nt as i64,
-                                data,
-                                raw16,
-                            }
-                        },
-                    );
+                    let res = read_any(rec, &plan, i, chan_map, &mut data, &mut raw16_alloc)
+                        .map(|raw16| Window::of(first, &plan, i, data, raw16));
                     let t2 = times.lap("read", t1);
                     let res = res.and_then(|mut w| check(&mut w).map(|()| w));
                     times.lap("checks", t2);

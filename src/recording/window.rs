@@ -115,6 +115,29 @@ pub struct Window {
     pub raw16: Option<Raw16>,
 }
 
+impl Window {
+    /// Window `i` of `plan` over a recording whose first sample is
+    /// `rec_first` (its own samples' start and length, its column 0), holding
+    /// `data` or `raw16` as read.
+    pub fn of(
+        rec_first: u64,
+        plan: &WindowPlan,
+        i: u64,
+        data: Array2<f32>,
+        raw16: Option<Raw16>,
+    ) -> Window {
+        let own_start = rec_first + plan.window_start(i);
+        Window {
+            index: i,
+            own_start,
+            own_len: plan.own_len(i),
+            first_sample: own_start as i64 - plan.nt as i64,
+            data,
+            raw16,
+        }
+    }
+}
+
 /// Reads window `i` of `rec` into `out` (`chan_map.len() × (batch_size + 2·nt)`),
 /// row r = file column `chan_map[r]`, with Kilosort4's edge handling (module docs).
 ///

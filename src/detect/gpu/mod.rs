@@ -430,6 +430,18 @@ impl Packer {
         PackedRows { data, pinned }
     }
 
+    /// The [`RawWindow`] of a window as read: its int16 values as they are
+    /// when they were read into this packer's storage ([`Packer::from_raw16`]),
+    /// else packed here from them or from its f32 `data` ([`Packer::pack`]).
+    /// Takes the window's `raw16`.
+    pub fn raw_window(&self, w: &mut crate::recording::Window) -> RawWindow {
+        match w.raw16.take().map(|r| self.from_raw16(r)) {
+            Some(Ok(raw)) => raw,
+            Some(Err(r)) => self.pack(r.to_f32().view()),
+            None => self.pack(w.data.view()),
+        }
+    }
+
     /// The packed [`RawWindow`] of an int16 window read into a
     /// [`Packer::raw16_buffer`]; the window back when it is in other storage
     /// or rows of another length.
