@@ -584,6 +584,46 @@ impl Detector {
         }
     }
 
+    /// Queues a raw window that was sent ahead on the device without waiting
+    /// for its detections ([`crate::detect::gpu::GpuDetector::submit_raw`]);
+    /// [`Detector::collect`] returns them in order.
+    ///
+    /// # Errors
+    /// As that method; on the CPU always.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn submit_raw(
+        &mut self,
+        raw: crate::detect::gpu::RawWindow,
+        yc: &[f32],
+    ) -> Result<(), DetectError> {
+        match self {
+            Detector::Cpu(_) => Err(DetectError::Setting {
+                name: "backend",
+                message: "the CPU back end preprocesses on the host".into(),
+            }),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.submit_raw(raw, yc),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.submit_raw(raw, yc),
+        }
+    }
+
+    /// The detections of the oldest window queued by [`Detector::submit_raw`]
+    /// (`None` when none is queued; always on the CPU).
+    ///
+    /// # Errors
+    /// As [`crate::detect::gpu::GpuDetector::collect`].
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn collect(&mut self) -> Result<Option<Detections>, DetectError> {
+        match self {
+            Detector::Cpu(_) => Ok(None),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.collect(),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.collect(),
+        }
+    }
+
     /// The longest window (samples, padding included) this back end can take for
     /// `n_sites` channels; `usize::MAX` on the CPU.
     #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(unused_variables))]

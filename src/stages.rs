@@ -210,6 +210,39 @@ pub trait WindowPass: Send {
         let _ = staged;
         self.run(window, times)
     }
+
+    /// Takes the next window (with what the [`Stager`] made of it, if any) and
+    /// returns the windows whose detections are done, in window order: the
+    /// window itself (the default, [`WindowPass::run_staged`]), or earlier
+    /// ones when the pass keeps windows queued on a device (issue 10: the
+    /// device starts on window k + 1 before the host takes window k's
+    /// detections). [`WindowPass::drain`] returns the rest.
+    ///
+    /// # Errors
+    /// As [`WindowPass::run`], for this window or a queued one.
+    fn push(
+        &mut self,
+        mut window: Window,
+        staged: Option<Staged>,
+        times: &mut StageTimes,
+    ) -> Result<Vec<(Window, Detections)>> {
+        let det = match staged {
+            Some(st) => self.run_staged(&mut window, st, times)?,
+            None => self.run(&mut window, times)?,
+        };
+        Ok(vec![(window, det)])
+    }
+
+    /// The windows still queued by [`WindowPass::push`], done, in order (none
+    /// by default). Also called when the run stops early, so that a queued
+    /// window releases what it holds.
+    ///
+    /// # Errors
+    /// As [`WindowPass::run`].
+    fn drain(&mut self, times: &mut StageTimes) -> Result<Vec<(Window, Detections)>> {
+        let _ = times;
+        Ok(Vec::new())
+    }
 }
 
 /// Makes storage for an int16 window of the given number of values
@@ -379,6 +412,11 @@ pub struct DevicePass {
     /// timed step by step.
     first_window_s: f64,
     window_s: Vec<f64>,
+    /// Windows queued on the device ([`WindowPass::push`]), oldest first.
+    queued: std::collections::VecDeque<Window>,
+    /// Whether windows sent ahead are queued on the device (true unless the
+    /// environment variable `SPIKECUBE_DEVICE_QUEUE` is `0`, for measuring).
+    queue_windows: bool,
 }
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
@@ -416,6 +454,8 @@ impl DevicePass {
             timed_windows: Vec::new(),
             first_window_s: 0.0,
             window_s: Vec::new(),
+            queued: Default::default(),
+            queue_windows: std::env::var("SPIKECUBE_DEVICE_QUEUE").as_deref() != Ok("0"),
         }))
     }
 }
@@ -496,7 +536,7 @@ impl DevicePass {
         // Every TIMED_EVERY-th window (not the first ones, which compile the
         // kernels) syncs after each step, for the per-step split.
         let mut step = crate::detect::gpu::StepTimes::default();
-        let timed = w.index >= 2 && w.index % TIMED_EVERY == 2;
+        let timed = Self::is_timed(w.index);
         let det = self
             .detector
             .detect_raw(raw, &self.yc, timed.then_some(&mut step))
@@ -525,6 +565,82 @@ impl DevicePass {
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 const TIMED_EVERY: u64 = 25;
 
+/// Windows a [`DevicePass`] keeps queued on the device after taking a new one:
+/// one, so that the device works on window k + 1 while the host takes window
+/// k's detections (two upload buffers: the stager fills the one window k
+/// held while the device works on k + 1).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+const DEVICE_QUEUE: usize = 1;
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl DevicePass {
+    /// Whether window `index` syncs after each device step, for the per-step
+    /// split (every TIMED_EVERY-th window, not the first ones).
+    fn is_timed(index: u64) -> bool {
+        index >= 2 && index % TIMED_EVERY == 2
+    }
+
+    /// The oldest queued window with its detections.
+    fn collect_one(&mut self) -> Result<(Window, Detections)> {
+        let w = self
+            .queued
+            .pop_front()
+            .ok_or_else(|| anyhow!("no window is queued on the device"))?;
+        let context = || {
+            format!(
+                "preprocessing and detecting window {} (samples from {}) on the device",
+                w.index, w.own_start
+            )
+        };
+        match self.detector.collect() {
+            Ok(Some(det)) => Ok((w, det)),
+            Ok(None) => Err(anyhow!("the device has no detections queued")).with_context(context),
+            Err(e) => {
+                self.queued.clear();
+                Err(e).with_context(context)
+            }
+        }
+    }
+
+    /// Queues a window that was sent ahead ([`WindowPass::push`]).
+    fn queue(
+        &mut self,
+        w: Window,
+        staged: DeviceStaged,
+        times: &mut StageTimes,
+    ) -> Result<Vec<(Window, Detections)>> {
+        let t1 = Instant::now();
+        if let Some((start, cols, vals)) = &staged.whitening {
+            self.detector.set_whitening(start, cols, vals)?;
+        }
+        let raw = staged.raw;
+        self.upload_bytes += raw.n_bytes() as u64;
+        self.upload_windows += 1;
+        let (index, own_start) = (w.index, w.own_start);
+        self.detector
+            .submit_raw(raw, &self.yc)
+            .with_context(|| {
+                format!(
+                    "preprocessing and detecting window {index} (samples from {own_start}) on the device"
+                )
+            })?;
+        self.queued.push_back(w);
+        let mut done = Vec::new();
+        while self.queued.len() > DEVICE_QUEUE {
+            done.push(self.collect_one()?);
+        }
+        let t2 = times.lap("device", t1);
+        times.add("device.wait", self.detector.take_wait_seconds());
+        let secs = t2.duration_since(t1).as_secs_f64();
+        if index == 0 {
+            self.first_window_s = secs;
+        } else {
+            self.window_s.push(secs);
+        }
+        Ok(done)
+    }
+}
+
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 impl WindowPass for DevicePass {
     fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
@@ -551,6 +667,40 @@ impl WindowPass for DevicePass {
             Ok(s) => self.run_device(w, *s, times),
             Err(_) => self.run(w, times),
         }
+    }
+
+    fn push(
+        &mut self,
+        mut w: Window,
+        staged: Option<Staged>,
+        times: &mut StageTimes,
+    ) -> Result<Vec<(Window, Detections)>> {
+        let staged = match staged.map(|s| s.downcast::<DeviceStaged>()) {
+            Some(Ok(s)) => *s,
+            _ => self.stager_now().stage_window(&mut w, times)?,
+        };
+        if self.queue_windows && staged.raw.is_sent() && !Self::is_timed(w.index) {
+            return self.queue(w, staged, times);
+        }
+        // A window the device cannot queue (not sent ahead: wgpu, or a window
+        // of another size), or one timed step by step: after the queued ones.
+        let mut done = self.drain(times)?;
+        let det = self.run_device(&w, staged, times)?;
+        done.push((w, det));
+        Ok(done)
+    }
+
+    fn drain(&mut self, times: &mut StageTimes) -> Result<Vec<(Window, Detections)>> {
+        let t1 = Instant::now();
+        let mut done = Vec::with_capacity(self.queued.len());
+        while !self.queued.is_empty() {
+            done.push(self.collect_one()?);
+        }
+        if !done.is_empty() {
+            times.lap("device", t1);
+            times.add("device.wait", self.detector.take_wait_seconds());
+        }
+        Ok(done)
     }
 
     fn bytes_uploaded(&self) -> u64 {
@@ -762,21 +912,33 @@ where
             .name("spikecube-pass".into())
             .spawn_scoped(s, move || {
                 let mut times = StageTimes::default();
+                // Hands on finished windows; false when the run stops.
+                let hand_on = |res: Result<Vec<(Window, Detections)>>| -> bool {
+                    match res {
+                        Ok(done) => done.into_iter().all(|(w, det)| {
+                            let info = WindowInfo::of(&w);
+                            // Hand the buffer back; the reader may have stopped.
+                            let _ = free_tx.send(w.data);
+                            det_tx.send(Ok((info, det))).is_ok()
+                        }),
+                        Err(e) => {
+                            let _ = det_tx.send(Err(e));
+                            false
+                        }
+                    }
+                };
+                let mut going = true;
                 for item in staged_rx.iter() {
-                    let res = item.and_then(|(mut w, staged)| {
-                        let det = match staged {
-                            Some(st) => pass.run_staged(&mut w, st, &mut times)?,
-                            None => pass.run(&mut w, &mut times)?,
-                        };
-                        let info = WindowInfo::of(&w);
-                        // Hand the buffer back; the reader may have stopped.
-                        let _ = free_tx.send(w.data);
-                        Ok((info, det))
-                    });
-                    let failed = res.is_err();
-                    if det_tx.send(res).is_err() || failed {
+                    let res = item.and_then(|(w, staged)| pass.push(w, staged, &mut times));
+                    if !hand_on(res) {
+                        going = false;
                         break;
                     }
+                }
+                // The windows still queued (released even when the run stopped).
+                let rest = pass.drain(&mut times);
+                if going {
+                    hand_on(rest);
                 }
                 times
             })
