@@ -112,12 +112,24 @@ mod cuda_probe {
     type CuDeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
     type CuDeviceGetName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
 
+    /// The driver and NVRTC libraries once loaded, kept loaded for the
+    /// process: CubeCL loads them again by name, and then finds them
+    /// initialised instead of loading and initialising them a second time.
+    static DRIVER: std::sync::OnceLock<libloading::Library> = std::sync::OnceLock::new();
+    static NVRTC: std::sync::OnceLock<libloading::Library> = std::sync::OnceLock::new();
+
     pub(super) fn probe() -> super::Probe {
         // SAFETY: loading the NVIDIA driver library runs its initialisers, which
         // have no preconditions; the symbols below have the driver API's C signatures.
-        let lib = unsafe { libloading::Library::new("libcuda.so.1") }
-            .or_else(|_| unsafe { libloading::Library::new("libcuda.so") })
-            .map_err(|_| "no NVIDIA driver (libcuda.so.1 not found)".to_string())?;
+        let lib = match DRIVER.get() {
+            Some(lib) => lib,
+            None => {
+                let lib = unsafe { libloading::Library::new("libcuda.so.1") }
+                    .or_else(|_| unsafe { libloading::Library::new("libcuda.so") })
+                    .map_err(|_| "no NVIDIA driver (libcuda.so.1 not found)".to_string())?;
+                DRIVER.get_or_init(|| lib)
+            }
+        };
         let name = unsafe {
             let init: libloading::Symbol<CuInit> =
                 lib.get(b"cuInit\0").map_err(|e| e.to_string())?;
@@ -159,9 +171,14 @@ mod cuda_probe {
                 header.display()
             ));
         }
-        let nvrtc = ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
-            .iter()
-            .any(|l| unsafe { libloading::Library::new(l) }.is_ok());
+        let nvrtc = NVRTC.get().is_some()
+            || ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
+                .iter()
+                .find_map(|l| unsafe { libloading::Library::new(l) }.ok())
+                .is_some_and(|lib| {
+                    let _ = NVRTC.set(lib);
+                    true
+                });
         if !nvrtc {
             return Err(format!(
                 "{name} found, but NVRTC (libnvrtc.so) is not; CubeCL compiles kernels at run time with it"
@@ -468,6 +485,18 @@ impl Detector {
             Detector::Cuda(d) => d.window_gram(raw, yc, lo, hi).map(Some),
             #[cfg(feature = "wgpu")]
             Detector::Wgpu(d) => d.window_gram(raw, yc, lo, hi).map(Some),
+        }
+    }
+
+    /// Seconds of the whitening fit's device work since the last call (putting
+    /// windows on the device, preprocessing, products; zeros on the CPU).
+    pub fn take_gram_seconds(&mut self) -> [f64; 3] {
+        match self {
+            Detector::Cpu(_) => [0.0; 3],
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.take_gram_seconds(),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.take_gram_seconds(),
         }
     }
 

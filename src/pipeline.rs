@@ -269,9 +269,21 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     )?;
 
     // Geometry first: a probe that cannot work fails before any data is read.
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before geometry",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let geometry = Geometry::new(&job.probe, &job.detection)?;
     let n_centres = geometry.n_centres();
     // So does an output folder that cannot be written.
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before writer",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
     tracing::info!(
         "{} of {} samples, {} in flight; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
@@ -283,7 +295,9 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
 
     // The back end next, before any data is read: a missing or too small device
     // fails (or, with `auto`, falls back to the CPU) at once.
+    let t_probe = Instant::now();
     let mut chosen = crate::backend::choose(job.backend)?;
+    let device_probe_s = t_probe.elapsed().as_secs_f64();
     let t_open = Instant::now();
     let mut detector = Detector::new(
         &chosen,
@@ -323,6 +337,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         chosen.reason
     );
 
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before device_open",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let device_open_s = t_open.elapsed().as_secs_f64();
 
     // ---- issue 10: on a GPU that preprocesses, the device starts (kernels
@@ -340,6 +360,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         // sets the preprocessing: only logged here.
         if let Err(e) = detector.warm_up(p, &job.probe.yc) {
             tracing::debug!("device warm-up: {e}");
+        }
+        if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+            eprintln!(
+                "DEBUG t {:.3} before warm_up",
+                t_start.elapsed().as_secs_f64()
+            );
         }
         warm_up_s = t_warm.elapsed().as_secs_f64();
     }
@@ -365,7 +391,16 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     }
     let whiten_mat = fitted.whitening;
     let fit_times = fitted.times;
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!("DEBUG t {:.3} before fit", t_start.elapsed().as_secs_f64());
+    }
     let fit_s = t_fit.elapsed().as_secs_f64();
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before pre_new",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
 
     // ---- issue 11: universal templates learned from the data (or built-in, or a file) ----
@@ -413,6 +448,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         )?;
     }
     crate::universal::write_outputs(writer.partial_path(), &chosen_templates)?;
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before templates",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let learn_s = t_learn.elapsed().as_secs_f64();
     // ---- end issue 11 ----
     // ---- issue 10: the pass (preprocessing + detection, on the host or the
@@ -438,6 +479,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     };
     #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
     let mut pass = host_pass(detector);
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before pass_new",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let preprocess_on = pass.preprocess_on();
     // ---- end issue 10 ----
     // ---- drift (issue 12, src/drift): first pass, estimate, drift files ----
@@ -467,6 +514,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     });
     // Kilosort4 learns wTEMP/wPCA again for the second pass, from the
     // drift-corrected windows (drift-spec.md §8); those templates are the output's.
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before drift_prepared",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let mut templates_first_pass = None;
     let mut relearn_s = 0.0;
     if drift.correction.is_some()
@@ -526,6 +579,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let stages = if drift.windows_to_detect() == 0 {
         crate::stages::StagesReport::default()
     } else {
+        if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+            eprintln!(
+                "DEBUG t {:.3} before stages_start",
+                t_start.elapsed().as_secs_f64()
+            );
+        }
         run_windows(
             rec.clone(),
             plan,
@@ -633,6 +692,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // ---- issue 10: busy seconds per stage, the stages' wall and overlap ----
     info.timings.insert("whitening_fit".into(), fit_s);
     if chosen.backend != "cpu" {
+        info.timings.insert("device_probe".into(), device_probe_s);
         info.timings.insert("device_open".into(), device_open_s);
     }
     if warm_up_s > 0.0 {
@@ -667,6 +727,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
             .insert("templates_second_pass".into(), relearn_s);
     }
     // ---- end drift ----
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before finish_start",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let summary = writer.finish(&info)?;
     Ok(Report {
         summary,
@@ -1330,6 +1396,10 @@ fn fit_covariance_on_device(
     })?;
     times.add("read", read_s);
     times.add("checks", checks_s);
+    let [up, pre_s, gram_s] = detector.take_gram_seconds();
+    times.add("device.upload", up);
+    times.add("device.preprocess", pre_s);
+    times.add("device.gram", gram_s);
     cc.mapv_inplace(|v| v / windows.len() as f64);
     Ok(Some(cc))
 }

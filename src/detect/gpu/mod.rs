@@ -189,6 +189,8 @@ pub struct GpuDetector<R: Runtime> {
     /// A clone of `client` that is never dropped (one per detector), for
     /// downloads that outlive the call queuing them ([`GpuDetector::submit_raw`]).
     client_for_reads: Option<&'static ComputeClient<R>>,
+    /// [`GpuDetector::take_gram_seconds`].
+    gram_s: [f64; 3],
 }
 
 /// The download of one window's detections, queued on the device's stream.
@@ -650,6 +652,7 @@ impl<R: Runtime> GpuDetector<R> {
             gram_out: None,
             pending: Default::default(),
             client_for_reads: None,
+            gram_s: [0.0; 3],
         })
     }
 
@@ -995,7 +998,11 @@ impl<R: Runtime> GpuDetector<R> {
                 message: format!("samples {lo}..{hi} are not within a window of {n_t}"),
             });
         }
-        self.upload_raw(raw, yc, false, 3)?;
+        let clock = Instant::now();
+        let pre_s = self.upload_raw(raw, yc, true, 3)?;
+        self.gram_s[0] += clock.elapsed().as_secs_f64() - pre_s;
+        self.gram_s[1] += pre_s;
+        let clock = Instant::now();
         let w = self.window.as_ref().expect("allocated");
         let nb = c.div_ceil(gram::GRAM_TILE);
         let tiles = nb * (nb + 1) / 2;
@@ -1039,7 +1046,15 @@ impl<R: Runtime> GpuDetector<R> {
                 g[(k, i)] = s;
             }
         }
+        self.gram_s[2] += clock.elapsed().as_secs_f64();
         Ok(g)
+    }
+
+    /// Seconds [`GpuDetector::window_gram`] spent since the last call: putting
+    /// the windows on the device, preprocessing them, and the products with
+    /// their download.
+    pub fn take_gram_seconds(&mut self) -> [f64; 3] {
+        std::mem::take(&mut self.gram_s)
     }
 
     /// Whitened window X after [`GpuDetector::detect_raw`]'s preprocessing
