@@ -43,6 +43,25 @@ use crate::recording::{Recording, Window, WindowPlan, read_window};
 /// for the pass, one in the pass.
 pub const WINDOWS_IN_FLIGHT: usize = 3;
 
+// ---- issue 10 (reading threads) ----
+/// Threads reading windows at once for a pass that takes int16 windows (a GPU
+/// pass, [`WindowPass::raw16_buffers`]): each reads a window of its own, then
+/// checks and hands it on in window order ([`crate::recording::read_in_order`]);
+/// one reader for the other passes (the CPU's: its detection, not the read,
+/// sets the pace). Each holds one window, so the bound of windows in flight
+/// grows by `DEVICE_READERS − 1` ([`windows_in_flight`]).
+pub const DEVICE_READERS: usize = 3;
+
+/// Window buffers [`run_windows`] holds at most: [`WINDOWS_IN_FLIGHT`], one
+/// more when a stager runs between the reader and the pass, and one more per
+/// reading thread beyond the first (`readers`: 1, or [`DEVICE_READERS`] for
+/// a pass that takes int16 windows). 4 for a CPU pass; 6 for a GPU pass
+/// (int16 windows, half the bytes of a CPU pass's f32 windows).
+pub fn windows_in_flight(stager: bool, readers: usize) -> usize {
+    WINDOWS_IN_FLIGHT + usize::from(stager) + readers.max(1) - 1
+}
+// ---- end issue 10 (reading threads) ----
+
 /// Busy seconds per stage, by name (`read`, `checks`, `preprocess`, `detect`,
 /// `write`; a GPU pass adds its own, e.g. `upload`, `download`).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -685,9 +704,16 @@ where
 {
     let t_start = Instant::now();
     let stager = pass.stager();
-    let raw16_alloc = pass.raw16_buffers();
-    // One more buffer when a stager runs between the reader and the pass.
-    let in_flight = WINDOWS_IN_FLIGHT + usize::from(stager.is_some());
+    // ---- issue 10 (reading threads): one allocator of int16 storage per
+    // reading thread; several threads for a pass that takes int16 windows.
+    let raw16_allocs: Vec<Option<Raw16Alloc>> = match pass.raw16_buffers() {
+        Some(a) => std::iter::once(Some(a))
+            .chain((1..DEVICE_READERS).map(|_| pass.raw16_buffers()))
+            .collect(),
+        None => vec![None],
+    };
+    let in_flight = windows_in_flight(stager.is_some(), raw16_allocs.len());
+    // ---- end issue 10 (reading threads) ----
     let (raw_tx, raw_rx) = bounded::<Result<Window>>(WINDOWS_IN_FLIGHT);
     let (staged_tx, staged_rx) = bounded::<Result<(Window, Option<Staged>)>>(1);
     let (det_tx, det_rx) = bounded::<Result<(WindowInfo, Detections)>>(WINDOWS_IN_FLIGHT);
@@ -695,40 +721,62 @@ where
     let rec = rec.as_ref();
 
     std::thread::scope(|s| -> Result<StagesReport> {
+        // ---- issue 10 (reading threads): windows read on `raw16_allocs.len()`
+        // threads, checked and queued in window order
+        // (`crate::recording::read_in_order`); window buffers taken in window
+        // order, at most `in_flight`.
         let reader = std::thread::Builder::new()
             .name("spikecube-read".into())
             .spawn_scoped(s, move || {
                 let mut times = StageTimes::default();
                 let first = rec.first_sample();
                 let mut allocated = 0;
-                let mut raw16_alloc = raw16_alloc;
-                for i in 0..plan.n_windows {
+                let states: Vec<(Option<Raw16Alloc>, StageTimes)> = raw16_allocs
+                    .into_iter()
+                    .map(|a| (a, StageTimes::default()))
+                    .collect();
+                let raw_tx = &raw_tx;
+                let times_r = &mut times;
+                let done = crate::recording::read_in_order(
+                    "spikecube-read",
+                    plan.n_windows,
+                    states,
                     // A free buffer, or a new one while fewer than the bound
-                    // exist (allocated at its size only when f32 samples go in).
-                    let mut data = if allocated < in_flight {
-                        allocated += 1;
-                        Array2::zeros((0, 0))
-                    } else {
-                        match free_rx.recv() {
-                            Ok(d) => d,
-                            // The pass stopped: so do we.
-                            Err(_) => break,
+                    // exist (allocated at its size only when f32 samples go in);
+                    // none once the pass stopped.
+                    |_| {
+                        if allocated < in_flight {
+                            allocated += 1;
+                            Some(Array2::zeros((0, 0)))
+                        } else {
+                            free_rx.recv().ok()
                         }
-                    };
-                    let t1 = Instant::now();
-                    let res = read_any(rec, &plan, i, chan_map, &mut data, &mut raw16_alloc)
-                        .map(|raw16| Window::of(first, &plan, i, data, raw16));
-                    let t2 = times.lap("read", t1);
-                    let res = res.and_then(|mut w| check(&mut w).map(|()| w));
-                    times.lap("checks", t2);
-                    let failed = res.is_err();
-                    if raw_tx.send(res).is_err() || failed {
-                        break;
+                    },
+                    |(raw16, times), i, mut data| {
+                        let t1 = Instant::now();
+                        let res = read_any(rec, &plan, i, chan_map, &mut data, raw16)
+                            .map(|raw16| Window::of(first, &plan, i, data, raw16));
+                        times.lap("read", t1);
+                        res
+                    },
+                    |_, res: Result<Window>| {
+                        let t2 = Instant::now();
+                        let res = res.and_then(|mut w| check(&mut w).map(|()| w));
+                        times_r.lap("checks", t2);
+                        let failed = res.is_err();
+                        raw_tx.send(res).is_ok() && !failed
+                    },
+                );
+                match done {
+                    Ok(states) => states.iter().for_each(|(_, t)| times.merge(t)),
+                    Err(e) => {
+                        let _ = raw_tx.send(Err(e).context("cannot start a reading thread"));
                     }
                 }
                 times
             })
             .context("cannot start the reading thread")?;
+        // ---- end issue 10 (reading threads) ----
 
         // Between the reader and the pass: the pass's stager, or a plain relay.
         let stage_thread = std::thread::Builder::new()
