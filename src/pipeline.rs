@@ -274,10 +274,11 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // So does an output folder that cannot be written.
     let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
     tracing::info!(
-        "{} of {} samples, {} in flight; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
+        "{} of {} samples, {} in flight (+{} being read with a GPU); memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
         crate::error::count(plan.n_windows, "window"),
         plan.window_len(),
         crate::stages::WINDOWS_IN_FLIGHT,
+        crate::stages::DEVICE_READERS - 1, // issue 10 (reading threads)
         memory_estimate(n_sites, plan.window_len(), n_centres) as f64 / 1e6
     );
 
@@ -329,6 +330,10 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         chosen.reason
     );
     // ---- issue 10 (page-locked pool): the detector's packers share it ----
+    #[cfg(feature = "cuda")]
+    if chosen.backend != "cuda" {
+        pinned = None; // `auto` went to the CPU: stop the reservation
+    }
     #[cfg(feature = "cuda")]
     if let Some(p) = pinned.as_mut().and_then(|r| r.pool()) {
         detector.use_pinned_pool(p);
@@ -673,12 +678,15 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     #[cfg(feature = "cuda")]
     if let Some(p) = pinned.as_mut().and_then(|r| r.pool()) {
         let st = p.stats();
+        tracing::info!(
+            "page-locked window buffers: {} made ahead ({:.3} s on their own thread), {} when needed ({:.3} s)",
+            st.reserved,
+            st.reserve_s,
+            st.on_demand,
+            st.on_demand_s
+        );
         info.timings.insert("pinned_reserve".into(), st.reserve_s);
-        info.timings
-            .insert("pinned_reserved_blocks".into(), st.reserved as f64);
         info.timings.insert("pinned_on_demand".into(), st.on_demand_s);
-        info.timings
-            .insert("pinned_on_demand_blocks".into(), st.on_demand as f64);
     }
     // ---- end issue 10 (page-locked pool) ----
     info.timings.insert("stages_wall".into(), stages.wall);
@@ -1074,7 +1082,10 @@ pub fn write_whitened(
 /// preprocessed and detected), one more window for scratch and the output
 /// streams' buffers, the detector's per-centre buffers (As and its template
 /// index), and per-thread filter-bank tiles. It does not depend on the
-/// recording's length or spike count.
+/// recording's length or spike count. (A GPU pass holds up to
+/// [`crate::stages::windows_in_flight`]` = 6` int16 windows, and the device
+/// whitening fit [`FIT_WINDOWS_IN_FLIGHT`]` = 5`: at most 3 f32 windows' bytes,
+/// within this figure.)
 pub fn memory_estimate(n_sites: usize, window_len: usize, n_centres: usize) -> u64 {
     let window = (n_sites * window_len * 4) as u64;
     let detector = (n_centres * window_len.next_multiple_of(crate::detect::cpu::TILE) * 5) as u64;
@@ -1266,14 +1277,10 @@ fn reserve_pinned(
     plan: &WindowPlan,
     chan_map: &[u64],
 ) -> Option<crate::detect::gpu::pinned::ReservedPool> {
-    if chosen.backend != "cuda" || !device_preprocessing || chan_map.is_empty() {
-        return None;
-    }
-    let mut one = [0i16; 1];
-    if !matches!(
-        rec.read_channels_i16(0, 1, &chan_map[..1], &mut one, 1),
-        Ok(true)
-    ) {
+    if chosen.backend != "cuda"
+        || !device_preprocessing
+        || !crate::recording::gives_int16(rec, chan_map)
+    {
         return None;
     }
     let len = chan_map.len() * crate::recording::Raw16::stride_for(plan.window_len()) * 2;
@@ -1283,7 +1290,8 @@ fn reserve_pinned(
 }
 
 /// Threads reading the device whitening fit's windows at once (issue 10;
-/// [`fit_covariance_on_device`]).
+/// [`fit_covariance_on_device`]) when the recording gives int16 values (one
+/// otherwise).
 pub const FIT_READERS: usize = 3;
 
 /// Windows the device whitening fit holds at most (issue 10): one per reading
@@ -1295,7 +1303,8 @@ pub const FIT_WINDOWS_IN_FLIGHT: usize = FIT_READERS + 2;
 /// The whitening fit's covariance with the GPU doing the preprocessing and
 /// the product (issue 10): every `nskip`-th window ([`crate::preprocess::covariance_windows`])
 /// is read and checked on the host exactly as [`fit`] does (int16 rows
-/// straight into page-locked memory when the recording is int16), sent up,
+/// straight into page-locked memory when the recording is int16; read on
+/// [`FIT_READERS`] threads at once, checked in window order), sent up,
 /// preprocessed as the detection pass does it on the device (channel means,
 /// median CAR, high-pass; `pre`'s whitening is not used) and multiplied there
 /// ([`crate::detect::gpu::GpuDetector::window_gram`]); the host adds each
@@ -1368,7 +1377,14 @@ fn fit_covariance_on_device(
         let reader = scope.spawn(move || {
             // Int16 rows straight into page-locked memory when the recording
             // gives them (the pass's read, `stages::read_any`).
-            let states: Vec<(Option<crate::stages::Raw16Alloc>, f64)> = (0..FIT_READERS)
+            // Several readers for int16 windows; one for f32 windows (twice
+            // the bytes), as in the pass (`stages::DEVICE_READERS`).
+            let readers = if crate::recording::gives_int16(rec, chan_map) {
+                FIT_READERS
+            } else {
+                1
+            };
+            let states: Vec<(Option<crate::stages::Raw16Alloc>, f64)> = (0..readers)
                 .map(|_| {
                     let p = packer.clone();
                     let alloc: crate::stages::Raw16Alloc = Box::new(move |len| {

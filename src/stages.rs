@@ -45,10 +45,11 @@ pub const WINDOWS_IN_FLIGHT: usize = 3;
 
 // ---- issue 10 (reading threads) ----
 /// Threads reading windows at once for a pass that takes int16 windows (a GPU
-/// pass, [`WindowPass::raw16_buffers`]): each reads a window of its own, then
+/// pass, [`WindowPass::raw16_buffers`]) of a recording that gives them
+/// ([`crate::recording::gives_int16`]): each reads a window of its own, then
 /// checks and hands it on in window order ([`crate::recording::read_in_order`]);
-/// one reader for the other passes (the CPU's: its detection, not the read,
-/// sets the pace). Each holds one window, so the bound of windows in flight
+/// one reader otherwise (a CPU pass: its detection, not the read, sets the
+/// pace; f32 windows: twice the bytes). Each holds one window, so the bound of windows in flight
 /// grows by `DEVICE_READERS − 1` ([`windows_in_flight`]).
 pub const DEVICE_READERS: usize = 3;
 
@@ -705,8 +706,11 @@ where
     let t_start = Instant::now();
     let stager = pass.stager();
     // ---- issue 10 (reading threads): one allocator of int16 storage per
-    // reading thread; several threads for a pass that takes int16 windows.
+    // reading thread; several threads for a pass that takes int16 windows
+    // from a recording that gives them (others hold f32 windows, twice the
+    // bytes: one reader, as for a CPU pass).
     let raw16_allocs: Vec<Option<Raw16Alloc>> = match pass.raw16_buffers() {
+        Some(a) if !crate::recording::gives_int16(rec.as_ref(), chan_map) => vec![Some(a)],
         Some(a) => std::iter::once(Some(a))
             .chain((1..DEVICE_READERS).map(|_| pass.raw16_buffers()))
             .collect(),

@@ -221,6 +221,20 @@ pub fn read_window_i16(
     Ok(read)
 }
 
+/// Whether `rec` gives the values of the channels of `chan_map` as int16
+/// unchanged ([`read_window_i16`] reads them; [`Recording::read_channels_i16`]
+/// answers for one sample of the first channel). Issue 10: a GPU pass reads
+/// such windows on several threads, into page-locked buffers made ahead.
+pub fn gives_int16(rec: &dyn Recording, chan_map: &[u64]) -> bool {
+    let mut one = [0i16; 1];
+    !chan_map.is_empty()
+        && rec.n_samples() > 0
+        && matches!(
+            rec.read_channels_i16(0, 1, &chan_map[..1], &mut one, 1),
+            Ok(true)
+        )
+}
+
 /// The window logic of [`read_window`] for rows of `stride` values of any
 /// sample type: `read(first, count, rows, stride)` reads samples into rows of
 /// `stride`; the edge columns are then filled as Kilosort4 fills them.
