@@ -289,7 +289,13 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // while the device opens and warms up (`reserve_pinned`); kept to the end
     // of the run (dropping it stops the reservation).
     #[cfg(feature = "cuda")]
-    let mut pinned = reserve_pinned(&chosen, job.device_preprocessing, rec.as_ref(), &plan, &chan_map);
+    let mut pinned = reserve_pinned(
+        &chosen,
+        job.device_preprocessing,
+        rec.as_ref(),
+        &plan,
+        &chan_map,
+    );
     // ---- end issue 10 (page-locked pool) ----
     let t_open = Instant::now();
     let mut detector = Detector::new(
@@ -686,7 +692,8 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
             st.on_demand_s
         );
         info.timings.insert("pinned_reserve".into(), st.reserve_s);
-        info.timings.insert("pinned_on_demand".into(), st.on_demand_s);
+        info.timings
+            .insert("pinned_on_demand".into(), st.on_demand_s);
     }
     // ---- end issue 10 (page-locked pool) ----
     info.timings.insert("stages_wall".into(), stages.wall);
@@ -1286,7 +1293,9 @@ fn reserve_pinned(
     let len = chan_map.len() * crate::recording::Raw16::stride_for(plan.window_len()) * 2;
     let n = crate::stages::windows_in_flight(true, crate::stages::DEVICE_READERS)
         .max(FIT_WINDOWS_IN_FLIGHT);
-    Some(crate::detect::gpu::pinned::PinnedPool::open_reserving(n, len))
+    Some(crate::detect::gpu::pinned::PinnedPool::open_reserving(
+        n, len,
+    ))
 }
 
 /// Threads reading the device whitening fit's windows at once (issue 10;

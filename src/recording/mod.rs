@@ -31,8 +31,7 @@ pub use binary::BinaryRecording;
 pub use concat::ConcatRecording;
 pub use ordered::read_in_order;
 pub use window::{
-    Raw16, Raw16Buffer, Window, WindowLoader, WindowPlan, gives_int16, read_window,
-    read_window_i16,
+    Raw16, Raw16Buffer, Window, WindowLoader, WindowPlan, gives_int16, read_window, read_window_i16,
 };
 
 use crate::error::RecordingError;

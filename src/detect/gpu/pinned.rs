@@ -92,7 +92,8 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let blocks = std::mem::take(&mut self.free.get_mut().unwrap_or_else(|e| e.into_inner()).free);
+        let blocks =
+            std::mem::take(&mut self.free.get_mut().unwrap_or_else(|e| e.into_inner()).free);
         if blocks.is_empty() || !self.set_current() {
             return;
         }
@@ -297,11 +298,7 @@ impl PinnedPool {
 
     /// What the pool allocated so far.
     pub fn stats(&self) -> PoolStats {
-        self.shared
-            .free
-            .lock()
-            .map(|b| b.stats)
-            .unwrap_or_default()
+        self.shared.free.lock().map(|b| b.stats).unwrap_or_default()
     }
 
     /// Opens a pool ([`PinnedPool::new`]) and reserves `n` blocks of `len`
