@@ -651,8 +651,9 @@ impl StagesReport {
 /// Reads window `i`: as int16 values into storage from `raw16` when it is
 /// given and the recording gives int16 values (then `data` is left empty and
 /// the window is returned), else as f32 into `data` (allocated at its size when
-/// it is not). After a recording once answers that it cannot give int16 values,
-/// `raw16` is set to `None`.
+/// it is not). When a recording answers that it cannot give int16 values at
+/// all ([`crate::recording::gives_int16`]; not just for this window, as a
+/// concatenation across its files), `raw16` is set to `None`.
 pub(crate) fn read_any(
     rec: &dyn Recording,
     plan: &WindowPlan,
@@ -669,7 +670,12 @@ pub(crate) fn read_any(
             *data = Array2::zeros((0, 0));
             return Ok(Some(raw));
         }
-        *raw16 = None;
+        // Issue 10: a window across two files of a concatenation is read as
+        // f32, and the next ones as int16 again; a recording that never gives
+        // int16 values gets f32 windows from here on.
+        if !crate::recording::gives_int16(rec, chan_map) {
+            *raw16 = None;
+        }
     }
     if data.dim() != (rows, n) {
         *data = Array2::zeros((rows, n));
