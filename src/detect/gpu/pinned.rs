@@ -61,13 +61,12 @@ struct Blocks {
 /// What a [`PinnedPool`] allocated, for `spikecube.json`'s timings.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct PoolStats {
-    /// Blocks allocated ahead by [`PinnedPool::reserve`], and its seconds
-    /// (wall, on its own thread).
+    /// Blocks allocated ahead by [`PinnedPool::reserve`].
     pub reserved: usize,
-    /// Seconds [`PinnedPool::reserve`] spent allocating.
+    /// Seconds [`PinnedPool::reserve`] spent allocating them (on its own thread).
     pub reserve_s: f64,
-    /// Blocks allocated when a buffer was asked for and none was free, and
-    /// the seconds spent there (on the asking thread).
+    /// Blocks allocated when a buffer was asked for and none was free (on
+    /// the asking thread).
     pub on_demand: usize,
     /// Seconds spent in those allocations.
     pub on_demand_s: f64,
