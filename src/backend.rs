@@ -542,16 +542,33 @@ impl Detector {
     pub fn packer(&mut self) -> Option<crate::detect::gpu::Packer> {
         match self {
             Detector::Cpu(_) => None,
+            // Issue 10: one page-locked pool per detector, made at the first
+            // call (or given by `use_pinned_pool`) and shared by every packer
+            // (warm-up, whitening fit, pass).
             #[cfg(feature = "cuda")]
-            Detector::Cuda(d) => {
-                let p = crate::detect::gpu::Packer::pinned_cuda();
-                if let Some(pool) = p.pool() {
-                    d.use_direct_upload(pool);
+            Detector::Cuda(d) => Some(match d.pinned_pool() {
+                Some(pool) => crate::detect::gpu::Packer::with_pool(pool),
+                None => {
+                    let p = crate::detect::gpu::Packer::pinned_cuda();
+                    if let Some(pool) = p.pool() {
+                        d.use_direct_upload(pool);
+                    }
+                    p
                 }
-                Some(p)
-            }
+            }),
             #[cfg(feature = "wgpu")]
             Detector::Wgpu(_) => Some(crate::detect::gpu::Packer::default()),
+        }
+    }
+
+    /// Makes `pool` this detector's page-locked pool (issue 10: opened and
+    /// filled on a thread of its own while the device starts,
+    /// [`crate::detect::gpu::pinned::PinnedPool::open_reserving`]); later
+    /// [`Detector::packer`]s pack into it. Nothing on the other back ends.
+    #[cfg(feature = "cuda")]
+    pub fn use_pinned_pool(&mut self, pool: crate::detect::gpu::pinned::PinnedPool) {
+        if let Detector::Cuda(d) = self {
+            d.use_direct_upload(pool);
         }
     }
 

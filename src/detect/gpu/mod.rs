@@ -174,6 +174,11 @@ pub struct GpuDetector<R: Runtime> {
     /// page-locked memory), bypassing CubeCL 0.10's `create`, which copies the
     /// bytes into a new pageable vector first.
     direct: Option<DirectUpload<R>>,
+    /// The page-locked pool of [`GpuDetector::use_direct_upload`], kept so that
+    /// every packer of this detector shares it (issue 10: one pool per
+    /// detector; [`GpuDetector::pinned_pool`]).
+    #[cfg(feature = "cuda")]
+    pinned: Option<pinned::PinnedPool>,
     /// The two persistent buffers windows are sent ahead into (bytes,
     /// handles; [`Packer::send_ahead`]).
     raw_slots: Option<(usize, [Handle; 2])>,
@@ -328,6 +333,16 @@ impl Packer {
     pub fn pinned_cuda() -> Packer {
         Packer {
             pinned: pinned::PinnedPool::new(),
+            slots: None,
+        }
+    }
+
+    /// A packer into `pool`'s page-locked memory (issue 10: the pool a
+    /// detector's packers share).
+    #[cfg(feature = "cuda")]
+    pub fn with_pool(pool: pinned::PinnedPool) -> Packer {
+        Packer {
+            pinned: Some(pool),
             slots: None,
         }
     }
@@ -533,6 +548,7 @@ impl GpuDetector<cubecl::cuda::CudaRuntime> {
     /// `cuMemcpyHtoD` into a persistent buffer (about 25 GB/s measured on the H200
     /// machine, BENCHMARKS.md) instead of CubeCL's `create`.
     pub fn use_direct_upload(&mut self, pool: pinned::PinnedPool) {
+        self.pinned = Some(pool.clone());
         self.direct = Some(Box::new(move |client, handle, bytes| {
             let Ok(res) = client.get_resource(handle) else {
                 return false;
@@ -548,6 +564,11 @@ impl GpuDetector<cubecl::cuda::CudaRuntime> {
 
 #[cfg(feature = "cuda")]
 impl GpuDetector<cubecl::cuda::CudaRuntime> {
+    /// The page-locked pool given to [`GpuDetector::use_direct_upload`], if any.
+    pub fn pinned_pool(&self) -> Option<pinned::PinnedPool> {
+        self.pinned.clone()
+    }
+
     /// Allocates the two persistent upload buffers of `len` bytes each (kept
     /// while the size stays) and returns their device addresses, for
     /// [`pinned::PinnedPool::upload_slots`].
@@ -647,6 +668,8 @@ impl<R: Runtime> GpuDetector<R> {
             pre: None,
             raw_buf: None,
             direct: None,
+            #[cfg(feature = "cuda")]
+            pinned: None,
             raw_slots: None,
             wait_s: 0.0,
             gram_out: None,
