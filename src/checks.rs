@@ -342,6 +342,64 @@ pub fn check_window(
     check_array(&mut w.data, first, cols, min_run, health, mask)
 }
 
+/// [`check_window`] without a [`ChannelHealth`] (issue 10: windows checked on
+/// several reading threads at once): the same stuck runs and masking, and
+/// the window's channel facts, for [`ChannelHealth::merge`] in window order
+/// (`check_window` then `merge` in window order give the same health as
+/// `check_window` with the health).
+pub fn precheck_window(
+    w: &mut crate::recording::Window,
+    cols: &WindowColumns,
+    min_run: usize,
+    mask: bool,
+) -> (Vec<Vec<(usize, usize)>>, WindowHealth) {
+    use rayon::prelude::*;
+    let first_sample = w.first_sample;
+    fn rows<T: RawSample>(
+        values: &mut [T],
+        (n_rows, n_cols, stride): (usize, usize, usize),
+        first_sample: i64,
+        cols: &WindowColumns,
+        min_run: usize,
+        mask: bool,
+    ) -> (Vec<Vec<(usize, usize)>>, WindowHealth) {
+        let (a, b) = (cols.own.0.min(n_cols), cols.own.1.min(n_cols));
+        let (runs, facts): (Vec<_>, Vec<_>) = values[..n_rows * stride]
+            .par_chunks_mut(stride.max(1))
+            .map(|row| {
+                let row = &mut row[..n_cols];
+                let runs = stuck_runs(row, cols.lo, cols.hi, min_run);
+                let facts = (b > a)
+                    .then(|| RowWindow::of(&row[a..b], first_sample + a as i64, &runs, a, row));
+                if mask {
+                    fill_row(row, &runs, cols.lo, cols.hi, cols.pad_repeats);
+                }
+                (runs, facts)
+            })
+            .unzip();
+        let rows: Vec<RowWindow> = facts.into_iter().flatten().collect();
+        let samples = if rows.is_empty() { 0 } else { (b - a) as u64 };
+        (runs, WindowHealth { rows, samples })
+    }
+    if let Some(raw) = w.raw16.as_mut() {
+        let shape = (raw.n_rows, raw.n_cols, raw.stride);
+        return rows(raw.values_mut(), shape, first_sample, cols, min_run, mask);
+    }
+    if !w.data.is_standard_layout() {
+        w.data = w.data.as_standard_layout().into_owned();
+    }
+    let (n_rows, n_cols) = w.data.dim();
+    let values = w.data.as_slice_mut().expect("standard layout");
+    rows(
+        values,
+        (n_rows, n_cols, n_cols),
+        first_sample,
+        cols,
+        min_run,
+        mask,
+    )
+}
+
 /// [`check_window`] on an f32 window `n_sites × n_cols` whose column 0 holds
 /// absolute sample `first_sample` (the whitening fit's windows).
 pub fn check_array(
@@ -423,6 +481,109 @@ pub struct ChannelHealth {
     samples: u64,
 }
 
+/// Multiplier of the rows' FNV-style hash lanes.
+const ROW_HASH_PRIME: u64 = 0x0100_0000_01b3;
+/// Start of each hash lane.
+const ROW_HASH_BASIS: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// What one window's own samples of one row show, found without the run's
+/// totals (so on any thread, windows in any order) and added to them by
+/// [`RowHealth::merge`] in window order.
+#[derive(Debug, Clone)]
+struct RowWindow {
+    any_nonzero: bool,
+    /// The window's first own value.
+    first: Option<f32>,
+    /// Whether every own value has the bits of `first`.
+    all_first: bool,
+    /// The window's hash lanes, each from [`ROW_HASH_BASIS`]: sample j into
+    /// lane j mod 4, those after the last whole four into lane 0.
+    hash: [u64; 4],
+    stuck: u64,
+    first_stuck: Option<(u64, f32)>,
+}
+
+impl RowWindow {
+    fn of<T: RawSample>(
+        own: &[T],
+        first_own: i64,
+        runs: &[(usize, usize)],
+        a: usize,
+        row: &[T],
+    ) -> RowWindow {
+        // Everything is decided on the f32 value, so int16 and f32 windows of
+        // the same samples give the same findings (and the same hashes).
+        let first = own.first().map(|v| v.to_f32());
+        let first_bits = first.map_or(0, f32::to_bits);
+        let mut any_nonzero = false;
+        let mut all_first = true;
+        let mut h = [ROW_HASH_BASIS; 4];
+        // The bits of 64 samples are taken at a time first (one vectorised
+        // conversion from int16), then chained.
+        let mut bits = [0u32; 64];
+        let mut blocks = own.chunks_exact(bits.len());
+        for block in &mut blocks {
+            for (b, &v) in bits.iter_mut().zip(block) {
+                *b = v.to_f32().to_bits();
+            }
+            for &b in &bits {
+                // +0.0 and −0.0 are both zero.
+                any_nonzero |= (b << 1) != 0;
+                all_first &= b == first_bits;
+            }
+            for q in bits.chunks_exact(4) {
+                for k in 0..4 {
+                    h[k] = (h[k] ^ u64::from(q[k])).wrapping_mul(ROW_HASH_PRIME);
+                }
+            }
+        }
+        let rest = blocks.remainder();
+        for &v in rest {
+            let b = v.to_f32().to_bits();
+            any_nonzero |= (b << 1) != 0;
+            all_first &= b == first_bits;
+        }
+        let mut quads = rest.chunks_exact(4);
+        for q in &mut quads {
+            for k in 0..4 {
+                h[k] = (h[k] ^ u64::from(q[k].to_f32().to_bits())).wrapping_mul(ROW_HASH_PRIME);
+            }
+        }
+        for &v in quads.remainder() {
+            h[0] = (h[0] ^ u64::from(v.to_f32().to_bits())).wrapping_mul(ROW_HASH_PRIME);
+        }
+        let b = a + own.len();
+        let mut stuck = 0;
+        let mut first_stuck = None;
+        for &(s, e) in runs {
+            let (s, e) = (s.max(a), e.min(b));
+            if e > s {
+                stuck += (e - s) as u64;
+                if first_stuck.is_none() {
+                    let t = first_own + (s - a) as i64;
+                    first_stuck = Some((t.max(0) as u64, row[s].to_f32()));
+                }
+            }
+        }
+        RowWindow {
+            any_nonzero,
+            first,
+            all_first,
+            hash: h,
+            stuck,
+            first_stuck,
+        }
+    }
+}
+
+/// One window's channel facts, found on its own ([`precheck_window`]) for
+/// [`ChannelHealth::merge`] in window order.
+#[derive(Debug, Clone)]
+pub struct WindowHealth {
+    rows: Vec<RowWindow>,
+    samples: u64,
+}
+
 /// What [`ChannelHealth`] knows about one row.
 #[derive(Debug, Clone)]
 struct RowHealth {
@@ -447,57 +608,31 @@ impl RowHealth {
         a: usize,
         row: &[T],
     ) {
-        // Everything is decided on the f32 value, so int16 and f32 windows of
-        // the same samples give the same findings (and the same hashes).
-        if self.zero && own.iter().any(|&v| v.to_f32() != 0.0) {
+        self.merge(&RowWindow::of(own, first_own, runs, a, row));
+    }
+
+    /// Adds one window's facts ([`RowWindow`]), windows in order.
+    fn merge(&mut self, w: &RowWindow) {
+        if w.any_nonzero {
             self.zero = false;
         }
-        if let (Some(&v0), None) = (own.first(), self.first) {
-            self.first = Some(v0.to_f32());
-        }
-        if self.flat
-            && let Some(f) = self.first
-            && own.iter().any(|v| v.to_f32().to_bits() != f.to_bits())
-        {
-            self.flat = false;
-        }
-        const P: u64 = 0x0100_0000_01b3;
-        let mut h = self.hash;
-        // Sample j goes into lane j mod 4, the samples after the last whole
-        // four into lane 0. The bits of 64 samples are taken at a time first
-        // (one vectorised conversion from int16), then chained.
-        let mut bits = [0u32; 64];
-        let mut blocks = own.chunks_exact(bits.len());
-        for block in &mut blocks {
-            for (b, &v) in bits.iter_mut().zip(block) {
-                *b = v.to_f32().to_bits();
+        if let Some(f) = w.first {
+            match self.first {
+                None => self.first = Some(f),
+                Some(g) if g.to_bits() != f.to_bits() => self.flat = false,
+                Some(_) => {}
             }
-            for q in bits.chunks_exact(4) {
-                for k in 0..4 {
-                    h[k] = (h[k] ^ u64::from(q[k])).wrapping_mul(P);
-                }
+            if !w.all_first {
+                self.flat = false;
             }
         }
-        let mut quads = blocks.remainder().chunks_exact(4);
-        for q in &mut quads {
-            for k in 0..4 {
-                h[k] = (h[k] ^ u64::from(q[k].to_f32().to_bits())).wrapping_mul(P);
-            }
+        // The window's lanes chained onto the run's: equal rows keep equal keys.
+        for k in 0..4 {
+            self.hash[k] = (self.hash[k] ^ w.hash[k]).wrapping_mul(ROW_HASH_PRIME);
         }
-        for &v in quads.remainder() {
-            h[0] = (h[0] ^ u64::from(v.to_f32().to_bits())).wrapping_mul(P);
-        }
-        self.hash = h;
-        let b = a + own.len();
-        for &(s, e) in runs {
-            let (s, e) = (s.max(a), e.min(b));
-            if e > s {
-                self.stuck += (e - s) as u64;
-                if self.first_stuck.is_none() {
-                    let t = first_own + (s - a) as i64;
-                    self.first_stuck = Some((t.max(0) as u64, row[s].to_f32()));
-                }
-            }
+        self.stuck += w.stuck;
+        if self.first_stuck.is_none() {
+            self.first_stuck = w.first_stuck;
         }
     }
 
@@ -526,7 +661,7 @@ impl ChannelHealth {
             zero: true,
             first: None,
             flat: true,
-            hash: [0xcbf2_9ce4_8422_2325; 4],
+            hash: [ROW_HASH_BASIS; 4],
             stuck: 0,
             first_stuck: None,
         };
@@ -574,6 +709,18 @@ impl ChannelHealth {
             h.observe(&row[a..b], first_sample + a as i64, rr, a, row);
         });
         self.samples += (b - a) as u64;
+    }
+
+    /// Adds one window's facts from [`precheck_window`]; windows in order.
+    pub fn merge(&mut self, w: &WindowHealth) {
+        debug_assert!(w.samples == 0 || w.rows.len() == self.rows.len());
+        if w.samples == 0 || w.rows.len() != self.rows.len() {
+            return;
+        }
+        for (h, r) in self.rows.iter_mut().zip(&w.rows) {
+            h.merge(r);
+        }
+        self.samples += w.samples;
     }
 
     /// Own samples seen per channel.
@@ -1110,8 +1257,10 @@ mod tests {
     }
 
     /// The channel hash taken 64 samples at a time is the plain definition:
-    /// sample j of the own samples into lane j mod 4, those after the last
-    /// whole four into lane 0; int16 and f32 rows alike, over several calls.
+    /// per window, sample j of the own samples into lane j mod 4, those after
+    /// the last whole four into lane 0, each lane from the basis; each
+    /// window's lanes then chained onto the run's; int16 and f32 rows alike,
+    /// over several calls.
     #[test]
     fn row_hash_equals_the_definition() {
         const P: u64 = 0x0100_0000_01b3;
@@ -1126,9 +1275,13 @@ mod tests {
                 .map(|j| ((j * 7919 + call * 104_729) % 65_536) as u16 as i16)
                 .collect();
             let whole = len / 4 * 4;
+            let mut win = [0xcbf2_9ce4_8422_2325u64; 4];
             for (j, &v) in own.iter().enumerate() {
                 let lane = if j < whole { j % 4 } else { 0 };
-                want[lane] = (want[lane] ^ u64::from(f32::from(v).to_bits())).wrapping_mul(P);
+                win[lane] = (win[lane] ^ u64::from(f32::from(v).to_bits())).wrapping_mul(P);
+            }
+            for k in 0..4 {
+                want[k] = (want[k] ^ win[k]).wrapping_mul(P);
             }
             let own32: Vec<f32> = own.iter().map(|&v| f32::from(v)).collect();
             row.observe(&own32, 0, &[], 0, &own32);
@@ -1232,6 +1385,9 @@ mod tests {
             let mut h_ref = ChannelHealth::new(&chans);
             let mut h_f32 = ChannelHealth::new(&chans);
             let mut h_i16 = ChannelHealth::new(&chans);
+            // Windows checked on their own (precheck_window), merged in order.
+            let mut h_pre = ChannelHealth::new(&chans);
+            let mut h_pre16 = ChannelHealth::new(&chans);
             for (k, cols) in windows.iter().enumerate() {
                 let x = raw_window(n_rows, cols, n, k as u64 + 1);
                 let first = 1000 * k as i64 - 11;
@@ -1252,15 +1408,34 @@ mod tests {
                         raw[r * stride + c] = x[(r, c)] as i16;
                     }
                 }
-                let r16 = crate::recording::Raw16::new(n_rows, n, stride, Box::new(raw)).unwrap();
-                let mut w = crate::recording::Window {
-                    index: k as u64,
-                    own_start: (first + 11) as u64,
-                    own_len: (cols.own.1 - cols.own.0) as u64,
-                    first_sample: first,
-                    data: Array2::zeros((0, 0)),
-                    raw16: Some(r16),
+                let window = |data: Array2<f32>, raw16: Option<crate::recording::Raw16>| {
+                    crate::recording::Window {
+                        index: k as u64,
+                        own_start: (first + 11) as u64,
+                        own_len: (cols.own.1 - cols.own.0) as u64,
+                        first_sample: first,
+                        data,
+                        raw16,
+                    }
                 };
+                let mut wp = window(x.clone(), None);
+                let (pre_runs, facts) = precheck_window(&mut wp, cols, min_run, mask);
+                assert_eq!(pre_runs, runs, "window {k}, on its own");
+                assert_eq!(wp.data, want, "window {k}, on its own, mask {mask}");
+                h_pre.merge(&facts);
+                let r16 = |raw: &Vec<i16>| {
+                    crate::recording::Raw16::new(n_rows, n, stride, Box::new(raw.clone())).unwrap()
+                };
+                let mut wp16 = window(Array2::zeros((0, 0)), Some(r16(&raw)));
+                let (pre_runs, facts) = precheck_window(&mut wp16, cols, min_run, mask);
+                assert_eq!(pre_runs, runs, "window {k}, int16, on its own");
+                assert_eq!(
+                    wp16.raw16.unwrap().to_f32(),
+                    want,
+                    "window {k}, int16, on its own"
+                );
+                h_pre16.merge(&facts);
+                let mut w = window(Array2::zeros((0, 0)), Some(r16(&raw)));
                 let got_runs = check_window(&mut w, cols, min_run, Some(&mut h_i16), mask);
                 assert_eq!(got_runs, runs, "window {k}, int16");
                 let r16 = w.raw16.unwrap();
@@ -1273,6 +1448,8 @@ mod tests {
             let state = |h: &ChannelHealth| format!("{h:?}");
             assert_eq!(state(&h_f32), state(&h_ref));
             assert_eq!(state(&h_i16), state(&h_ref));
+            assert_eq!(state(&h_pre), state(&h_ref));
+            assert_eq!(state(&h_pre16), state(&h_ref));
             let kinds: Vec<&str> = h_ref.findings().iter().map(|f| f.kind).collect();
             assert_eq!(
                 kinds,

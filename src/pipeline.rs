@@ -35,7 +35,7 @@ use crate::output::{OutputWriter, RunInfo, Summary};
 use crate::preprocess::{FitOptions, PreprocessSettings, Preprocessor, whitening_from_covariance};
 use crate::probe::Probe;
 use crate::recording::{Recording, WindowLoader, WindowPlan, read_window};
-use crate::stages::{HostPass, WindowInfo, run_windows};
+use crate::stages::{HostPass, WindowInfo};
 
 /// Everything one detection run needs.
 pub struct DetectJob {
@@ -598,9 +598,14 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     pass.set_drift(Some(drift.clone()))?; // issue 12: M_b·W per window
     let mask_clipped = job.checks.mask_clipped;
     let health_ref = &mut health;
-    let check = move |w: &mut crate::recording::Window| -> Result<()> {
+    // The checks' work on the reading threads; only adding each window's
+    // channel facts to the run's is in window order.
+    let prepare = move |w: &mut crate::recording::Window| -> Result<checks::WindowHealth> {
         let cols = checks::WindowColumns::of(&plan, w.index);
-        checks::check_window(w, &cols, min_run, Some(&mut *health_ref), mask_clipped);
+        Ok(checks::precheck_window(w, &cols, min_run, mask_clipped).1)
+    };
+    let merge = move |_: &mut crate::recording::Window, h: checks::WindowHealth| -> Result<()> {
+        health_ref.merge(&h);
         Ok(())
     };
     // `--drift-only`: the first pass's spikes are the output; no second pass.
@@ -613,11 +618,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
                 t_start.elapsed().as_secs_f64()
             );
         }
-        run_windows(
+        crate::stages::run_windows_prechecked(
             rec.clone(),
             plan,
             &chan_map,
-            check,
+            &prepare,
+            merge,
             pass.as_mut(),
             |w: WindowInfo, mut det: Detections| -> Result<()> {
                 let before = det.len();

@@ -853,10 +853,43 @@ pub fn run_windows<C, W>(
     chan_map: &[u64],
     mut check: C,
     pass: &mut dyn WindowPass,
-    mut write: W,
+    write: W,
 ) -> Result<StagesReport>
 where
     C: FnMut(&mut Window) -> Result<()> + Send,
+    W: FnMut(WindowInfo, Detections) -> Result<()>,
+{
+    run_windows_prechecked(
+        rec,
+        plan,
+        chan_map,
+        &|_: &mut Window| Ok(()),
+        move |w: &mut Window, ()| check(w),
+        pass,
+        write,
+    )
+}
+
+/// [`run_windows`] with the checks in two parts (issue 10): `prepare` runs
+/// on the reading threads right after each window is read (several windows
+/// at once, in any order; e.g. [`crate::checks::precheck_window`]), `merge`
+/// then takes its result in window order (e.g. adding it to the run's
+/// [`crate::checks::ChannelHealth`]), before the window goes on.
+///
+/// # Errors
+/// As [`run_windows`].
+pub fn run_windows_prechecked<P, M, W>(
+    rec: Arc<dyn Recording>,
+    plan: WindowPlan,
+    chan_map: &[u64],
+    prepare: &(dyn Fn(&mut Window) -> Result<P> + Sync),
+    mut merge: M,
+    pass: &mut dyn WindowPass,
+    mut write: W,
+) -> Result<StagesReport>
+where
+    P: Send,
+    M: FnMut(&mut Window, P) -> Result<()> + Send,
     W: FnMut(WindowInfo, Detections) -> Result<()>,
 {
     let t_start = Instant::now();
@@ -916,12 +949,14 @@ where
                         let t1 = Instant::now();
                         let res = read_any(rec, &plan, i, chan_map, &mut data, raw16)
                             .map(|raw16| Window::of(first, &plan, i, data, raw16));
-                        times.lap("read", t1);
+                        let t2 = times.lap("read", t1);
+                        let res = res.and_then(|mut w| prepare(&mut w).map(|p| (w, p)));
+                        times.lap("checks.prepare", t2);
                         res
                     },
-                    |_, res: Result<Window>| {
+                    |_, res: Result<(Window, P)>| {
                         let t2 = Instant::now();
-                        let res = res.and_then(|mut w| check(&mut w).map(|()| w));
+                        let res = res.and_then(|(mut w, p)| merge(&mut w, p).map(|()| w));
                         times_r.lap("checks", t2);
                         let failed = res.is_err();
                         raw_tx.send(res).is_ok() && !failed
