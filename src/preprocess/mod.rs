@@ -28,6 +28,7 @@
 mod car;
 mod covariance;
 mod highpass;
+mod highpass_iir;
 mod whitening;
 
 pub use car::{
@@ -35,7 +36,11 @@ pub use car::{
 };
 pub use highpass::{
     HighpassFilter, KERNEL_CENTRE, KERNEL_LEN, butterworth_highpass, fit_kernel_to_window,
-    highpass_kernel,
+    highpass_kernel, highpass_kernel_f64,
+};
+pub use highpass_iir::{
+    CircularIir, IIR_BOUND, IIR_CHUNK, IirFloat, MAX_WARM, crop_difference, warm_up_bound,
+    window_shift,
 };
 pub use whitening::{
     FitOptions, FitTimes, WHITENING_EPS, Whitening, accumulate_covariance,
