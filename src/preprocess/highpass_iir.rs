@@ -199,6 +199,33 @@ pub fn crop_difference(kernel: &[f64], n: usize) -> f64 {
         .sum()
 }
 
+/// [`CircularIir::new`] for a preprocessor given the full f32 `kernel`: `None`
+/// also when the kernel is not the design's of (`fs`, `cutoff`) rounded to f32
+/// (within an f32 rounding and 1e-20, e.g. Kilosort's own `hp_filter`), so that
+/// the IIR never replaces another kernel.
+///
+/// # Errors
+/// As [`butterworth_highpass`].
+pub(crate) fn iir_for_kernel(
+    fs: f64,
+    cutoff: f64,
+    kernel: &[f32],
+    n: usize,
+) -> Result<Option<CircularIir>, PreprocessError> {
+    let (b, a) = butterworth_highpass(fs, cutoff)?;
+    let design = highpass_kernel_f64(fs, cutoff)?;
+    let same = kernel.len() == design.len()
+        && kernel
+            .iter()
+            .zip(&design)
+            .all(|(&k, &g)| (f64::from(k) - g).abs() <= f64::from(f32::EPSILON) * g.abs() + 1e-20);
+    Ok(if same {
+        CircularIir::for_kernel(b, a, &design, n)
+    } else {
+        None
+    })
+}
+
 /// The high-pass of one window length as a chunked circular forward–backward
 /// IIR (see the module docs): the design (b, a), the window length N, the
 /// shift s and the warm-up L.
@@ -635,6 +662,39 @@ mod tests {
             }
         }
         assert!(worst <= 5e-4, "{worst}");
+    }
+
+    /// The preprocessor offers the IIR form for the design's own kernel only.
+    #[test]
+    fn preprocessor_carries_the_iir() {
+        use crate::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
+        let settings = PreprocessSettings {
+            batch_size: 6000,
+            ..Default::default()
+        };
+        let p = Preprocessor::new(&settings, Array2::eye(2)).unwrap();
+        let iir = p.highpass_iir().unwrap();
+        assert_eq!((iir.n, iir.shift, iir.warm), (6122, 0, 800));
+        assert_eq!(
+            p.device_form(DEVICE_TAP_FLOOR).unwrap().iir.as_ref(),
+            Some(iir)
+        );
+        // Another kernel (scaled by 1.001): no IIR.
+        let other: Vec<f32> = highpass_kernel(30_000.0, 300.0)
+            .unwrap()
+            .iter()
+            .map(|v| v * 1.001)
+            .collect();
+        let p = Preprocessor::with_kernel(&settings, &other, Array2::eye(2)).unwrap();
+        assert!(p.highpass_iir().is_none());
+        // A short window (N = 222 < 1447): no IIR.
+        let short = PreprocessSettings {
+            batch_size: 100,
+            ..Default::default()
+        };
+        let p = Preprocessor::new(&short, Array2::eye(2)).unwrap();
+        assert!(p.highpass_iir().is_none());
+        assert!(p.device_form(DEVICE_TAP_FLOOR).unwrap().iir.is_none());
     }
 
     #[test]
