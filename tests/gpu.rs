@@ -390,7 +390,8 @@ fn raw_window(xy: &[(f32, f32)], n: usize, seed: u64) -> Array2<f32> {
 /// CPU's [`Preprocessor`], then detection on each: whitened values within 1e-4 of
 /// the window's largest magnitude, and the same detections. Cases: int16 values
 /// (packed two per word) and float32 values, even and odd window lengths, CAR
-/// on and off, an even and an odd number of sites.
+/// on and off, an even and an odd number of sites; the high-pass the device
+/// picks (the f64 IIR where it has doubles) and the direct kernel, alternately.
 fn check_preprocessing<R: Runtime>(
     device: &R::Device,
     n: usize,
@@ -437,9 +438,15 @@ fn check_preprocessing<R: Runtime>(
             ..DetectionSettings::default()
         };
         let g = Geometry::new(&p, &s).unwrap();
-        // Both high-pass tilings (8 and 16 outputs per unit), alternately.
+        // The IIR high-pass where the device has doubles, and the direct kernel
+        // with both tilings (8 and 16 outputs per unit), alternately.
         let options = GpuOptions {
-            hp_per_unit: if case % 2 == 0 { 16 } else { 8 },
+            hp_per_unit: if case % 4 == 1 { 8 } else { 16 },
+            highpass: if case % 2 == 0 {
+                HighpassMode::Auto
+            } else {
+                HighpassMode::Direct
+            },
             ..FAST
         };
         let mut det = gpu::<R>(device, &g, &s, options);
@@ -457,7 +464,8 @@ fn check_preprocessing<R: Runtime>(
         }
         let rms = (ss / got.len() as f64).sqrt();
         eprintln!(
-            "device preprocessing case {case} ({n_sites} sites, N {nw}, CAR {do_car}, float {float}): max |Δ| {worst:.3e} = {:.2e} of the peak {peak:.1}, rms Δ {rms:.2e}; tail bound {:.1e}",
+            "device preprocessing case {case} ({n_sites} sites, N {nw}, CAR {do_car}, float {float}, high-pass {}): max |Δ| {worst:.3e} = {:.2e} of the peak {peak:.1}, rms Δ {rms:.2e}; direct kernel's tail bound {:.1e}",
+            det.highpass_form(),
             worst / peak,
             form.dropped_tail
         );
