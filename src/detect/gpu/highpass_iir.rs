@@ -20,7 +20,11 @@
 //! beyond the device preprocessing's tolerance, so it is never chosen by itself.
 //!
 //! Each unit walks its stretch of one row sequentially (L + C samples per
-//! direction); units of a plane hold consecutive chunks of one row.
+//! direction); units of a plane hold consecutive chunks of one row. x and y are
+//! row-major, so a plane's loads and stores of them touch one sector per unit
+//! (loads are then served from L1 for the next samples); u is stored
+//! chunk-interleaved ([`u_index`]: position kC + j at j·n_chunks + k), so that
+//! the plane's stores (forward) and loads (backward) of u are contiguous.
 
 use cubecl::prelude::*;
 use cubecl::server::Handle;
@@ -87,7 +91,9 @@ pub fn supports_f64<R: Runtime>(client: &ComputeClient<R>) -> bool {
 /// Forward pass: unit (r, k) computes u\[r, kC .. kC + len\] (len = C, or what
 /// is left of the row) from zero state at x\[r, (kC + lead) mod N\], with
 /// `lead` = (s + N − L mod N) mod N: L warm-up steps, then len kept ones.
-/// `coef`: b\[0..4\], a\[0..4\].
+/// `coef`: b\[0..4\], a\[0..4\]. u is stored chunk-interleaved (see
+/// [`u_index`]), so that the units of a plane, on consecutive chunks of a row,
+/// store to consecutive addresses.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn iir_forward_kernel<F: Float>(
@@ -105,8 +111,11 @@ pub(crate) fn iir_forward_kernel<F: Float>(
     if id < n_units as usize {
         let n = n_t as usize;
         let nc = n_chunks as usize;
+        let k = id % nc;
         let row = (id / nc) * n;
-        let start = (id % nc) * chunk as usize;
+        // Row r of u: C·n_chunks values, position kC + i at i·n_chunks + k.
+        let urow = (id / nc) * (chunk as usize * nc) + k;
+        let start = k * chunk as usize;
         let len = min(chunk as usize, n - start);
         let b0 = coef[0];
         let b1 = coef[1];
@@ -136,7 +145,7 @@ pub(crate) fn iir_forward_kernel<F: Float>(
             z0 = z1 + b1 * xn - a1 * yn;
             z1 = z2 + b2 * xn - a2 * yn;
             z2 = b3 * xn - a3 * yn;
-            u[row + start + i] = yn;
+            u[urow + i * nc] = yn;
             p += 1;
             if p == n {
                 p = 0;
@@ -145,9 +154,16 @@ pub(crate) fn iir_forward_kernel<F: Float>(
     }
 }
 
+/// Where position p of row r of u is stored, for chunks of C outputs and
+/// `n_chunks` chunks per row: r·C·n_chunks + (p mod C)·n_chunks + ⌊p / C⌋ (the
+/// chunk-interleaved layout of [`iir_forward_kernel`]; host-side, for tests and docs).
+pub fn u_index(r: usize, p: usize, chunk: usize, n_chunks: usize) -> usize {
+    r * chunk * n_chunks + (p % chunk) * n_chunks + p / chunk
+}
+
 /// Backward pass: unit (r, k) computes y\[r, kC .. kC + len\] from zero state at
 /// u\[r, (kC + len − 1 + L) mod N\], running down: L warm-up steps over the next
-/// chunks' u, then len kept ones. `coef` as [`iir_forward_kernel`].
+/// chunks' u, then len kept ones. `coef` and u's layout as [`iir_forward_kernel`].
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn iir_backward_kernel<F: Float>(
@@ -164,9 +180,11 @@ pub(crate) fn iir_backward_kernel<F: Float>(
     if id < n_units as usize {
         let n = n_t as usize;
         let nc = n_chunks as usize;
+        let cl = chunk as usize;
         let row = (id / nc) * n;
-        let start = (id % nc) * chunk as usize;
-        let len = min(chunk as usize, n - start);
+        let urow = (id / nc) * (cl * nc);
+        let start = (id % nc) * cl;
+        let len = min(cl, n - start);
         let b0 = coef[0];
         let b1 = coef[1];
         let b2 = coef[2];
@@ -177,20 +195,29 @@ pub(crate) fn iir_backward_kernel<F: Float>(
         let mut z0 = F::new(0.0);
         let mut z1 = F::new(0.0);
         let mut z2 = F::new(0.0);
+        // Position p = kk·C + j, walked down with (kk, j) kept alongside.
         let mut p = (start + len - 1 + warm as usize) % n;
+        let mut kk = p / cl;
+        let mut j = p % cl;
         for _ in 0..warm as usize {
-            let xn = u[row + p];
+            let xn = u[urow + j * nc + kk];
             let yn = b0 * xn + z0;
             z0 = z1 + b1 * xn - a1 * yn;
             z1 = z2 + b2 * xn - a2 * yn;
             z2 = b3 * xn - a3 * yn;
             if p == 0 {
                 p = n;
+                kk = (n - 1) / cl;
+                j = (n - 1) % cl + 1;
+            } else if j == 0 {
+                j = cl;
+                kk -= 1;
             }
             p -= 1;
+            j -= 1;
         }
         for _ in 0..len {
-            let xn = u[row + p];
+            let xn = u[urow + j * nc + kk];
             let yn = b0 * xn + z0;
             z0 = z1 + b1 * xn - a1 * yn;
             z1 = z2 + b2 * xn - a2 * yn;
@@ -198,8 +225,14 @@ pub(crate) fn iir_backward_kernel<F: Float>(
             y[row + p] = f32::cast_from(yn);
             if p == 0 {
                 p = n;
+                kk = (n - 1) / cl;
+                j = (n - 1) % cl + 1;
+            } else if j == 0 {
+                j = cl;
+                kk -= 1;
             }
             p -= 1;
+            j -= 1;
         }
     }
 }
@@ -266,8 +299,8 @@ impl DeviceIir {
     }
 
     /// Launches both passes: `x` (C × N f32) → `y` (C × N f32), u in `scratch`,
-    /// which must hold C × N values of the state type (the filter bank's buffer
-    /// B has room for three times as many f64).
+    /// which must hold C rows of C·⌈N/C⌉ < 2N values of the state type ([`u_index`];
+    /// the filter bank's buffer B holds C × 3N f64).
     ///
     /// # Errors
     /// [`DetectError::Input`] when N is not the form's or a buffer is too small.
@@ -281,8 +314,12 @@ impl DeviceIir {
         n_t: usize,
     ) -> Result<(), DetectError> {
         let width = if self.f64 { 8 } else { 4 };
-        let needs = [(x, 4), (scratch, width), (y, 4)];
-        if n_t != self.iir.n || needs.iter().any(|(h, w)| (h.size() as usize) < c * n_t * w) {
+        let chunk = self.chunk.min(n_t.max(1));
+        let n_chunks = n_t.div_ceil(chunk);
+        // u's rows are C·n_chunks < N + C ≤ 2N long (chunk-interleaved).
+        let u_len = c * chunk * n_chunks;
+        let needs = [(x, c * n_t * 4), (scratch, u_len * width), (y, c * n_t * 4)];
+        if n_t != self.iir.n || needs.iter().any(|&(h, bytes)| (h.size() as usize) < bytes) {
             return Err(DetectError::Input {
                 what: "high-pass window".into(),
                 message: format!(
@@ -291,7 +328,6 @@ impl DeviceIir {
                 ),
             });
         }
-        let n_chunks = n_t.div_ceil(self.chunk);
         let n_units = c * n_chunks;
         let count = CubeCount::Static(n_units.div_ceil(IIR_UNITS) as u32, 1, 1);
         let dim = CubeDim::new_1d(IIR_UNITS as u32);
@@ -299,8 +335,9 @@ impl DeviceIir {
         let len = c * n_t;
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         // SAFETY: unit id < n_units = C·⌈N/chunk⌉ reads and writes indices
-        // r·N + p with r < C and p < N of x, u and y (each of ≥ C·N elements,
-        // checked above) and coefficients 0..8.
+        // r·N + p with r < C and p < N of x and y (≥ C·N elements each) and
+        // r·chunk·n_chunks + j·n_chunks + k with j < chunk, k < n_chunks of u
+        // (≥ u_len elements), all checked above, and coefficients 0..8.
         unsafe {
             if self.f64 {
                 iir_forward_kernel::launch_unchecked::<f64, R>(
@@ -309,10 +346,10 @@ impl DeviceIir {
                     dim,
                     arr(x, len),
                     arr(&self.coef, 8),
-                    arr(scratch, len),
+                    arr(scratch, u_len),
                     n_units as u32,
                     n_t as u32,
-                    self.chunk as u32,
+                    chunk as u32,
                     n_chunks as u32,
                     self.iir.warm as u32,
                     lead as u32,
@@ -321,12 +358,12 @@ impl DeviceIir {
                     client,
                     count,
                     dim,
-                    arr(scratch, len),
+                    arr(scratch, u_len),
                     arr(&self.coef, 8),
                     arr(y, len),
                     n_units as u32,
                     n_t as u32,
-                    self.chunk as u32,
+                    chunk as u32,
                     n_chunks as u32,
                     self.iir.warm as u32,
                 );
@@ -337,10 +374,10 @@ impl DeviceIir {
                     dim,
                     arr(x, len),
                     arr(&self.coef, 8),
-                    arr(scratch, len),
+                    arr(scratch, u_len),
                     n_units as u32,
                     n_t as u32,
-                    self.chunk as u32,
+                    chunk as u32,
                     n_chunks as u32,
                     self.iir.warm as u32,
                     lead as u32,
@@ -349,12 +386,12 @@ impl DeviceIir {
                     client,
                     count,
                     dim,
-                    arr(scratch, len),
+                    arr(scratch, u_len),
                     arr(&self.coef, 8),
                     arr(y, len),
                     n_units as u32,
                     n_t as u32,
-                    self.chunk as u32,
+                    chunk as u32,
                     n_chunks as u32,
                     self.iir.warm as u32,
                 );
