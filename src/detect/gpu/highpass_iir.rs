@@ -12,11 +12,12 @@
 //! preprocessing and rewritten by step 1 later in stream order), so the IIR takes
 //! no device memory of its own beyond its 8 coefficients.
 //!
-//! F is f64 where the device has doubles ([`supports_f64`]: CUDA): the result
-//! is the CPU twin's within f64 rounding, and the CPU's FFT high-pass within
-//! 8.4e-7 of max|x| (measured on the twin, `src/preprocess/highpass_iir.rs`).
-//! F = f32 ([`HighpassMode::IirF32`]) is for testing the indexing on devices
-//! without doubles (WGSL): the recursion's rounding then reaches 3e-4 of max|x|,
+//! F is f64 where the device has doubles ([`supports_f64`]: CUDA, and wgpu
+//! adapters with `SHADER_F64`, lavapipe among them): the result is the CPU
+//! twin's within f64 rounding (bit-identical on lavapipe), and the CPU's FFT
+//! high-pass within 8.4e-7 of max|x| (measured on the twin,
+//! `src/preprocess/highpass_iir.rs`). F = f32 ([`HighpassMode::IirF32`]) is for
+//! testing the indexing: the recursion's rounding then reaches 3e-4 of max|x|,
 //! beyond the device preprocessing's tolerance, so it is never chosen by itself.
 //!
 //! Each unit walks its stretch of one row sequentially (L + C samples per
