@@ -4,6 +4,10 @@
 //! timed alone, per window, with rayon pools of the given sizes. Prints the
 //! median milliseconds per window of each step and of read + checks.
 //!
+//! Then (issue 10) the whole reading stage of a GPU pass: the int16 reads on
+//! 1, 2 or 3 threads at once, checked in window order
+//! (`recording::read_in_order`), wall and CPU ms per window.
+//!
 //! Usage: `cargo bench --bench read_window -- REC [PROBE] [--threads 1,2]
 //! [--windows N] [--reps R]`
 //!
@@ -215,6 +219,108 @@ fn main() -> Result<()> {
             );
         }
         println!("{t:>7}  (stuck samples found over the timed windows: {stuck})");
+    }
+    pipelined(&args, rec.as_ref(), &plan, &chan_map, &indices)?;
+    Ok(())
+}
+
+/// Issue 10: the reading stage as `run_windows` runs it for a GPU pass: int16
+/// reads on 1, 2 or 3 threads at once (`recording::read_in_order`), the
+/// checks in window order, each window's buffer given back as soon as it is
+/// checked (a consumer that never waits), `readers + 1` buffers. Prints the
+/// wall and CPU milliseconds per window over all timed windows (medians over
+/// the repetitions), and checks that the channel findings equal the single
+/// reader's.
+fn pipelined(
+    args: &Args,
+    rec: &dyn spikecube::recording::Recording,
+    plan: &WindowPlan,
+    chan_map: &[u64],
+    indices: &[u64],
+) -> Result<()> {
+    let min_run = stuck_min_run(rec.fs());
+    let (rows, n) = (chan_map.len(), plan.window_len());
+    let stride = Raw16::stride_for(n);
+    let first = rec.first_sample();
+    println!(
+        "{:>7}  {:<20} {:>9} {:>9}   (whole reading stage: ms per window over {} windows, medians of {} repetitions)",
+        "threads",
+        "readers",
+        "wall",
+        "cpu",
+        indices.len(),
+        args.reps
+    );
+    for &t in &args.threads {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
+        let mut reference = None;
+        for readers in [1usize, 2, 3] {
+            let (mut wall, mut cpu) = (Vec::new(), Vec::new());
+            pool.install(|| -> Result<()> {
+                let (free_tx, free_rx) = crossbeam_channel::unbounded::<Vec<i16>>();
+                for _ in 0..readers + 1 {
+                    free_tx.send(vec![0i16; rows * stride])?;
+                }
+                for rep in 0..=args.reps {
+                    let mut health = ChannelHealth::new(chan_map);
+                    let mut error = None;
+                    let (t0, c0) = (Instant::now(), cpu_ms());
+                    spikecube::recording::read_in_order(
+                        "bench-read",
+                        indices.len() as u64,
+                        vec![(); readers],
+                        |_| free_rx.recv().ok(),
+                        |_, k, buf| -> Result<Window> {
+                            let i = indices[k as usize];
+                            let mut raw = Raw16::new(rows, n, stride, Box::new(buf))?;
+                            if !read_window_i16(rec, plan, i, chan_map, &mut raw)? {
+                                bail!("the recording does not give int16 values as they are");
+                            }
+                            Ok(window(plan, first, i, Array2::zeros((0, 0)), Some(raw)))
+                        },
+                        |k, w| match w {
+                            Ok(mut w) => {
+                                let cols = WindowColumns::of(plan, indices[k as usize]);
+                                check_window(&mut w, &cols, min_run, Some(&mut health), true);
+                                let raw = w.raw16.take().expect("int16 window");
+                                let buf = *raw
+                                    .into_buffer()
+                                    .downcast::<Vec<i16>>()
+                                    .expect("a Vec buffer");
+                                free_tx.send(buf).is_ok()
+                            }
+                            Err(e) => {
+                                error = Some(e);
+                                false
+                            }
+                        },
+                    )?;
+                    if let Some(e) = error {
+                        return Err(e);
+                    }
+                    let per = indices.len() as f64;
+                    if rep > 0 {
+                        wall.push(t0.elapsed().as_secs_f64() * 1e3 / per);
+                        cpu.push((cpu_ms() - c0) / per);
+                    }
+                    let found = health.findings();
+                    match &reference {
+                        None => reference = Some(found),
+                        Some(r) if *r != found => {
+                            bail!("{readers} readers: other channel findings than 1 reader's")
+                        }
+                        Some(_) => {}
+                    }
+                }
+                Ok(())
+            })?;
+            println!(
+                "{t:>7}  {:<20} {:>9.2} {:>9.2}",
+                format!("{readers} reading threads"),
+                median(wall),
+                median(cpu)
+            );
+        }
     }
     Ok(())
 }

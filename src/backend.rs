@@ -112,12 +112,24 @@ mod cuda_probe {
     type CuDeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
     type CuDeviceGetName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
 
+    /// The driver and NVRTC libraries once loaded, kept loaded for the
+    /// process: CubeCL loads them again by name, and then finds them
+    /// initialised instead of loading and initialising them a second time.
+    static DRIVER: std::sync::OnceLock<libloading::Library> = std::sync::OnceLock::new();
+    static NVRTC: std::sync::OnceLock<libloading::Library> = std::sync::OnceLock::new();
+
     pub(super) fn probe() -> super::Probe {
         // SAFETY: loading the NVIDIA driver library runs its initialisers, which
         // have no preconditions; the symbols below have the driver API's C signatures.
-        let lib = unsafe { libloading::Library::new("libcuda.so.1") }
-            .or_else(|_| unsafe { libloading::Library::new("libcuda.so") })
-            .map_err(|_| "no NVIDIA driver (libcuda.so.1 not found)".to_string())?;
+        let lib = match DRIVER.get() {
+            Some(lib) => lib,
+            None => {
+                let lib = unsafe { libloading::Library::new("libcuda.so.1") }
+                    .or_else(|_| unsafe { libloading::Library::new("libcuda.so") })
+                    .map_err(|_| "no NVIDIA driver (libcuda.so.1 not found)".to_string())?;
+                DRIVER.get_or_init(|| lib)
+            }
+        };
         let name = unsafe {
             let init: libloading::Symbol<CuInit> =
                 lib.get(b"cuInit\0").map_err(|e| e.to_string())?;
@@ -159,9 +171,14 @@ mod cuda_probe {
                 header.display()
             ));
         }
-        let nvrtc = ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
-            .iter()
-            .any(|l| unsafe { libloading::Library::new(l) }.is_ok());
+        let nvrtc = NVRTC.get().is_some()
+            || ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
+                .iter()
+                .find_map(|l| unsafe { libloading::Library::new(l) }.ok())
+                .is_some_and(|lib| {
+                    let _ = NVRTC.set(lib);
+                    true
+                });
         if !nvrtc {
             return Err(format!(
                 "{name} found, but NVRTC (libnvrtc.so) is not; CubeCL compiles kernels at run time with it"
@@ -471,6 +488,18 @@ impl Detector {
         }
     }
 
+    /// Seconds of the whitening fit's device work since the last call (putting
+    /// windows on the device, preprocessing, products; zeros on the CPU).
+    pub fn take_gram_seconds(&mut self) -> [f64; 3] {
+        match self {
+            Detector::Cpu(_) => [0.0; 3],
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.take_gram_seconds(),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.take_gram_seconds(),
+        }
+    }
+
     /// Seconds the host waited for a GPU's detections since the last call
     /// (0 on the CPU).
     pub fn take_wait_seconds(&mut self) -> f64 {
@@ -513,16 +542,33 @@ impl Detector {
     pub fn packer(&mut self) -> Option<crate::detect::gpu::Packer> {
         match self {
             Detector::Cpu(_) => None,
+            // Issue 10: one page-locked pool per detector, made at the first
+            // call (or given by `use_pinned_pool`) and shared by every packer
+            // (warm-up, whitening fit, pass).
             #[cfg(feature = "cuda")]
-            Detector::Cuda(d) => {
-                let p = crate::detect::gpu::Packer::pinned_cuda();
-                if let Some(pool) = p.pool() {
-                    d.use_direct_upload(pool);
+            Detector::Cuda(d) => Some(match d.pinned_pool() {
+                Some(pool) => crate::detect::gpu::Packer::with_pool(pool),
+                None => {
+                    let p = crate::detect::gpu::Packer::pinned_cuda();
+                    if let Some(pool) = p.pool() {
+                        d.use_direct_upload(pool);
+                    }
+                    p
                 }
-                Some(p)
-            }
+            }),
             #[cfg(feature = "wgpu")]
             Detector::Wgpu(_) => Some(crate::detect::gpu::Packer::default()),
+        }
+    }
+
+    /// Makes `pool` this detector's page-locked pool (issue 10: opened and
+    /// filled on a thread of its own while the device starts,
+    /// [`crate::detect::gpu::pinned::PinnedPool::open_reserving`]); later
+    /// [`Detector::packer`]s pack into it. Nothing on the other back ends.
+    #[cfg(feature = "cuda")]
+    pub fn use_pinned_pool(&mut self, pool: crate::detect::gpu::pinned::PinnedPool) {
+        if let Detector::Cuda(d) = self {
+            d.use_direct_upload(pool);
         }
     }
 
@@ -581,6 +627,46 @@ impl Detector {
             Detector::Cuda(d) => d.detect_raw(raw, yc, times),
             #[cfg(feature = "wgpu")]
             Detector::Wgpu(d) => d.detect_raw(raw, yc, times),
+        }
+    }
+
+    /// Queues a raw window that was sent ahead on the device without waiting
+    /// for its detections ([`crate::detect::gpu::GpuDetector::submit_raw`]);
+    /// [`Detector::collect`] returns them in order.
+    ///
+    /// # Errors
+    /// As that method; on the CPU always.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn submit_raw(
+        &mut self,
+        raw: crate::detect::gpu::RawWindow,
+        yc: &[f32],
+    ) -> Result<(), DetectError> {
+        match self {
+            Detector::Cpu(_) => Err(DetectError::Setting {
+                name: "backend",
+                message: "the CPU back end preprocesses on the host".into(),
+            }),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.submit_raw(raw, yc),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.submit_raw(raw, yc),
+        }
+    }
+
+    /// The detections of the oldest window queued by [`Detector::submit_raw`]
+    /// (`None` when none is queued; always on the CPU).
+    ///
+    /// # Errors
+    /// As [`crate::detect::gpu::GpuDetector::collect`].
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn collect(&mut self) -> Result<Option<Detections>, DetectError> {
+        match self {
+            Detector::Cpu(_) => Ok(None),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.collect(),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.collect(),
         }
     }
 

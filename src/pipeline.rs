@@ -269,21 +269,48 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     )?;
 
     // Geometry first: a probe that cannot work fails before any data is read.
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before geometry",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let geometry = Geometry::new(&job.probe, &job.detection)?;
     let n_centres = geometry.n_centres();
     // So does an output folder that cannot be written.
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before writer",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
     tracing::info!(
-        "{} of {} samples, {} in flight; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
+        "{} of {} samples, {} in flight (+{} being read with a GPU); memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
         crate::error::count(plan.n_windows, "window"),
         plan.window_len(),
         crate::stages::WINDOWS_IN_FLIGHT,
+        crate::stages::DEVICE_READERS - 1, // issue 10 (reading threads)
         memory_estimate(n_sites, plan.window_len(), n_centres) as f64 / 1e6
     );
 
     // The back end next, before any data is read: a missing or too small device
     // fails (or, with `auto`, falls back to the CPU) at once.
+    let t_probe = Instant::now();
     let mut chosen = crate::backend::choose(job.backend)?;
+    let device_probe_s = t_probe.elapsed().as_secs_f64();
+    // ---- issue 10 (page-locked pool): opened and filled on its own thread
+    // while the device opens and warms up (`reserve_pinned`); kept to the end
+    // of the run (dropping it stops the reservation).
+    #[cfg(feature = "cuda")]
+    let mut pinned = reserve_pinned(
+        &chosen,
+        job.device_preprocessing,
+        rec.as_ref(),
+        &plan,
+        &chan_map,
+    );
+    // ---- end issue 10 (page-locked pool) ----
     let t_open = Instant::now();
     let mut detector = Detector::new(
         &chosen,
@@ -322,7 +349,23 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         chosen.device,
         chosen.reason
     );
+    // ---- issue 10 (page-locked pool): the detector's packers share it ----
+    #[cfg(feature = "cuda")]
+    if chosen.backend != "cuda" {
+        pinned = None; // `auto` went to the CPU: stop the reservation
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(p) = pinned.as_mut().and_then(|r| r.pool()) {
+        detector.use_pinned_pool(p);
+    }
+    // ---- end issue 10 (page-locked pool) ----
 
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before device_open",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let device_open_s = t_open.elapsed().as_secs_f64();
 
     // ---- issue 10: on a GPU that preprocesses, the device starts (kernels
@@ -340,6 +383,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         // sets the preprocessing: only logged here.
         if let Err(e) = detector.warm_up(p, &job.probe.yc) {
             tracing::debug!("device warm-up: {e}");
+        }
+        if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+            eprintln!(
+                "DEBUG t {:.3} before warm_up",
+                t_start.elapsed().as_secs_f64()
+            );
         }
         warm_up_s = t_warm.elapsed().as_secs_f64();
     }
@@ -365,7 +414,16 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     }
     let whiten_mat = fitted.whitening;
     let fit_times = fitted.times;
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!("DEBUG t {:.3} before fit", t_start.elapsed().as_secs_f64());
+    }
     let fit_s = t_fit.elapsed().as_secs_f64();
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before pre_new",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
 
     // ---- issue 11: universal templates learned from the data (or built-in, or a file) ----
@@ -411,8 +469,19 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
             chosen_templates.templates.clone(),
             job.detection.clone(),
         )?;
+        // Issue 10: the run's page-locked pool goes on with the new detector.
+        #[cfg(feature = "cuda")]
+        if let Some(p) = pinned.as_mut().and_then(|r| r.pool()) {
+            detector.use_pinned_pool(p);
+        }
     }
     crate::universal::write_outputs(writer.partial_path(), &chosen_templates)?;
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before templates",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let learn_s = t_learn.elapsed().as_secs_f64();
     // ---- end issue 11 ----
     // ---- issue 10: the pass (preprocessing + detection, on the host or the
@@ -438,6 +507,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     };
     #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
     let mut pass = host_pass(detector);
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before pass_new",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let preprocess_on = pass.preprocess_on();
     // ---- end issue 10 ----
     // ---- drift (issue 12, src/drift): first pass, estimate, drift files ----
@@ -467,6 +542,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     });
     // Kilosort4 learns wTEMP/wPCA again for the second pass, from the
     // drift-corrected windows (drift-spec.md §8); those templates are the output's.
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before drift_prepared",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let mut templates_first_pass = None;
     let mut relearn_s = 0.0;
     if drift.correction.is_some()
@@ -526,6 +607,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let stages = if drift.windows_to_detect() == 0 {
         crate::stages::StagesReport::default()
     } else {
+        if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+            eprintln!(
+                "DEBUG t {:.3} before stages_start",
+                t_start.elapsed().as_secs_f64()
+            );
+        }
         run_windows(
             rec.clone(),
             plan,
@@ -633,6 +720,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // ---- issue 10: busy seconds per stage, the stages' wall and overlap ----
     info.timings.insert("whitening_fit".into(), fit_s);
     if chosen.backend != "cpu" {
+        info.timings.insert("device_probe".into(), device_probe_s);
         info.timings.insert("device_open".into(), device_open_s);
     }
     if warm_up_s > 0.0 {
@@ -652,6 +740,22 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         };
         info.timings.insert(key, v);
     }
+    // ---- issue 10 (page-locked pool): blocks made ahead and on demand ----
+    #[cfg(feature = "cuda")]
+    if let Some(p) = pinned.as_mut().and_then(|r| r.pool()) {
+        let st = p.stats();
+        tracing::info!(
+            "page-locked window buffers: {} made ahead ({:.3} s on their own thread), {} when needed ({:.3} s)",
+            st.reserved,
+            st.reserve_s,
+            st.on_demand,
+            st.on_demand_s
+        );
+        info.timings.insert("pinned_reserve".into(), st.reserve_s);
+        info.timings
+            .insert("pinned_on_demand".into(), st.on_demand_s);
+    }
+    // ---- end issue 10 (page-locked pool) ----
     info.timings.insert("stages_wall".into(), stages.wall);
     info.timings.insert("overlap".into(), stages.overlap());
     info.timings
@@ -667,6 +771,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
             .insert("templates_second_pass".into(), relearn_s);
     }
     // ---- end drift ----
+    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
+        eprintln!(
+            "DEBUG t {:.3} before finish_start",
+            t_start.elapsed().as_secs_f64()
+        );
+    }
     let summary = writer.finish(&info)?;
     Ok(Report {
         summary,
@@ -1045,7 +1155,10 @@ pub fn write_whitened(
 /// preprocessed and detected), one more window for scratch and the output
 /// streams' buffers, the detector's per-centre buffers (As and its template
 /// index), and per-thread filter-bank tiles. It does not depend on the
-/// recording's length or spike count.
+/// recording's length or spike count. (A GPU pass holds up to
+/// [`crate::stages::windows_in_flight`]` = 6` int16 windows, and the device
+/// whitening fit [`FIT_WINDOWS_IN_FLIGHT`]` = 5`: at most 3 f32 windows' bytes,
+/// within this figure.)
 pub fn memory_estimate(n_sites: usize, window_len: usize, n_centres: usize) -> u64 {
     let window = (n_sites * window_len * 4) as u64;
     let detector = (n_centres * window_len.next_multiple_of(crate::detect::cpu::TILE) * 5) as u64;
@@ -1217,10 +1330,56 @@ fn finish_fit(
     })
 }
 
+/// Issue 10: with CUDA and device preprocessing, opens the run's page-locked
+/// pool and allocates its window buffers on a thread of its own
+/// ([`crate::detect::gpu::pinned::PinnedPool::open_reserving`]), as many as
+/// the run holds at once: the larger of the pass's windows in flight
+/// ([`crate::stages::windows_in_flight`] with a stager and
+/// [`crate::stages::DEVICE_READERS`]: 6) and the device whitening fit's
+/// ([`FIT_WINDOWS_IN_FLIGHT`]: 5); the warm-up's window is back in the pool
+/// before the fit starts, and the fit's before the pass. Each holds one int16
+/// window (`n_sites × Raw16::stride_for(window_len)` values: 46 MB for
+/// 384 sites); `None` (nothing reserved: a buffer is made when first
+/// needed, as before) on other back ends and for recordings that do not give
+/// int16 values as they are (their windows are packed to other sizes).
+#[cfg(feature = "cuda")]
+fn reserve_pinned(
+    chosen: &crate::backend::Chosen,
+    device_preprocessing: bool,
+    rec: &dyn Recording,
+    plan: &WindowPlan,
+    chan_map: &[u64],
+) -> Option<crate::detect::gpu::pinned::ReservedPool> {
+    if chosen.backend != "cuda"
+        || !device_preprocessing
+        || !crate::recording::gives_int16(rec, chan_map)
+    {
+        return None;
+    }
+    let len = chan_map.len() * crate::recording::Raw16::stride_for(plan.window_len()) * 2;
+    let n = crate::stages::windows_in_flight(true, crate::stages::DEVICE_READERS)
+        .max(FIT_WINDOWS_IN_FLIGHT);
+    Some(crate::detect::gpu::pinned::PinnedPool::open_reserving(
+        n, len,
+    ))
+}
+
+/// Threads reading the device whitening fit's windows at once (issue 10;
+/// [`fit_covariance_on_device`]) when the recording gives int16 values (one
+/// otherwise).
+pub const FIT_READERS: usize = 3;
+
+/// Windows the device whitening fit holds at most (issue 10): one per reading
+/// thread, one queued for the device, one on the device
+/// ([`fit_covariance_on_device`]); with CUDA each is a page-locked buffer of
+/// the run's pool.
+pub const FIT_WINDOWS_IN_FLIGHT: usize = FIT_READERS + 2;
+
 /// The whitening fit's covariance with the GPU doing the preprocessing and
 /// the product (issue 10): every `nskip`-th window ([`crate::preprocess::covariance_windows`])
 /// is read and checked on the host exactly as [`fit`] does (int16 rows
-/// straight into page-locked memory when the recording is int16), sent up,
+/// straight into page-locked memory when the recording is int16; read on
+/// [`FIT_READERS`] threads at once, checked in window order), sent up,
 /// preprocessed as the detection pass does it on the device (channel means,
 /// median CAR, high-pass; `pre`'s whitening is not used) and multiplied there
 /// ([`crate::detect::gpu::GpuDetector::window_gram`]); the host adds each
@@ -1273,42 +1432,77 @@ fn fit_covariance_on_device(
     let mut cc = Array2::<f64>::zeros((c, c));
     let inv_t = 1.0 / (n - 2 * nt) as f64;
     let rec = rec.as_ref();
-    // Reading and checking window k + 1 on its own thread while the device
-    // works on window k.
+    // Issue 10: the fit's windows are read on FIT_READERS threads at once
+    // (`recording::read_in_order`), then checked, packed and queued for the
+    // device in window order, one at a time, while the device works on an
+    // earlier window: `health` sees the windows in the same order as a
+    // single reading loop (its per-row hashes chain across windows), and the
+    // device loop below adds the Gram matrices in window order (the same
+    // covariance, bit for bit). At most FIT_WINDOWS_IN_FLIGHT windows exist
+    // at once (a token per window, given back once the device is done with it).
     let (read_s, checks_s) = std::thread::scope(|scope| -> Result<(f64, f64)> {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Result<crate::detect::gpu::RawWindow>>(1);
+        let (token_tx, token_rx) = crossbeam_channel::bounded::<()>(FIT_WINDOWS_IN_FLIGHT);
+        for _ in 0..FIT_WINDOWS_IN_FLIGHT {
+            let _ = token_tx.send(());
+        }
         let list = windows.clone();
-        let packer_r = packer.clone();
         let packer = &packer;
         let health_r = &mut *health;
         let reader = scope.spawn(move || {
-            let (mut read_s, mut checks_s) = (0.0, 0.0);
             // Int16 rows straight into page-locked memory when the recording
             // gives them (the pass's read, `stages::read_any`).
-            let mut raw16: Option<crate::stages::Raw16Alloc> = Some(Box::new(move |len| {
-                Box::new(packer_r.raw16_buffer(len)) as Box<dyn crate::recording::Raw16Buffer>
-            }));
-            for &i in &list {
-                let t0 = Instant::now();
-                let res = (|| -> Result<crate::detect::gpu::RawWindow> {
+            // Several readers for int16 windows; one for f32 windows (twice
+            // the bytes), as in the pass (`stages::DEVICE_READERS`).
+            let readers = if crate::recording::gives_int16(rec, chan_map) {
+                FIT_READERS
+            } else {
+                1
+            };
+            let states: Vec<(Option<crate::stages::Raw16Alloc>, f64)> = (0..readers)
+                .map(|_| {
+                    let p = packer.clone();
+                    let alloc: crate::stages::Raw16Alloc = Box::new(move |len| {
+                        Box::new(p.raw16_buffer(len)) as Box<dyn crate::recording::Raw16Buffer>
+                    });
+                    (Some(alloc), 0.0)
+                })
+                .collect();
+            let mut checks_s = 0.0;
+            let tx = &tx;
+            let done = crate::recording::read_in_order(
+                "spikecube-fit-read",
+                list.len() as u64,
+                states,
+                |_| token_rx.recv().ok(),
+                |(raw16, read_s), k, ()| {
+                    let i = list[k as usize];
+                    let t0 = Instant::now();
                     let mut data = Array2::zeros((0, 0));
-                    let r16 =
-                        crate::stages::read_any(rec, plan, i, chan_map, &mut data, &mut raw16)?;
-                    let mut w =
-                        crate::recording::Window::of(rec.first_sample(), plan, i, data, r16);
-                    let t1 = Instant::now();
-                    read_s += (t1 - t0).as_secs_f64();
-                    let cols = checks::WindowColumns::of(plan, i);
-                    checks::check_window(&mut w, &cols, min_run, Some(&mut *health_r), mask);
-                    checks_s += t1.elapsed().as_secs_f64();
-                    Ok(packer.raw_window(&mut w))
-                })();
-                let failed = res.is_err();
-                if tx.send(res).is_err() || failed {
-                    break;
-                }
+                    let res = crate::stages::read_any(rec, plan, i, chan_map, &mut data, raw16)
+                        .map(|r16| {
+                            crate::recording::Window::of(rec.first_sample(), plan, i, data, r16)
+                        });
+                    *read_s += t0.elapsed().as_secs_f64();
+                    res
+                },
+                |k, res: Result<crate::recording::Window>| {
+                    let i = list[k as usize];
+                    let res = res.map(|mut w| {
+                        let t1 = Instant::now();
+                        let cols = checks::WindowColumns::of(plan, i);
+                        checks::check_window(&mut w, &cols, min_run, Some(&mut *health_r), mask);
+                        checks_s += t1.elapsed().as_secs_f64();
+                        packer.raw_window(&mut w)
+                    });
+                    let failed = res.is_err();
+                    tx.send(res).is_ok() && !failed
+                },
+            );
+            match done {
+                Ok(states) => Ok((states.iter().map(|s| s.1).sum::<f64>(), checks_s)),
+                Err(e) => Err(e),
             }
-            (read_s, checks_s)
         });
         for &i in &windows {
             let Ok(raw) = rx.recv() else { break };
@@ -1322,14 +1516,23 @@ fn fit_covariance_on_device(
                 *v += g[(a, b)] * inv_t;
             }
             times.add("device", t.elapsed().as_secs_f64());
+            // The window's storage is back in the pool: the next may be read.
+            let _ = token_tx.send(());
         }
         drop(rx);
+        drop(token_tx);
         reader
             .join()
-            .map_err(|_| anyhow::anyhow!("the whitening fit's reading thread panicked"))
+            .map_err(|_| anyhow::anyhow!("the whitening fit's reading thread panicked"))?
+            .context("cannot start the whitening fit's reading threads")
     })?;
+    // Busy seconds summed over the reading threads.
     times.add("read", read_s);
     times.add("checks", checks_s);
+    let [up, pre_s, gram_s] = detector.take_gram_seconds();
+    times.add("device.upload", up);
+    times.add("device.preprocess", pre_s);
+    times.add("device.gram", gram_s);
     cc.mapv_inplace(|v| v / windows.len() as f64);
     Ok(Some(cc))
 }

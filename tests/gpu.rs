@@ -665,6 +665,84 @@ fn check_highpass_iir<R: Runtime>(
     }
 }
 
+// ---- issue 10: windows queued on the device (submit_raw / collect) ----
+/// Windows queued on the device ([`GpuDetector::submit_raw`] and
+/// [`GpuDetector::collect`], the pipelined pass) give, in order, exactly each
+/// window's [`GpuDetector::detect_raw`] detections; also when a window has
+/// more detections than the peak buffers hold, so that it and the window
+/// queued after it run again. `prepare` sets up the detector and returns the
+/// packer to use (CUDA: page-locked memory and the two upload buffers, whose
+/// windows `sent` says must go ahead).
+fn check_queue<R: Runtime>(
+    device: &R::Device,
+    prepare: &dyn Fn(&mut GpuDetector<R>, usize) -> spikecube::detect::gpu::Packer,
+    sent: bool,
+) {
+    use spikecube::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
+    let xy: Vec<(f32, f32)> = (0..32)
+        .map(|r| ((r % 2) as f32 * 32.0, (r / 2) as f32 * 20.0))
+        .collect();
+    let p: Probe = probe(&xy, &[0; 32]);
+    let settings = PreprocessSettings {
+        batch_size: 6000,
+        ..PreprocessSettings::default()
+    };
+    let nw = settings.window_len();
+    let windows: Vec<Array2<f32>> = (0..5).map(|k| raw_window(&xy, nw, 40 + k)).collect();
+    let first = windows[0].clone();
+    let pre = Preprocessor::fit(
+        1,
+        |_| -> Result<Array2<f32>, spikecube::error::PreprocessError> { Ok(first.clone()) },
+        &p,
+        &settings,
+    )
+    .unwrap();
+    let form = pre.device_form(DEVICE_TAP_FLOOR).unwrap();
+    let s = DetectionSettings {
+        nearest_chans: 10,
+        ..DetectionSettings::default()
+    };
+    let g = Geometry::new(&p, &s).unwrap();
+    let plain = spikecube::detect::gpu::Packer::default();
+    let mut one = gpu::<R>(device, &g, &s, FAST);
+    one.set_preprocessing(&form).unwrap();
+    let want: Vec<Detections> = windows
+        .iter()
+        .map(|w| one.detect_raw(plain.pack(w.view()), &p.yc, None).unwrap())
+        .collect();
+    assert!(
+        want.iter().all(|d| !d.is_empty()),
+        "windows without detections"
+    );
+    let bytes = plain.pack(windows[0].view()).n_bytes();
+    for cap in [None, Some(1)] {
+        let mut det = gpu::<R>(device, &g, &s, FAST);
+        det.set_preprocessing(&form).unwrap();
+        let packer = prepare(&mut det, bytes);
+        if let Some(c) = cap {
+            det.set_peak_capacity(c);
+        }
+        let mut got = Vec::new();
+        for w in &windows {
+            let raw = packer.send_ahead(packer.pack(w.view()));
+            assert_eq!(raw.is_sent(), sent, "window sent ahead");
+            det.submit_raw(raw, &p.yc).unwrap();
+            // One window stays queued, as in the pass.
+            while det.pending_windows() > 1 {
+                got.push(det.collect().unwrap().expect("a queued window"));
+            }
+        }
+        while let Some(d) = det.collect().unwrap() {
+            got.push(d);
+        }
+        assert_eq!(got.len(), windows.len(), "capacity {cap:?}: windows back");
+        for (k, (a, b)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(a, b, "capacity {cap:?}: window {k}");
+        }
+    }
+}
+// ---- end issue 10 ----
+
 #[cfg(feature = "wgpu")]
 mod wgpu {
     use super::*;
@@ -723,8 +801,8 @@ mod wgpu {
             TWIN_F64_ABS,
         );
     }
-    /// The IIR kernels' indexing with f32 state (WGSL has no doubles) against
-    /// the CPU twin with f32 state.
+    /// The IIR kernels' indexing with f32 state (the form for devices without
+    /// doubles, for tests only) against the CPU twin with f32 state.
     #[test]
     fn highpass_iir_f32() {
         check_highpass_iir::<WgpuRuntime>(
@@ -734,6 +812,10 @@ mod wgpu {
             TWIN_F32_REL,
             TWIN_F32_ABS,
         );
+    }
+    #[test]
+    fn queued_windows() {
+        check_queue::<WgpuRuntime>(&device(), &|_, _| Default::default(), false);
     }
 
     /// The whole `spikecube detect` run with `--backend wgpu` writes the same
@@ -937,6 +1019,24 @@ mod cuda {
             ],
             TWIN_F64_REL,
             TWIN_F64_ABS,
+        );
+    }
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
+    fn cuda_queued_windows() {
+        // Windows through CubeCL's own upload, then through the upload buffers.
+        check_queue::<CudaRuntime>(&device(), &|_, _| Default::default(), false);
+        check_queue::<CudaRuntime>(
+            &device(),
+            &|d, bytes| {
+                let mut packer = spikecube::detect::gpu::Packer::pinned_cuda();
+                let pool = packer.pool().expect("page-locked memory from the driver");
+                d.use_direct_upload(pool.clone());
+                let ptrs = d.upload_slot_ptrs(bytes).expect("upload buffers");
+                packer.set_slots(pool.upload_slots(ptrs, bytes).expect("a copy stream"));
+                packer
+            },
+            true,
         );
     }
     #[test]

@@ -22,6 +22,7 @@
 //!   Kilosort4's rule exactly.
 
 use ndarray::{Array2, Array3};
+use rayon::prelude::*;
 
 use crate::detect::settings::DetectionSettings;
 use crate::error::DetectError;
@@ -172,14 +173,32 @@ impl Geometry {
             }
         }
 
+        // The k nearest by (squared distance, index): a total order, so the
+        // k smallest are the same whether all are sorted or only those
+        // (one centre at a time, centres in parallel: issue 10, start-up).
+        fn nearest(mut d: Vec<(f64, usize)>, k: usize) -> Vec<(f64, usize)> {
+            let order =
+                |a: &(f64, usize), b: &(f64, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+            if k < d.len() {
+                d.select_nth_unstable_by(k, order);
+                d.truncate(k);
+            }
+            d.sort_by(order);
+            d
+        }
         let mut i_c = Array2::<u32>::zeros((nc, nf));
         let mut ds = Array2::<f64>::zeros((nc, nf));
-        for j in 0..nf {
-            let mut d: Vec<(f64, usize)> = (0..n_sites)
-                .filter(|&i| probe.kcoords[i] == centre_shank[j])
-                .map(|i| (sq_dist(xcup[j], ycup[j], xc[i], yc[i]), i))
-                .collect();
-            d.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let near_sites: Vec<Vec<(f64, usize)>> = (0..nf)
+            .into_par_iter()
+            .map(|j| {
+                let d: Vec<(f64, usize)> = (0..n_sites)
+                    .filter(|&i| probe.kcoords[i] == centre_shank[j])
+                    .map(|i| (sq_dist(xcup[j], ycup[j], xc[i], yc[i]), i))
+                    .collect();
+                nearest(d, nc)
+            })
+            .collect();
+        for (j, d) in near_sites.iter().enumerate() {
             for c in 0..nc {
                 i_c[[c, j]] = d[c].1 as u32;
                 ds[[c, j]] = d[c].0;
@@ -188,12 +207,17 @@ impl Geometry {
 
         let nc2 = settings.nearest_templates.min(nf);
         let mut i_c2 = Array2::<u32>::zeros((nc2, nf));
-        for j in 0..nf {
-            let mut d: Vec<(f64, usize)> = (0..nf)
-                .filter(|&m| !settings.separate_shanks || centre_shank[m] == centre_shank[j])
-                .map(|m| (sq_dist(xcup[j], ycup[j], xcup[m], ycup[m]), m))
-                .collect();
-            d.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let near_centres: Vec<Vec<(f64, usize)>> = (0..nf)
+            .into_par_iter()
+            .map(|j| {
+                let d: Vec<(f64, usize)> = (0..nf)
+                    .filter(|&m| !settings.separate_shanks || centre_shank[m] == centre_shank[j])
+                    .map(|m| (sq_dist(xcup[j], ycup[j], xcup[m], ycup[m]), m))
+                    .collect();
+                nearest(d, nc2)
+            })
+            .collect();
+        for (j, d) in near_centres.iter().enumerate() {
             for m in 0..nc2 {
                 i_c2[[m, j]] = d.get(m).map_or(j, |e| e.1) as u32;
             }

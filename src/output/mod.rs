@@ -54,6 +54,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use ndarray::Array2;
+use rayon::prelude::*;
 
 pub use drift_map::{DEFAULT_CAPACITY, DriftAxes, DriftMap};
 pub use npy_stream::NpyStream;
@@ -440,7 +441,7 @@ impl OutputWriter {
             .streams
             .take()
             .context("output writer already finished")?;
-        for st in [
+        let streams = vec![
             s.times,
             s.centres,
             s.amps,
@@ -450,9 +451,27 @@ impl OutputWriter {
             s.pcs,
             s.pc_ind,
             s.peaks,
-        ] {
-            st.finish()?;
-        }
+        ];
+        // Each file's header and its sync to disk, all at once (issue 10:
+        // nine syncs one after another took tens of ms), beside the drift map.
+        let drift_map = self.tmp.join("drift_map.png");
+        let axes = DriftAxes {
+            fs: run.fs,
+            n_samples: run.n_samples,
+            y_range: self.y_range,
+        };
+        let drift = &self.drift;
+        let (finished, rendered) = rayon::join(
+            || {
+                streams
+                    .into_par_iter()
+                    .map(|st| st.finish().map(|_| ()))
+                    .collect::<Result<Vec<()>>>()
+            },
+            || drift.render(&drift_map, &axes),
+        );
+        finished?;
+        rendered?;
         let n_sites = self.n_sites;
         let f = |n: &str| self.tmp.join(n);
 
@@ -535,15 +554,6 @@ impl OutputWriter {
                 "whitening_mat": whitening_note,
             },
         });
-        self.drift.render(
-            &f("drift_map.png"),
-            &DriftAxes {
-                fs: run.fs,
-                n_samples: run.n_samples,
-                y_range: self.y_range,
-            },
-        )?;
-
         let staged = self
             .staged
             .take()

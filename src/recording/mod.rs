@@ -20,6 +20,7 @@ mod binary;
 mod concat;
 pub mod np_parts;
 pub mod openephys;
+pub mod ordered;
 pub mod spikeglx;
 mod window;
 
@@ -28,8 +29,9 @@ use std::sync::Arc;
 
 pub use binary::BinaryRecording;
 pub use concat::ConcatRecording;
+pub use ordered::read_in_order;
 pub use window::{
-    Raw16, Raw16Buffer, Window, WindowLoader, WindowPlan, read_window, read_window_i16,
+    Raw16, Raw16Buffer, Window, WindowLoader, WindowPlan, gives_int16, read_window, read_window_i16,
 };
 
 use crate::error::RecordingError;

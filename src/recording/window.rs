@@ -200,7 +200,7 @@ pub fn read_window_i16(
         });
     }
     let stride = out.stride;
-    read_window_rows(
+    let read = read_window_rows(
         rec,
         plan,
         i,
@@ -208,7 +208,31 @@ pub fn read_window_i16(
         out.values_mut(),
         stride,
         |a, m, buf, stride| rec.read_channels_i16(a, m, chan_map, buf, stride),
-    )
+    )?;
+    if read && stride > nw {
+        // Issue 10: the values past each row's end (one when the window has an
+        // odd number of samples) go to a GPU with the row; they are set here so
+        // that every byte of the buffer is written by the read (its storage may
+        // be a reused page-locked block: `PinnedPool::take` does not zero).
+        for row in out.values_mut().chunks_mut(stride) {
+            row[nw..].fill(0);
+        }
+    }
+    Ok(read)
+}
+
+/// Whether `rec` gives the values of the channels of `chan_map` as int16
+/// unchanged ([`read_window_i16`] reads them; [`Recording::read_channels_i16`]
+/// answers for one sample of the first channel). Issue 10: a GPU pass reads
+/// such windows on several threads, into page-locked buffers made ahead.
+pub fn gives_int16(rec: &dyn Recording, chan_map: &[u64]) -> bool {
+    let mut one = [0i16; 1];
+    !chan_map.is_empty()
+        && rec.n_samples() > 0
+        && matches!(
+            rec.read_channels_i16(0, 1, &chan_map[..1], &mut one, 1),
+            Ok(true)
+        )
 }
 
 /// The window logic of [`read_window`] for rows of `stride` values of any

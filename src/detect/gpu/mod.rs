@@ -181,6 +181,11 @@ pub struct GpuDetector<R: Runtime> {
     /// page-locked memory), bypassing CubeCL 0.10's `create`, which copies the
     /// bytes into a new pageable vector first.
     direct: Option<DirectUpload<R>>,
+    /// The page-locked pool of [`GpuDetector::use_direct_upload`], kept so that
+    /// every packer of this detector shares it (issue 10: one pool per
+    /// detector; [`GpuDetector::pinned_pool`]).
+    #[cfg(feature = "cuda")]
+    pinned: Option<pinned::PinnedPool>,
     /// The two persistent buffers windows are sent ahead into (bytes,
     /// handles; [`Packer::send_ahead`]).
     raw_slots: Option<(usize, [Handle; 2])>,
@@ -190,6 +195,54 @@ pub struct GpuDetector<R: Runtime> {
     /// The whitening fit's Gram output (bytes, handle), kept at its exact size
     /// ([`GpuDetector::window_gram`]).
     gram_out: Option<(usize, Handle)>,
+    /// Windows queued on the device whose detections are not collected yet,
+    /// oldest first ([`GpuDetector::submit_raw`], [`GpuDetector::collect`]).
+    pending: std::collections::VecDeque<Pending>,
+    /// A clone of `client` that is never dropped (one per detector), for
+    /// downloads that outlive the call queuing them ([`GpuDetector::submit_raw`]).
+    client_for_reads: Option<&'static ComputeClient<R>>,
+    /// [`GpuDetector::take_gram_seconds`].
+    gram_s: [f64; 3],
+}
+
+/// The download of one window's detections, queued on the device's stream.
+type ReadFuture = std::pin::Pin<
+    Box<
+        dyn std::future::Future<
+                Output = Result<Vec<cubecl::bytes::Bytes>, cubecl::server::ServerError>,
+            > + Send,
+    >,
+>;
+
+/// Everything the device needs to preprocess one raw window (again): the
+/// window's raw buffer and the whitening it was queued with.
+struct RawRecipe {
+    raw: Handle,
+    /// Sites.
+    n_rows: usize,
+    /// Samples per row.
+    n_t: usize,
+    /// 32-bit words per row and in all.
+    words_per_row: usize,
+    n_words: usize,
+    /// int16 pairs (true) or float32 bits.
+    packed: bool,
+    /// The whitening in CSR form (row starts, columns, values) and its non-zeros.
+    w_start: Handle,
+    w_cols: Handle,
+    w_vals: Handle,
+    w_nnz: usize,
+}
+
+/// A window queued by [`GpuDetector::submit_raw`].
+struct Pending {
+    recipe: RawRecipe,
+    /// The claim on the upload buffer holding the raw window, released once
+    /// its detections are back.
+    claim: Box<dyn Send>,
+    /// Detections the peak buffers held when it was queued.
+    cap: usize,
+    read: ReadFuture,
 }
 
 /// See [`GpuDetector::direct`]'s field: copies the bytes into the handle's memory.
@@ -289,6 +342,16 @@ impl Packer {
     pub fn pinned_cuda() -> Packer {
         Packer {
             pinned: pinned::PinnedPool::new(),
+            slots: None,
+        }
+    }
+
+    /// A packer into `pool`'s page-locked memory (issue 10: the pool a
+    /// detector's packers share).
+    #[cfg(feature = "cuda")]
+    pub fn with_pool(pool: pinned::PinnedPool) -> Packer {
+        Packer {
+            pinned: Some(pool),
             slots: None,
         }
     }
@@ -494,6 +557,7 @@ impl GpuDetector<cubecl::cuda::CudaRuntime> {
     /// `cuMemcpyHtoD` into a persistent buffer (about 25 GB/s measured on the H200
     /// machine, BENCHMARKS.md) instead of CubeCL's `create`.
     pub fn use_direct_upload(&mut self, pool: pinned::PinnedPool) {
+        self.pinned = Some(pool.clone());
         self.direct = Some(Box::new(move |client, handle, bytes| {
             let Ok(res) = client.get_resource(handle) else {
                 return false;
@@ -509,6 +573,11 @@ impl GpuDetector<cubecl::cuda::CudaRuntime> {
 
 #[cfg(feature = "cuda")]
 impl GpuDetector<cubecl::cuda::CudaRuntime> {
+    /// The page-locked pool given to [`GpuDetector::use_direct_upload`], if any.
+    pub fn pinned_pool(&self) -> Option<pinned::PinnedPool> {
+        self.pinned.clone()
+    }
+
     /// Allocates the two persistent upload buffers of `len` bytes each (kept
     /// while the size stays) and returns their device addresses, for
     /// [`pinned::PinnedPool::upload_slots`].
@@ -608,9 +677,14 @@ impl<R: Runtime> GpuDetector<R> {
             pre: None,
             raw_buf: None,
             direct: None,
+            #[cfg(feature = "cuda")]
+            pinned: None,
             raw_slots: None,
             wait_s: 0.0,
             gram_out: None,
+            pending: Default::default(),
+            client_for_reads: None,
+            gram_s: [0.0; 3],
         })
     }
 
@@ -818,6 +892,122 @@ impl<R: Runtime> GpuDetector<R> {
         Ok(det)
     }
 
+    /// Queues one raw window on the device (one sent ahead,
+    /// [`Packer::send_ahead`], or else copied into a device buffer of its
+    /// own): preprocessing, detection and the download of its
+    /// detections, without waiting for them, so that the device starts on it
+    /// as soon as the window before is done (issue 10: no gap between windows
+    /// while the host sorts and hands on the previous window's detections).
+    /// [`GpuDetector::collect`] returns the detections, in the order the
+    /// windows were queued; each equals what [`GpuDetector::detect_raw`] gives
+    /// for that window. Every buffer the queued work uses is either the
+    /// window's own (its upload buffer, held until collected; the whitening
+    /// set when it was queued) or written and read in stream order, so
+    /// several windows may be queued. Uses the current whitening
+    /// ([`GpuDetector::set_whitening`]).
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect_raw`].
+    pub fn submit_raw(&mut self, mut raw: RawWindow, yc: &[f32]) -> Result<(), DetectError> {
+        let claim = match raw.slot.as_mut() {
+            Some((_, claim)) => std::mem::replace(claim, Box::new(())),
+            None => Box::new(()),
+        };
+        let recipe = self.raw_recipe(raw, yc, true)?;
+        let cap = self.peaks.as_ref().map_or(4096, |p| p.cap);
+        let read = self.launch_window(&recipe, cap);
+        self.pending.push_back(Pending {
+            recipe,
+            claim,
+            cap,
+            read,
+        });
+        Ok(())
+    }
+
+    /// Makes the peak buffers hold `cap` detections (at least one) from the
+    /// next window on, e.g. few, to test how a window with more is run again.
+    pub fn set_peak_capacity(&mut self, cap: usize) {
+        if self.peaks.as_ref().is_some_and(|p| p.cap != cap.max(1)) {
+            self.peaks = None;
+        }
+        self.ensure_peaks(cap.max(1));
+    }
+
+    /// Windows queued by [`GpuDetector::submit_raw`] and not collected yet.
+    pub fn pending_windows(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// The detections of the oldest window queued by
+    /// [`GpuDetector::submit_raw`] (waiting for them); `None` when none is
+    /// queued. When a window has more detections than the peak buffers hold,
+    /// the buffers grow and that window and the ones queued after it run again
+    /// (the later ones have overwritten its intermediate arrays since).
+    ///
+    /// # Errors
+    /// [`DetectError::Device`] when the device fails.
+    pub fn collect(&mut self) -> Result<Option<Detections>, DetectError> {
+        let Some(Pending {
+            recipe,
+            claim,
+            cap,
+            read,
+        }) = self.pending.pop_front()
+        else {
+            return Ok(None);
+        };
+        let (n, det) = match self.finish_download(read, cap) {
+            Ok(v) => v,
+            Err(e) => {
+                // The device failed: nothing queued will come back.
+                self.pending.clear();
+                return Err(e);
+            }
+        };
+        if n <= cap {
+            drop(claim);
+            return Ok(Some(det));
+        }
+        let mut later = Vec::new();
+        while let Some(p) = self.pending.pop_front() {
+            // Its download read buffers about to be redone: let it finish.
+            let _ = cubecl::future::block_on(p.read);
+            later.push((p.recipe, p.claim));
+        }
+        let mut cap = n.next_power_of_two();
+        let det = loop {
+            let read = self.launch_window(&recipe, cap);
+            let (n, det) = self.finish_download(read, cap)?;
+            if n <= cap {
+                break det;
+            }
+            cap = n.next_power_of_two();
+        };
+        drop(claim);
+        for (recipe, claim) in later {
+            let read = self.launch_window(&recipe, cap);
+            self.pending.push_back(Pending {
+                recipe,
+                claim,
+                cap,
+                read,
+            });
+        }
+        Ok(Some(det))
+    }
+
+    /// Launches a whole window (preprocessing, steps 1–5 with peak buffers of
+    /// at least `cap` detections) and queues its download.
+    fn launch_window(&mut self, recipe: &RawRecipe, cap: usize) -> ReadFuture {
+        self.launch_preprocess(recipe, 4);
+        self.steps_1_to_3(false);
+        self.ensure_peaks(cap);
+        self.launch_peaks();
+        self.launch_features();
+        self.start_download()
+    }
+
     /// The whitening fit's term of one raw window (Kilosort4's
     /// `get_whitening_matrix`): channel means, median CAR and high-pass on the
     /// device as [`GpuDetector::detect_raw`] does them, then the Gram matrix
@@ -842,7 +1032,11 @@ impl<R: Runtime> GpuDetector<R> {
                 message: format!("samples {lo}..{hi} are not within a window of {n_t}"),
             });
         }
-        self.upload_raw(raw, yc, false, 3)?;
+        let clock = Instant::now();
+        let pre_s = self.upload_raw(raw, yc, true, 3)?;
+        self.gram_s[0] += clock.elapsed().as_secs_f64() - pre_s;
+        self.gram_s[1] += pre_s;
+        let clock = Instant::now();
         let w = self.window.as_ref().expect("allocated");
         let nb = c.div_ceil(gram::GRAM_TILE);
         let tiles = nb * (nb + 1) / 2;
@@ -886,7 +1080,15 @@ impl<R: Runtime> GpuDetector<R> {
                 g[(k, i)] = s;
             }
         }
+        self.gram_s[2] += clock.elapsed().as_secs_f64();
         Ok(g)
+    }
+
+    /// Seconds [`GpuDetector::window_gram`] spent since the last call: putting
+    /// the windows on the device, preprocessing them, and the products with
+    /// their download.
+    pub fn take_gram_seconds(&mut self) -> [f64; 3] {
+        std::mem::take(&mut self.gram_s)
     }
 
     /// Whitened window X after [`GpuDetector::detect_raw`]'s preprocessing
@@ -931,6 +1133,28 @@ impl<R: Runtime> GpuDetector<R> {
         timed: bool,
         kernels: usize,
     ) -> Result<f64, DetectError> {
+        let recipe = self.raw_recipe(raw, yc, false)?;
+        if timed {
+            self.sync()?;
+        }
+        let clock = Instant::now();
+        self.launch_preprocess(&recipe, kernels);
+        if timed {
+            self.sync()?;
+        }
+        Ok(clock.elapsed().as_secs_f64())
+    }
+
+    /// Checks a raw window against the preprocessing set up, allocates the
+    /// window's buffers, puts the window on the device (unless it was sent
+    /// ahead: into the persistent raw buffer, or into one of its own with
+    /// `own_buffer`) and returns what [`GpuDetector::launch_preprocess`] needs.
+    fn raw_recipe(
+        &mut self,
+        raw: RawWindow,
+        yc: &[f32],
+        own_buffer: bool,
+    ) -> Result<RawRecipe, DetectError> {
         let Some(pre) = self.pre.as_ref() else {
             return Err(DetectError::Setting {
                 name: "backend",
@@ -951,7 +1175,7 @@ impl<R: Runtime> GpuDetector<R> {
         }
         self.check_size(c, n_t)?;
         self.ensure_window(c, n_t, yc);
-        let wpr = raw.words_per_row();
+        let words_per_row = raw.words_per_row();
         let n_words = raw.n_bytes() / 4;
         let packed = raw.packed;
         let raw_h = match raw.slot.as_ref().map(|s| s.0) {
@@ -964,14 +1188,31 @@ impl<R: Runtime> GpuDetector<R> {
                     });
                 }
             },
+            None if own_buffer => self.client.create_from_slice(&raw.data),
             None => self.raw_to_device(raw.data, raw.pinned)?,
         };
-        if timed {
-            self.sync()?;
-        }
         let pre = self.pre.as_ref().expect("checked");
+        Ok(RawRecipe {
+            raw: raw_h,
+            n_rows: c,
+            n_t,
+            words_per_row,
+            n_words,
+            packed,
+            w_start: pre.w_start.clone(),
+            w_cols: pre.w_cols.clone(),
+            w_vals: pre.w_vals.clone(),
+            w_nnz: pre.form.w_cols.len(),
+        })
+    }
+
+    /// Launches the first `kernels` preprocessing kernels (channel means,
+    /// median CAR, high-pass, whitening) on the window of `r`, into the
+    /// detector's whitened window X.
+    fn launch_preprocess(&mut self, win: &RawRecipe, kernels: usize) {
+        let (c, n_t) = (win.n_rows, win.n_t);
+        let pre = self.pre.as_ref().expect("set up");
         let w = self.window.as_ref().expect("allocated");
-        let clock = Instant::now();
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let units = CubeDim::new_1d(preprocess::UNITS as u32);
         let (cols, slots) = preprocess::car_tile(c);
@@ -985,11 +1226,11 @@ impl<R: Runtime> GpuDetector<R> {
                     &self.client,
                     CubeCount::Static(c as u32, 1, 1),
                     units,
-                    arr(&raw_h, n_words),
+                    arr(&win.raw, win.n_words),
                     arr(&pre.means, c),
                     n_t as u32,
-                    wpr as u32,
-                    packed,
+                    win.words_per_row as u32,
+                    win.packed,
                 );
             }
             if kernels > 1 {
@@ -997,23 +1238,25 @@ impl<R: Runtime> GpuDetector<R> {
                     &self.client,
                     CubeCount::Static(n_t.div_ceil(cols) as u32, 1, 1),
                     units,
-                    arr(&raw_h, n_words),
+                    arr(&win.raw, win.n_words),
                     arr(&pre.means, c),
                     arr(&w.x, c * n_t),
                     c as u32,
                     n_t as u32,
-                    wpr as u32,
+                    win.words_per_row as u32,
                     cols,
                     slots,
-                    packed,
+                    win.packed,
                     pre.form.do_car,
                 );
             }
+            // The IIR high-pass (the filter bank's buffer B holds its forward
+            // pass's output); it declines only a window not of the form's
+            // shape, which the recipe has ruled out; then the direct kernel.
             if kernels > 2
                 && let Some(iir) = &pre.iir
+                && iir.launch(&self.client, &w.x, &w.b, &w.q, c, n_t).is_ok()
             {
-                // The filter bank's buffer B holds the forward pass's output.
-                iir.launch(&self.client, &w.x, &w.b, &w.q, c, n_t)?;
             } else if kernels > 2 {
                 preprocess::highpass_kernel::launch_unchecked::<R>(
                     &self.client,
@@ -1039,19 +1282,15 @@ impl<R: Runtime> GpuDetector<R> {
                     CubeCount::Static(n_t.div_ceil(preprocess::UNITS) as u32, c as u32, 1),
                     units,
                     arr(&w.q, c * n_t),
-                    arr(&pre.w_start, c + 1),
-                    arr(&pre.w_cols, pre.form.w_cols.len().max(1)),
-                    arr(&pre.w_vals, pre.form.w_vals.len().max(1)),
+                    arr(&win.w_start, c + 1),
+                    arr(&win.w_cols, win.w_nnz.max(1)),
+                    arr(&win.w_vals, win.w_nnz.max(1)),
                     arr(&w.x, c * n_t),
                     n_t as u32,
                 );
             }
         }
-        self.x = Some(w.x.clone());
-        if timed {
-            self.sync()?;
-        }
-        Ok(clock.elapsed().as_secs_f64())
+        self.x = Some(self.window.as_ref().expect("allocated").x.clone());
     }
 
     /// The geometry in use.
@@ -1730,9 +1969,23 @@ impl<R: Runtime> GpuDetector<R> {
     /// sorted into Kilosort4's (centre, sample) order. Returns the count found on
     /// the device (more than the capacity means the buffers must grow).
     fn download(&mut self) -> Result<(usize, Detections), DetectError> {
+        let cap = self.peaks.as_ref().expect("allocated").cap;
+        let read = self.start_download();
+        self.finish_download(read, cap)
+    }
+
+    /// Queues the copies of the count and the peak buffers to the host on the
+    /// device's stream, after the kernels queued before.
+    fn start_download(&mut self) -> ReadFuture {
+        // CubeCL 0.10's `read_async` queues the copies when called, but its
+        // future borrows the client (by its signature, not in fact): a client
+        // kept for the program's life lets the future outlive this call.
+        let client: &'static ComputeClient<R> = *self
+            .client_for_reads
+            .get_or_insert_with(|| Box::leak(Box::new(self.client.clone())));
         let p = self.peaks.as_ref().expect("allocated");
         let count = self.count.take().expect("launched");
-        let out = self.client.read_async(vec![
+        Box::pin(client.read_async(vec![
             count,
             p.peak_j.clone(),
             p.peak_t.clone(),
@@ -1741,9 +1994,18 @@ impl<R: Runtime> GpuDetector<R> {
             p.adist.clone(),
             p.yct.clone(),
             p.tf.clone(),
-        ]);
+        ]))
+    }
+
+    /// Waits for a download queued by [`GpuDetector::start_download`] when the
+    /// peak buffers held `cap` detections, and sorts the detections.
+    fn finish_download(
+        &mut self,
+        read: ReadFuture,
+        cap: usize,
+    ) -> Result<(usize, Detections), DetectError> {
         let waiting = Instant::now();
-        let out = cubecl::future::block_on(out).map_err(|e| DetectError::Device {
+        let out = cubecl::future::block_on(read).map_err(|e| DetectError::Device {
             message: format!("{} failed: {e:?}", self.device_name),
         })?;
         self.wait_s += waiting.elapsed().as_secs_f64();
@@ -1755,7 +2017,7 @@ impl<R: Runtime> GpuDetector<R> {
             n_pcs: npc,
             ..Detections::default()
         };
-        if n > p.cap {
+        if n > cap {
             return Ok((n, d));
         }
         let pj = u32::from_bytes(&out[1]);

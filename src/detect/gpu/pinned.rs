@@ -43,9 +43,33 @@ struct Block {
 unsafe impl Send for Block {}
 
 struct Shared {
-    free: Mutex<Vec<Block>>,
+    free: Mutex<Blocks>,
     lib: libloading::Library,
     ctx: *mut c_void,
+}
+
+/// The pool's blocks: those free now, and counts of every block it made.
+#[derive(Default)]
+struct Blocks {
+    free: Vec<Block>,
+    /// Blocks made (or being made) so far, free or in use: what
+    /// [`PinnedPool::reserve`] tops up to.
+    made: usize,
+    stats: PoolStats,
+}
+
+/// What a [`PinnedPool`] allocated, for `spikecube.json`'s timings.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PoolStats {
+    /// Blocks allocated ahead by [`PinnedPool::reserve`].
+    pub reserved: usize,
+    /// Seconds [`PinnedPool::reserve`] spent allocating them (on its own thread).
+    pub reserve_s: f64,
+    /// Blocks allocated when a buffer was asked for and none was free (on
+    /// the asking thread).
+    pub on_demand: usize,
+    /// Seconds spent in those allocations.
+    pub on_demand_s: f64,
 }
 
 // SAFETY: the context handle is only passed to the driver, which is thread-safe;
@@ -67,7 +91,8 @@ impl Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        let blocks = std::mem::take(self.free.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let blocks =
+            std::mem::take(&mut self.free.get_mut().unwrap_or_else(|e| e.into_inner()).free);
         if blocks.is_empty() || !self.set_current() {
             return;
         }
@@ -122,7 +147,7 @@ impl PinnedPool {
             }
             Some(PinnedPool {
                 shared: Arc::new(Shared {
-                    free: Mutex::new(Vec::new()),
+                    free: Mutex::new(Blocks::default()),
                     lib,
                     ctx,
                 }),
@@ -150,40 +175,48 @@ impl PinnedPool {
         }
     }
 
-    /// A page-locked buffer of `len` bytes (zeroed when new, else holding an
-    /// earlier window), reused from the pool when one is large enough; `None`
-    /// when the driver refuses the allocation.
+    /// A page-locked buffer of `len` bytes, reused from the pool when one is
+    /// large enough (a block of [`PinnedPool::reserve`], or one an earlier
+    /// window gave back), else allocated now; `None` when the driver refuses
+    /// the allocation.
+    ///
+    /// Its bytes are unspecified (an earlier window's, or whatever the driver's
+    /// new memory holds): the caller writes every byte it lets be read. Every
+    /// use does: [`super::Packer::pack`] writes every word of the window, and
+    /// an int16 read ([`crate::recording::read_window_i16`]) writes every
+    /// value of every row, row padding included. So new blocks are not zeroed
+    /// (46 MB each for a 384-channel window: a few ms per block at start-up).
     pub fn take(&self, len: usize) -> Option<Bytes> {
         let reused = {
-            let mut free = self.shared.free.lock().ok()?;
-            free.iter()
+            let mut blocks = self.shared.free.lock().ok()?;
+            let found = blocks
+                .free
+                .iter()
                 .position(|b| b.len >= len)
-                .map(|i| free.swap_remove(i))
+                .map(|i| blocks.free.swap_remove(i));
+            if found.is_none() {
+                // Counted before the allocation, so that a reservation running
+                // beside this does not add a block for it too.
+                blocks.made += 1;
+            }
+            found
         };
         let block = match reused {
             Some(b) => b,
             None => {
-                if !self.shared.set_current() {
-                    return None;
-                }
-                let mut p: *mut c_void = std::ptr::null_mut();
-                // SAFETY: the symbol has the driver API's signature; the context is current.
-                let rc = unsafe {
-                    let alloc = self
-                        .shared
-                        .lib
-                        .get::<CuMemHostAlloc>(b"cuMemHostAlloc\0")
-                        .ok()?;
-                    alloc(&mut p, len.max(1), PORTABLE)
-                };
-                if rc != 0 || p.is_null() {
-                    return None;
-                }
-                // SAFETY: p points to len.max(1) writable bytes just allocated.
-                unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, len.max(1)) };
-                Block {
-                    ptr: p.cast(),
-                    len: len.max(1),
+                let t = std::time::Instant::now();
+                let made = self.alloc(len);
+                let mut blocks = self.shared.free.lock().ok()?;
+                match made {
+                    Some(b) => {
+                        blocks.stats.on_demand += 1;
+                        blocks.stats.on_demand_s += t.elapsed().as_secs_f64();
+                        b
+                    }
+                    None => {
+                        blocks.made -= 1;
+                        return None;
+                    }
                 }
             }
         };
@@ -191,9 +224,139 @@ impl PinnedPool {
             block: Some(block),
             shared: self.shared.clone(),
         };
-        // SAFETY: the block holds at least `len` initialised bytes (zeroed at
-        // allocation, or written by an earlier window).
+        // SAFETY: the block holds at least `len` bytes that the process may
+        // read (memory from the driver, or written by an earlier window); what
+        // they hold is unspecified until the caller writes them (see above).
         Some(unsafe { Bytes::from_controller(Box::new(controller), len) })
+    }
+
+    /// One new page-locked block of `len` bytes (not zeroed: see
+    /// [`PinnedPool::take`]); `None` when the driver refuses.
+    fn alloc(&self, len: usize) -> Option<Block> {
+        if !self.shared.set_current() {
+            return None;
+        }
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the symbol has the driver API's signature; the context is current.
+        let rc = unsafe {
+            let alloc = self
+                .shared
+                .lib
+                .get::<CuMemHostAlloc>(b"cuMemHostAlloc\0")
+                .ok()?;
+            alloc(&mut p, len.max(1), PORTABLE)
+        };
+        if rc != 0 || p.is_null() {
+            return None;
+        }
+        Some(Block {
+            ptr: p.cast(),
+            len: len.max(1),
+        })
+    }
+
+    /// Allocates blocks of `len` bytes until the pool has made `n` in all
+    /// (counting those in use and those [`PinnedPool::take`] allocated),
+    /// putting each in the free list as soon as it exists, so that a `take`
+    /// running beside this gets it at once, or allocates its own (the list is
+    /// locked only to count and to push, never during an allocation). Stops
+    /// early when `stop` is set or the driver refuses. Returns the blocks it
+    /// allocated.
+    pub fn reserve(&self, n: usize, len: usize, stop: &std::sync::atomic::AtomicBool) -> usize {
+        let mut done = 0;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            {
+                let Ok(mut blocks) = self.shared.free.lock() else {
+                    break;
+                };
+                if blocks.made >= n {
+                    break;
+                }
+                blocks.made += 1;
+            }
+            let t = std::time::Instant::now();
+            let made = self.alloc(len);
+            let Ok(mut blocks) = self.shared.free.lock() else {
+                break;
+            };
+            match made {
+                Some(b) => {
+                    blocks.free.push(b);
+                    blocks.stats.reserved += 1;
+                    blocks.stats.reserve_s += t.elapsed().as_secs_f64();
+                    done += 1;
+                }
+                None => {
+                    blocks.made -= 1;
+                    break;
+                }
+            }
+        }
+        done
+    }
+
+    /// What the pool allocated so far.
+    pub fn stats(&self) -> PoolStats {
+        self.shared.free.lock().map(|b| b.stats).unwrap_or_default()
+    }
+
+    /// Opens a pool ([`PinnedPool::new`]) and reserves `n` blocks of `len`
+    /// bytes ([`PinnedPool::reserve`]) on a thread of its own
+    /// (`spikecube-pinned`), so that a run's page-locked buffers are made
+    /// while the device opens and warms up. The pool is usable as soon as it
+    /// is open ([`ReservedPool::pool`]), before the reservation ends.
+    pub fn open_reserving(n: usize, len: usize) -> ReservedPool {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop_r = stop.clone();
+        let spawned = std::thread::Builder::new()
+            .name("spikecube-pinned".into())
+            .spawn(move || {
+                let pool = PinnedPool::new();
+                let _ = tx.send(pool.clone());
+                if let Some(p) = pool {
+                    p.reserve(n, len, &stop_r);
+                }
+            });
+        ReservedPool {
+            rx: spawned.ok().map(|_| rx),
+            pool: None,
+            stop,
+        }
+    }
+}
+
+/// A pool being opened and filled on its own thread ([`PinnedPool::open_reserving`]).
+/// Dropping it stops the reservation at its next block (the blocks made
+/// stay with the pool, freed when its last user drops it).
+pub struct ReservedPool {
+    rx: Option<std::sync::mpsc::Receiver<Option<PinnedPool>>>,
+    /// The pool once received.
+    pool: Option<Option<PinnedPool>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ReservedPool {
+    /// The pool, once open (waits for the driver's start, not for the
+    /// reservation); `None` when the driver gave none.
+    pub fn pool(&mut self) -> Option<PinnedPool> {
+        if self.pool.is_none() {
+            let got = self.rx.take().and_then(|rx| rx.recv().ok()).flatten();
+            self.pool = Some(got);
+        }
+        self.pool.clone().flatten()
+    }
+}
+
+impl Drop for ReservedPool {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Debug for ReservedPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReservedPool").finish_non_exhaustive()
     }
 }
 
@@ -353,8 +516,8 @@ struct Controller {
 
 impl Drop for Controller {
     fn drop(&mut self) {
-        if let (Some(b), Ok(mut free)) = (self.block.take(), self.shared.free.lock()) {
-            free.push(b);
+        if let (Some(b), Ok(mut blocks)) = (self.block.take(), self.shared.free.lock()) {
+            blocks.free.push(b);
         }
     }
 }
