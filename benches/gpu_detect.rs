@@ -87,6 +87,7 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize, o
         fb_per_unit: 1,
         upload_chunk: 0,
         hp_per_unit: 8,
+        highpass: spikecube::detect::gpu::highpass_iir::HighpassMode::Direct,
     };
     let full = GpuOptions::default();
     let variants = [

@@ -20,10 +20,22 @@ use common::{Case, Rng, inject, noise, probe};
 use cubecl::Runtime;
 use ndarray::Array2;
 use spikecube::detect::cpu::{CpuDetector, Detections};
+use spikecube::detect::gpu::highpass_iir::HighpassMode;
 use spikecube::detect::gpu::{GpuDetector, GpuOptions};
 use spikecube::{DetectionSettings, Geometry, Probe, UniversalTemplates};
 
 const TOL: f32 = 1e-5;
+/// Device IIR high-pass with f64 state against its CPU twin: the same f64
+/// recursion up to fused multiply-adds (~1e-12 of max|x|), so the f32 outputs
+/// are equal or one rounding apart: |Δ| ≤ 2⁻²³·|y| + 1e-10·max|x|.
+const TWIN_F64_REL: f64 = 1.0 / 8_388_608.0;
+const TWIN_F64_ABS: f64 = 1e-10;
+/// The same with f32 state: bit-identical, as measured on lavapipe (which
+/// does not fuse these multiply-adds; f64 state was bit-identical there too).
+/// A device that fuses them would differ by up to the f32 recursion's own
+/// rounding (3e-4 of max|x|, `src/preprocess/highpass_iir.rs`), and fail here.
+const TWIN_F32_REL: f64 = 0.0;
+const TWIN_F32_ABS: f64 = 0.0;
 
 /// Every step in its plainest form (Kilosort4's dense arrays).
 const DENSE: GpuOptions = GpuOptions {
@@ -32,6 +44,7 @@ const DENSE: GpuOptions = GpuOptions {
     fb_per_unit: 1,
     upload_chunk: 0,
     hp_per_unit: 8,
+    highpass: HighpassMode::Auto,
 };
 /// The default: every optimisation on.
 const FAST: GpuOptions = GpuOptions {
@@ -40,6 +53,7 @@ const FAST: GpuOptions = GpuOptions {
     fb_per_unit: 4,
     upload_chunk: 1 << 20,
     hp_per_unit: 16,
+    highpass: HighpassMode::Auto,
 };
 /// The other combinations, mixed.
 const MIXED: GpuOptions = GpuOptions {
@@ -48,6 +62,7 @@ const MIXED: GpuOptions = GpuOptions {
     fb_per_unit: 3,
     upload_chunk: 1000,
     hp_per_unit: 16,
+    highpass: HighpassMode::Auto,
 };
 const MIXED2: GpuOptions = GpuOptions {
     pruned: true,
@@ -55,6 +70,7 @@ const MIXED2: GpuOptions = GpuOptions {
     fb_per_unit: 2,
     upload_chunk: 0,
     hp_per_unit: 8,
+    highpass: HighpassMode::Auto,
 };
 
 fn close(what: &str, a: &[f32], b: &[f32]) {
@@ -374,7 +390,8 @@ fn raw_window(xy: &[(f32, f32)], n: usize, seed: u64) -> Array2<f32> {
 /// CPU's [`Preprocessor`], then detection on each: whitened values within 1e-4 of
 /// the window's largest magnitude, and the same detections. Cases: int16 values
 /// (packed two per word) and float32 values, even and odd window lengths, CAR
-/// on and off, an even and an odd number of sites.
+/// on and off, an even and an odd number of sites; the high-pass the device
+/// picks (the f64 IIR where it has doubles) and the direct kernel, alternately.
 fn check_preprocessing<R: Runtime>(
     device: &R::Device,
     n: usize,
@@ -421,9 +438,15 @@ fn check_preprocessing<R: Runtime>(
             ..DetectionSettings::default()
         };
         let g = Geometry::new(&p, &s).unwrap();
-        // Both high-pass tilings (8 and 16 outputs per unit), alternately.
+        // The IIR high-pass where the device has doubles, and the direct kernel
+        // with both tilings (8 and 16 outputs per unit), alternately.
         let options = GpuOptions {
-            hp_per_unit: if case % 2 == 0 { 16 } else { 8 },
+            hp_per_unit: if case % 4 == 1 { 8 } else { 16 },
+            highpass: if case % 2 == 0 {
+                HighpassMode::Auto
+            } else {
+                HighpassMode::Direct
+            },
             ..FAST
         };
         let mut det = gpu::<R>(device, &g, &s, options);
@@ -441,7 +464,8 @@ fn check_preprocessing<R: Runtime>(
         }
         let rms = (ss / got.len() as f64).sqrt();
         eprintln!(
-            "device preprocessing case {case} ({n_sites} sites, N {nw}, CAR {do_car}, float {float}): max |Δ| {worst:.3e} = {:.2e} of the peak {peak:.1}, rms Δ {rms:.2e}; tail bound {:.1e}",
+            "device preprocessing case {case} ({n_sites} sites, N {nw}, CAR {do_car}, float {float}, high-pass {}): max |Δ| {worst:.3e} = {:.2e} of the peak {peak:.1}, rms Δ {rms:.2e}; direct kernel's tail bound {:.1e}",
+            det.highpass_form(),
             worst / peak,
             form.dropped_tail
         );
@@ -542,6 +566,102 @@ fn check_preprocessing<R: Runtime>(
             worst <= 1e-5 * top,
             "case {case}: covariance differs by {worst} (largest entry {top})"
         );
+    }
+}
+
+/// The device's IIR high-pass (`mode`: f64 or f32 state) against its CPU twin
+/// (`CircularIir`, same state type and chunks) run on the device's own CAR
+/// output, so that only the high-pass is compared: |Δ| ≤ `rel`·|y| + `abs`·max|x|
+/// per value. With f64 state, also the device's high-pass against the CPU's FFT
+/// high-pass ([`Preprocessor::highpass`]) on the CPU's CAR output: within 1e-5
+/// of max|x| (the twin measured 8.4e-7; the CARs differ by a few f32 ulps).
+/// Cases: (sites, N) with even and odd N (shift 1), N a multiple of the chunk
+/// or not, N below one chunk.
+fn check_highpass_iir<R: Runtime>(
+    device: &R::Device,
+    mode: HighpassMode,
+    cases: &[(usize, usize)],
+    rel: f64,
+    abs: f64,
+) {
+    use spikecube::detect::gpu::highpass_iir::iir_chunk;
+    use spikecube::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
+    let f64_state = mode != HighpassMode::IirF32;
+    let chunk = iir_chunk();
+    for (case, &(n_sites, nw)) in cases.iter().enumerate() {
+        let xy: Vec<(f32, f32)> = (0..n_sites)
+            .map(|r| ((r % 2) as f32 * 32.0, (r / 2) as f32 * 20.0))
+            .collect();
+        let p: Probe = probe(&xy, &vec![0; n_sites]);
+        let settings = PreprocessSettings {
+            batch_size: nw - 122,
+            ..PreprocessSettings::default()
+        };
+        assert_eq!(settings.window_len(), nw);
+        let raw = raw_window(&xy, nw, case as u64 + 40);
+        let pre = Preprocessor::new(&settings, Array2::eye(n_sites)).unwrap();
+        let iir = pre
+            .highpass_iir()
+            .expect("an IIR form for this window")
+            .clone();
+        let s = DetectionSettings {
+            nearest_chans: 10.min(n_sites),
+            ..DetectionSettings::default()
+        };
+        let g = Geometry::new(&p, &s).unwrap();
+        let options = GpuOptions {
+            highpass: mode,
+            ..FAST
+        };
+        let mut det = gpu::<R>(device, &g, &s, options);
+        det.set_preprocessing(&pre.device_form(DEVICE_TAP_FLOOR).unwrap())
+            .unwrap();
+        let want_form = if f64_state { "iir-f64" } else { "iir-f32" };
+        assert_eq!(det.highpass_form(), want_form, "case {case}");
+        let packer = spikecube::detect::gpu::Packer::default();
+        let car = det
+            .preprocess_stage(packer.pack(raw.view()), &p.yc, 2)
+            .unwrap();
+        let got = det
+            .preprocess_stage(packer.pack(raw.view()), &p.yc, 3)
+            .unwrap();
+        let mut twin = Array2::from_shape_vec((n_sites, nw), car.clone()).unwrap();
+        if f64_state {
+            iir.apply::<f64>(&mut twin, chunk).unwrap();
+        } else {
+            iir.apply::<f32>(&mut twin, chunk).unwrap();
+        }
+        let scale = car.iter().fold(0f64, |m, v| m.max(f64::from(v.abs())));
+        let mut worst = 0f64;
+        for (i, (&w, &d)) in twin.iter().zip(&got).enumerate() {
+            let diff = f64::from((w - d).abs());
+            worst = worst.max(diff / scale);
+            assert!(
+                diff <= rel * f64::from(w.abs()) + abs * scale,
+                "case {case} ({n_sites} × {nw}, {want_form}) at [{}, {}]: twin {w}, device {d}",
+                i / nw,
+                i % nw
+            );
+        }
+        eprintln!(
+            "IIR high-pass case {case} ({n_sites} × {nw}, {want_form}, chunk {chunk}): max |device − twin| = {worst:.2e} of max|x| {scale:.1}"
+        );
+        if f64_state {
+            let mut cpu_car = raw.clone();
+            spikecube::preprocess::common_reference(&mut cpu_car, true).unwrap();
+            let mut cpu_hp = cpu_car.clone();
+            pre.highpass().apply(&mut cpu_hp).unwrap();
+            let worst = cpu_hp
+                .iter()
+                .zip(&got)
+                .fold(0f64, |m, (a, b)| m.max(f64::from((a - b).abs())))
+                / scale;
+            eprintln!("IIR high-pass case {case}: max |device − CPU| = {worst:.2e} of max|x|");
+            assert!(
+                worst <= 1e-5,
+                "case {case}: device − CPU {worst:.2e} of max|x|"
+            );
+        }
     }
 }
 
@@ -668,6 +788,30 @@ mod wgpu {
     #[test]
     fn preprocessing() {
         check_preprocessing::<WgpuRuntime>(&device(), 6122, &Default::default(), &|_| {});
+    }
+    /// The IIR with f64 state: lavapipe advertises doubles (`SHADER_F64`), so
+    /// this is also the high-pass `Auto` picks there.
+    #[test]
+    fn highpass_iir_f64() {
+        check_highpass_iir::<WgpuRuntime>(
+            &device(),
+            HighpassMode::Iir,
+            &[(5, 6122), (3, 6123)],
+            TWIN_F64_REL,
+            TWIN_F64_ABS,
+        );
+    }
+    /// The IIR kernels' indexing with f32 state (the form for devices without
+    /// doubles, for tests only) against the CPU twin with f32 state.
+    #[test]
+    fn highpass_iir_f32() {
+        check_highpass_iir::<WgpuRuntime>(
+            &device(),
+            HighpassMode::IirF32,
+            &[(5, 6122), (3, 6123), (4, 1500), (2, 3000)],
+            TWIN_F32_REL,
+            TWIN_F32_ABS,
+        );
     }
     #[test]
     fn queued_windows() {
@@ -857,6 +1001,25 @@ mod cuda {
     #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
     fn cuda_bad_input() {
         check_bad_input::<CudaRuntime>(&device());
+    }
+    /// The f64 IIR high-pass (the default on CUDA) against its CPU twin and
+    /// the CPU's FFT high-pass.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
+    fn cuda_highpass_iir() {
+        check_highpass_iir::<CudaRuntime>(
+            &device(),
+            HighpassMode::Auto,
+            &[
+                (384, 60_122),
+                (384, 60_123),
+                (32, 6122),
+                (31, 6123),
+                (4, 1500),
+            ],
+            TWIN_F64_REL,
+            TWIN_F64_ABS,
+        );
     }
     #[test]
     #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]

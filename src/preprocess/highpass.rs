@@ -185,13 +185,21 @@ fn filtfilt(b: &[f64; 4], a: &[f64; 4], x: &[f64]) -> Vec<f64> {
 /// # Errors
 /// As [`butterworth_highpass`].
 pub fn highpass_kernel(fs: f64, cutoff: f64) -> Result<Vec<f32>, PreprocessError> {
-    let (b, a) = butterworth_highpass(fs, cutoff)?;
-    let mut impulse = vec![0.0f64; KERNEL_LEN];
-    impulse[KERNEL_CENTRE] = 1.0;
-    Ok(filtfilt(&b, &a, &impulse)
+    Ok(highpass_kernel_f64(fs, cutoff)?
         .into_iter()
         .map(|v| v as f32)
         .collect())
+}
+
+/// [`highpass_kernel`] before its cast to f32: 30 122 f64 taps.
+///
+/// # Errors
+/// As [`butterworth_highpass`].
+pub fn highpass_kernel_f64(fs: f64, cutoff: f64) -> Result<Vec<f64>, PreprocessError> {
+    let (b, a) = butterworth_highpass(fs, cutoff)?;
+    let mut impulse = vec![0.0f64; KERNEL_LEN];
+    impulse[KERNEL_CENTRE] = 1.0;
+    Ok(filtfilt(&b, &a, &impulse))
 }
 
 /// Fits a kernel to a window of `n` columns as Kilosort's `fft_highpass` does:

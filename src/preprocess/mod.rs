@@ -28,6 +28,7 @@
 mod car;
 mod covariance;
 mod highpass;
+mod highpass_iir;
 mod whitening;
 
 pub use car::{
@@ -35,7 +36,11 @@ pub use car::{
 };
 pub use highpass::{
     HighpassFilter, KERNEL_CENTRE, KERNEL_LEN, butterworth_highpass, fit_kernel_to_window,
-    highpass_kernel,
+    highpass_kernel, highpass_kernel_f64,
+};
+pub use highpass_iir::{
+    CircularIir, IIR_BOUND, IIR_CHUNK, IirFloat, MAX_WARM, crop_difference, warm_up_bound,
+    window_shift,
 };
 pub use whitening::{
     FitOptions, FitTimes, WHITENING_EPS, Whitening, accumulate_covariance,
@@ -170,6 +175,8 @@ pub struct Preprocessor {
     do_car: bool,
     artifact_threshold: Option<f64>,
     highpass: HighpassFilter,
+    /// The high-pass as a circular IIR (device form), when it equals `highpass`.
+    iir: Option<CircularIir>,
     whitening: Whitening,
 }
 
@@ -208,6 +215,7 @@ impl Preprocessor {
             do_car: settings.do_car,
             artifact_threshold: settings.artifact_threshold,
             highpass: HighpassFilter::new(kernel, n)?,
+            iir: highpass_iir::iir_for_kernel(settings.fs, settings.highpass_cutoff, kernel, n)?,
             whitening,
         })
     }
@@ -242,6 +250,12 @@ impl Preprocessor {
     /// The high-pass stage.
     pub fn highpass(&self) -> &HighpassFilter {
         &self.highpass
+    }
+
+    /// The high-pass as a circular IIR ([`CircularIir`]), when it equals
+    /// [`Preprocessor::highpass`] within [`IIR_BOUND`] of max|x|.
+    pub fn highpass_iir(&self) -> Option<&CircularIir> {
+        self.iir.as_ref()
     }
 
     /// The whitening stage.
@@ -339,6 +353,11 @@ pub struct DevicePreprocessing {
     /// The dropped taps' absolute sum over the peak tap (a bound on the
     /// high-pass's error relative to the input's largest magnitude).
     pub dropped_tail: f64,
+    /// The same high-pass as a circular forward–backward IIR, when it equals
+    /// the CPU's within [`IIR_BOUND`] of max|x| (window long enough, kernel the
+    /// Butterworth design's of `fs` and `highpass_cutoff`; see [`CircularIir`]);
+    /// the device runs it where it has f64 arithmetic.
+    pub iir: Option<CircularIir>,
     /// Whitening rows: row j's non-zeros are `cols/vals[start[j]..start[j + 1]]`, in column order.
     pub w_start: Vec<u32>,
     /// Column (site) of each non-zero.
@@ -376,6 +395,7 @@ impl Preprocessor {
             taps: taps[f..=l].to_vec(),
             first: f as i32 - (n / 2) as i32,
             dropped_tail: tail,
+            iir: self.iir.clone(),
             w_start,
             w_cols,
             w_vals,

@@ -23,6 +23,7 @@ pub mod centre_response;
 pub mod features;
 pub mod filter_bank;
 pub mod gram;
+pub mod highpass_iir;
 pub mod local_peaks;
 pub mod neighbour_max;
 #[cfg(feature = "cuda")]
@@ -67,6 +68,11 @@ pub struct GpuOptions {
     /// same values either way). Default 16; the environment variable
     /// `SPIKECUBE_HIGHPASS_PER_UNIT` (8 or 16) overrides it, for measuring.
     pub hp_per_unit: usize,
+    /// Which high-pass runs: the circular IIR (f64) where the device and the
+    /// window allow, else the direct kernel ([`highpass_iir::HighpassMode`]).
+    /// Default `Auto`; the environment variable `SPIKECUBE_HIGHPASS`
+    /// (`direct`, `iir`, `iir-f32`) overrides it, for measuring.
+    pub highpass: highpass_iir::HighpassMode,
 }
 
 impl Default for GpuOptions {
@@ -80,6 +86,7 @@ impl Default for GpuOptions {
                 Ok("8") => 8,
                 _ => preprocess::HP_PER_UNIT,
             },
+            highpass: highpass_iir::HighpassMode::from_env(),
         }
     }
 }
@@ -253,6 +260,8 @@ struct DevicePre {
     means: Handle,
     /// Shared-memory size (taps) the high-pass kernel is compiled for.
     max_taps: usize,
+    /// The high-pass as a circular IIR, when chosen (else the direct kernel).
+    iir: Option<highpass_iir::DeviceIir>,
 }
 
 /// A raw window as the device takes it: one 32-bit word per float32 value, or
@@ -725,7 +734,8 @@ impl<R: Runtime> GpuDetector<R> {
         let max_taps = n_taps.div_ceil(64) * 64;
         let span = preprocess::UNITS * per + max_taps;
         let hp_bytes = (span + span / 32 + 1 + max_taps) * 4;
-        if hp_bytes > max_shared {
+        let iir = highpass_iir::DeviceIir::select(&self.client, form, self.options.highpass);
+        if hp_bytes > max_shared && iir.is_none() {
             return Err(DetectError::Setting {
                 name: "highpass_cutoff",
                 message: format!(
@@ -757,6 +767,7 @@ impl<R: Runtime> GpuDetector<R> {
             means: self.client.empty(form.n_sites.max(1) * 4),
             max_taps,
             form: form.clone(),
+            iir,
         });
         Ok(())
     }
@@ -1239,7 +1250,14 @@ impl<R: Runtime> GpuDetector<R> {
                     pre.form.do_car,
                 );
             }
-            if kernels > 2 {
+            // The IIR high-pass (the filter bank's buffer B holds its forward
+            // pass's output); it declines only a window not of the form's
+            // shape, which the recipe has ruled out; then the direct kernel.
+            if kernels > 2
+                && let Some(iir) = &pre.iir
+                && iir.launch(&self.client, &w.x, &w.b, &w.q, c, n_t).is_ok()
+            {
+            } else if kernels > 2 {
                 preprocess::highpass_kernel::launch_unchecked::<R>(
                     &self.client,
                     CubeCount::Static(
@@ -1314,6 +1332,16 @@ impl<R: Runtime> GpuDetector<R> {
     /// The options in use.
     pub fn options(&self) -> GpuOptions {
         self.options
+    }
+
+    /// The high-pass the device preprocessing runs, for logs: `iir-f64`,
+    /// `iir-f32`, `direct`, or `none` before [`GpuDetector::set_preprocessing`].
+    pub fn highpass_form(&self) -> &'static str {
+        match &self.pre {
+            None => "none",
+            Some(DevicePre { iir: Some(i), .. }) => i.name(),
+            Some(_) => "direct",
+        }
     }
 
     /// Device memory in use by CubeCL's pools, bytes (None when the runtime does not say).

@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | channel means | [`crate::preprocess::remove_channel_means`] | [`row_means_kernel`] |
 //! | mean removal, median CAR | [`crate::preprocess::subtract_channel_median`] | [`car_kernel`] |
-//! | high-pass | [`crate::preprocess::HighpassFilter`] | [`highpass_kernel`] |
+//! | high-pass | [`crate::preprocess::HighpassFilter`] | [`super::highpass_iir`] (f64 devices) or [`highpass_kernel`] |
 //! | whitening | [`crate::preprocess::Whitening`] | [`whiten_kernel`] |
 //!
 //! Numerics against the CPU:
@@ -16,11 +16,15 @@
 //!   or two f32 ulps of the mean, a constant per channel that the high-pass removes;
 //! * median: the same lower median (rank ⌊(C − 1)/2⌋, Kilosort4's torch median),
 //!   picked by counting ranks, so bit-identical for identical inputs;
-//! * high-pass: the CPU's circular correlation `y[t] = Σ_o h[o]·x[(t + o) mod N]`
-//!   computed directly over the taps whose magnitude is above
-//!   [`DeviceHighpass::floor`] of the peak (the CPU uses FFTs over the taps above
-//!   1e-13 of the peak); the error is bounded by the dropped taps' sum times the
-//!   input's magnitude (measured in `tests/gpu.rs` and BENCHMARKS.md);
+//! * high-pass: where the device has f64 arithmetic and the window is long
+//!   enough (N ≥ 1447 at 300 Hz / 30 kHz), the same operator as a circular
+//!   forward–backward IIR with f64 state ([`super::highpass_iir`]; within 8.4e-7
+//!   of max|x| of the CPU, measured on its twin); else the CPU's circular
+//!   correlation `y[t] = Σ_o h[o]·x[(t + o) mod N]` computed directly over the
+//!   taps whose magnitude is above [`crate::preprocess::DEVICE_TAP_FLOOR`] of the
+//!   peak (the CPU uses FFTs over the taps above 1e-13 of the peak); the error is
+//!   bounded by the dropped taps' sum times the input's magnitude (measured in
+//!   `tests/gpu.rs` and BENCHMARKS.md);
 //! * whitening: the CPU's sparse product with the same terms in the same order.
 //!
 //! Kilosort4's artifact check (`artifact_threshold`) has no device version: a run
