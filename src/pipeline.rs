@@ -290,7 +290,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         crate::error::count(plan.n_windows, "window"),
         plan.window_len(),
         crate::stages::WINDOWS_IN_FLIGHT,
-        crate::stages::DEVICE_READERS - 1, // issue 10 (reading threads)
+        crate::stages::device_readers() - 1, // issue 10 (reading threads)
         memory_estimate(n_sites, plan.window_len(), n_centres) as f64 / 1e6
     );
 
@@ -1359,11 +1359,12 @@ fn reserve_pinned(
     if chosen.backend != "cuda"
         || !device_preprocessing
         || !crate::recording::gives_int16(rec, chan_map)
+        || std::env::var("SPIKECUBE_PINNED_RESERVE").as_deref() == Ok("0")
     {
         return None;
     }
     let len = chan_map.len() * crate::recording::Raw16::stride_for(plan.window_len()) * 2;
-    let n = crate::stages::windows_in_flight(true, crate::stages::DEVICE_READERS)
+    let n = crate::stages::windows_in_flight(true, crate::stages::device_readers())
         .max(FIT_WINDOWS_IN_FLIGHT);
     Some(crate::detect::gpu::pinned::PinnedPool::open_reserving(
         n, len,

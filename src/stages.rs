@@ -61,6 +61,16 @@ pub const DEVICE_READERS: usize = 3;
 pub fn windows_in_flight(stager: bool, readers: usize) -> usize {
     WINDOWS_IN_FLIGHT + usize::from(stager) + readers.max(1) - 1
 }
+
+/// [`DEVICE_READERS`], or 1 to 8 from the environment variable
+/// `SPIKECUBE_READERS` (for measuring).
+pub fn device_readers() -> usize {
+    std::env::var("SPIKECUBE_READERS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| (1..=8).contains(n))
+        .unwrap_or(DEVICE_READERS)
+}
 // ---- end issue 10 (reading threads) ----
 
 /// Busy seconds per stage, by name (`read`, `checks`, `preprocess`, `detect`,
@@ -901,7 +911,7 @@ where
     let raw16_allocs: Vec<Option<Raw16Alloc>> = match pass.raw16_buffers() {
         Some(a) if !crate::recording::gives_int16(rec.as_ref(), chan_map) => vec![Some(a)],
         Some(a) => std::iter::once(Some(a))
-            .chain((1..DEVICE_READERS).map(|_| pass.raw16_buffers()))
+            .chain((1..device_readers()).map(|_| pass.raw16_buffers()))
             .collect(),
         None => vec![None],
     };
