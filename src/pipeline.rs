@@ -303,13 +303,19 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // while the device opens and warms up (`reserve_pinned`); kept to the end
     // of the run (dropping it stops the reservation).
     #[cfg(feature = "cuda")]
-    let mut pinned = reserve_pinned(
-        &chosen,
-        job.device_preprocessing,
-        rec.as_ref(),
-        &plan,
-        &chan_map,
-    );
+    let reserve_late = std::env::var("SPIKECUBE_PINNED_RESERVE").as_deref() == Ok("late");
+    #[cfg(feature = "cuda")]
+    let mut pinned = if reserve_late {
+        None
+    } else {
+        reserve_pinned(
+            &chosen,
+            job.device_preprocessing,
+            rec.as_ref(),
+            &plan,
+            &chan_map,
+        )
+    };
     // ---- end issue 10 (page-locked pool) ----
     let t_open = Instant::now();
     let mut detector = Detector::new(
@@ -353,6 +359,14 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     #[cfg(feature = "cuda")]
     if chosen.backend != "cuda" {
         pinned = None; // `auto` went to the CPU: stop the reservation
+    } else if reserve_late {
+        pinned = reserve_pinned(
+            &chosen,
+            job.device_preprocessing,
+            rec.as_ref(),
+            &plan,
+            &chan_map,
+        );
     }
     #[cfg(feature = "cuda")]
     if let Some(p) = pinned.as_mut().and_then(|r| r.pool()) {

@@ -51,7 +51,7 @@ pub const WINDOWS_IN_FLIGHT: usize = 3;
 /// one reader otherwise (a CPU pass: its detection, not the read, sets the
 /// pace; f32 windows: twice the bytes). Each holds one window, so the bound of windows in flight
 /// grows by `DEVICE_READERS − 1` ([`windows_in_flight`]).
-pub const DEVICE_READERS: usize = 3;
+pub const DEVICE_READERS: usize = 1;
 
 /// Window buffers [`run_windows`] holds at most: [`WINDOWS_IN_FLIGHT`], one
 /// more when a stager runs between the reader and the pass, and one more per
