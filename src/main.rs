@@ -30,22 +30,10 @@ fn quiet_vulkan_probe() {
     }
 }
 
-pub static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
 fn main() -> ExitCode {
-    START.get_or_init(std::time::Instant::now);
     #[cfg(all(unix, feature = "wgpu"))]
     quiet_vulkan_probe();
-    let r = cli::run();
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!(
-            "DEBUG main: cli::run returned at {:.3}",
-            START.get().unwrap().elapsed().as_secs_f64()
-        );
-    }
-    if std::env::var("SPIKECUBE_DEBUG_EXIT").as_deref() == Ok("2") {
-        unsafe { libc::_exit(0) }
-    }
-    match r {
+    match cli::run() {
         Ok(code) => code,
         Err(err) => {
             // A closed pipe (e.g. `| head`) is not an error.

@@ -269,28 +269,22 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     )?;
 
     // Geometry first: a probe that cannot work fails before any data is read.
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!(
-            "DEBUG t {:.3} before geometry",
-            t_start.elapsed().as_secs_f64()
-        );
-    }
     let geometry = Geometry::new(&job.probe, &job.detection)?;
     let n_centres = geometry.n_centres();
     // So does an output folder that cannot be written.
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!(
-            "DEBUG t {:.3} before writer",
-            t_start.elapsed().as_secs_f64()
-        );
-    }
     let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
+    // Reading threads beyond the first (a GPU pass with SPIKECUBE_READERS).
+    let extra_readers = crate::stages::device_readers() - 1;
     tracing::info!(
-        "{} of {} samples, {} in flight (+{} being read with a GPU); memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
+        "{} of {} samples, {} in flight{}; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
         crate::error::count(plan.n_windows, "window"),
         plan.window_len(),
         crate::stages::WINDOWS_IN_FLIGHT,
-        crate::stages::device_readers() - 1, // issue 10 (reading threads)
+        if extra_readers > 0 {
+            format!(" (+{extra_readers} being read with a GPU)")
+        } else {
+            String::new()
+        },
         memory_estimate(n_sites, plan.window_len(), n_centres) as f64 / 1e6
     );
 
@@ -303,19 +297,13 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     // while the device opens and warms up (`reserve_pinned`); kept to the end
     // of the run (dropping it stops the reservation).
     #[cfg(feature = "cuda")]
-    let reserve_late = std::env::var("SPIKECUBE_PINNED_RESERVE").as_deref() == Ok("late");
-    #[cfg(feature = "cuda")]
-    let mut pinned = if reserve_late {
-        None
-    } else {
-        reserve_pinned(
-            &chosen,
-            job.device_preprocessing,
-            rec.as_ref(),
-            &plan,
-            &chan_map,
-        )
-    };
+    let mut pinned = reserve_pinned(
+        &chosen,
+        job.device_preprocessing,
+        rec.as_ref(),
+        &plan,
+        &chan_map,
+    );
     // ---- end issue 10 (page-locked pool) ----
     let t_open = Instant::now();
     let mut detector = Detector::new(
@@ -359,14 +347,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     #[cfg(feature = "cuda")]
     if chosen.backend != "cuda" {
         pinned = None; // `auto` went to the CPU: stop the reservation
-    } else if reserve_late {
-        pinned = reserve_pinned(
-            &chosen,
-            job.device_preprocessing,
-            rec.as_ref(),
-            &plan,
-            &chan_map,
-        );
     }
     #[cfg(feature = "cuda")]
     if let Some(p) = pinned.as_mut().and_then(|r| r.pool()) {
@@ -374,12 +354,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     }
     // ---- end issue 10 (page-locked pool) ----
 
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!(
-            "DEBUG t {:.3} before device_open",
-            t_start.elapsed().as_secs_f64()
-        );
-    }
     let device_open_s = t_open.elapsed().as_secs_f64();
 
     // ---- issue 10: on a GPU that preprocesses, the device starts (kernels
@@ -397,12 +371,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         // sets the preprocessing: only logged here.
         if let Err(e) = detector.warm_up(p, &job.probe.yc) {
             tracing::debug!("device warm-up: {e}");
-        }
-        if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-            eprintln!(
-                "DEBUG t {:.3} before warm_up",
-                t_start.elapsed().as_secs_f64()
-            );
         }
         warm_up_s = t_warm.elapsed().as_secs_f64();
     }
@@ -428,16 +396,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     }
     let whiten_mat = fitted.whitening;
     let fit_times = fitted.times;
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!("DEBUG t {:.3} before fit", t_start.elapsed().as_secs_f64());
-    }
     let fit_s = t_fit.elapsed().as_secs_f64();
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!(
-            "DEBUG t {:.3} before pre_new",
-            t_start.elapsed().as_secs_f64()
-        );
-    }
     let pre = Preprocessor::new(&job.preprocess, whiten_mat.clone())?;
 
     // ---- issue 11: universal templates learned from the data (or built-in, or a file) ----
@@ -490,12 +449,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         }
     }
     crate::universal::write_outputs(writer.partial_path(), &chosen_templates)?;
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!(
-            "DEBUG t {:.3} before templates",
-            t_start.elapsed().as_secs_f64()
-        );
-    }
     let learn_s = t_learn.elapsed().as_secs_f64();
     // ---- end issue 11 ----
     // ---- issue 10: the pass (preprocessing + detection, on the host or the
@@ -521,12 +474,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     };
     #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
     let mut pass = host_pass(detector);
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!(
-            "DEBUG t {:.3} before pass_new",
-            t_start.elapsed().as_secs_f64()
-        );
-    }
     let preprocess_on = pass.preprocess_on();
     // ---- end issue 10 ----
     // ---- drift (issue 12, src/drift): first pass, estimate, drift files ----
@@ -556,12 +503,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     });
     // Kilosort4 learns wTEMP/wPCA again for the second pass, from the
     // drift-corrected windows (drift-spec.md §8); those templates are the output's.
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!(
-            "DEBUG t {:.3} before drift_prepared",
-            t_start.elapsed().as_secs_f64()
-        );
-    }
     let mut templates_first_pass = None;
     let mut relearn_s = 0.0;
     if drift.correction.is_some()
@@ -626,12 +567,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let stages = if drift.windows_to_detect() == 0 {
         crate::stages::StagesReport::default()
     } else {
-        if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-            eprintln!(
-                "DEBUG t {:.3} before stages_start",
-                t_start.elapsed().as_secs_f64()
-            );
-        }
         crate::stages::run_windows_prechecked(
             rec.clone(),
             plan,
@@ -791,12 +726,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
             .insert("templates_second_pass".into(), relearn_s);
     }
     // ---- end drift ----
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!(
-            "DEBUG t {:.3} before finish_start",
-            t_start.elapsed().as_secs_f64()
-        );
-    }
     let summary = writer.finish(&info)?;
     Ok(Report {
         summary,

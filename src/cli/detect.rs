@@ -105,12 +105,6 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         device_preprocessing: args.preprocess_on == "device",
     };
     let bar = progress_bar(quiet);
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!(
-            "DEBUG detect: run_detection called at {:.3}",
-            crate::START.get().unwrap().elapsed().as_secs_f64()
-        );
-    }
     let report = run_detection(job, &mut |p| {
         bar.set_length(p.windows_total);
         bar.set_position(p.windows_done);
@@ -121,13 +115,6 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         ));
     })?;
     bar.finish_and_clear();
-    if std::env::var_os("SPIKECUBE_DEBUG_EXIT").is_some() {
-        eprintln!(
-            "DEBUG detect: run_detection returned at {:.3}, its wall {:.3}",
-            crate::START.get().unwrap().elapsed().as_secs_f64(),
-            report.wall
-        );
-    }
     let s = &report.summary;
     if args.json {
         let v = serde_json::json!({
