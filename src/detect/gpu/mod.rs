@@ -1980,9 +1980,10 @@ impl<R: Runtime> GpuDetector<R> {
         // CubeCL 0.10's `read_async` queues the copies when called, but its
         // future borrows the client (by its signature, not in fact): a client
         // kept for the program's life lets the future outlive this call.
-        let client: &'static ComputeClient<R> = *self
-            .client_for_reads
-            .get_or_insert_with(|| Box::leak(Box::new(self.client.clone())));
+        if self.client_for_reads.is_none() {
+            self.client_for_reads = Some(Box::leak(Box::new(self.client.clone())));
+        }
+        let client: &'static ComputeClient<R> = self.client_for_reads.expect("set above");
         let p = self.peaks.as_ref().expect("allocated");
         let count = self.count.take().expect("launched");
         Box::pin(client.read_async(vec![
