@@ -488,6 +488,18 @@ impl Detector {
         }
     }
 
+    /// The high-pass the device preprocessing runs (`iir-f64`, `iir-f32`,
+    /// `direct`, `none`); `None` on the CPU.
+    pub fn device_highpass(&self) -> Option<&'static str> {
+        match self {
+            Detector::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => Some(d.highpass_form()),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => Some(d.highpass_form()),
+        }
+    }
+
     /// Seconds of the whitening fit's device work since the last call (putting
     /// windows on the device, preprocessing, products; zeros on the CPU).
     pub fn take_gram_seconds(&mut self) -> [f64; 3] {

@@ -273,18 +273,11 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let n_centres = geometry.n_centres();
     // So does an output folder that cannot be written.
     let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
-    // Reading threads beyond the first (a GPU pass with SPIKECUBE_READERS).
-    let extra_readers = crate::stages::device_readers() - 1;
     tracing::info!(
-        "{} of {} samples, {} in flight{}; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
+        "{} of {} samples, {} in flight; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
         crate::error::count(plan.n_windows, "window"),
         plan.window_len(),
         crate::stages::WINDOWS_IN_FLIGHT,
-        if extra_readers > 0 {
-            format!(" (+{extra_readers} being read with a GPU)")
-        } else {
-            String::new()
-        },
         memory_estimate(n_sites, plan.window_len(), n_centres) as f64 / 1e6
     );
 
@@ -475,6 +468,10 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
     let mut pass = host_pass(detector);
     let preprocess_on = pass.preprocess_on();
+    let device_highpass = pass.device_highpass();
+    if let Some(h) = device_highpass {
+        tracing::info!("high-pass on the device: {h}");
+    }
     // ---- end issue 10 ----
     // ---- drift (issue 12, src/drift): first pass, estimate, drift files ----
     let drift = std::sync::Arc::new({
@@ -651,6 +648,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         "detections_dropped_in_padding": dropped,
         "templates": chosen_templates.description, // issue 11
         "preprocessing_on": preprocess_on,
+        "device_highpass": device_highpass,
         "upload_bytes_per_window": pass.bytes_uploaded() / pass.windows_uploaded().max(1),
         "checks": {
             "auto_scale": job.checks.auto_scale,

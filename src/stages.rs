@@ -192,6 +192,12 @@ pub trait WindowPass: Send {
         "host"
     }
 
+    /// The device high-pass in use (`iir-f64`, `iir-f32`, `direct`), when the
+    /// pass preprocesses on a device; `None` by default.
+    fn device_highpass(&self) -> Option<&'static str> {
+        None
+    }
+
     /// Detects with other universal templates (same shapes) from the next
     /// window on, keeping the detector's buffers (templates learned again for
     /// the drift-corrected pass, issue 11).
@@ -755,6 +761,10 @@ impl WindowPass for DevicePass {
         "device"
     }
 
+    fn device_highpass(&self) -> Option<&'static str> {
+        self.detector.device_highpass()
+    }
+
     fn set_templates(&mut self, templates: &crate::detect::UniversalTemplates) -> Result<()> {
         Ok(self.detector.set_templates(templates)?)
     }
@@ -916,6 +926,12 @@ where
         None => vec![None],
     };
     let in_flight = windows_in_flight(stager.is_some(), raw16_allocs.len());
+    if raw16_allocs.len() > 1 {
+        tracing::info!(
+            "{} windows read at once on their own threads ({in_flight} windows in flight)",
+            raw16_allocs.len()
+        );
+    }
     // ---- end issue 10 (reading threads) ----
     let (raw_tx, raw_rx) = bounded::<Result<Window>>(WINDOWS_IN_FLIGHT);
     let (staged_tx, staged_rx) = bounded::<Result<(Window, Option<Staged>)>>(1);
