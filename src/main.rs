@@ -51,7 +51,8 @@ fn main() -> ExitCode {
                     line = format!("{line}: {c}");
                 }
             }
-            eprintln!("spikecube: error: {line}");
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), "spikecube: error: {line}");
             ExitCode::from(2)
         }
     }

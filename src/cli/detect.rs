@@ -65,8 +65,18 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             .map_err(|e| anyhow::anyhow!("--threads {n}: cannot start the thread pool: {e}"))?;
     }
     // ---- end issue 10 ----
-    let (opened, probe, checks) = open_input(&args.rec, &args.checks, &args.recording)?;
+    let (opened, probe, mut checks) = open_input(&args.rec, &args.checks, &args.recording)?;
     let rec = opened.recording.clone();
+    // A --fs the recording's metadata overrides (logged when opening) is also
+    // repeated at the end and kept in spikecube.json.
+    if let Some(asked) = args.rec.fs
+        && (asked - rec.fs()).abs() > 1e-9 * rec.fs()
+    {
+        checks.warnings.push(format!(
+            "--fs {asked} was given but the recording's metadata says {} Hz; the metadata's rate was used",
+            rec.fs()
+        ));
+    }
     let out = match &args.out {
         Some(o) => o.clone(),
         None => default_out(&args.recording[0])?,
@@ -82,7 +92,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         ..RunInfo::default()
     };
     if !quiet {
-        eprintln!(
+        tell!(
             "spikecube: {} — {} sites, probe {}",
             rec.describe(),
             probe.n_sites(),
@@ -133,7 +143,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         });
         say!("{v}");
     } else if !quiet {
-        eprintln!(
+        tell!(
             "spikecube: {} in {:.1} s of recording ({}, {}) in {:.1} s, {:.1}× realtime → {}",
             count(s.n_spikes, "spike"),
             report.seconds,
@@ -144,17 +154,18 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             s.path.display()
         );
         if report.boundary_duplicates_removed > 0 || report.clipped_samples_masked > 0 {
-            eprintln!(
+            tell!(
                 "spikecube: {} boundary duplicates removed, {} clipped samples masked",
-                report.boundary_duplicates_removed, report.clipped_samples_masked
+                report.boundary_duplicates_removed,
+                report.clipped_samples_masked
             );
         }
     }
     if !args.json && !report.warnings.is_empty() {
         // Warnings are not progress: repeated here even with -q.
-        eprintln!("spikecube: {} warning(s):", report.warnings.len());
+        tell!("spikecube: {} warning(s):", report.warnings.len());
         for w in &report.warnings {
-            eprintln!("  warning: {w}");
+            tell!("  warning: {w}");
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -9,6 +9,15 @@ macro_rules! say {
     }};
 }
 
+/// `eprintln!` that does not panic when standard error is closed (e.g.
+/// `spikecube detect … 2>&1 | head -1`): the run goes on and finishes.
+macro_rules! tell {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
 mod common;
 mod detect;
 mod detect_window;
@@ -81,6 +90,9 @@ pub fn run() -> anyhow::Result<ExitCode> {
             ))
         }))
         .with_writer(std::io::stderr)
+        // A closed standard error (`… 2>&1 | head`) is not an error to report
+        // (tracing-subscriber would report it with a panicking eprintln).
+        .log_internal_errors(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(show_target)
         .without_time()

@@ -78,7 +78,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         "settings": settings,
     }))?;
     if !quiet {
-        eprintln!(
+        tell!(
             "spikecube: {} × {} whitened ({}, {}) in {:.1} s → {}",
             count(report.n_samples, "sample"),
             count(report.n_sites as u64, "channel"),
@@ -94,9 +94,9 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     }
     if !report.warnings.is_empty() {
         // Warnings are not progress: repeated here even with -q.
-        eprintln!("spikecube: {} warning(s):", report.warnings.len());
+        tell!("spikecube: {} warning(s):", report.warnings.len());
         for w in &report.warnings {
-            eprintln!("  warning: {w}");
+            tell!("  warning: {w}");
         }
     }
     Ok(ExitCode::SUCCESS)

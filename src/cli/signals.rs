@@ -29,7 +29,7 @@ pub fn install() {
             } else {
                 ""
             };
-            eprintln!("{clear}spikecube: interrupted ({name}); {what}");
+            tell!("{clear}spikecube: interrupted ({name}); {what}");
             std::process::exit(128 + sig);
         }
     });
