@@ -38,17 +38,8 @@ use spikecube::recording::{
     OpenOptions, Raw16, Window, WindowPlan, open, read_window, read_window_i16,
 };
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        f64::NAN
-    } else if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        0.5 * (v[n / 2 - 1] + v[n / 2])
-    }
-}
+mod common;
+use common::median;
 
 struct Args {
     rec: PathBuf,

@@ -41,24 +41,15 @@ use spikecube::preprocess::{FitOptions, PreprocessSettings};
 use spikecube::recording::{OpenOptions, Recording, open};
 use spikecube::simulate::{SimConfig, default_probe, simulate};
 
+mod common;
+use common::median;
+
 fn env<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
     match std::env::var(name) {
         Ok(v) => v
             .parse()
             .map_err(|_| anyhow::anyhow!("{name}={v}: not a valid value")),
         Err(_) => Ok(default),
-    }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        f64::NAN
-    } else if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        0.5 * (v[n / 2 - 1] + v[n / 2])
     }
 }
 

@@ -335,17 +335,24 @@ pub fn check_window(
     mask: bool,
 ) -> Vec<Vec<(usize, usize)>> {
     let first = w.first_sample;
-    if let Some(raw) = w.raw16.as_mut() {
-        let shape = (raw.n_rows, raw.n_cols, raw.stride);
-        return check_rows(raw.values_mut(), shape, first, cols, min_run, health, mask);
+    let observe = health.is_some();
+    let (runs, facts) = match w.raw16.as_mut() {
+        Some(raw) => {
+            let shape = (raw.n_rows, raw.n_cols, raw.stride);
+            check_rows(raw.values_mut(), shape, first, cols, min_run, mask, observe)
+        }
+        None => check_values(&mut w.data, first, cols, min_run, mask, observe),
+    };
+    if let Some(h) = health {
+        h.merge(&facts);
     }
-    check_array(&mut w.data, first, cols, min_run, health, mask)
+    runs
 }
 
 /// [`check_window`] without a [`ChannelHealth`] (issue 10: windows checked on
 /// several reading threads at once): the same stuck runs and masking, and
 /// the window's channel facts, for [`ChannelHealth::merge`] in window order
-/// (`check_window` then `merge` in window order give the same health as
+/// (`precheck_window` then `merge` in window order give the same health as
 /// `check_window` with the health).
 pub fn precheck_window(
     w: &mut crate::recording::Window,
@@ -353,51 +360,14 @@ pub fn precheck_window(
     min_run: usize,
     mask: bool,
 ) -> (Vec<Vec<(usize, usize)>>, WindowHealth) {
-    use rayon::prelude::*;
-    let first_sample = w.first_sample;
-    fn rows<T: RawSample>(
-        values: &mut [T],
-        (n_rows, n_cols, stride): (usize, usize, usize),
-        first_sample: i64,
-        cols: &WindowColumns,
-        min_run: usize,
-        mask: bool,
-    ) -> (Vec<Vec<(usize, usize)>>, WindowHealth) {
-        let (a, b) = (cols.own.0.min(n_cols), cols.own.1.min(n_cols));
-        let (runs, facts): (Vec<_>, Vec<_>) = values[..n_rows * stride]
-            .par_chunks_mut(stride.max(1))
-            .map(|row| {
-                let row = &mut row[..n_cols];
-                let runs = stuck_runs(row, cols.lo, cols.hi, min_run);
-                let facts = (b > a)
-                    .then(|| RowWindow::of(&row[a..b], first_sample + a as i64, &runs, a, row));
-                if mask {
-                    fill_row(row, &runs, cols.lo, cols.hi, cols.pad_repeats);
-                }
-                (runs, facts)
-            })
-            .unzip();
-        let rows: Vec<RowWindow> = facts.into_iter().flatten().collect();
-        let samples = if rows.is_empty() { 0 } else { (b - a) as u64 };
-        (runs, WindowHealth { rows, samples })
+    let first = w.first_sample;
+    match w.raw16.as_mut() {
+        Some(raw) => {
+            let shape = (raw.n_rows, raw.n_cols, raw.stride);
+            check_rows(raw.values_mut(), shape, first, cols, min_run, mask, true)
+        }
+        None => check_values(&mut w.data, first, cols, min_run, mask, true),
     }
-    if let Some(raw) = w.raw16.as_mut() {
-        let shape = (raw.n_rows, raw.n_cols, raw.stride);
-        return rows(raw.values_mut(), shape, first_sample, cols, min_run, mask);
-    }
-    if !w.data.is_standard_layout() {
-        w.data = w.data.as_standard_layout().into_owned();
-    }
-    let (n_rows, n_cols) = w.data.dim();
-    let values = w.data.as_slice_mut().expect("standard layout");
-    rows(
-        values,
-        (n_rows, n_cols, n_cols),
-        first_sample,
-        cols,
-        min_run,
-        mask,
-    )
 }
 
 /// [`check_window`] on an f32 window `n_sites × n_cols` whose column 0 holds
@@ -410,64 +380,68 @@ pub fn check_array(
     health: Option<&mut ChannelHealth>,
     mask: bool,
 ) -> Vec<Vec<(usize, usize)>> {
+    let observe = health.is_some();
+    let (runs, facts) = check_values(window, first_sample, cols, min_run, mask, observe);
+    if let Some(h) = health {
+        h.merge(&facts);
+    }
+    runs
+}
+
+/// [`check_rows`] on an f32 window (made standard layout first).
+fn check_values(
+    window: &mut Array2<f32>,
+    first_sample: i64,
+    cols: &WindowColumns,
+    min_run: usize,
+    mask: bool,
+    observe: bool,
+) -> (Vec<Vec<(usize, usize)>>, WindowHealth) {
     if !window.is_standard_layout() {
         *window = window.as_standard_layout().into_owned();
     }
     let (n_rows, n_cols) = window.dim();
     let values = window.as_slice_mut().expect("standard layout");
     let shape = (n_rows, n_cols, n_cols);
-    check_rows(values, shape, first_sample, cols, min_run, health, mask)
+    check_rows(values, shape, first_sample, cols, min_run, mask, observe)
 }
 
 /// The checks of [`check_window`] on `n_rows` rows of `n_cols` samples at
 /// `values[r·stride ..]`: per row, in parallel over rows, the stuck runs
-/// ([`stuck_runs`]), then the row's channel health over the own columns (on
-/// the values as read), then the filling of its runs when `mask`. The same
-/// runs, findings and values as [`find_stuck_runs_rows`],
-/// [`ChannelHealth::observe_rows`] and [`fill_stuck_runs_rows`] one after
-/// the other (each row's steps see only that row), in one pass over the
-/// window instead of three.
+/// ([`stuck_runs`]), then (with `observe`) the row's channel facts over the
+/// own columns (on the values as read, [`RowWindow`]), then the filling of
+/// its runs when `mask`. The same runs, findings and values as
+/// [`find_stuck_runs_rows`], [`ChannelHealth::observe_rows`] and
+/// [`fill_stuck_runs_rows`] one after the other (each row's steps see only
+/// that row), in one pass over the window instead of three.
 fn check_rows<T: RawSample>(
     values: &mut [T],
     (n_rows, n_cols, stride): (usize, usize, usize),
     first_sample: i64,
     cols: &WindowColumns,
     min_run: usize,
-    health: Option<&mut ChannelHealth>,
     mask: bool,
-) -> Vec<Vec<(usize, usize)>> {
+    observe: bool,
+) -> (Vec<Vec<(usize, usize)>>, WindowHealth) {
     use rayon::prelude::*;
     let (a, b) = (cols.own.0.min(n_cols), cols.own.1.min(n_cols));
-    let observe = b > a;
-    // One health entry per row (none when not checked, or when the window
-    // has no own columns).
-    let mut health = health;
-    let mut row_health: Vec<Option<&mut RowHealth>> = match health.as_deref_mut() {
-        Some(h) if observe => h.rows.iter_mut().map(Some).collect(),
-        _ => Vec::new(),
-    };
-    row_health.resize_with(n_rows, || None);
-    let runs = values[..n_rows * stride]
+    let observe = observe && b > a;
+    let (runs, facts): (Vec<_>, Vec<_>) = values[..n_rows * stride]
         .par_chunks_mut(stride.max(1))
-        .zip(row_health.into_par_iter())
-        .map(|(row, h)| {
+        .map(|row| {
             let row = &mut row[..n_cols];
             let runs = stuck_runs(row, cols.lo, cols.hi, min_run);
-            if let Some(h) = h {
-                h.observe(&row[a..b], first_sample + a as i64, &runs, a, row);
-            }
+            let facts =
+                observe.then(|| RowWindow::of(&row[a..b], first_sample + a as i64, &runs, a, row));
             if mask {
                 fill_row(row, &runs, cols.lo, cols.hi, cols.pad_repeats);
             }
-            runs
+            (runs, facts)
         })
-        .collect();
-    if let Some(h) = health
-        && observe
-    {
-        h.samples += (b - a) as u64;
-    }
-    runs
+        .unzip();
+    let rows: Vec<RowWindow> = facts.into_iter().flatten().collect();
+    let samples = if rows.is_empty() { 0 } else { (b - a) as u64 };
+    (runs, WindowHealth { rows, samples })
 }
 
 /// Per-channel facts gathered over the samples seen: all zero, constant,

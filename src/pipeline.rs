@@ -1282,8 +1282,8 @@ fn finish_fit(
 /// ([`crate::detect::gpu::pinned::PinnedPool::open_reserving`]), as many as
 /// the run holds at once: the larger of the pass's windows in flight
 /// ([`crate::stages::windows_in_flight`] with a stager and
-/// [`crate::stages::DEVICE_READERS`]: 6) and the device whitening fit's
-/// ([`FIT_WINDOWS_IN_FLIGHT`]: 5); the warm-up's window is back in the pool
+/// [`crate::stages::device_readers`]: 4 by default) and the device whitening
+/// fit's ([`FIT_WINDOWS_IN_FLIGHT`]: 5); the warm-up's window is back in the pool
 /// before the fit starts, and the fit's before the pass. Each holds one int16
 /// window (`n_sites × Raw16::stride_for(window_len)` values: 46 MB for
 /// 384 sites); `None` (nothing reserved: a buffer is made when first

@@ -47,17 +47,19 @@ pub const WINDOWS_IN_FLIGHT: usize = 3;
 /// Threads reading windows at once for a pass that takes int16 windows (a GPU
 /// pass, [`WindowPass::raw16_buffers`]) of a recording that gives them
 /// ([`crate::recording::gives_int16`]): each reads a window of its own, then
-/// checks and hands it on in window order ([`crate::recording::read_in_order`]);
-/// one reader otherwise (a CPU pass: its detection, not the read, sets the
-/// pace; f32 windows: twice the bytes). Each holds one window, so the bound of windows in flight
-/// grows by `DEVICE_READERS − 1` ([`windows_in_flight`]).
+/// hands it on in window order ([`crate::recording::read_in_order`]); one
+/// reader for other passes. One by default: on the H200 machine three readers
+/// shared the host's memory bandwidth and were no faster (the read already
+/// runs on every core; BENCHMARKS.md, seventh session); [`device_readers`]
+/// takes another count from the environment, for measuring. Each reader
+/// beyond the first holds one more window ([`windows_in_flight`]).
 pub const DEVICE_READERS: usize = 1;
 
 /// Window buffers [`run_windows`] holds at most: [`WINDOWS_IN_FLIGHT`], one
 /// more when a stager runs between the reader and the pass, and one more per
 /// reading thread beyond the first (`readers`: 1, or [`DEVICE_READERS`] for
-/// a pass that takes int16 windows). 4 for a CPU pass; 6 for a GPU pass
-/// (int16 windows, half the bytes of a CPU pass's f32 windows).
+/// a pass that takes int16 windows). 4 for a CPU pass and, by default, for a
+/// GPU pass (int16 windows, half the bytes of a CPU pass's f32 windows).
 pub fn windows_in_flight(stager: bool, readers: usize) -> usize {
     WINDOWS_IN_FLIGHT + usize::from(stager) + readers.max(1) - 1
 }
@@ -563,12 +565,7 @@ impl DevicePass {
         times: &mut StageTimes,
     ) -> Result<Detections> {
         let t1 = Instant::now();
-        if let Some((start, cols, vals)) = &staged.whitening {
-            self.detector.set_whitening(start, cols, vals)?;
-        }
-        let raw = staged.raw;
-        self.upload_bytes += raw.n_bytes() as u64;
-        self.upload_windows += 1;
+        let raw = self.take_raw(staged)?;
         // Every TIMED_EVERY-th window (not the first ones, which compile the
         // kernels) syncs after each step, for the per-step split.
         let mut step = crate::detect::gpu::StepTimes::default();
@@ -576,25 +573,46 @@ impl DevicePass {
         let det = self
             .detector
             .detect_raw(raw, &self.yc, timed.then_some(&mut step))
-            .with_context(|| {
-                format!(
-                    "preprocessing and detecting window {} (samples from {}) on the device",
-                    w.index, w.own_start
-                )
-            })?;
-        let t2 = times.lap("device", t1);
-        times.add("device.wait", self.detector.take_wait_seconds());
-        let secs = t2.duration_since(t1).as_secs_f64();
-        if w.index == 0 {
-            self.first_window_s = secs;
-        } else if !timed {
-            self.window_s.push(secs);
-        }
+            .with_context(|| device_work(w))?;
+        self.window_done(w.index, timed, t1, times);
         if timed {
             self.timed_windows.push(step);
         }
         Ok(det)
     }
+
+    /// The window's raw values with its whitening set on the device (drift
+    /// correction's per-window matrix), counted as uploaded.
+    fn take_raw(&mut self, staged: DeviceStaged) -> Result<crate::detect::gpu::RawWindow> {
+        if let Some((start, cols, vals)) = &staged.whitening {
+            self.detector.set_whitening(start, cols, vals)?;
+        }
+        self.upload_bytes += staged.raw.n_bytes() as u64;
+        self.upload_windows += 1;
+        Ok(staged.raw)
+    }
+
+    /// Adds the device's seconds since `t1` for window `index` (and what the
+    /// host waited of them) to `times` and to the per-window record.
+    fn window_done(&mut self, index: u64, timed: bool, t1: Instant, times: &mut StageTimes) {
+        let t2 = times.lap("device", t1);
+        times.add("device.wait", self.detector.take_wait_seconds());
+        let secs = t2.duration_since(t1).as_secs_f64();
+        if index == 0 {
+            self.first_window_s = secs;
+        } else if !timed {
+            self.window_s.push(secs);
+        }
+    }
+}
+
+/// The context of a device error about window `w`.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn device_work(w: &Window) -> String {
+    format!(
+        "preprocessing and detecting window {} (samples from {}) on the device",
+        w.index, w.own_start
+    )
 }
 
 /// Every how many windows a [`DevicePass`] times its device steps one by one.
@@ -622,18 +640,14 @@ impl DevicePass {
             .queued
             .pop_front()
             .ok_or_else(|| anyhow!("no window is queued on the device"))?;
-        let context = || {
-            format!(
-                "preprocessing and detecting window {} (samples from {}) on the device",
-                w.index, w.own_start
-            )
-        };
         match self.detector.collect() {
             Ok(Some(det)) => Ok((w, det)),
-            Ok(None) => Err(anyhow!("the device has no detections queued")).with_context(context),
+            Ok(None) => {
+                Err(anyhow!("the device has no detections queued")).with_context(|| device_work(&w))
+            }
             Err(e) => {
                 self.queued.clear();
-                Err(e).with_context(context)
+                Err(e).with_context(|| device_work(&w))
             }
         }
     }
@@ -646,33 +660,17 @@ impl DevicePass {
         times: &mut StageTimes,
     ) -> Result<Vec<(Window, Detections)>> {
         let t1 = Instant::now();
-        if let Some((start, cols, vals)) = &staged.whitening {
-            self.detector.set_whitening(start, cols, vals)?;
-        }
-        let raw = staged.raw;
-        self.upload_bytes += raw.n_bytes() as u64;
-        self.upload_windows += 1;
-        let (index, own_start) = (w.index, w.own_start);
+        let raw = self.take_raw(staged)?;
+        let index = w.index;
         self.detector
             .submit_raw(raw, &self.yc)
-            .with_context(|| {
-                format!(
-                    "preprocessing and detecting window {index} (samples from {own_start}) on the device"
-                )
-            })?;
+            .with_context(|| device_work(&w))?;
         self.queued.push_back(w);
         let mut done = Vec::new();
         while self.queued.len() > DEVICE_QUEUE {
             done.push(self.collect_one()?);
         }
-        let t2 = times.lap("device", t1);
-        times.add("device.wait", self.detector.take_wait_seconds());
-        let secs = t2.duration_since(t1).as_secs_f64();
-        if index == 0 {
-            self.first_window_s = secs;
-        } else {
-            self.window_s.push(secs);
-        }
+        self.window_done(index, false, t1, times);
         Ok(done)
     }
 }

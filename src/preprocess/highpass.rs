@@ -223,6 +223,30 @@ pub fn fit_kernel_to_window(kernel: &[f32], n: usize) -> (Vec<f32>, usize) {
     }
 }
 
+/// The values of a (C × `n`) window, rows one after another (made standard
+/// layout first), for filtering row by row.
+///
+/// # Errors
+/// [`PreprocessError::Shape`] if the window does not have `n` columns.
+pub(crate) fn window_values(
+    window: &mut Array2<f32>,
+    n: usize,
+) -> Result<&mut [f32], PreprocessError> {
+    if window.ncols() != n {
+        return Err(PreprocessError::Shape {
+            what: "window for the high-pass",
+            rows: window.nrows(),
+            cols: window.ncols(),
+            expected_rows: window.nrows(),
+            expected_cols: n,
+        });
+    }
+    ensure_standard(window);
+    Ok(window
+        .as_slice_mut()
+        .expect("standard layout was just ensured"))
+}
+
 /// Per-thread FFT buffers for [`HighpassFilter`].
 struct HpScratch {
     /// FFT input, F samples.
@@ -555,30 +579,19 @@ impl HighpassFilter {
     /// # Errors
     /// [`PreprocessError::Shape`] if the window does not have N columns.
     pub fn apply(&self, window: &mut Array2<f32>) -> Result<(), PreprocessError> {
-        if window.ncols() != self.n {
-            return Err(PreprocessError::Shape {
-                what: "window for the high-pass",
-                rows: window.nrows(),
-                cols: window.ncols(),
-                expected_rows: window.nrows(),
-                expected_cols: self.n,
-            });
-        }
-        ensure_standard(window);
-        let data = window
-            .as_slice_mut()
-            .expect("standard layout was just ensured");
-        data.par_chunks_mut(self.n).for_each_init(
-            || ScratchGuard {
-                owner: self,
-                s: Some(self.take_scratch()),
-            },
-            |g, row| {
-                if let Some(s) = g.s.as_mut() {
-                    self.filter_row(row, s);
-                }
-            },
-        );
+        window_values(window, self.n)?
+            .par_chunks_mut(self.n)
+            .for_each_init(
+                || ScratchGuard {
+                    owner: self,
+                    s: Some(self.take_scratch()),
+                },
+                |g, row| {
+                    if let Some(s) = g.s.as_mut() {
+                        self.filter_row(row, s);
+                    }
+                },
+            );
         Ok(())
     }
 }

@@ -48,7 +48,6 @@ use rayon::prelude::*;
 
 use crate::error::PreprocessError;
 
-use super::car::ensure_standard;
 use super::highpass::{KERNEL_CENTRE, KERNEL_LEN, butterworth_highpass, highpass_kernel_f64};
 
 /// Target error of the circular IIR against the CPU's f64 operator, relative
@@ -410,20 +409,8 @@ impl CircularIir {
         window: &mut Array2<f32>,
         chunk: usize,
     ) -> Result<(), PreprocessError> {
-        if window.ncols() != self.n {
-            return Err(PreprocessError::Shape {
-                what: "window for the high-pass",
-                rows: window.nrows(),
-                cols: window.ncols(),
-                expected_rows: window.nrows(),
-                expected_cols: self.n,
-            });
-        }
-        ensure_standard(window);
-        let data = window
-            .as_slice_mut()
-            .expect("standard layout was just ensured");
-        data.par_chunks_mut(self.n)
+        super::highpass::window_values(window, self.n)?
+            .par_chunks_mut(self.n)
             .try_for_each(|row| self.apply_row::<F>(row, chunk))
     }
 }

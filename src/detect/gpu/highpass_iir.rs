@@ -330,74 +330,88 @@ impl DeviceIir {
             });
         }
         let n_units = c * n_chunks;
-        let count = CubeCount::Static(n_units.div_ceil(IIR_UNITS) as u32, 1, 1);
-        let dim = CubeDim::new_1d(IIR_UNITS as u32);
         let lead = (self.iir.shift + n_t - self.iir.warm % n_t) % n_t;
         let len = c * n_t;
-        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let shape = IirShape {
+            n_units,
+            n_t,
+            chunk,
+            n_chunks,
+            warm: self.iir.warm,
+            lead,
+        };
         // SAFETY: unit id < n_units = C·⌈N/chunk⌉ reads and writes indices
         // r·N + p with r < C and p < N of x and y (≥ C·N elements each) and
         // r·chunk·n_chunks + j·n_chunks + k with j < chunk, k < n_chunks of u
         // (≥ u_len elements), all checked above, and coefficients 0..8.
         unsafe {
             if self.f64 {
-                iir_forward_kernel::launch_unchecked::<f64, R>(
-                    client,
-                    count.clone(),
-                    dim,
-                    arr(x, len),
-                    arr(&self.coef, 8),
-                    arr(scratch, u_len),
-                    n_units as u32,
-                    n_t as u32,
-                    chunk as u32,
-                    n_chunks as u32,
-                    self.iir.warm as u32,
-                    lead as u32,
-                );
-                iir_backward_kernel::launch_unchecked::<f64, R>(
-                    client,
-                    count,
-                    dim,
-                    arr(scratch, u_len),
-                    arr(&self.coef, 8),
-                    arr(y, len),
-                    n_units as u32,
-                    n_t as u32,
-                    chunk as u32,
-                    n_chunks as u32,
-                    self.iir.warm as u32,
-                );
+                launch_passes::<f64, R>(client, x, &self.coef, scratch, y, len, u_len, &shape);
             } else {
-                iir_forward_kernel::launch_unchecked::<f32, R>(
-                    client,
-                    count.clone(),
-                    dim,
-                    arr(x, len),
-                    arr(&self.coef, 8),
-                    arr(scratch, u_len),
-                    n_units as u32,
-                    n_t as u32,
-                    chunk as u32,
-                    n_chunks as u32,
-                    self.iir.warm as u32,
-                    lead as u32,
-                );
-                iir_backward_kernel::launch_unchecked::<f32, R>(
-                    client,
-                    count,
-                    dim,
-                    arr(scratch, u_len),
-                    arr(&self.coef, 8),
-                    arr(y, len),
-                    n_units as u32,
-                    n_t as u32,
-                    chunk as u32,
-                    n_chunks as u32,
-                    self.iir.warm as u32,
-                );
+                launch_passes::<f32, R>(client, x, &self.coef, scratch, y, len, u_len, &shape);
             }
         }
         Ok(())
+    }
+}
+
+/// The sizes both passes are launched with ([`DeviceIir::launch`]).
+struct IirShape {
+    n_units: usize,
+    n_t: usize,
+    chunk: usize,
+    n_chunks: usize,
+    warm: usize,
+    lead: usize,
+}
+
+/// Launches [`iir_forward_kernel`] then [`iir_backward_kernel`] with state type `F`.
+///
+/// # Safety
+/// `x` and `y` hold `len` and `scratch` `u_len` values that every index the
+/// kernels compute for `shape` stays within (checked by [`DeviceIir::launch`]).
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_passes<F: Float, R: Runtime>(
+    client: &ComputeClient<R>,
+    x: &Handle,
+    coef: &Handle,
+    scratch: &Handle,
+    y: &Handle,
+    len: usize,
+    u_len: usize,
+    shape: &IirShape,
+) {
+    let count = CubeCount::Static(shape.n_units.div_ceil(IIR_UNITS) as u32, 1, 1);
+    let dim = CubeDim::new_1d(IIR_UNITS as u32);
+    let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+    // SAFETY: as this function's contract.
+    unsafe {
+        iir_forward_kernel::launch_unchecked::<F, R>(
+            client,
+            count.clone(),
+            dim,
+            arr(x, len),
+            arr(coef, 8),
+            arr(scratch, u_len),
+            shape.n_units as u32,
+            shape.n_t as u32,
+            shape.chunk as u32,
+            shape.n_chunks as u32,
+            shape.warm as u32,
+            shape.lead as u32,
+        );
+        iir_backward_kernel::launch_unchecked::<F, R>(
+            client,
+            count,
+            dim,
+            arr(scratch, u_len),
+            arr(coef, 8),
+            arr(y, len),
+            shape.n_units as u32,
+            shape.n_t as u32,
+            shape.chunk as u32,
+            shape.n_chunks as u32,
+            shape.warm as u32,
+        );
     }
 }
