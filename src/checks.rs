@@ -16,6 +16,9 @@ use crate::preprocess::WHITENING_EPS;
 use crate::probe::Probe;
 use crate::recording::Recording;
 
+mod scan;
+pub use scan::{HASH_PIECE, RowFacts, RowScan, ScanColumns};
+
 /// Shortest run of identical samples at a channel's window extreme counted as
 /// stuck (clipped, saturated): 1 ms of samples, at least 8.
 pub fn stuck_min_run(fs: f64) -> usize {
@@ -339,7 +342,17 @@ pub fn check_window(
     let (runs, facts) = match w.raw16.as_mut() {
         Some(raw) => {
             let shape = (raw.n_rows, raw.n_cols, raw.stride);
-            check_rows(raw.values_mut(), shape, first, cols, min_run, mask, observe)
+            let scanned = raw.take_scans();
+            check_rows(
+                raw.values_mut(),
+                shape,
+                first,
+                cols,
+                min_run,
+                mask,
+                observe,
+                scanned,
+            )
         }
         None => check_values(&mut w.data, first, cols, min_run, mask, observe),
     };
@@ -364,7 +377,17 @@ pub fn precheck_window(
     match w.raw16.as_mut() {
         Some(raw) => {
             let shape = (raw.n_rows, raw.n_cols, raw.stride);
-            check_rows(raw.values_mut(), shape, first, cols, min_run, mask, true)
+            let scanned = raw.take_scans();
+            check_rows(
+                raw.values_mut(),
+                shape,
+                first,
+                cols,
+                min_run,
+                mask,
+                true,
+                scanned,
+            )
         }
         None => check_values(&mut w.data, first, cols, min_run, mask, true),
     }
@@ -403,7 +426,16 @@ fn check_values(
     let (n_rows, n_cols) = window.dim();
     let values = window.as_slice_mut().expect("standard layout");
     let shape = (n_rows, n_cols, n_cols);
-    check_rows(values, shape, first_sample, cols, min_run, mask, observe)
+    check_rows(
+        values,
+        shape,
+        first_sample,
+        cols,
+        min_run,
+        mask,
+        observe,
+        None,
+    )
 }
 
 /// The checks of [`check_window`] on `n_rows` rows of `n_cols` samples at
@@ -422,17 +454,38 @@ fn check_rows<T: RawSample>(
     min_run: usize,
     mask: bool,
     observe: bool,
+    scanned: Option<(ScanColumns, Vec<RowScan<T>>)>,
 ) -> (Vec<Vec<(usize, usize)>>, WindowHealth) {
     use rayon::prelude::*;
     let (a, b) = (cols.own.0.min(n_cols), cols.own.1.min(n_cols));
     let observe = observe && b > a;
+    let scan_cols = ScanColumns {
+        lo: cols.lo.min(n_cols),
+        hi: cols.hi.min(n_cols),
+        own: if observe { (a, b) } else { (0, 0) },
+        min_run,
+    };
+    // Scans made while the rows were read (issue 10), when they are of these
+    // columns; else each row is scanned here.
+    let mut pre: Vec<Option<RowScan<T>>> = match scanned {
+        Some((c, scans)) if c == scan_cols && scans.len() == n_rows => {
+            scans.into_iter().map(Some).collect()
+        }
+        _ => (0..n_rows).map(|_| None).collect(),
+    };
     let (runs, facts): (Vec<_>, Vec<_>) = values[..n_rows * stride]
         .par_chunks_mut(stride.max(1))
-        .map(|row| {
+        .zip(pre.par_iter_mut())
+        .map(|(row, pre)| {
             let row = &mut row[..n_cols];
-            let runs = stuck_runs(row, cols.lo, cols.hi, min_run);
-            let facts =
-                observe.then(|| RowWindow::of(&row[a..b], first_sample + a as i64, &runs, a, row));
+            let scan = pre.take().unwrap_or_else(|| {
+                let mut scan = RowScan::new(scan_cols, scan_cols.first());
+                scan.feed(&row[scan_cols.first()..scan_cols.end()]);
+                scan
+            });
+            let (runs, found) = scan.finish();
+            let facts = observe
+                .then(|| RowWindow::of_scan(found, row, (a, b), first_sample + a as i64, &runs));
             if mask {
                 fill_row(row, &runs, cols.lo, cols.hi, cols.pad_repeats);
             }
@@ -470,63 +523,41 @@ struct RowWindow {
     first: Option<f32>,
     /// Whether every own value has the bits of `first`.
     all_first: bool,
-    /// The window's hash lanes, each from [`ROW_HASH_BASIS`]: sample j into
-    /// lane j mod 4, those after the last whole four into lane 0.
+    /// The window's hash key ([`RowScan`]).
     hash: [u64; 4],
     stuck: u64,
     first_stuck: Option<(u64, f32)>,
 }
 
 impl RowWindow {
+    /// The facts of `row`'s own columns `a..b` (absolute sample of column a:
+    /// `first_own`), with its stuck runs.
     fn of<T: RawSample>(
-        own: &[T],
+        row: &[T],
+        (a, b): (usize, usize),
         first_own: i64,
         runs: &[(usize, usize)],
-        a: usize,
-        row: &[T],
     ) -> RowWindow {
-        // Everything is decided on the f32 value, so int16 and f32 windows of
-        // the same samples give the same findings (and the same hashes).
-        let first = own.first().map(|v| v.to_f32());
-        let first_bits = first.map_or(0, f32::to_bits);
-        let mut any_nonzero = false;
-        let mut all_first = true;
-        let mut h = [ROW_HASH_BASIS; 4];
-        // The bits of 64 samples are taken at a time first (one vectorised
-        // conversion from int16), then chained.
-        let mut bits = [0u32; 64];
-        let mut blocks = own.chunks_exact(bits.len());
-        for block in &mut blocks {
-            for (b, &v) in bits.iter_mut().zip(block) {
-                *b = v.to_f32().to_bits();
-            }
-            for &b in &bits {
-                // +0.0 and −0.0 are both zero.
-                any_nonzero |= (b << 1) != 0;
-                all_first &= b == first_bits;
-            }
-            for q in bits.chunks_exact(4) {
-                for k in 0..4 {
-                    h[k] = (h[k] ^ u64::from(q[k])).wrapping_mul(ROW_HASH_PRIME);
-                }
-            }
-        }
-        let rest = blocks.remainder();
-        for &v in rest {
-            let b = v.to_f32().to_bits();
-            any_nonzero |= (b << 1) != 0;
-            all_first &= b == first_bits;
-        }
-        let mut quads = rest.chunks_exact(4);
-        for q in &mut quads {
-            for k in 0..4 {
-                h[k] = (h[k] ^ u64::from(q[k].to_f32().to_bits())).wrapping_mul(ROW_HASH_PRIME);
-            }
-        }
-        for &v in quads.remainder() {
-            h[0] = (h[0] ^ u64::from(v.to_f32().to_bits())).wrapping_mul(ROW_HASH_PRIME);
-        }
-        let b = a + own.len();
+        let cols = ScanColumns {
+            lo: 0,
+            hi: 0,
+            own: (a, b),
+            min_run: 1,
+        };
+        let mut scan = RowScan::new(cols, a);
+        scan.feed(&row[a..b]);
+        let (_, found) = scan.finish();
+        RowWindow::of_scan(found, row, (a, b), first_own, runs)
+    }
+
+    /// [`RowWindow::of`] from a finished scan's facts.
+    fn of_scan<T: RawSample>(
+        found: RowFacts,
+        row: &[T],
+        (a, b): (usize, usize),
+        first_own: i64,
+        runs: &[(usize, usize)],
+    ) -> RowWindow {
         let mut stuck = 0;
         let mut first_stuck = None;
         for &(s, e) in runs {
@@ -540,10 +571,10 @@ impl RowWindow {
             }
         }
         RowWindow {
-            any_nonzero,
-            first,
-            all_first,
-            hash: h,
+            any_nonzero: found.any_nonzero,
+            first: (b > a).then(|| row[a].to_f32()),
+            all_first: found.all_first,
+            hash: found.key,
             stuck,
             first_stuck,
         }
@@ -576,13 +607,12 @@ struct RowHealth {
 impl RowHealth {
     fn observe<T: RawSample>(
         &mut self,
-        own: &[T],
+        row: &[T],
+        own: (usize, usize),
         first_own: i64,
         runs: &[(usize, usize)],
-        a: usize,
-        row: &[T],
     ) {
-        self.merge(&RowWindow::of(own, first_own, runs, a, row));
+        self.merge(&RowWindow::of(row, own, first_own, runs));
     }
 
     /// Adds one window's facts ([`RowWindow`]), windows in order.
@@ -680,7 +710,7 @@ impl ChannelHealth {
         self.rows.par_iter_mut().enumerate().for_each(|(r, h)| {
             let row = raw.row(r);
             let rr = runs.get(r).unwrap_or(&none);
-            h.observe(&row[a..b], first_sample + a as i64, rr, a, row);
+            h.observe(row, (a, b), first_sample + a as i64, rr);
         });
         self.samples += (b - a) as u64;
     }
@@ -1230,36 +1260,50 @@ mod tests {
         assert_ne!(wf.data, x, "the stuck runs were filled");
     }
 
-    /// The channel hash taken 64 samples at a time is the plain definition:
-    /// per window, sample j of the own samples into lane j mod 4, those after
-    /// the last whole four into lane 0, each lane from the basis; each
-    /// window's lanes then chained onto the run's; int16 and f32 rows alike,
+    /// The channel hash is the plain definition ([`RowScan`]): per window,
+    /// the own samples cut into pieces of [`HASH_PIECE`]; sample j of a piece
+    /// into lane j mod 4, each lane from the basis; each piece's lanes mixed
+    /// with its index and length and summed into the window's key; each
+    /// window's key then chained onto the run's; int16 and f32 rows alike,
     /// over several calls.
     #[test]
     fn row_hash_equals_the_definition() {
         const P: u64 = 0x0100_0000_01b3;
+        fn mix(mut z: u64) -> u64 {
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
         let mut want = [0xcbf2_9ce4_8422_2325u64; 4];
         let mut row = ChannelHealth::new(&[0]).rows.remove(0);
         let mut row16 = row.clone();
-        for (call, len) in [0usize, 1, 3, 4, 63, 64, 65, 131, 256, 1001]
-            .into_iter()
-            .enumerate()
+        for (call, len) in [
+            0usize, 1, 3, 4, 63, 64, 65, 131, 256, 1001, 1024, 1025, 2500,
+        ]
+        .into_iter()
+        .enumerate()
         {
             let own: Vec<i16> = (0..len)
                 .map(|j| ((j * 7919 + call * 104_729) % 65_536) as u16 as i16)
                 .collect();
-            let whole = len / 4 * 4;
-            let mut win = [0xcbf2_9ce4_8422_2325u64; 4];
-            for (j, &v) in own.iter().enumerate() {
-                let lane = if j < whole { j % 4 } else { 0 };
-                win[lane] = (win[lane] ^ u64::from(f32::from(v).to_bits())).wrapping_mul(P);
+            let mut win = [0u64; 4];
+            for (index, piece) in own.chunks(HASH_PIECE).enumerate() {
+                let mut lanes = [0xcbf2_9ce4_8422_2325u64; 4];
+                for (j, &v) in piece.iter().enumerate() {
+                    let bits = u64::from(f32::from(v).to_bits());
+                    lanes[j % 4] = (lanes[j % 4] ^ bits).wrapping_mul(P);
+                }
+                let tag = mix(((index as u64) << 20) ^ piece.len() as u64);
+                for k in 0..4 {
+                    win[k] = win[k].wrapping_add(mix(lanes[k] ^ tag.rotate_left(16 * k as u32)));
+                }
             }
             for k in 0..4 {
                 want[k] = (want[k] ^ win[k]).wrapping_mul(P);
             }
             let own32: Vec<f32> = own.iter().map(|&v| f32::from(v)).collect();
-            row.observe(&own32, 0, &[], 0, &own32);
-            row16.observe(&own, 0, &[], 0, &own);
+            row.observe(&own32, (0, len), 0, &[]);
+            row16.observe(&own, (0, len), 0, &[]);
             assert_eq!(row.hash, want, "f32, call {call}, {len} samples");
             assert_eq!(row16.hash, want, "int16, call {call}, {len} samples");
         }

@@ -1,0 +1,549 @@
+//! The input checks of one row as a scan fed its samples in column order, in
+//! any number of pieces (issue 10): the int16 reader feeds each block of a
+//! row right after transposing it, while the block is in cache, so the checks
+//! need no second pass over the window's 46 MB; scans of consecutive column
+//! ranges are then joined ([`RowScan::append`]).
+//!
+//! What a scan finds is what [`super::stuck_runs`] and the channel facts of
+//! [`super::ChannelHealth`] define, whatever the pieces: the maximal runs of at
+//! least `min_run` identical values at the row's extremes over the real
+//! columns; over the own columns whether any value is non-zero, whether all
+//! have the first one's bits, and the row's hash key.
+//!
+//! **The hash key.** The own columns are cut into hash pieces of
+//! [`HASH_PIECE`] columns from the first own column. Within a piece, sample j
+//! (from the piece's start) goes into lane j mod 4, each lane an FNV-style
+//! chain (xor, then multiply) of the values' f32 bits from the basis. A closed
+//! piece adds a mix of its lanes, its index and its length to the window's key
+//! (a sum, so scans of different column ranges add up). Equal rows have equal
+//! keys; int16 and f32 rows of the same values too.
+
+use super::{ROW_HASH_BASIS, ROW_HASH_PRIME, RawSample};
+
+/// Own columns per hash piece; the int16 reader starts its parallel runs of
+/// samples at the same columns, so that no piece is split between threads.
+pub const HASH_PIECE: usize = 1024;
+
+/// The columns a [`RowScan`] works on (window columns).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScanColumns {
+    /// First real column (stuck runs are looked for in `lo..hi`).
+    pub lo: usize,
+    /// End of the real columns.
+    pub hi: usize,
+    /// The own columns (channel facts and the hash key); empty for none.
+    pub own: (usize, usize),
+    /// Shortest stuck run, samples ([`super::stuck_min_run`]).
+    pub min_run: usize,
+}
+
+impl ScanColumns {
+    /// The column where a scan of a whole row starts.
+    pub fn first(&self) -> usize {
+        if self.own.1 > self.own.0 {
+            self.lo.min(self.own.0)
+        } else {
+            self.lo
+        }
+    }
+
+    /// The column where a scan of a whole row ends.
+    pub fn end(&self) -> usize {
+        if self.own.1 > self.own.0 {
+            self.hi.max(self.own.1)
+        } else {
+            self.hi
+        }
+    }
+}
+
+/// The checks' running state of one row over the columns fed so far (module
+/// docs). Made with [`RowScan::new`], fed with [`RowScan::feed`], joined with
+/// [`RowScan::append`], read with [`RowScan::finish`].
+#[derive(Debug, Clone)]
+pub struct RowScan<T> {
+    cols: ScanColumns,
+    /// The first column.
+    start: usize,
+    /// Next column to feed.
+    col: usize,
+    /// First and end real column fed.
+    real: Option<(usize, usize)>,
+    /// Smallest and largest real value.
+    ext: Option<(T, T)>,
+    /// The first run of real values once it has ended (value, end column).
+    lead: Option<(T, usize)>,
+    /// The run of real values that reaches the last column fed (start
+    /// column, value); it is the first run when `lead` is `None`.
+    open: Option<(usize, T)>,
+    /// Ended runs of at least `min_run`, after the first run (start, end, value).
+    runs: Vec<(usize, usize, T)>,
+    /// Bits of the first own value, and whether every own value has them.
+    own_first: Option<u32>,
+    all_first: bool,
+    any_nonzero: bool,
+    /// Lanes of the hash piece being fed, and its columns so far.
+    lanes: [u64; 4],
+    piece_len: usize,
+    /// Sum of the closed pieces' mixes.
+    key: [u64; 4],
+}
+
+/// What a finished scan found (the runs are given separately).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowFacts {
+    /// Whether any own value is non-zero (−0.0 counts as zero).
+    pub any_nonzero: bool,
+    /// Whether every own value has the first one's bits.
+    pub all_first: bool,
+    /// The row's hash key over the own columns.
+    pub key: [u64; 4],
+}
+
+/// A 64-bit finaliser (xor-shift, multiply; the constants of SplitMix64).
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl<T: RawSample> RowScan<T> {
+    /// An empty scan whose first column will be `col`.
+    pub fn new(cols: ScanColumns, col: usize) -> Self {
+        RowScan {
+            cols,
+            start: col,
+            col,
+            real: None,
+            ext: None,
+            lead: None,
+            open: None,
+            runs: Vec::new(),
+            own_first: None,
+            all_first: true,
+            any_nonzero: false,
+            lanes: [ROW_HASH_BASIS; 4],
+            piece_len: 0,
+            key: [0; 4],
+        }
+    }
+
+    /// The next column to feed.
+    pub fn next_column(&self) -> usize {
+        self.col
+    }
+
+    /// Feeds the values of columns `next_column() ..` (`values[0]` is that
+    /// column's).
+    pub fn feed(&mut self, values: &[T]) {
+        let c0 = self.col;
+        let c1 = c0 + values.len();
+        let (lo, hi) = (self.cols.lo.max(c0), self.cols.hi.min(c1));
+        if hi > lo {
+            self.feed_real(&values[lo - c0..hi - c0], lo);
+        }
+        let (a, b) = (self.cols.own.0.max(c0), self.cols.own.1.min(c1));
+        let mut c = a;
+        while c < b {
+            // To the end of the hash piece holding column c.
+            let piece_end = self.cols.own.0 + ((c - self.cols.own.0) / HASH_PIECE + 1) * HASH_PIECE;
+            let e = piece_end.min(b);
+            self.feed_own(&values[c - c0..e - c0]);
+            if e == piece_end || e == self.cols.own.1 {
+                self.close_piece(e);
+            }
+            c = e;
+        }
+        self.col = c1;
+    }
+
+    /// Ends the run from `start` to `end` of `v`: the first run, or a run
+    /// kept when long enough.
+    fn end_run(&mut self, start: usize, end: usize, v: T) {
+        if self.lead.is_none() && self.real.is_some_and(|(s, _)| s == start) {
+            self.lead = Some((v, end));
+        } else if end - start >= self.cols.min_run {
+            self.runs.push((start, end, v));
+        }
+    }
+
+    /// The stuck-run part of [`RowScan::feed`]: real values of columns `c0 ..`.
+    fn feed_real(&mut self, s: &[T], c0: usize) {
+        let (mut mn, mut mx) = self.ext.unwrap_or((s[0], s[0]));
+        for &v in s {
+            mn = mn.min_of(v);
+            mx = mx.max_of(v);
+        }
+        self.ext = Some((mn, mx));
+        let n = s.len();
+        let (start, v) = match self.open {
+            Some(o) => o,
+            None => {
+                self.real = Some((c0, c0));
+                (c0, s[0])
+            }
+        };
+        self.real = self.real.map(|(a, _)| (a, c0 + n));
+        // The first value fed is in the first run (even a NaN).
+        let mut i = usize::from(self.open.is_none());
+        while i < n && s[i] == v {
+            i += 1;
+        }
+        if i == n {
+            self.open = Some((start, v));
+            return;
+        }
+        self.end_run(start, c0 + i, v);
+        // s[i] starts a run. Runs of at least min_run ≥ 2h inside: as in
+        // `stuck_runs`, found where two samples h apart at a multiple of h
+        // are equal; the run reaching the end stays open.
+        let rest = &s[i..];
+        let base = c0 + i;
+        let h = (self.cols.min_run / 2).max(1);
+        let mut tail = None;
+        let mut m = 0;
+        while m + h < rest.len() {
+            let v = rest[m];
+            if rest[m + h] != v || !rest[m + 1..m + h].iter().all(|&u| u == v) {
+                m += h;
+                continue;
+            }
+            let mut a = m;
+            while a > 0 && rest[a - 1] == v {
+                a -= 1;
+            }
+            let mut b = m + h + 1;
+            while b < rest.len() && rest[b] == v {
+                b += 1;
+            }
+            if b == rest.len() {
+                tail = Some(a);
+                break;
+            }
+            self.end_run(base + a, base + b, v);
+            m = b.div_ceil(h) * h;
+        }
+        let k = tail.unwrap_or_else(|| {
+            let t = rest[rest.len() - 1];
+            let mut k = rest.len() - 1;
+            while k > 0 && rest[k - 1] == t {
+                k -= 1;
+            }
+            k
+        });
+        self.open = Some((base + k, rest[k]));
+    }
+
+    /// The own part of [`RowScan::feed`]: values within one hash piece.
+    fn feed_own(&mut self, own: &[T]) {
+        if own.is_empty() {
+            return;
+        }
+        let first = *self
+            .own_first
+            .get_or_insert_with(|| own[0].to_f32().to_bits());
+        let mut any_nonzero = self.any_nonzero;
+        let mut all_first = self.all_first;
+        // Lane of own[0] first: sample j of the piece into lane j mod 4.
+        let r = self.piece_len % 4;
+        let mut h = self.lanes;
+        h.rotate_left(r);
+        // The bits of 64 samples at a time (one vectorised conversion from
+        // int16), then chained in four independent lanes.
+        let mut bits = [0u32; 64];
+        for block in own.chunks(bits.len()) {
+            let bits = &mut bits[..block.len()];
+            for (b, &v) in bits.iter_mut().zip(block) {
+                *b = v.to_f32().to_bits();
+            }
+            for &b in bits.iter() {
+                // +0.0 and −0.0 are both zero.
+                any_nonzero |= (b << 1) != 0;
+                all_first &= b == first;
+            }
+            let mut quads = bits.chunks_exact(4);
+            for q in &mut quads {
+                for k in 0..4 {
+                    h[k] = (h[k] ^ u64::from(q[k])).wrapping_mul(ROW_HASH_PRIME);
+                }
+            }
+            for (k, &b) in quads.remainder().iter().enumerate() {
+                h[k] = (h[k] ^ u64::from(b)).wrapping_mul(ROW_HASH_PRIME);
+            }
+        }
+        h.rotate_right(r);
+        self.lanes = h;
+        self.piece_len += own.len();
+        self.any_nonzero = any_nonzero;
+        self.all_first = all_first;
+    }
+
+    /// Adds the piece ending at column `end` to the key.
+    fn close_piece(&mut self, end: usize) {
+        if self.piece_len == 0 {
+            return;
+        }
+        let index = ((end - self.piece_len - self.cols.own.0) / HASH_PIECE) as u64;
+        let tag = mix64((index << 20) ^ self.piece_len as u64);
+        for k in 0..4 {
+            let m = mix64(self.lanes[k] ^ tag.rotate_left(16 * k as u32));
+            self.key[k] = self.key[k].wrapping_add(m);
+        }
+        self.lanes = [ROW_HASH_BASIS; 4];
+        self.piece_len = 0;
+    }
+
+    /// Joins the scan of the columns that follow (`next` starts at
+    /// `next_column()`, with the same columns): the state of one scan fed
+    /// both ranges in turn.
+    ///
+    /// # Panics
+    /// When `next` does not start at `next_column()`, or when the join would
+    /// split a hash piece (a range ending inside a piece followed by own
+    /// values).
+    pub fn append(&mut self, next: RowScan<T>) {
+        assert_eq!(next.cols, self.cols, "scans of other columns");
+        assert_eq!(next.start, self.col, "scans of columns that do not follow");
+        assert!(
+            self.piece_len == 0 || next.own_first.is_none(),
+            "a hash piece split between scans"
+        );
+        // The real columns' runs.
+        if let Some((n0, n1)) = next.real {
+            match (self.real, self.open) {
+                (Some((s0, _)), Some((st, v))) => {
+                    self.real = Some((s0, n1));
+                    match next.lead {
+                        // `next` holds one run only, open.
+                        None => {
+                            let (_, nv) = next.open.expect("a run");
+                            if nv != v {
+                                self.end_run(st, n0, v);
+                                self.open = Some((n0, nv));
+                            }
+                        }
+                        Some((nv, e)) => {
+                            if nv == v {
+                                self.end_run(st, e, v);
+                            } else {
+                                self.end_run(st, n0, v);
+                                if e - n0 >= self.cols.min_run {
+                                    self.runs.push((n0, e, nv));
+                                }
+                            }
+                            self.runs.extend(next.runs);
+                            self.open = next.open;
+                        }
+                    }
+                    let (a, b) = self.ext.expect("real values");
+                    let (c, d) = next.ext.expect("real values");
+                    self.ext = Some((a.min_of(c), b.max_of(d)));
+                }
+                _ => {
+                    self.real = next.real;
+                    self.ext = next.ext;
+                    self.lead = next.lead;
+                    self.open = next.open;
+                    self.runs = next.runs;
+                }
+            }
+        }
+        // The own columns' facts.
+        self.any_nonzero |= next.any_nonzero;
+        match (self.own_first, next.own_first) {
+            (Some(a), Some(b)) => self.all_first &= next.all_first && a == b,
+            (None, Some(_)) => {
+                self.own_first = next.own_first;
+                self.all_first = next.all_first;
+            }
+            _ => {}
+        }
+        for k in 0..4 {
+            self.key[k] = self.key[k].wrapping_add(next.key[k]);
+        }
+        if next.own_first.is_some() {
+            self.lanes = next.lanes;
+            self.piece_len = next.piece_len;
+        }
+        self.col = next.col;
+    }
+
+    /// The stuck runs (half-open column ranges, in order) and the own
+    /// columns' facts, once every column has been fed. The runs are those of
+    /// [`super::stuck_runs`] over the real columns.
+    pub fn finish(mut self) -> (Vec<(usize, usize)>, RowFacts) {
+        let end = self.cols.own.1;
+        if self.col >= end {
+            self.close_piece(end);
+        }
+        let facts = RowFacts {
+            any_nonzero: self.any_nonzero,
+            all_first: self.all_first,
+            key: self.key,
+        };
+        let Some(((s0, s1), (mn, mx))) = self.real.zip(self.ext) else {
+            return (Vec::new(), facts);
+        };
+        if mn == mx {
+            return (Vec::new(), facts);
+        }
+        let min_run = self.cols.min_run;
+        let mut all = Vec::with_capacity(self.runs.len() + 2);
+        if let Some((v, e)) = self.lead {
+            if e - s0 >= min_run {
+                all.push((s0, e, v));
+            }
+        }
+        all.extend(self.runs);
+        if let Some((st, v)) = self.open {
+            if s1 - st >= min_run {
+                all.push((st, s1, v));
+            }
+        }
+        let runs = all
+            .into_iter()
+            .filter(|&(_, _, v)| v == mn || v == mx)
+            .map(|(a, b, _)| (a, b))
+            .collect();
+        (runs, facts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rng(seed: u64) -> impl FnMut() -> u64 {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        move || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        }
+    }
+
+    /// A row of few levels with planted constant stretches (at extremes and
+    /// not), some across any cut.
+    fn row(next: &mut impl FnMut() -> u64, n: usize) -> Vec<i16> {
+        let levels = 2 + next() % 6;
+        let mut row: Vec<i16> = (0..n).map(|_| (next() % levels) as i16).collect();
+        for _ in 0..(next() % 5) {
+            let a = (next() % n as u64) as usize;
+            let len = (next() % 3000) as usize;
+            let v = [-5, 99, 1, 0][(next() % 4) as usize];
+            for x in row.iter_mut().skip(a).take(len) {
+                *x = v;
+            }
+        }
+        row
+    }
+
+    /// Feeds `row[first..end]` in pieces cut at `cuts` (columns), each into
+    /// a new scan joined to the previous one when `join`, else one scan.
+    fn scan_in_pieces<T: RawSample>(
+        row: &[T],
+        cols: ScanColumns,
+        cuts: &[usize],
+        join: bool,
+    ) -> RowScan<T> {
+        let (first, end) = (cols.first(), cols.end());
+        let mut bounds: Vec<usize> = cuts
+            .iter()
+            .copied()
+            .filter(|&c| c > first && c < end)
+            .collect();
+        bounds.sort_unstable();
+        bounds.dedup();
+        bounds.insert(0, first);
+        bounds.push(end);
+        let mut all = RowScan::new(cols, first);
+        for w in bounds.windows(2) {
+            if join {
+                let mut s = RowScan::new(cols, w[0]);
+                s.feed(&row[w[0]..w[1]]);
+                all.append(s);
+            } else {
+                all.feed(&row[w[0]..w[1]]);
+            }
+        }
+        all
+    }
+
+    /// The runs are those of `stuck_runs`, and the facts those of their
+    /// definitions, whatever the pieces fed and joined (joins at the hash
+    /// pieces' starts), for int16 and f32 rows; the key is the same for the
+    /// same values, and differs when one own value differs.
+    #[test]
+    fn scans_in_pieces_equal_one_scan_and_the_definitions() {
+        let mut next = rng(11);
+        for case in 0..300 {
+            let n = 40 + (next() % 9000) as usize;
+            let x = row(&mut next, n);
+            let xf: Vec<f32> = x.iter().map(|&v| f32::from(v)).collect();
+            let lo = (next() % 70) as usize % n;
+            let hi = (lo + (next() % n as u64) as usize).min(n);
+            let o0 = (next() % 100) as usize % n;
+            let o1 = (o0 + (next() % n as u64) as usize).min(n);
+            for min_run in [8, 9, 30, 31] {
+                let cols = ScanColumns {
+                    lo,
+                    hi,
+                    own: (o0, o1),
+                    min_run,
+                };
+                let want_runs = super::super::stuck_runs(&x, lo, hi, min_run);
+                let own = &x[o0..o1];
+                let want_nonzero = own.iter().any(|&v| v != 0);
+                let want_all = own.iter().all(|&v| v == own.first().copied().unwrap_or(0));
+                let one = scan_in_pieces(&x, cols, &[], false);
+                let (runs, facts) = one.finish();
+                assert_eq!(runs, want_runs, "case {case}, min_run {min_run}");
+                assert_eq!(facts.any_nonzero, want_nonzero, "case {case}");
+                assert_eq!(facts.all_first, want_all, "case {case}");
+                // Fed in random pieces; joined at hash piece starts and
+                // anywhere outside the own columns.
+                let mut cuts: Vec<usize> = (0..(next() % 12))
+                    .map(|_| (next() % n as u64) as usize)
+                    .collect();
+                let fed = scan_in_pieces(&x, cols, &cuts, false).finish();
+                assert_eq!(fed, (runs.clone(), facts), "case {case}: fed in pieces");
+                let fed32 = scan_in_pieces(&xf, cols, &cuts, false).finish();
+                assert_eq!(fed32, (runs.clone(), facts), "case {case}: f32");
+                cuts.retain(|&c| c <= o0 || c >= o1 || (c - o0) % HASH_PIECE == 0);
+                cuts.extend((o0..o1).step_by(HASH_PIECE));
+                let joined = scan_in_pieces(&x, cols, &cuts, true).finish();
+                assert_eq!(joined, (runs.clone(), facts), "case {case}: joined");
+                if o1 > o0 {
+                    let mut y = x.clone();
+                    let j = o0 + (next() % (o1 - o0) as u64) as usize;
+                    y[j] = y[j].wrapping_add(1 + (next() % 100) as i16);
+                    let (_, other) = scan_in_pieces(&y, cols, &cuts, true).finish();
+                    assert_ne!(other.key, facts.key, "case {case}: one value changed");
+                }
+            }
+        }
+    }
+
+    /// Rows that differ only in the order of two hash pieces, or by a
+    /// value moved between lanes, get other keys.
+    #[test]
+    fn keys_see_order() {
+        let n = 3 * HASH_PIECE;
+        let cols = ScanColumns {
+            lo: 0,
+            hi: n,
+            own: (0, n),
+            min_run: 8,
+        };
+        let a: Vec<i16> = (0..n).map(|j| (j % 97) as i16).collect();
+        let mut b = a[HASH_PIECE..2 * HASH_PIECE].to_vec();
+        b.extend_from_slice(&a[..HASH_PIECE]);
+        b.extend_from_slice(&a[2 * HASH_PIECE..]);
+        let mut c = a.clone();
+        c.swap(5, 6);
+        let key = |x: &[i16]| scan_in_pieces(x, cols, &[], false).finish().1.key;
+        assert_ne!(key(&a), key(&b));
+        assert_ne!(key(&a), key(&c));
+    }
+}
