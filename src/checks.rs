@@ -483,7 +483,7 @@ fn check_rows<T: RawSample>(
                 scan.feed(&row[scan_cols.first()..scan_cols.end()]);
                 scan
             });
-            let (runs, found) = scan.finish();
+            let (runs, found) = scan.finish(row);
             let facts = observe
                 .then(|| RowWindow::of_scan(found, row, (a, b), first_sample + a as i64, &runs));
             if mask {
@@ -546,7 +546,7 @@ impl RowWindow {
         };
         let mut scan = RowScan::new(cols, a);
         scan.feed(&row[a..b]);
-        let (_, found) = scan.finish();
+        let (_, found) = scan.finish(row);
         RowWindow::of_scan(found, row, (a, b), first_own, runs)
     }
 

@@ -69,8 +69,6 @@ pub struct RowScan<T> {
     col: usize,
     /// First and end real column fed.
     real: Option<(usize, usize)>,
-    /// Smallest and largest real value.
-    ext: Option<(T, T)>,
     /// The first run of real values once it has ended (value, end column).
     lead: Option<(T, usize)>,
     /// The run of real values that reaches the last column fed (start
@@ -115,7 +113,6 @@ impl<T: RawSample> RowScan<T> {
             start: col,
             col,
             real: None,
-            ext: None,
             lead: None,
             open: None,
             runs: Vec::new(),
@@ -169,12 +166,6 @@ impl<T: RawSample> RowScan<T> {
 
     /// The stuck-run part of [`RowScan::feed`]: real values of columns `c0 ..`.
     fn feed_real(&mut self, s: &[T], c0: usize) {
-        let (mut mn, mut mx) = self.ext.unwrap_or((s[0], s[0]));
-        for &v in s {
-            mn = mn.min_of(v);
-            mx = mx.max_of(v);
-        }
-        self.ext = Some((mn, mx));
         let n = s.len();
         let (start, v) = match self.open {
             Some(o) => o,
@@ -250,26 +241,28 @@ impl<T: RawSample> RowScan<T> {
         h.rotate_left(r);
         // The bits of 64 samples at a time (one vectorised conversion from
         // int16), then chained in four independent lanes.
-        let mut bits = [0u32; 64];
-        for block in own.chunks(bits.len()) {
-            let bits = &mut bits[..block.len()];
+        let mut blocks = own.chunks_exact(64);
+        for block in &mut blocks {
+            let mut bits = [0u32; 64];
             for (b, &v) in bits.iter_mut().zip(block) {
                 *b = v.to_f32().to_bits();
             }
-            for &b in bits.iter() {
+            for &b in &bits {
                 // +0.0 and −0.0 are both zero.
                 any_nonzero |= (b << 1) != 0;
                 all_first &= b == first;
             }
-            let mut quads = bits.chunks_exact(4);
-            for q in &mut quads {
+            for q in bits.chunks_exact(4) {
                 for k in 0..4 {
                     h[k] = (h[k] ^ u64::from(q[k])).wrapping_mul(ROW_HASH_PRIME);
                 }
             }
-            for (k, &b) in quads.remainder().iter().enumerate() {
-                h[k] = (h[k] ^ u64::from(b)).wrapping_mul(ROW_HASH_PRIME);
-            }
+        }
+        for (j, &v) in blocks.remainder().iter().enumerate() {
+            let b = v.to_f32().to_bits();
+            any_nonzero |= (b << 1) != 0;
+            all_first &= b == first;
+            h[j % 4] = (h[j % 4] ^ u64::from(b)).wrapping_mul(ROW_HASH_PRIME);
         }
         h.rotate_right(r);
         self.lanes = h;
@@ -335,13 +328,9 @@ impl<T: RawSample> RowScan<T> {
                             self.open = next.open;
                         }
                     }
-                    let (a, b) = self.ext.expect("real values");
-                    let (c, d) = next.ext.expect("real values");
-                    self.ext = Some((a.min_of(c), b.max_of(d)));
                 }
                 _ => {
                     self.real = next.real;
-                    self.ext = next.ext;
                     self.lead = next.lead;
                     self.open = next.open;
                     self.runs = next.runs;
@@ -369,9 +358,11 @@ impl<T: RawSample> RowScan<T> {
     }
 
     /// The stuck runs (half-open column ranges, in order) and the own
-    /// columns' facts, once every column has been fed. The runs are those of
+    /// columns' facts, once every column has been fed; `row` holds the
+    /// row's values from column 0 (the extremes are looked up there only
+    /// when a run is long enough). The runs are those of
     /// [`super::stuck_runs`] over the real columns.
-    pub fn finish(mut self) -> (Vec<(usize, usize)>, RowFacts) {
+    pub fn finish(mut self, row: &[T]) -> (Vec<(usize, usize)>, RowFacts) {
         let end = self.cols.own.1;
         if self.col >= end {
             self.close_piece(end);
@@ -381,24 +372,33 @@ impl<T: RawSample> RowScan<T> {
             all_first: self.all_first,
             key: self.key,
         };
-        let Some(((s0, s1), (mn, mx))) = self.real.zip(self.ext) else {
+        let Some((s0, s1)) = self.real else {
             return (Vec::new(), facts);
         };
-        if mn == mx {
-            return (Vec::new(), facts);
-        }
         let min_run = self.cols.min_run;
         let mut all = Vec::with_capacity(self.runs.len() + 2);
-        if let Some((v, e)) = self.lead {
-            if e - s0 >= min_run {
-                all.push((s0, e, v));
-            }
+        if let Some((v, e)) = self.lead
+            && e - s0 >= min_run
+        {
+            all.push((s0, e, v));
         }
         all.extend(self.runs);
-        if let Some((st, v)) = self.open {
-            if s1 - st >= min_run {
-                all.push((st, s1, v));
-            }
+        if let Some((st, v)) = self.open
+            && s1 - st >= min_run
+        {
+            all.push((st, s1, v));
+        }
+        if all.is_empty() {
+            return (Vec::new(), facts);
+        }
+        let seg = &row[s0..s1];
+        let (mut mn, mut mx) = (seg[0], seg[0]);
+        for &v in seg {
+            mn = mn.min_of(v);
+            mx = mx.max_of(v);
+        }
+        if mn == mx {
+            return (Vec::new(), facts);
         }
         let runs = all
             .into_iter()
@@ -497,7 +497,7 @@ mod tests {
                 let want_nonzero = own.iter().any(|&v| v != 0);
                 let want_all = own.iter().all(|&v| v == own.first().copied().unwrap_or(0));
                 let one = scan_in_pieces(&x, cols, &[], false);
-                let (runs, facts) = one.finish();
+                let (runs, facts) = one.finish(&x);
                 assert_eq!(runs, want_runs, "case {case}, min_run {min_run}");
                 assert_eq!(facts.any_nonzero, want_nonzero, "case {case}");
                 assert_eq!(facts.all_first, want_all, "case {case}");
@@ -506,19 +506,19 @@ mod tests {
                 let mut cuts: Vec<usize> = (0..(next() % 12))
                     .map(|_| (next() % n as u64) as usize)
                     .collect();
-                let fed = scan_in_pieces(&x, cols, &cuts, false).finish();
+                let fed = scan_in_pieces(&x, cols, &cuts, false).finish(&x);
                 assert_eq!(fed, (runs.clone(), facts), "case {case}: fed in pieces");
-                let fed32 = scan_in_pieces(&xf, cols, &cuts, false).finish();
+                let fed32 = scan_in_pieces(&xf, cols, &cuts, false).finish(&xf);
                 assert_eq!(fed32, (runs.clone(), facts), "case {case}: f32");
                 cuts.retain(|&c| c <= o0 || c >= o1 || (c - o0) % HASH_PIECE == 0);
                 cuts.extend((o0..o1).step_by(HASH_PIECE));
-                let joined = scan_in_pieces(&x, cols, &cuts, true).finish();
+                let joined = scan_in_pieces(&x, cols, &cuts, true).finish(&x);
                 assert_eq!(joined, (runs.clone(), facts), "case {case}: joined");
                 if o1 > o0 {
                     let mut y = x.clone();
                     let j = o0 + (next() % (o1 - o0) as u64) as usize;
                     y[j] = y[j].wrapping_add(1 + (next() % 100) as i16);
-                    let (_, other) = scan_in_pieces(&y, cols, &cuts, true).finish();
+                    let (_, other) = scan_in_pieces(&y, cols, &cuts, true).finish(&y);
                     assert_ne!(other.key, facts.key, "case {case}: one value changed");
                 }
             }
@@ -542,7 +542,7 @@ mod tests {
         b.extend_from_slice(&a[2 * HASH_PIECE..]);
         let mut c = a.clone();
         c.swap(5, 6);
-        let key = |x: &[i16]| scan_in_pieces(x, cols, &[], false).finish().1.key;
+        let key = |x: &[i16]| scan_in_pieces(x, cols, &[], false).finish(x).1.key;
         assert_ne!(key(&a), key(&b));
         assert_ne!(key(&a), key(&c));
     }
