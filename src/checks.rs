@@ -37,6 +37,19 @@ pub trait RawSample: Copy + PartialEq + PartialOrd + Send + Sync + 'static {
     fn max_of(self, other: Self) -> Self;
     /// A total order, for medians.
     fn order(&self, other: &Self) -> std::cmp::Ordering;
+    /// The value's int16 bits when it is an int16 value (f32: exactly, and
+    /// not −0.0), for the row hash ([`RowScan`]).
+    fn code16(self) -> Option<u16> {
+        let (code, exact) = self.code16_exact();
+        exact.then_some(code)
+    }
+    /// [`RawSample::code16`] without a branch: the code (anything when not
+    /// exact) and whether the value is an int16 value.
+    fn code16_exact(self) -> (u16, bool);
+    /// Whether the value is zero (+0.0 or −0.0).
+    fn is_zero(self) -> bool;
+    /// Whether the two values' f32 forms have the same bits.
+    fn same_bits(self, other: Self) -> bool;
 }
 
 impl RawSample for f32 {
@@ -52,6 +65,17 @@ impl RawSample for f32 {
     fn order(&self, other: &Self) -> std::cmp::Ordering {
         self.total_cmp(other)
     }
+    fn code16_exact(self) -> (u16, bool) {
+        let i = self as i32;
+        let exact = (i as f32).to_bits() == self.to_bits() && i == i32::from(i as i16);
+        (i as u16, exact)
+    }
+    fn is_zero(self) -> bool {
+        (self.to_bits() << 1) == 0
+    }
+    fn same_bits(self, other: Self) -> bool {
+        self.to_bits() == other.to_bits()
+    }
 }
 
 impl RawSample for i16 {
@@ -66,6 +90,15 @@ impl RawSample for i16 {
     }
     fn order(&self, other: &Self) -> std::cmp::Ordering {
         self.cmp(other)
+    }
+    fn code16_exact(self) -> (u16, bool) {
+        (self as u16, true)
+    }
+    fn is_zero(self) -> bool {
+        self == 0
+    }
+    fn same_bits(self, other: Self) -> bool {
+        self == other
     }
 }
 
@@ -1261,51 +1294,84 @@ mod tests {
     }
 
     /// The channel hash is the plain definition ([`RowScan`]): per window,
-    /// the own samples cut into pieces of [`HASH_PIECE`]; sample j of a piece
-    /// into lane j mod 4, each lane from the basis; each piece's lanes mixed
-    /// with its index and length and summed into the window's key; each
-    /// window's key then chained onto the run's; int16 and f32 rows alike,
-    /// over several calls.
+    /// the own samples cut into pieces of [`HASH_PIECE`]; the 16-bit codes of
+    /// samples 4q..4q+3 of a piece as one word into lane q mod 4, each lane
+    /// from the basis; each piece's lanes mixed with its index and length and
+    /// summed into the window's key; each window's key then chained onto the
+    /// run's; int16 and f32 rows alike (and f32 rows with values that are
+    /// not int16 through the float lane), over several calls.
     #[test]
     fn row_hash_equals_the_definition() {
         const P: u64 = 0x0100_0000_01b3;
+        const B: u64 = 0xcbf2_9ce4_8422_2325;
         fn mix(mut z: u64) -> u64 {
             z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             z ^ (z >> 31)
         }
-        let mut want = [0xcbf2_9ce4_8422_2325u64; 4];
-        let mut row = ChannelHealth::new(&[0]).rows.remove(0);
-        let mut row16 = row.clone();
-        for (call, len) in [
-            0usize, 1, 3, 4, 63, 64, 65, 131, 256, 1001, 1024, 1025, 2500,
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let own: Vec<i16> = (0..len)
-                .map(|j| ((j * 7919 + call * 104_729) % 65_536) as u16 as i16)
-                .collect();
+        fn window_key(own: &[f32]) -> [u64; 4] {
             let mut win = [0u64; 4];
             for (index, piece) in own.chunks(HASH_PIECE).enumerate() {
-                let mut lanes = [0xcbf2_9ce4_8422_2325u64; 4];
-                for (j, &v) in piece.iter().enumerate() {
-                    let bits = u64::from(f32::from(v).to_bits());
-                    lanes[j % 4] = (lanes[j % 4] ^ bits).wrapping_mul(P);
+                let mut lanes = [B; 4];
+                let mut float = B;
+                for (q, quad) in piece.chunks(4).enumerate() {
+                    let mut word = 0u64;
+                    for (k, &v) in quad.iter().enumerate() {
+                        let j = 4 * q + k;
+                        let code = if v == (v as i16) as f32 && v.to_bits() != (-0.0f32).to_bits() {
+                            v as i16 as u16
+                        } else {
+                            float = (float ^ (u64::from(v.to_bits()) | (j as u64) << 32))
+                                .wrapping_mul(P);
+                            0x8000
+                        };
+                        word |= u64::from(code) << (16 * k);
+                    }
+                    lanes[q % 4] = (lanes[q % 4] ^ word).wrapping_mul(P);
                 }
                 let tag = mix(((index as u64) << 20) ^ piece.len() as u64);
                 for k in 0..4 {
                     win[k] = win[k].wrapping_add(mix(lanes[k] ^ tag.rotate_left(16 * k as u32)));
                 }
+                win[0] = win[0].wrapping_add(mix(float ^ !tag));
             }
+            win
+        }
+        let mut want = [B; 4];
+        let mut want_f = [B; 4];
+        let mut row = ChannelHealth::new(&[0]).rows.remove(0);
+        let mut row16 = row.clone();
+        let mut rowf = row.clone();
+        for (call, len) in [0usize, 1, 3, 4, 63, 64, 65, 131, 256, 1001, 1024, 1025, 2500]
+            .into_iter()
+            .enumerate()
+        {
+            let own: Vec<i16> = (0..len)
+                .map(|j| ((j * 7919 + call * 104_729) % 65_536) as u16 as i16)
+                .collect();
+            let own32: Vec<f32> = own.iter().map(|&v| f32::from(v)).collect();
+            // Some values that are not int16: fractions, −0.0, out of range.
+            let mut fl = own32.clone();
+            for (j, v) in fl.iter_mut().enumerate() {
+                match j % 37 {
+                    5 => *v += 0.5,
+                    11 => *v = -0.0,
+                    23 => *v = 40_000.0,
+                    _ => {}
+                }
+            }
+            let win = window_key(&own32);
+            let win_f = window_key(&fl);
             for k in 0..4 {
                 want[k] = (want[k] ^ win[k]).wrapping_mul(P);
+                want_f[k] = (want_f[k] ^ win_f[k]).wrapping_mul(P);
             }
-            let own32: Vec<f32> = own.iter().map(|&v| f32::from(v)).collect();
             row.observe(&own32, (0, len), 0, &[]);
             row16.observe(&own, (0, len), 0, &[]);
+            rowf.observe(&fl, (0, len), 0, &[]);
             assert_eq!(row.hash, want, "f32, call {call}, {len} samples");
             assert_eq!(row16.hash, want, "int16, call {call}, {len} samples");
+            assert_eq!(rowf.hash, want_f, "f32 not int16, call {call}, {len} samples");
         }
     }
 

@@ -11,12 +11,16 @@
 //! have the first one's bits, and the row's hash key.
 //!
 //! **The hash key.** The own columns are cut into hash pieces of
-//! [`HASH_PIECE`] columns from the first own column. Within a piece, sample j
-//! (from the piece's start) goes into lane j mod 4, each lane an FNV-style
-//! chain (xor, then multiply) of the values' f32 bits from the basis. A closed
-//! piece adds a mix of its lanes, its index and its length to the window's key
-//! (a sum, so scans of different column ranges add up). Equal rows have equal
-//! keys; int16 and f32 rows of the same values too.
+//! [`HASH_PIECE`] columns from the first own column. Within a piece, each
+//! value has a 16-bit code (its int16 value; 0x8000 for a value that is not
+//! an int16 one, which also goes with its place into a separate float lane);
+//! the codes of samples 4q .. 4q + 3 (from the piece's start) make one 64-bit
+//! word, word q goes into lane q mod 4, each lane an FNV-style chain (xor,
+//! then multiply) from the basis. A closed piece adds a mix of its lanes, its
+//! float lane, its index and its length to the window's key (a sum, so scans
+//! of different column ranges add up). Equal rows have equal keys; int16 and
+//! f32 rows of the same values too. An int16 row costs one multiply per four
+//! samples.
 
 use super::{ROW_HASH_BASIS, ROW_HASH_PRIME, RawSample};
 
@@ -76,13 +80,17 @@ pub struct RowScan<T> {
     open: Option<(usize, T)>,
     /// Ended runs of at least `min_run`, after the first run (start, end, value).
     runs: Vec<(usize, usize, T)>,
-    /// Bits of the first own value, and whether every own value has them.
-    own_first: Option<u32>,
+    /// The first own value, and whether every own value has its bits.
+    own_first: Option<T>,
     all_first: bool,
     any_nonzero: bool,
     /// Lanes of the hash piece being fed, and its columns so far.
     lanes: [u64; 4],
     piece_len: usize,
+    /// The codes of the piece's last quad so far (`piece_len % 4` of them).
+    pending: u64,
+    /// The chain of the piece's values that are not int16 (f32 rows only).
+    float_lane: u64,
     /// Sum of the closed pieces' mixes.
     key: [u64; 4],
 }
@@ -121,6 +129,8 @@ impl<T: RawSample> RowScan<T> {
             any_nonzero: false,
             lanes: [ROW_HASH_BASIS; 4],
             piece_len: 0,
+            pending: 0,
+            float_lane: ROW_HASH_BASIS,
             key: [0; 4],
         }
     }
@@ -230,45 +240,72 @@ impl<T: RawSample> RowScan<T> {
         if own.is_empty() {
             return;
         }
-        let first = *self
-            .own_first
-            .get_or_insert_with(|| own[0].to_f32().to_bits());
+        let first = *self.own_first.get_or_insert(own[0]);
         let mut any_nonzero = self.any_nonzero;
         let mut all_first = self.all_first;
-        // Lane of own[0] first: sample j of the piece into lane j mod 4.
-        let r = self.piece_len % 4;
-        let mut h = self.lanes;
-        h.rotate_left(r);
-        // The bits of 64 samples at a time (one vectorised conversion from
-        // int16), then chained in four independent lanes.
-        let mut blocks = own.chunks_exact(64);
-        for block in &mut blocks {
-            let mut bits = [0u32; 64];
-            for (b, &v) in bits.iter_mut().zip(block) {
-                *b = v.to_f32().to_bits();
-            }
-            for &b in &bits {
-                // +0.0 and −0.0 are both zero.
-                any_nonzero |= (b << 1) != 0;
-                all_first &= b == first;
-            }
-            for q in bits.chunks_exact(4) {
-                for k in 0..4 {
-                    h[k] = (h[k] ^ u64::from(q[k])).wrapping_mul(ROW_HASH_PRIME);
-                }
-            }
+        for &v in own {
+            any_nonzero |= !v.is_zero();
+            all_first &= v.same_bits(first);
         }
-        for (j, &v) in blocks.remainder().iter().enumerate() {
-            let b = v.to_f32().to_bits();
-            any_nonzero |= (b << 1) != 0;
-            all_first &= b == first;
-            h[j % 4] = (h[j % 4] ^ u64::from(b)).wrapping_mul(ROW_HASH_PRIME);
-        }
-        h.rotate_right(r);
-        self.lanes = h;
-        self.piece_len += own.len();
         self.any_nonzero = any_nonzero;
         self.all_first = all_first;
+        // One value at a time up to the start of a lane cycle (16 values: a
+        // quad per lane), then whole cycles, then the rest.
+        let mut i = 0;
+        while i < own.len() && self.piece_len % 16 != 0 {
+            self.push_code(own[i]);
+            i += 1;
+        }
+        let mut cycles = own[i..].chunks_exact(16);
+        for c in &mut cycles {
+            let mut codes = [0u16; 16];
+            let mut whole = true;
+            for (code, &v) in codes.iter_mut().zip(c) {
+                let (k, exact) = v.code16_exact();
+                *code = k;
+                whole &= exact;
+            }
+            let mut words = [0u64; 4];
+            for (w, q) in words.iter_mut().zip(codes.chunks_exact(4)) {
+                *w = q
+                    .iter()
+                    .enumerate()
+                    .fold(0, |w, (k, &code)| w | u64::from(code) << (16 * k));
+            }
+            if !whole {
+                for &v in c {
+                    self.push_code(v);
+                }
+                continue;
+            }
+            for k in 0..4 {
+                self.lanes[k] = (self.lanes[k] ^ words[k]).wrapping_mul(ROW_HASH_PRIME);
+            }
+            self.piece_len += 16;
+        }
+        for &v in cycles.remainder() {
+            self.push_code(v);
+        }
+    }
+
+    /// Adds one own value to the piece: its 16-bit code into the pending
+    /// quad ([`RawSample::code16`]; a value that is not int16 gets code
+    /// 0x8000 and goes into the float lane with its place), the quad into
+    /// its lane once whole.
+    fn push_code(&mut self, v: T) {
+        let j = self.piece_len;
+        let code = v.code16().unwrap_or_else(|| {
+            let bits = u64::from(v.to_f32().to_bits()) | ((j as u64) << 32);
+            self.float_lane = (self.float_lane ^ bits).wrapping_mul(ROW_HASH_PRIME);
+            0x8000
+        });
+        self.pending |= u64::from(code) << (16 * (j % 4));
+        self.piece_len += 1;
+        if j % 4 == 3 {
+            let lane = (j / 4) % 4;
+            self.lanes[lane] = (self.lanes[lane] ^ self.pending).wrapping_mul(ROW_HASH_PRIME);
+            self.pending = 0;
+        }
     }
 
     /// Adds the piece ending at column `end` to the key.
@@ -276,14 +313,21 @@ impl<T: RawSample> RowScan<T> {
         if self.piece_len == 0 {
             return;
         }
+        if self.piece_len % 4 != 0 {
+            let lane = (self.piece_len / 4) % 4;
+            self.lanes[lane] = (self.lanes[lane] ^ self.pending).wrapping_mul(ROW_HASH_PRIME);
+        }
         let index = ((end - self.piece_len - self.cols.own.0) / HASH_PIECE) as u64;
         let tag = mix64((index << 20) ^ self.piece_len as u64);
         for k in 0..4 {
             let m = mix64(self.lanes[k] ^ tag.rotate_left(16 * k as u32));
             self.key[k] = self.key[k].wrapping_add(m);
         }
+        self.key[0] = self.key[0].wrapping_add(mix64(self.float_lane ^ !tag));
         self.lanes = [ROW_HASH_BASIS; 4];
         self.piece_len = 0;
+        self.pending = 0;
+        self.float_lane = ROW_HASH_BASIS;
     }
 
     /// Joins the scan of the columns that follow (`next` starts at
@@ -340,7 +384,7 @@ impl<T: RawSample> RowScan<T> {
         // The own columns' facts.
         self.any_nonzero |= next.any_nonzero;
         match (self.own_first, next.own_first) {
-            (Some(a), Some(b)) => self.all_first &= next.all_first && a == b,
+            (Some(a), Some(b)) => self.all_first &= next.all_first && a.same_bits(b),
             (None, Some(_)) => {
                 self.own_first = next.own_first;
                 self.all_first = next.all_first;
@@ -353,6 +397,8 @@ impl<T: RawSample> RowScan<T> {
         if next.own_first.is_some() {
             self.lanes = next.lanes;
             self.piece_len = next.piece_len;
+            self.pending = next.pending;
+            self.float_lane = next.float_lane;
         }
         self.col = next.col;
     }
@@ -510,6 +556,15 @@ mod tests {
                 assert_eq!(fed, (runs.clone(), facts), "case {case}: fed in pieces");
                 let fed32 = scan_in_pieces(&xf, cols, &cuts, false).finish(&xf);
                 assert_eq!(fed32, (runs.clone(), facts), "case {case}: f32");
+                // Values that are not int16 (the float lane), fed in pieces.
+                let xg: Vec<f32> = xf
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &v)| if j % 29 == 3 { v + 0.25 } else { v })
+                    .collect();
+                let g1 = scan_in_pieces(&xg, cols, &[], false).finish(&xg);
+                let g2 = scan_in_pieces(&xg, cols, &cuts, false).finish(&xg);
+                assert_eq!(g1, g2, "case {case}: f32 not int16, fed in pieces");
                 cuts.retain(|&c| c <= o0 || c >= o1 || (c - o0) % HASH_PIECE == 0);
                 cuts.extend((o0..o1).step_by(HASH_PIECE));
                 let joined = scan_in_pieces(&x, cols, &cuts, true).finish(&x);
