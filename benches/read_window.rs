@@ -36,7 +36,6 @@ use spikecube::Probe;
 use spikecube::checks::{ChannelHealth, WindowColumns, check_window, stuck_min_run};
 use spikecube::recording::{
     OpenOptions, Raw16, Window, WindowPlan, open, read_window, read_window_i16,
-    read_window_i16_scanned,
 };
 
 mod common;
@@ -141,22 +140,19 @@ fn main() -> Result<()> {
         "{:>7}  {:<20} {:>9} {:>9}   (ms per window, medians; cpu: the process's user + system time)",
         "threads", "step", "wall", "cpu"
     );
-    const STEPS: [&str; 9] = [
+    const STEPS: [&str; 6] = [
         "read int16",
         "checks int16",
         "read + checks int16",
         "read f32",
         "checks f32",
         "read + checks f32",
-        "read int16 scanned",
-        "checks after scan",
-        "read + checks scanned",
     ];
     for &t in &args.threads {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
         // Per step: wall and CPU milliseconds of every timed window.
-        let mut wall: [Vec<f64>; 9] = Default::default();
-        let mut cpu: [Vec<f64>; 9] = Default::default();
+        let mut wall: [Vec<f64>; 6] = Default::default();
+        let mut cpu: [Vec<f64>; 6] = Default::default();
         let mut stuck = 0u64;
         pool.install(|| -> Result<()> {
             let mut buf = vec![0i16; rows * stride];
@@ -164,7 +160,6 @@ fn main() -> Result<()> {
             for rep in 0..=args.reps {
                 let mut health_i = ChannelHealth::new(&chan_map);
                 let mut health_f = ChannelHealth::new(&chan_map);
-                let mut health_s = ChannelHealth::new(&chan_map);
                 for &i in &indices {
                     let cols = WindowColumns::of(&plan, i);
                     let (t0, c0) = (Instant::now(), cpu_ms());
@@ -185,31 +180,6 @@ fn main() -> Result<()> {
                         bail!("window {i}: the int16 and f32 checks disagree");
                     }
                     let raw = w.raw16.take().expect("int16 window");
-                    let mut raw = Raw16::new(
-                        rows,
-                        n,
-                        stride,
-                        raw.into_buffer()
-                            .downcast::<Vec<i16>>()
-                            .expect("a Vec buffer"),
-                    )?;
-                    let (t5, c5) = (Instant::now(), cpu_ms());
-                    read_window_i16_scanned(
-                        rec.as_ref(),
-                        &plan,
-                        i,
-                        &chan_map,
-                        &mut raw,
-                        Some(min_run),
-                    )?;
-                    let (t6, c6) = (Instant::now(), cpu_ms());
-                    let mut w = window(&plan, first, i, Array2::zeros((0, 0)), Some(raw));
-                    let runs_s = check_window(&mut w, &cols, min_run, Some(&mut health_s), true);
-                    let (t7, c7) = (Instant::now(), cpu_ms());
-                    if runs_s != runs_i {
-                        bail!("window {i}: the scanned and plain int16 checks disagree");
-                    }
-                    let raw = w.raw16.take().expect("int16 window");
                     buf = *raw
                         .into_buffer()
                         .downcast::<Vec<i16>>()
@@ -217,19 +187,8 @@ fn main() -> Result<()> {
                     data = wf.data;
                     if rep > 0 {
                         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-                        let spans = [
-                            (0, 1),
-                            (1, 2),
-                            (0, 2),
-                            (2, 3),
-                            (3, 4),
-                            (2, 4),
-                            (5, 6),
-                            (6, 7),
-                            (5, 7),
-                        ];
-                        let ts = [t0, t1, t2, t3, t4, t5, t6, t7];
-                        let cs = [c0, c1, c2, c3, c4, c5, c6, c7];
+                        let spans = [(0, 1), (1, 2), (0, 2), (2, 3), (3, 4), (2, 4)];
+                        let (ts, cs) = ([t0, t1, t2, t3, t4], [c0, c1, c2, c3, c4]);
                         for (k, &(a, b)) in spans.iter().enumerate() {
                             wall[k].push(ms(ts[a], ts[b]));
                             cpu[k].push(cs[b] - cs[a]);
@@ -238,9 +197,6 @@ fn main() -> Result<()> {
                 }
                 if health_i.findings() != health_f.findings() {
                     bail!("the int16 and f32 channel findings disagree");
-                }
-                if format!("{health_s:?}") != format!("{health_i:?}") {
-                    bail!("the scanned and plain int16 channel health disagree");
                 }
                 stuck = health_i.stuck_samples();
             }

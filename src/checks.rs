@@ -375,17 +375,7 @@ pub fn check_window(
     let (runs, facts) = match w.raw16.as_mut() {
         Some(raw) => {
             let shape = (raw.n_rows, raw.n_cols, raw.stride);
-            let scanned = raw.take_scans();
-            check_rows(
-                raw.values_mut(),
-                shape,
-                first,
-                cols,
-                min_run,
-                mask,
-                observe,
-                scanned,
-            )
+            check_rows(raw.values_mut(), shape, first, cols, min_run, mask, observe)
         }
         None => check_values(&mut w.data, first, cols, min_run, mask, observe),
     };
@@ -410,17 +400,7 @@ pub fn precheck_window(
     match w.raw16.as_mut() {
         Some(raw) => {
             let shape = (raw.n_rows, raw.n_cols, raw.stride);
-            let scanned = raw.take_scans();
-            check_rows(
-                raw.values_mut(),
-                shape,
-                first,
-                cols,
-                min_run,
-                mask,
-                true,
-                scanned,
-            )
+            check_rows(raw.values_mut(), shape, first, cols, min_run, mask, true)
         }
         None => check_values(&mut w.data, first, cols, min_run, mask, true),
     }
@@ -459,16 +439,7 @@ fn check_values(
     let (n_rows, n_cols) = window.dim();
     let values = window.as_slice_mut().expect("standard layout");
     let shape = (n_rows, n_cols, n_cols);
-    check_rows(
-        values,
-        shape,
-        first_sample,
-        cols,
-        min_run,
-        mask,
-        observe,
-        None,
-    )
+    check_rows(values, shape, first_sample, cols, min_run, mask, observe)
 }
 
 /// The checks of [`check_window`] on `n_rows` rows of `n_cols` samples at
@@ -487,7 +458,6 @@ fn check_rows<T: RawSample>(
     min_run: usize,
     mask: bool,
     observe: bool,
-    scanned: Option<(ScanColumns, Vec<RowScan<T>>)>,
 ) -> (Vec<Vec<(usize, usize)>>, WindowHealth) {
     use rayon::prelude::*;
     let (a, b) = (cols.own.0.min(n_cols), cols.own.1.min(n_cols));
@@ -498,24 +468,12 @@ fn check_rows<T: RawSample>(
         own: if observe { (a, b) } else { (0, 0) },
         min_run,
     };
-    // Scans made while the rows were read (issue 10), when they are of these
-    // columns; else each row is scanned here.
-    let mut pre: Vec<Option<RowScan<T>>> = match scanned {
-        Some((c, scans)) if c == scan_cols && scans.len() == n_rows => {
-            scans.into_iter().map(Some).collect()
-        }
-        _ => (0..n_rows).map(|_| None).collect(),
-    };
     let (runs, facts): (Vec<_>, Vec<_>) = values[..n_rows * stride]
         .par_chunks_mut(stride.max(1))
-        .zip(pre.par_iter_mut())
-        .map(|(row, pre)| {
+        .map(|row| {
             let row = &mut row[..n_cols];
-            let scan = pre.take().unwrap_or_else(|| {
-                let mut scan = RowScan::new(scan_cols, scan_cols.first());
-                scan.feed(&row[scan_cols.first()..scan_cols.end()]);
-                scan
-            });
+            let mut scan = RowScan::new(scan_cols, scan_cols.first());
+            scan.feed(&row[scan_cols.first()..scan_cols.end()]);
             let (runs, found) = scan.finish(row);
             let facts = observe
                 .then(|| RowWindow::of_scan(found, row, (a, b), first_sample + a as i64, &runs));
@@ -1342,9 +1300,11 @@ mod tests {
         let mut row = ChannelHealth::new(&[0]).rows.remove(0);
         let mut row16 = row.clone();
         let mut rowf = row.clone();
-        for (call, len) in [0usize, 1, 3, 4, 63, 64, 65, 131, 256, 1001, 1024, 1025, 2500]
-            .into_iter()
-            .enumerate()
+        for (call, len) in [
+            0usize, 1, 3, 4, 63, 64, 65, 131, 256, 1001, 1024, 1025, 2500,
+        ]
+        .into_iter()
+        .enumerate()
         {
             let own: Vec<i16> = (0..len)
                 .map(|j| ((j * 7919 + call * 104_729) % 65_536) as u16 as i16)
@@ -1371,7 +1331,10 @@ mod tests {
             rowf.observe(&fl, (0, len), 0, &[]);
             assert_eq!(row.hash, want, "f32, call {call}, {len} samples");
             assert_eq!(row16.hash, want, "int16, call {call}, {len} samples");
-            assert_eq!(rowf.hash, want_f, "f32 not int16, call {call}, {len} samples");
+            assert_eq!(
+                rowf.hash, want_f,
+                "f32 not int16, call {call}, {len} samples"
+            );
         }
     }
 

@@ -556,9 +556,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         let cols = checks::WindowColumns::of(&plan, w.index);
         Ok(checks::precheck_window(w, &cols, min_run, mask_clipped).1)
     };
-    // The checks' scans made while reading int16 windows (issue 10; off with
-    // SPIKECUBE_READ_SCAN=0, for measuring).
-    let read_scan = std::env::var("SPIKECUBE_READ_SCAN").map_or(true, |v| v != "0");
     let merge = move |_: &mut crate::recording::Window, h: checks::WindowHealth| -> Result<()> {
         health_ref.merge(&h);
         Ok(())
@@ -572,7 +569,6 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
             plan,
             &chan_map,
             &prepare,
-            read_scan.then_some(min_run),
             merge,
             pass.as_mut(),
             |w: WindowInfo, mut det: Detections| -> Result<()> {
@@ -1431,11 +1427,10 @@ fn fit_covariance_on_device(
                     let i = list[k as usize];
                     let t0 = Instant::now();
                     let mut data = Array2::zeros((0, 0));
-                    let res =
-                        crate::stages::read_any(rec, plan, i, chan_map, &mut data, raw16, None)
-                            .map(|r16| {
-                                crate::recording::Window::of(rec.first_sample(), plan, i, data, r16)
-                            });
+                    let res = crate::stages::read_any(rec, plan, i, chan_map, &mut data, raw16)
+                        .map(|r16| {
+                            crate::recording::Window::of(rec.first_sample(), plan, i, data, r16)
+                        });
                     *read_s += t0.elapsed().as_secs_f64();
                     res
                 },

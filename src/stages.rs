@@ -821,9 +821,7 @@ impl StagesReport {
 /// the window is returned), else as f32 into `data` (allocated at its size when
 /// it is not). When a recording answers that it cannot give int16 values at
 /// all ([`crate::recording::gives_int16`]; not just for this window, as a
-/// concatenation across its files), `raw16` is set to `None`. With
-/// `scan_min_run`, int16 rows are scanned for the input checks as they are
-/// read ([`crate::recording::read_window_i16_scanned`]).
+/// concatenation across its files), `raw16` is set to `None`.
 pub(crate) fn read_any(
     rec: &dyn Recording,
     plan: &WindowPlan,
@@ -831,20 +829,12 @@ pub(crate) fn read_any(
     chan_map: &[u64],
     data: &mut Array2<f32>,
     raw16: &mut Option<Raw16Alloc>,
-    scan_min_run: Option<usize>,
 ) -> Result<Option<crate::recording::Raw16>> {
     let (rows, n) = (chan_map.len(), plan.window_len());
     if let Some(alloc) = raw16.as_mut() {
         let stride = crate::recording::Raw16::stride_for(n);
         let mut raw = crate::recording::Raw16::new(rows, n, stride, alloc(rows * stride))?;
-        if crate::recording::read_window_i16_scanned(
-            rec,
-            plan,
-            i,
-            chan_map,
-            &mut raw,
-            scan_min_run,
-        )? {
+        if crate::recording::read_window_i16(rec, plan, i, chan_map, &mut raw)? {
             *data = Array2::zeros((0, 0));
             return Ok(Some(raw));
         }
@@ -892,7 +882,6 @@ where
         plan,
         chan_map,
         &|_: &mut Window| Ok(()),
-        None,
         move |w: &mut Window, ()| check(w),
         pass,
         write,
@@ -903,21 +892,15 @@ where
 /// on the reading threads right after each window is read (several windows
 /// at once, in any order; e.g. [`crate::checks::precheck_window`]), `merge`
 /// then takes its result in window order (e.g. adding it to the run's
-/// [`crate::checks::ChannelHealth`]), before the window goes on. With
-/// `scan_min_run` (the checks' shortest stuck run), int16 windows are
-/// scanned for the checks as they are read, and `prepare` finds the scans in
-/// the window ([`crate::recording::Raw16::take_scans`]; `precheck_window`
-/// uses them).
+/// [`crate::checks::ChannelHealth`]), before the window goes on.
 ///
 /// # Errors
 /// As [`run_windows`].
-#[allow(clippy::too_many_arguments)]
 pub fn run_windows_prechecked<P, M, W>(
     rec: Arc<dyn Recording>,
     plan: WindowPlan,
     chan_map: &[u64],
     prepare: &(dyn Fn(&mut Window) -> Result<P> + Sync),
-    scan_min_run: Option<usize>,
     mut merge: M,
     pass: &mut dyn WindowPass,
     mut write: W,
@@ -988,7 +971,7 @@ where
                     },
                     |(raw16, times), i, mut data| {
                         let t1 = Instant::now();
-                        let res = read_any(rec, &plan, i, chan_map, &mut data, raw16, scan_min_run)
+                        let res = read_any(rec, &plan, i, chan_map, &mut data, raw16)
                             .map(|raw16| Window::of(first, &plan, i, data, raw16));
                         let t2 = times.lap("read", t1);
                         let res = res.and_then(|mut w| prepare(&mut w).map(|p| (w, p)));

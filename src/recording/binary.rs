@@ -7,7 +7,6 @@ use memmap2::Mmap;
 use rayon::prelude::*;
 
 use super::{Dtype, Recording, check_read, nearest_channel_counts};
-use crate::checks::{HASH_PIECE, RawSample, RowScan, ScanColumns};
 use crate::error::RecordingError;
 
 /// What to do with bytes after the last whole frame.
@@ -239,13 +238,8 @@ fn decode<const N: usize, T: Send>(
 ///
 /// # Errors
 /// When a positional read fails.
-///
-/// With `scan`, each row's [`RowScan`] is fed every block right after the
-/// block is decoded (while it is in cache), and the runs of samples start at
-/// the columns where the scan's hash pieces start; the scans of each run are
-/// returned, in order (none without `scan`).
 #[allow(clippy::too_many_arguments)]
-fn decode_i16<T: RawSample>(
+fn decode_i16<T: Send>(
     source: Frames<'_>,
     start: u64,
     count: usize,
@@ -254,8 +248,7 @@ fn decode_i16<T: RawSample>(
     chan_map: &[u64],
     out: &mut [T],
     conv: impl Fn(i16) -> T + Sync,
-    scan: Option<&ScanColumns>,
-) -> std::io::Result<Vec<Vec<RowScan<T>>>> {
+) -> std::io::Result<()> {
     let frame = n_channels * 2;
     let base = start as usize * frame;
     // (file channel, output row), by channel: the rows each group of eight
@@ -274,37 +267,21 @@ fn decode_i16<T: RawSample>(
         groups.push((g * 8, &rest[..n]));
         rest = &rest[n..];
     }
-    // The runs' first samples: every DECODE_CHUNK, from the first hash
-    // piece's start when scanning.
-    const { assert!(DECODE_CHUNK % HASH_PIECE == 0) };
-    let phase = scan.map_or(0, |c| c.own.0 % DECODE_CHUNK);
-    let mut starts = vec![0];
-    let mut t = if phase == 0 { DECODE_CHUNK } else { phase };
-    while t < count {
-        starts.push(t);
-        t += DECODE_CHUNK;
-    }
-    let mut runs: Vec<(usize, Vec<&mut [T]>)> = starts
-        .iter()
-        .map(|&t0| (t0, Vec::with_capacity(chan_map.len())))
+    let n_runs = count.div_ceil(DECODE_CHUNK);
+    let mut runs: Vec<Vec<&mut [T]>> = (0..n_runs)
+        .map(|_| Vec::with_capacity(chan_map.len()))
         .collect();
     for row in out.chunks_mut(stride.max(1)).take(chan_map.len()) {
-        let mut rest = &mut row[..count];
-        for (k, run) in runs.iter_mut().enumerate() {
-            let end = starts.get(k + 1).copied().unwrap_or(count);
-            let (piece, tail) = rest.split_at_mut(end - run.0);
-            run.1.push(piece);
-            rest = tail;
+        for (run, piece) in runs.iter_mut().zip(row[..count].chunks_mut(DECODE_CHUNK)) {
+            run.push(piece);
         }
     }
     let value = |f: &[u8], c: usize| i16::from_le_bytes([f[2 * c], f[2 * c + 1]]);
     runs.into_par_iter()
-        .map(|(t0, mut rows)| {
+        .enumerate()
+        .try_for_each(|(i, mut rows)| {
+            let t0 = i * DECODE_CHUNK;
             let len = rows.first().map_or(0, |r| r.len());
-            let mut scans: Vec<RowScan<T>> = match scan {
-                Some(cols) => (0..rows.len()).map(|_| RowScan::new(*cols, t0)).collect(),
-                None => Vec::new(),
-            };
             let mut d0 = 0;
             let mut scratch = Vec::new();
             while d0 < len {
@@ -348,42 +325,13 @@ fn decode_i16<T: RawSample>(
                         }
                     }
                 }
-                for (scan, row) in scans.iter_mut().zip(&rows) {
-                    scan.feed(&row[d0..d1]);
-                }
                 d0 = d1;
             }
             if let Frames::Map(_, release) = &source {
                 release(start + t0 as u64, len);
             }
-            Ok(scans)
+            Ok(())
         })
-        .collect()
-}
-
-/// Each row's scan over all the runs: `runs[k][r]` is row r's scan of run
-/// k; rows in parallel.
-fn join_scans<T: RawSample>(runs: Vec<Vec<RowScan<T>>>) -> Vec<RowScan<T>> {
-    let n_rows = runs.first().map_or(0, Vec::len);
-    let mut by_row: Vec<Vec<RowScan<T>>> = (0..n_rows)
-        .map(|_| Vec::with_capacity(runs.len()))
-        .collect();
-    for run in runs {
-        for (row, scan) in by_row.iter_mut().zip(run) {
-            row.push(scan);
-        }
-    }
-    by_row
-        .into_par_iter()
-        .map(|scans| {
-            let mut it = scans.into_iter();
-            let mut all = it.next().expect("one run at least");
-            for s in it {
-                all.append(s);
-            }
-            all
-        })
-        .collect()
 }
 
 /// Where [`decode_i16`] takes a file's frames from.
@@ -504,18 +452,8 @@ impl Recording for BinaryRecording {
             Dtype::Int16 => {
                 let release = |a: u64, m: usize| self.release_pages(a, m);
                 let source = self.frames(data, &release);
-                decode_i16(
-                    source,
-                    start,
-                    count,
-                    count,
-                    nc,
-                    chan_map,
-                    out,
-                    f32::from,
-                    None,
-                )
-                .map_err(|e| self.io_error(e))?;
+                decode_i16(source, start, count, count, nc, chan_map, out, f32::from)
+                    .map_err(|e| self.io_error(e))?;
             }
             Dtype::Uint16 => decode::<2, f32>(data, start, count, count, nc, chan_map, out, |b| {
                 (i32::from(u16::from_le_bytes(b)) - 32768) as f32
@@ -567,47 +505,9 @@ impl Recording for BinaryRecording {
         let release = |a: u64, m: usize| self.release_pages(a, m);
         let source = self.frames(data, &release);
         let nc = self.n_channels;
-        decode_i16(source, start, count, stride, nc, chan_map, out, |v| v, None)
+        decode_i16(source, start, count, stride, nc, chan_map, out, |v| v)
             .map_err(|e| self.io_error(e))?;
         Ok(true)
-    }
-    fn read_channels_i16_scanned(
-        &self,
-        start: u64,
-        count: usize,
-        chan_map: &[u64],
-        out: &mut [i16],
-        stride: usize,
-        cols: &ScanColumns,
-    ) -> Result<Option<Vec<RowScan<i16>>>, RecordingError> {
-        if self.dtype != Dtype::Int16 || self.scale.is_some() || self.shift.is_some() {
-            return Ok(None);
-        }
-        crate::recording::check_read_strided(self, start, count, chan_map, out.len(), stride)?;
-        let Some(map) = self
-            .map
-            .as_ref()
-            .filter(|_| count > 0 && !chan_map.is_empty())
-        else {
-            return Ok(None);
-        };
-        let data = &map[self.offset as usize..];
-        let release = |a: u64, m: usize| self.release_pages(a, m);
-        let source = self.frames(data, &release);
-        let nc = self.n_channels;
-        let runs = decode_i16(
-            source,
-            start,
-            count,
-            stride,
-            nc,
-            chan_map,
-            out,
-            |v| v,
-            Some(cols),
-        )
-        .map_err(|e| self.io_error(e))?;
-        Ok(Some(join_scans(runs)))
     }
     fn describe(&self) -> String {
         format!(
@@ -710,18 +610,7 @@ mod tests {
         for (start, count) in [(0u64, ns), (7, DECODE_CHUNK + 9)] {
             let decoded = |source: Frames<'_>| {
                 let mut out = vec![0i16; chan_map.len() * count];
-                decode_i16(
-                    source,
-                    start,
-                    count,
-                    count,
-                    nc,
-                    &chan_map,
-                    &mut out,
-                    |v| v,
-                    None,
-                )
-                .unwrap();
+                decode_i16(source, start, count, count, nc, &chan_map, &mut out, |v| v).unwrap();
                 out
             };
             let released = std::sync::atomic::AtomicUsize::new(0);
@@ -736,141 +625,6 @@ mod tests {
             rec.read_channels_i16(start, count, &chan_map, &mut want, count)
                 .unwrap();
             assert_eq!(mapped, want);
-        }
-    }
-
-    /// Windows read with the checks' scans made while reading
-    /// (`read_window_i16_scanned`) get the values, stuck runs, masked values
-    /// and channel facts of a plain int16 read checked afterwards, and of the
-    /// f32 read: rows noisy, zero, flat, duplicated, stuck at an extreme
-    /// across runs of samples, hash pieces and windows; a channel map that
-    /// repeats and reorders; windows of one file with `tmin`.
-    #[test]
-    fn scanned_reads_check_as_plain_reads() {
-        use crate::checks::{ChannelHealth, WindowColumns, precheck_window};
-        use crate::recording::{Raw16, Window, WindowPlan, read_window, read_window_i16};
-        let (nc, ns) = (11usize, 9 * DECODE_CHUNK + 517);
-        let mut s = 99u64;
-        let mut noise = move || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % 61) as i16 - 30
-        };
-        let mut x = vec![0i16; ns * nc];
-        for t in 0..ns {
-            let shared = noise();
-            for c in 0..nc {
-                x[t * nc + c] = match c {
-                    0 => 0,
-                    1 => -3,
-                    2 | 3 => shared,
-                    4 if (1000..1100).contains(&t) => 90,
-                    5 if (2000..3200).contains(&t) => -90,
-                    6 if (DECODE_CHUNK - 20..DECODE_CHUNK + 40).contains(&t) => 95,
-                    7 if t >= ns - 50 => 93,
-                    8 if (3990..4010).contains(&t) => 20,
-                    _ => noise(),
-                };
-            }
-        }
-        let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("x.bin");
-        std::fs::write(&path, &bytes).unwrap();
-        let rec = BinaryRecording::open_flat(&path, nc as u64, 30_000.0, Dtype::Int16, 0).unwrap();
-        let chan_map: Vec<u64> = vec![10, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 3];
-        let rows = chan_map.len();
-        let min_run = 8;
-        for (batch, nt) in [(3000u64, 61u64), (2048, 61), (4000, 1024), (1500, 7)] {
-            let plan = WindowPlan::new(ns as u64, batch, nt).unwrap();
-            let n = plan.window_len();
-            let stride = Raw16::stride_for(n);
-            let mut h_plain = ChannelHealth::new(&chan_map);
-            let mut h_scan = ChannelHealth::new(&chan_map);
-            let mut h_f32 = ChannelHealth::new(&chan_map);
-            let mut scanned = 0;
-            for i in 0..plan.n_windows {
-                let cols = WindowColumns::of(&plan, i);
-                let raw =
-                    || Raw16::new(rows, n, stride, Box::new(vec![0i16; rows * stride])).unwrap();
-                let (mut a, mut b) = (raw(), raw());
-                assert!(read_window_i16(&rec, &plan, i, &chan_map, &mut a).unwrap());
-                assert!(
-                    crate::recording::read_window_i16_scanned(
-                        &rec,
-                        &plan,
-                        i,
-                        &chan_map,
-                        &mut b,
-                        Some(min_run)
-                    )
-                    .unwrap()
-                );
-                assert_eq!(a.values(), b.values(), "batch {batch}, window {i}");
-                let middle = cols.lo == 0 && cols.hi == n;
-                let has = b.take_scans().is_some();
-                assert_eq!(has, middle, "batch {batch}, window {i}: scanned when whole");
-                scanned += usize::from(has);
-                let mut b = raw();
-                crate::recording::read_window_i16_scanned(
-                    &rec,
-                    &plan,
-                    i,
-                    &chan_map,
-                    &mut b,
-                    Some(min_run),
-                )
-                .unwrap();
-                let mut data = ndarray::Array2::zeros((rows, n));
-                read_window(&rec, &plan, i, &chan_map, &mut data).unwrap();
-                let w = |data, raw16| Window::of(0, &plan, i, data, raw16);
-                let mut wa = w(ndarray::Array2::zeros((0, 0)), Some(a));
-                let mut wb = w(ndarray::Array2::zeros((0, 0)), Some(b));
-                let mut wf = w(data, None);
-                let (ra, fa) = precheck_window(&mut wa, &cols, min_run, true);
-                let (rb, fb) = precheck_window(&mut wb, &cols, min_run, true);
-                let (rf, ff) = precheck_window(&mut wf, &cols, min_run, true);
-                assert_eq!(rb, ra, "batch {batch}, window {i}");
-                assert_eq!(rf, ra, "batch {batch}, window {i}");
-                assert_eq!(
-                    format!("{fb:?}"),
-                    format!("{fa:?}"),
-                    "batch {batch}, window {i}"
-                );
-                let (a, b) = (wa.raw16.unwrap(), wb.raw16.unwrap());
-                assert_eq!(a.values(), b.values(), "masked alike");
-                assert_eq!(a.to_f32(), wf.data, "masked as f32");
-                h_plain.merge(&fa);
-                h_scan.merge(&fb);
-                h_f32.merge(&ff);
-            }
-            assert!(scanned > 0, "batch {batch}: some windows scanned");
-            assert_eq!(format!("{h_scan:?}"), format!("{h_plain:?}"));
-            assert_eq!(format!("{h_f32:?}"), format!("{h_plain:?}"));
-            let kinds: Vec<(u64, &str)> = h_scan
-                .findings()
-                .iter()
-                .map(|f| (f.channel, f.kind))
-                .collect();
-            for want in [
-                (0, "zero"),
-                (1, "flat"),
-                (3, "duplicate"),
-                (4, "clipped"),
-                (5, "clipped"),
-                (6, "clipped"),
-                (7, "clipped"),
-            ] {
-                assert!(
-                    kinds.contains(&want),
-                    "batch {batch}: {want:?} in {kinds:?}"
-                );
-            }
-            assert!(
-                !kinds.contains(&(8, "clipped")),
-                "20 samples inside are not at an extreme"
-            );
         }
     }
 

@@ -121,32 +121,6 @@ impl Recording for ConcatRecording {
         }
         Ok(false)
     }
-    fn read_channels_i16_scanned(
-        &self,
-        start: u64,
-        count: usize,
-        chan_map: &[u64],
-        out: &mut [i16],
-        stride: usize,
-        cols: &crate::checks::ScanColumns,
-    ) -> Result<Option<Vec<crate::checks::RowScan<i16>>>, RecordingError> {
-        crate::recording::check_read_strided(self, start, count, chan_map, out.len(), stride)?;
-        let end = start + count as u64;
-        for (j, part) in self.parts.iter().enumerate() {
-            let (s, e) = (self.starts[j], self.starts[j + 1]);
-            if start >= s && end <= e {
-                return part.read_channels_i16_scanned(
-                    start - s,
-                    count,
-                    chan_map,
-                    out,
-                    stride,
-                    cols,
-                );
-            }
-        }
-        Ok(None)
-    }
     fn describe(&self) -> String {
         let parts: Vec<String> = self.parts.iter().map(|p| p.describe()).collect();
         format!("concatenation of [{}]", parts.join("; "))
@@ -202,19 +176,6 @@ impl Recording for TimeSlice {
         crate::recording::check_read_strided(self, start, count, chan_map, out.len(), stride)?;
         self.inner
             .read_channels_i16(self.start + start, count, chan_map, out, stride)
-    }
-    fn read_channels_i16_scanned(
-        &self,
-        start: u64,
-        count: usize,
-        chan_map: &[u64],
-        out: &mut [i16],
-        stride: usize,
-        cols: &crate::checks::ScanColumns,
-    ) -> Result<Option<Vec<crate::checks::RowScan<i16>>>, RecordingError> {
-        crate::recording::check_read_strided(self, start, count, chan_map, out.len(), stride)?;
-        self.inner
-            .read_channels_i16_scanned(self.start + start, count, chan_map, out, stride, cols)
     }
     fn describe(&self) -> String {
         format!(

@@ -31,8 +31,7 @@ pub use binary::BinaryRecording;
 pub use concat::ConcatRecording;
 pub use ordered::read_in_order;
 pub use window::{
-    Raw16, Raw16Buffer, Window, WindowLoader, WindowPlan, gives_int16, read_window,
-    read_window_i16, read_window_i16_scanned,
+    Raw16, Raw16Buffer, Window, WindowLoader, WindowPlan, gives_int16, read_window, read_window_i16,
 };
 
 use crate::error::RecordingError;
@@ -135,29 +134,6 @@ pub trait Recording: Send + Sync {
     ) -> Result<bool, RecordingError> {
         let _ = (start, count, chan_map, out, stride);
         Ok(false)
-    }
-    /// [`Recording::read_channels_i16`] that also scans each row for the
-    /// input checks while its values are in cache (issue 10): returns one
-    /// [`crate::checks::RowScan`] per row, fed columns `0..count` (column 0
-    /// = sample `start`) with the columns `cols`, as if fed after the read.
-    ///
-    /// Returns `Ok(None)`, leaving `out` alone, when the recording does not
-    /// do this (the caller then reads with [`Recording::read_channels_i16`]
-    /// and scans the rows itself).
-    ///
-    /// # Errors
-    /// As [`Recording::read_channels_i16`].
-    fn read_channels_i16_scanned(
-        &self,
-        start: u64,
-        count: usize,
-        chan_map: &[u64],
-        out: &mut [i16],
-        stride: usize,
-        cols: &crate::checks::ScanColumns,
-    ) -> Result<Option<Vec<crate::checks::RowScan<i16>>>, RecordingError> {
-        let _ = (start, count, chan_map, out, stride, cols);
-        Ok(None)
     }
     /// One line naming the file(s), dtype, channels, samples and rate, for messages.
     fn describe(&self) -> String;

@@ -16,7 +16,6 @@ use crossbeam_channel::{Receiver, bounded};
 use ndarray::Array2;
 
 use super::Recording;
-use crate::checks::{RowScan, ScanColumns};
 use crate::error::RecordingError;
 
 /// How a recording of `n_samples` samples is cut into windows.
@@ -188,29 +187,6 @@ pub fn read_window_i16(
     chan_map: &[u64],
     out: &mut Raw16,
 ) -> Result<bool, RecordingError> {
-    read_window_i16_scanned(rec, plan, i, chan_map, out, None)
-}
-
-/// [`read_window_i16`] that, given the checks' shortest stuck run
-/// (`min_run`, samples), also scans the rows for the input checks while
-/// reading them when the window lies wholly in the file and the recording
-/// can ([`Recording::read_channels_i16_scanned`]); the scans are left in
-/// `out` ([`Raw16::take_scans`], columns of
-/// [`crate::checks::WindowColumns::of`], own columns observed) for
-/// [`crate::checks::precheck_window`]. Issue 10: the checks then read no
-/// sample again.
-///
-/// # Errors
-/// As [`read_window`].
-pub fn read_window_i16_scanned(
-    rec: &dyn Recording,
-    plan: &WindowPlan,
-    i: u64,
-    chan_map: &[u64],
-    out: &mut Raw16,
-    min_run: Option<usize>,
-) -> Result<bool, RecordingError> {
-    out.scans = None;
     let nw = plan.window_len();
     if (out.n_rows, out.n_cols) != (chan_map.len(), nw) {
         return Err(RecordingError::Read {
@@ -224,14 +200,6 @@ pub fn read_window_i16_scanned(
         });
     }
     let stride = out.stride;
-    let nt = plan.nt as usize;
-    let cols = min_run.map(|min_run| crate::checks::ScanColumns {
-        lo: 0,
-        hi: nw,
-        own: (nt, nt + plan.own_len(i) as usize),
-        min_run,
-    });
-    let mut scans = None;
     let read = read_window_rows(
         rec,
         plan,
@@ -239,20 +207,8 @@ pub fn read_window_i16_scanned(
         chan_map,
         out.values_mut(),
         stride,
-        |a, m, buf, stride| {
-            // A window wholly in the file is read straight into `buf`.
-            if let Some(cols) = cols.as_ref().filter(|_| m == nw) {
-                scans = rec.read_channels_i16_scanned(a, m, chan_map, buf, stride, cols)?;
-                if scans.is_some() {
-                    return Ok(true);
-                }
-            }
-            rec.read_channels_i16(a, m, chan_map, buf, stride)
-        },
+        |a, m, buf, stride| rec.read_channels_i16(a, m, chan_map, buf, stride),
     )?;
-    if let (true, Some(cols), Some(scans)) = (read, cols, scans) {
-        out.scans = Some((cols, scans));
-    }
     if read && stride > nw {
         // Issue 10: the values past each row's end (one when the window has an
         // odd number of samples) go to a GPU with the row; they are set here so
@@ -394,8 +350,6 @@ pub struct Raw16 {
     /// Values from one row's start to the next's (≥ `n_cols`).
     pub stride: usize,
     buf: Box<dyn Raw16Buffer>,
-    /// The input checks' scans of the rows, made while they were read.
-    scans: Option<(ScanColumns, Vec<RowScan<i16>>)>,
 }
 
 impl Raw16 {
@@ -431,15 +385,7 @@ impl Raw16 {
             n_cols,
             stride,
             buf,
-            scans: None,
         })
-    }
-
-    /// The input checks' scans of the rows ([`crate::checks::RowScan`], one
-    /// per row, over the columns given), when the read made them
-    /// ([`read_window_i16_scanned`]); taken once.
-    pub fn take_scans(&mut self) -> Option<(ScanColumns, Vec<RowScan<i16>>)> {
-        self.scans.take()
     }
 
     /// All values, rows of `stride`.
@@ -482,7 +428,6 @@ impl Clone for Raw16 {
             n_cols: self.n_cols,
             stride: self.stride,
             buf: Box::new(self.values().to_vec()),
-            scans: self.scans.clone(),
         }
     }
 }
