@@ -66,9 +66,15 @@ impl RawSample for f32 {
         self.total_cmp(other)
     }
     fn code16_exact(self) -> (u16, bool) {
-        let i = self as i32;
-        let exact = (i as f32).to_bits() == self.to_bits() && i == i32::from(i as i16);
-        (i as u16, exact)
+        // 1.5·2^23: adding it rounds any |v| < 2^22 to an integer held in
+        // the low mantissa bits (two's complement), with no conversion.
+        const M: f32 = 12_582_912.0;
+        // Bits compared, so −0.0 (which comes back +0.0) is not exact; the
+        // range test fails for NaN. No branch, so that blocks vectorise.
+        let shifted = self + M;
+        let exact =
+            ((shifted - M).to_bits() == self.to_bits()) & (self >= -32_768.0) & (self <= 32_767.0);
+        (shifted.to_bits() as u16, exact)
     }
     fn is_zero(self) -> bool {
         (self.to_bits() << 1) == 0
