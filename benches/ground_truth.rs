@@ -65,6 +65,7 @@ fn main() -> anyhow::Result<()> {
             // No drift in this simulation: one detection pass, as before.
             drift: spikecube::drift::DriftSettings::off(),
             device_preprocessing: true,
+            last_device_use: false,
         },
         &mut |_| {},
     )?;

@@ -124,6 +124,7 @@ fn one_run(bin: &Path, probe: &Probe, backend: Backend, out: &Path) -> Result<Ru
                 spikecube::drift::DriftSettings::off()
             },
             device_preprocessing: true,
+            last_device_use: false,
         },
         &mut |_| {},
     )?;

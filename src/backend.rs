@@ -102,6 +102,30 @@ pub fn probe_cuda() -> Probe {
     }
 }
 
+/// Ends GPU 0's primary CUDA context (the one CubeCL and the page-locked
+/// pool use) and frees everything in it: the work CUDA otherwise does when
+/// the process exits (issue 10: measured 0.16 s at exit after a 10-minute
+/// pass on the H200; done on a thread while the outputs are written, the
+/// exit took 0.07 s and the whole run about 0.1 s less). Returns whether the
+/// driver did it.
+///
+/// # Safety
+/// Nothing may use the CUDA device in this process afterwards: every
+/// CubeCL CUDA client, buffer and kernel (and every page-locked block) of
+/// the process becomes invalid. Only for a process that ends after its one
+/// run (`spikecube detect`).
+pub unsafe fn end_cuda_context() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        // SAFETY: the caller vouches that the context is no longer used.
+        unsafe { cuda_probe::end_primary_context() }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda_probe {
     use std::ffi::{c_char, c_int};
@@ -117,6 +141,23 @@ mod cuda_probe {
     /// initialised instead of loading and initialising them a second time.
     static DRIVER: std::sync::OnceLock<libloading::Library> = std::sync::OnceLock::new();
     static NVRTC: std::sync::OnceLock<libloading::Library> = std::sync::OnceLock::new();
+
+    /// `cuDevicePrimaryCtxReset` on GPU 0, with the driver the probe loaded.
+    ///
+    /// # Safety
+    /// As [`super::end_cuda_context`].
+    pub(super) unsafe fn end_primary_context() -> bool {
+        type CuPrimaryCtxReset = unsafe extern "C" fn(c_int) -> c_int;
+        let Some(lib) = DRIVER.get() else {
+            return false;
+        };
+        // SAFETY: the symbol has the driver API's signature; GPU 0 is the
+        // device the probe found; the caller vouches that nothing uses it.
+        unsafe {
+            lib.get::<CuPrimaryCtxReset>(b"cuDevicePrimaryCtxReset_v2\0")
+                .is_ok_and(|reset| reset(0) == 0)
+        }
+    }
 
     pub(super) fn probe() -> super::Probe {
         // SAFETY: loading the NVIDIA driver library runs its initialisers, which

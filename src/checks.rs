@@ -65,6 +65,7 @@ impl RawSample for f32 {
     fn order(&self, other: &Self) -> std::cmp::Ordering {
         self.total_cmp(other)
     }
+    #[allow(clippy::manual_range_contains)] // `&`, not `&&`: no branch
     fn code16_exact(self) -> (u16, bool) {
         // 1.5·2^23: adding it rounds any |v| < 2^22 to an integer held in
         // the low mantissa bits (two's complement), with no conversion.

@@ -63,6 +63,12 @@ pub struct DetectJob {
     /// On a GPU back end, preprocess on the device too (default); false keeps
     /// preprocessing on the host (`--preprocess-on host`).
     pub device_preprocessing: bool,
+    /// Whether the process ends after this run (`spikecube detect`): then
+    /// a CUDA pass ends the device's context on a thread while the outputs
+    /// are written ([`crate::backend::end_cuda_context`]) instead of at the
+    /// process's exit. False wherever CUDA may run again in the process
+    /// (Python, benches, tests).
+    pub last_device_use: bool,
 }
 
 /// Input checks of a run and the corrections spikecube makes where Kilosort4
@@ -724,7 +730,29 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
             .insert("templates_second_pass".into(), relearn_s);
     }
     // ---- end drift ----
-    let summary = writer.finish(&info)?;
+    // ---- issue 10: the device's teardown beside the writing ----
+    // Nothing uses the device past this point: the pass, its buffers and
+    // the page-locked pool are dropped and the CUDA context ended on a
+    // thread while the outputs are written and synced.
+    let teardown = (job.last_device_use && chosen.backend == "cuda").then(|| {
+        #[cfg(feature = "cuda")]
+        let pinned = pinned.take();
+        std::thread::spawn(move || {
+            drop(pass);
+            #[cfg(feature = "cuda")]
+            drop(pinned);
+            // SAFETY: the process ends after this run (`last_device_use`)
+            // and the pass and the pool, the device's last users, are gone.
+            unsafe { crate::backend::end_cuda_context() }
+        })
+    });
+    let summary = writer.finish(&info);
+    if let Some(t) = teardown {
+        let ended = t.join().unwrap_or(false);
+        tracing::debug!("CUDA context ended before exit: {ended}");
+    }
+    let summary = summary?;
+    // ---- end issue 10 ----
     Ok(Report {
         summary,
         n_windows: plan.n_windows,

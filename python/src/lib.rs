@@ -442,6 +442,7 @@ fn detect(
             templates: spikecube::universal::TemplateSource::Learned(Default::default()),
             drift: spikecube::drift::DriftSettings::default(),
             device_preprocessing: true,
+            last_device_use: false,
         };
         let report = guarded(|| {
             spikecube::pipeline::run_detection(job, &mut reporter(&interrupt, &progress))

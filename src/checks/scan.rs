@@ -253,7 +253,7 @@ impl<T: RawSample> RowScan<T> {
         // One value at a time up to the start of a lane cycle (16 values: a
         // quad per lane), then whole cycles, then the rest.
         let mut i = 0;
-        while i < own.len() && self.piece_len % 16 != 0 {
+        while i < own.len() && !self.piece_len.is_multiple_of(16) {
             self.push_code(own[i]);
             i += 1;
         }
@@ -279,8 +279,8 @@ impl<T: RawSample> RowScan<T> {
                 }
                 continue;
             }
-            for k in 0..4 {
-                self.lanes[k] = (self.lanes[k] ^ words[k]).wrapping_mul(ROW_HASH_PRIME);
+            for (lane, w) in self.lanes.iter_mut().zip(words) {
+                *lane = (*lane ^ w).wrapping_mul(ROW_HASH_PRIME);
             }
             self.piece_len += 16;
         }
@@ -314,7 +314,7 @@ impl<T: RawSample> RowScan<T> {
         if self.piece_len == 0 {
             return;
         }
-        if self.piece_len % 4 != 0 {
+        if !self.piece_len.is_multiple_of(4) {
             let lane = (self.piece_len / 4) % 4;
             self.lanes[lane] = (self.lanes[lane] ^ self.pending).wrapping_mul(ROW_HASH_PRIME);
         }
@@ -566,7 +566,7 @@ mod tests {
                 let g1 = scan_in_pieces(&xg, cols, &[], false).finish(&xg);
                 let g2 = scan_in_pieces(&xg, cols, &cuts, false).finish(&xg);
                 assert_eq!(g1, g2, "case {case}: f32 not int16, fed in pieces");
-                cuts.retain(|&c| c <= o0 || c >= o1 || (c - o0) % HASH_PIECE == 0);
+                cuts.retain(|&c| c <= o0 || c >= o1 || (c - o0).is_multiple_of(HASH_PIECE));
                 cuts.extend((o0..o1).step_by(HASH_PIECE));
                 let joined = scan_in_pieces(&x, cols, &cuts, true).finish(&x);
                 assert_eq!(joined, (runs.clone(), facts), "case {case}: joined");

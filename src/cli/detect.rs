@@ -113,6 +113,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         checks,
         drift: args.drift.settings()?,
         device_preprocessing: args.preprocess_on == "device",
+        last_device_use: true,
     };
     let bar = progress_bar(quiet);
     let report = run_detection(job, &mut |p| {
