@@ -386,6 +386,24 @@ fn a_closed_standard_output_never_stops_a_run() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("\"spikes\""));
     assert!(out.join("drift_map.png").is_file());
+    // The commands that only print: `spikecube info | head -n 0` and
+    // `spikecube probe P | head -n 0` end normally, with no panic.
+    let probe = sim.join("probe.json");
+    for args in [
+        vec!["info".to_string()],
+        vec!["probe".into(), s(&probe).into()],
+    ] {
+        let o = Command::new("bash")
+            .arg("-c")
+            .arg(r#"set -o pipefail; "$0" "$@" | head -n 0"#)
+            .arg(bin())
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = stderr(&o);
+        assert!(o.status.success(), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
 }
 
 #[test]

@@ -6,25 +6,25 @@ use anyhow::Result;
 use spikecube::backend::{Backend, choose, probe_cuda, probe_wgpu};
 
 pub fn run() -> Result<ExitCode> {
-    println!("spikecube {}", env!("CARGO_PKG_VERSION"));
-    println!(
+    say!("spikecube {}", env!("CARGO_PKG_VERSION"));
+    say!(
         "back ends in this build: {}",
         Backend::compiled().join(", ")
     );
-    println!("cpu: {} threads", rayon::current_num_threads());
+    say!("cpu: {} threads", rayon::current_num_threads());
     if cfg!(feature = "cuda") {
         match probe_cuda() {
-            Ok(name) => println!("cuda: {name}"),
-            Err(why) => println!("cuda: unavailable ({why})"),
+            Ok(name) => say!("cuda: {name}"),
+            Err(why) => say!("cuda: unavailable ({why})"),
         }
     }
     if cfg!(feature = "wgpu") {
         let adapters = probe_wgpu();
         if adapters.is_empty() {
-            println!("wgpu: no Vulkan/Metal adapter");
+            say!("wgpu: no Vulkan/Metal adapter");
         }
         for a in adapters {
-            println!(
+            say!(
                 "wgpu: {} ({}{})",
                 a.name,
                 a.api,
@@ -37,9 +37,11 @@ pub fn run() -> Result<ExitCode> {
         }
     }
     let auto = choose(Backend::Auto)?;
-    println!(
+    say!(
         "--backend auto picks: {} ({}): {}",
-        auto.backend, auto.device, auto.reason
+        auto.backend,
+        auto.device,
+        auto.reason
     );
     Ok(ExitCode::SUCCESS)
 }

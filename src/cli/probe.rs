@@ -63,7 +63,7 @@ fn recording_check(path: &Path, probe: &Probe) -> Result<Option<String>> {
         ..Default::default()
     };
     let health = spikecube::pipeline::channel_check(opened.recording.as_ref(), probe, &settings)?;
-    println!(
+    say!(
         "channels     checked over {} samples (the windows of the whitening fit)",
         health.samples()
     );
@@ -397,7 +397,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         say!("warning: {w}");
     }
     if let Some(w) = recording_check(&args.probe, &probe)? {
-        println!("warning: {w}");
+        say!("warning: {w}");
     }
     if let Some(p) = &args.png {
         draw(&probe, geometry.as_ref(), p)?;
