@@ -1317,6 +1317,12 @@ fn finish_fit(
 /// 384 sites); `None` (nothing reserved: a buffer is made when first
 /// needed, as before) on other back ends and for recordings that do not give
 /// int16 values as they are (their windows are packed to other sizes).
+///
+/// Off unless `SPIKECUBE_PINNED_RESERVE=1` (eighth session: the driver
+/// serialises the reservation against the device's opening; once the
+/// reading thread got faster, making the buffers when first needed was
+/// faster overall: medians of 4 in one call 1.96 s against 2.03 s, device
+/// open 0.12 s against 0.19–0.27 s, whitening fit 0.22 s against 0.17 s).
 #[cfg(feature = "cuda")]
 fn reserve_pinned(
     chosen: &crate::backend::Chosen,
@@ -1328,7 +1334,7 @@ fn reserve_pinned(
     if chosen.backend != "cuda"
         || !device_preprocessing
         || !crate::recording::gives_int16(rec, chan_map)
-        || std::env::var("SPIKECUBE_PINNED_RESERVE").as_deref() == Ok("0")
+        || std::env::var("SPIKECUBE_PINNED_RESERVE").as_deref() != Ok("1")
     {
         return None;
     }
