@@ -292,7 +292,10 @@ pub struct Chosen {
 pub fn choose(backend: Backend) -> Result<Chosen, DetectError> {
     let cpu = |reason: String| Chosen {
         backend: "cpu".into(),
-        device: format!("CPU, {} threads", rayon::current_num_threads()),
+        device: format!(
+            "CPU, {}",
+            crate::error::count(rayon::current_num_threads() as u64, "thread")
+        ),
         reason,
     };
     match backend {

@@ -950,6 +950,12 @@ pub fn unused_channels_warning(
     }
     let mut cols: Vec<u64> = probe.chan_map.clone();
     cols.sort_unstable();
+    // Only the last column unread: the sync channel of a Neuropixels file
+    // (385 columns, 384 sites) read as flat binary.
+    let last = n_file_channels as u64 - 1;
+    if used + 1 == n_file_channels && !cols.contains(&last) {
+        return None;
+    }
     let shown = if cols.len() > 12 {
         format!(
             "{} … {}",
@@ -971,9 +977,12 @@ pub fn unused_channels_warning(
             .join(", ")
     };
     Some(format!(
-        "the probe {} uses {used} of the file's {n_file_channels} channels (columns {shown}); the other {} are not read — give a probe that covers them if they hold data",
+        "the probe {} uses {used} of the file's {n_file_channels} channels (columns {shown}); {} not read — give a probe that covers them if they hold data",
         probe.source.display(),
-        n_file_channels - used
+        match n_file_channels - used {
+            1 => "the other one is".to_string(),
+            k => format!("the other {k} are"),
+        }
     ))
 }
 
@@ -1571,6 +1580,26 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A Neuropixels file read as flat binary (385 columns, 384 sites, the
+    /// sync word last) gets no warning; one other unread column does, in the
+    /// singular.
+    #[test]
+    fn unused_channels_spare_the_sync_column() {
+        let probe = |chan_map: Vec<u64>| Probe {
+            xc: vec![0.0; chan_map.len()],
+            yc: (0..chan_map.len()).map(|i| i as f32 * 15.0).collect(),
+            kcoords: vec![0; chan_map.len()],
+            n_chan: 385,
+            chan_map,
+            source: "p.json".into(),
+        };
+        assert!(unused_channels_warning(&probe((0..384).collect()), 385, 0).is_none());
+        let w = unused_channels_warning(&probe((1..385).collect()), 385, 0).unwrap();
+        assert!(w.contains("the other one is not read"), "{w}");
+        let w = unused_channels_warning(&probe((0..383).collect()), 385, 0).unwrap();
+        assert!(w.contains("the other 2 are not read"), "{w}");
     }
 
     #[test]

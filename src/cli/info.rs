@@ -11,7 +11,10 @@ pub fn run() -> Result<ExitCode> {
         "back ends in this build: {}",
         Backend::compiled().join(", ")
     );
-    say!("cpu: {} threads", rayon::current_num_threads());
+    say!(
+        "cpu: {}",
+        spikecube::error::count(rayon::current_num_threads() as u64, "thread")
+    );
     if cfg!(feature = "cuda") {
         match probe_cuda() {
             Ok(name) => say!("cuda: {name}"),

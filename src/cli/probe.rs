@@ -44,7 +44,11 @@ fn load_probe(path: &std::path::Path) -> Result<Probe> {
         let (_, meta) = spikecube::recording::spikeglx::bin_and_meta(path);
         return Ok(Probe::load(&meta)?);
     }
-    Ok(Probe::load(path)?)
+    Probe::load(path).map_err(|e| {
+        anyhow::anyhow!(
+            "{e} (`spikecube probe` reads a probe file: Kilosort JSON, probeinterface JSON or .prb; or a SpikeGLX .bin/.meta; a flat binary recording holds no geometry: give its probe file)"
+        )
+    })
 }
 
 /// For a SpikeGLX recording (`.bin` with its `.meta`): the channel check that

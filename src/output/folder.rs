@@ -215,7 +215,7 @@ pub fn check_target(out: &Path, command: &str) -> Result<Existing> {
     for (name, is_file) in &names {
         if !is_file || !listed.iter().any(|l| l == name) {
             bail!(
-                "output folder {} holds {}, which spikecube did not write there; nothing was changed: move it away or choose another --out",
+                "output folder {} holds {}, which is not among the files `spikecube {command}` wrote there; nothing was changed: move it away or choose another --out",
                 out.display(),
                 out.join(name).display()
             );

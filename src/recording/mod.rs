@@ -439,7 +439,15 @@ fn trim(
     let fs = rec.fs();
     let start = ((tmin * fs).floor() as u64).min(n);
     let end = if tmax.is_finite() {
-        ((tmax * fs).floor() as u64).min(n)
+        let asked = (tmax * fs).floor();
+        if asked > n as f64 {
+            tracing::warn!(
+                "tmax = {tmax} s is past the end of {} ({:.6} s): the run stops at the end",
+                path.display(),
+                n as f64 / fs
+            );
+        }
+        (asked as u64).min(n)
     } else {
         n
     };
