@@ -53,6 +53,16 @@ pub struct Args {
     threads: Option<usize>,
 }
 
+/// A speed as × realtime: one decimal, two decimals below 1 (a
+/// software GPU runs at a few hundredths of realtime).
+fn speed(x: f64) -> String {
+    if x < 1.0 {
+        format!("{x:.2}")
+    } else {
+        format!("{x:.1}")
+    }
+}
+
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     // ---- issue 10: --threads ----
     if let Some(n) = args.threads {
@@ -145,13 +155,13 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         say!("{v}");
     } else if !quiet {
         tell!(
-            "spikecube: {} in {:.1} s of recording ({}, {}) in {:.1} s, {:.1}× realtime → {}",
+            "spikecube: {} in {:.1} s of recording ({}, {}) in {:.1} s, {}× realtime → {}",
             count(s.n_spikes, "spike"),
             report.seconds,
             count(report.n_windows, "window"),
             count(report.n_centres as u64, "template centre"),
             report.wall,
-            report.seconds / report.wall.max(1e-9),
+            speed(report.seconds / report.wall.max(1e-9)),
             s.path.display()
         );
         if report.boundary_duplicates_removed > 0 || report.clipped_samples_masked > 0 {
