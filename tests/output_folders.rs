@@ -460,6 +460,21 @@ fn errors_name_flags_paths_and_counts_as_a_user_reads_them() {
         e.contains("--nearest-chans") && !e.contains("`nearest_chans`"),
         "{e}"
     );
+    // Two template sources at once: refused before anything is read.
+    let e = first_error(&run(&{
+        let mut a = command("detect", &sim, &d.join("o"), 1);
+        a.extend([
+            "--templates".into(),
+            "missing.npz".into(),
+            "--templates-from-data".into(),
+            "true".into(),
+        ]);
+        a
+    }));
+    assert!(
+        e.contains("--templates missing.npz") && e.contains("--templates-from-data true"),
+        "{e}"
+    );
 
     // Counts: "1 window", never "1 windows"; log lines carry a level and no
     // module path (unless -v).

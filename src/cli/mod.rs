@@ -102,7 +102,7 @@ pub fn run() -> anyhow::Result<ExitCode> {
         Command::DetectWindow(args) => detect_window::run(args),
         Command::Preprocess(args) => preprocess::run(args, cli.quiet),
         Command::Probe(args) => probe::run(args),
-        Command::Simulate(args) => simulate::run(args),
+        Command::Simulate(args) => simulate::run(args, cli.quiet),
         Command::Info => info::run(),
     }
 }

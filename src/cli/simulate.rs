@@ -11,7 +11,7 @@ use spikecube::simulate::{DriftModel, SimConfig, default_probe, simulate};
 /// Flags of `simulate`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Probe file: anything `Probe::load` reads (Kilosort JSON, probeinterface JSON). Default: a
+    /// Probe file (Kilosort JSON, probeinterface JSON or .prb). Default: a
     /// Neuropixels 2.0-like single shank, 384 sites, x ∈ {0, 32} µm, rows every 15 µm.
     #[arg(long)]
     probe: Option<PathBuf>,
@@ -70,7 +70,7 @@ enum DriftKind {
     Nonrigid,
 }
 
-pub fn run(args: Args) -> Result<ExitCode> {
+pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     let probe = match &args.probe {
         Some(p) => Probe::load(p)?,
         None => default_probe(),
@@ -100,6 +100,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let s = simulate(&probe, &cfg, &args.out)
         .with_context(|| format!("simulating into {}", args.out.display()))?;
     let dt = t0.elapsed().as_secs_f64();
+    if quiet {
+        return Ok(ExitCode::SUCCESS);
+    }
     say!(
         "{}: {} channels × {} samples ({:.1} s), {} spikes from {} units; {:.1} MB in {:.2} s ({:.0}× realtime)",
         s.bin_path.display(),

@@ -12,9 +12,10 @@ use spikecube::universal::{TemplateSource, load_npz};
 pub struct TemplateArgs {
     /// Learn the universal templates (wTEMP, wPCA) from isolated peaks of the
     /// recording, as Kilosort4 does by default (templates_from_data); false
-    /// detects with Kilosort4's built-in templates.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    pub templates_from_data: bool,
+    /// detects with Kilosort4's built-in templates. [default: true; false
+    /// with --templates]
+    #[arg(long, action = clap::ArgAction::Set)]
+    pub templates_from_data: Option<bool>,
     /// Threshold for the single-channel peaks templates are learned from, whitened units (Kilosort4's Th_single_ch).
     #[arg(long, default_value_t = 6.0)]
     pub th_single_ch: f32,
@@ -47,12 +48,18 @@ impl TemplateArgs {
         det.n_templates = self.n_templates;
         det.n_pcs = self.n_pcs;
         det.validate()?;
+        if let (Some(path), Some(true)) = (&self.templates, self.templates_from_data) {
+            anyhow::bail!(
+                "--templates {} and --templates-from-data true ask for two template sources: give one",
+                path.display()
+            );
+        }
         Ok(if let Some(path) = &self.templates {
             TemplateSource::File {
                 path: std::fs::canonicalize(path).unwrap_or_else(|_| path.clone()),
                 templates: load_npz(path, det.n_templates, det.n_pcs, det.nt)?,
             }
-        } else if self.templates_from_data {
+        } else if self.templates_from_data.unwrap_or(true) {
             TemplateSource::Learned(LearnSettings {
                 th_single_ch: self.th_single_ch,
                 n_templates: self.n_templates,
