@@ -276,6 +276,10 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
 
     // Geometry first: a probe that cannot work fails before any data is read.
     let geometry = Geometry::new(&job.probe, &job.detection)?;
+    // So does an --nblocks the probe cannot hold.
+    if job.drift.nblocks > 0 {
+        crate::drift::check_nblocks(&job.drift, &job.probe)?;
+    }
     let n_centres = geometry.n_centres();
     // So does an output folder that cannot be written.
     let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;

@@ -391,6 +391,12 @@ fn too_many_blocks_is_an_error() {
         .to_string();
     assert!(e.contains("at most 575"), "{e}");
     assert!(estimate(&sp, &p, &set(53, DriftMode::Kilosort), 9.0, 4, &mut |_| {}).is_ok());
+    // The same limits before any data is read (`detect` checks first).
+    use spikecube::drift::check_nblocks;
+    assert!(check_nblocks(&set(53, DriftMode::Spikecube), &p).is_err());
+    assert!(check_nblocks(&set(52, DriftMode::Spikecube), &p).is_ok());
+    assert!(check_nblocks(&set(576, DriftMode::Kilosort), &p).is_err());
+    assert!(check_nblocks(&set(575, DriftMode::Kilosort), &p).is_ok());
 }
 
 /// Several shanks are pooled into one histogram, as Kilosort4 does, with a

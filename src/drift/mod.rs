@@ -82,6 +82,37 @@ impl Default for DriftSettings {
     }
 }
 
+/// Checks `--nblocks` against the probe's depth (before any data is read):
+/// each block needs [`MIN_BLOCK_BINS`] depth bins of `binning_depth` µm (one
+/// with `--drift-mode kilosort`). A probe too short for drift estimation
+/// passes (the run turns drift off, or runs it anyway in Kilosort4's mode).
+///
+/// # Errors
+/// When `nblocks` is 0 or above the probe's limit; the message names the flag
+/// and the limit.
+pub fn check_nblocks(settings: &DriftSettings, probe: &Probe) -> Result<()> {
+    let dd = settings.binning_depth;
+    let kilosort = settings.mode == DriftMode::Kilosort;
+    let (d, _) = estimate::depth_bins(&probe.yc, dd);
+    if d < MIN_DEPTH_BINS && !kilosort {
+        return Ok(());
+    }
+    let nb = settings.nblocks;
+    let max_nb = if kilosort { d } else { d / MIN_BLOCK_BINS };
+    if nb > max_nb || nb == 0 {
+        bail!(
+            "--nblocks {nb}: the probe spans {d} depth bins of {dd} µm, and each block needs {} bins{}, so --nblocks can be at most {max_nb}",
+            if kilosort { 1 } else { MIN_BLOCK_BINS },
+            if kilosort {
+                ""
+            } else {
+                " (fewer alias in the ±5-bin fine search)"
+            }
+        );
+    }
+    Ok(())
+}
+
 impl DriftSettings {
     /// No drift correction (`nblocks = 0`), as Kilosort4's `nblocks = 0`.
     pub fn off() -> Self {
@@ -207,19 +238,8 @@ pub fn estimate(
         }
         warn(format!("{msg} (--drift-mode kilosort: running it anyway)"));
     }
+    check_nblocks(settings, probe)?;
     let nb = settings.nblocks;
-    let max_nb = if kilosort { d } else { d / MIN_BLOCK_BINS };
-    if nb > max_nb || nb == 0 {
-        bail!(
-            "--nblocks {nb}: the probe spans {d} depth bins of {dd} µm, and each block needs {} bins{}, so --nblocks can be at most {max_nb}",
-            if kilosort { 1 } else { MIN_BLOCK_BINS },
-            if kilosort {
-                ""
-            } else {
-                " (fewer alias in the ±5-bin fine search)"
-            }
-        );
-    }
     let hist = bin_spikes(spikes, &probe.yc, dd, th, n_windows)?;
     let empty: Vec<usize> = (0..n_windows).filter(|&b| hist.counts[b] == 0).collect();
     let i0 = estimate::reference_batch(n_windows);
