@@ -460,6 +460,17 @@ fn errors_name_flags_paths_and_counts_as_a_user_reads_them() {
         e.contains("--nearest-chans") && !e.contains("`nearest_chans`"),
         "{e}"
     );
+    // A SpikeGLX recording's folder instead of its file: the file is named.
+    let e = first_error(&run(&[
+        "detect".to_string(),
+        s(&sim).to_string(),
+        "--out".into(),
+        s(&d.join("o")).to_string(),
+    ]));
+    assert!(
+        e.contains("structure.oebin") && e.contains("sim_g0_t0.imec0.ap.bin"),
+        "{e}"
+    );
     // Two template sources at once: refused before anything is read.
     let e = first_error(&run(&{
         let mut a = command("detect", &sim, &d.join("o"), 1);

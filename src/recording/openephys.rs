@@ -173,10 +173,35 @@ pub fn find_oebin(path: &Path) -> Result<PathBuf, RecordingError> {
     }
     match found.len() {
         1 => Ok(found.remove(0)),
-        0 => Err(RecordingError::Missing {
-            path: path.join("structure.oebin"),
-            message: "no structure.oebin in this folder or three levels below".into(),
-        }),
+        0 => {
+            // A folder of a SpikeGLX or flat binary recording: name its files.
+            let mut bins: Vec<String> = std::fs::read_dir(path)
+                .map(|rd| {
+                    rd.filter_map(|e| e.ok())
+                        .map(|e| e.path())
+                        .filter(|p| {
+                            p.is_file()
+                                && p.extension()
+                                    .is_some_and(|e| e == "bin" || e == "dat" || e == "raw")
+                        })
+                        .map(|p| p.display().to_string())
+                        .collect()
+                })
+                .unwrap_or_default();
+            bins.sort();
+            let hint = if bins.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; a folder is read as Open Ephys: for a binary recording give its file ({})",
+                    bins.join(", ")
+                )
+            };
+            Err(RecordingError::Missing {
+                path: path.join("structure.oebin"),
+                message: format!("no structure.oebin in this folder or three levels below{hint}"),
+            })
+        }
         _ => Err(RecordingError::Missing {
             path: path.to_owned(),
             message: format!(
