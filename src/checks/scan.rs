@@ -1,7 +1,6 @@
 //! The input checks of one row as a scan fed its samples in column order, in
-//! any number of pieces; scans of consecutive column ranges can be joined
-//! ([`RowScan::append`]) as long as no hash piece is split between them.
-//! `check_rows` feeds each row of a window in one piece. (Issue 10, eighth
+//! any number of pieces. `check_rows` feeds each row of a window in one
+//! piece. (Issue 10, eighth
 //! session: feeding each block to the scans inside the int16 reader, while
 //! the block is in cache, was measured 2.7 times slower on the 16-core
 //! machine than reading and then checking, so it was taken out.)
@@ -19,8 +18,8 @@
 //! the codes of samples 4q .. 4q + 3 (from the piece's start) make one 64-bit
 //! word, word q goes into lane q mod 4, each lane an FNV-style chain (xor,
 //! then multiply) from the basis. A closed piece adds a mix of its lanes, its
-//! float lane, its index and its length to the window's key (a sum, so scans
-//! of different column ranges add up). Equal rows have equal keys; int16 and
+//! float lane, its index and its length to the window's key (a sum over the
+//! pieces). Equal rows have equal keys; int16 and
 //! f32 rows of the same values too. An int16 row costs one multiply per four
 //! samples.
 
@@ -63,23 +62,19 @@ impl ScanColumns {
 }
 
 /// The checks' running state of one row over the columns fed so far (module
-/// docs). Made with [`RowScan::new`], fed with [`RowScan::feed`], joined with
-/// [`RowScan::append`], read with [`RowScan::finish`].
+/// docs). Made with [`RowScan::new`], fed with [`RowScan::feed`], read with
+/// [`RowScan::finish`].
 #[derive(Debug, Clone)]
 pub struct RowScan<T> {
     cols: ScanColumns,
-    /// The first column.
-    start: usize,
     /// Next column to feed.
     col: usize,
     /// First and end real column fed.
     real: Option<(usize, usize)>,
-    /// The first run of real values once it has ended (value, end column).
-    lead: Option<(T, usize)>,
     /// The run of real values that reaches the last column fed (start
-    /// column, value); it is the first run when `lead` is `None`.
+    /// column, value).
     open: Option<(usize, T)>,
-    /// Ended runs of at least `min_run`, after the first run (start, end, value).
+    /// Ended runs of at least `min_run` (start, end, value).
     runs: Vec<(usize, usize, T)>,
     /// The first own value, and whether every own value has its bits.
     own_first: Option<T>,
@@ -119,10 +114,8 @@ impl<T: RawSample> RowScan<T> {
     pub fn new(cols: ScanColumns, col: usize) -> Self {
         RowScan {
             cols,
-            start: col,
             col,
             real: None,
-            lead: None,
             open: None,
             runs: Vec::new(),
             own_first: None,
@@ -165,12 +158,9 @@ impl<T: RawSample> RowScan<T> {
         self.col = c1;
     }
 
-    /// Ends the run from `start` to `end` of `v`: the first run, or a run
-    /// kept when long enough.
+    /// Ends the run from `start` to `end` of `v`: kept when long enough.
     fn end_run(&mut self, start: usize, end: usize, v: T) {
-        if self.lead.is_none() && self.real.is_some_and(|(s, _)| s == start) {
-            self.lead = Some((v, end));
-        } else if end - start >= self.cols.min_run {
+        if end - start >= self.cols.min_run {
             self.runs.push((start, end, v));
         }
     }
@@ -331,79 +321,6 @@ impl<T: RawSample> RowScan<T> {
         self.float_lane = ROW_HASH_BASIS;
     }
 
-    /// Joins the scan of the columns that follow (`next` starts at
-    /// `next_column()`, with the same columns): the state of one scan fed
-    /// both ranges in turn.
-    ///
-    /// # Panics
-    /// When `next` does not start at `next_column()`, or when the join would
-    /// split a hash piece (a range ending inside a piece followed by own
-    /// values).
-    pub fn append(&mut self, next: RowScan<T>) {
-        assert_eq!(next.cols, self.cols, "scans of other columns");
-        assert_eq!(next.start, self.col, "scans of columns that do not follow");
-        assert!(
-            self.piece_len == 0 || next.own_first.is_none(),
-            "a hash piece split between scans"
-        );
-        // The real columns' runs.
-        if let Some((n0, n1)) = next.real {
-            match (self.real, self.open) {
-                (Some((s0, _)), Some((st, v))) => {
-                    self.real = Some((s0, n1));
-                    match next.lead {
-                        // `next` holds one run only, open.
-                        None => {
-                            let (_, nv) = next.open.expect("a run");
-                            if nv != v {
-                                self.end_run(st, n0, v);
-                                self.open = Some((n0, nv));
-                            }
-                        }
-                        Some((nv, e)) => {
-                            if nv == v {
-                                self.end_run(st, e, v);
-                            } else {
-                                self.end_run(st, n0, v);
-                                if e - n0 >= self.cols.min_run {
-                                    self.runs.push((n0, e, nv));
-                                }
-                            }
-                            self.runs.extend(next.runs);
-                            self.open = next.open;
-                        }
-                    }
-                }
-                _ => {
-                    self.real = next.real;
-                    self.lead = next.lead;
-                    self.open = next.open;
-                    self.runs = next.runs;
-                }
-            }
-        }
-        // The own columns' facts.
-        self.any_nonzero |= next.any_nonzero;
-        match (self.own_first, next.own_first) {
-            (Some(a), Some(b)) => self.all_first &= next.all_first && a.same_bits(b),
-            (None, Some(_)) => {
-                self.own_first = next.own_first;
-                self.all_first = next.all_first;
-            }
-            _ => {}
-        }
-        for k in 0..4 {
-            self.key[k] = self.key[k].wrapping_add(next.key[k]);
-        }
-        if next.own_first.is_some() {
-            self.lanes = next.lanes;
-            self.piece_len = next.piece_len;
-            self.pending = next.pending;
-            self.float_lane = next.float_lane;
-        }
-        self.col = next.col;
-    }
-
     /// The stuck runs (half-open column ranges, in order) and the own
     /// columns' facts, once every column has been fed; `row` holds the
     /// row's values from column 0 (the extremes are looked up there only
@@ -422,16 +339,9 @@ impl<T: RawSample> RowScan<T> {
         let Some((s0, s1)) = self.real else {
             return (Vec::new(), facts);
         };
-        let min_run = self.cols.min_run;
-        let mut all = Vec::with_capacity(self.runs.len() + 2);
-        if let Some((v, e)) = self.lead
-            && e - s0 >= min_run
-        {
-            all.push((s0, e, v));
-        }
-        all.extend(self.runs);
+        let mut all = self.runs;
         if let Some((st, v)) = self.open
-            && s1 - st >= min_run
+            && s1 - st >= self.cols.min_run
         {
             all.push((st, s1, v));
         }
@@ -486,14 +396,8 @@ mod tests {
         row
     }
 
-    /// Feeds `row[first..end]` in pieces cut at `cuts` (columns), each into
-    /// a new scan joined to the previous one when `join`, else one scan.
-    fn scan_in_pieces<T: RawSample>(
-        row: &[T],
-        cols: ScanColumns,
-        cuts: &[usize],
-        join: bool,
-    ) -> RowScan<T> {
+    /// Feeds `row[first..end]` to one scan in pieces cut at `cuts` (columns).
+    fn scan_in_pieces<T: RawSample>(row: &[T], cols: ScanColumns, cuts: &[usize]) -> RowScan<T> {
         let (first, end) = (cols.first(), cols.end());
         let mut bounds: Vec<usize> = cuts
             .iter()
@@ -506,21 +410,15 @@ mod tests {
         bounds.push(end);
         let mut all = RowScan::new(cols, first);
         for w in bounds.windows(2) {
-            if join {
-                let mut s = RowScan::new(cols, w[0]);
-                s.feed(&row[w[0]..w[1]]);
-                all.append(s);
-            } else {
-                all.feed(&row[w[0]..w[1]]);
-            }
+            all.feed(&row[w[0]..w[1]]);
         }
         all
     }
 
     /// The runs are those of `stuck_runs`, and the facts those of their
-    /// definitions, whatever the pieces fed and joined (joins at the hash
-    /// pieces' starts), for int16 and f32 rows; the key is the same for the
-    /// same values, and differs when one own value differs.
+    /// definitions, whatever the pieces fed, for int16 and f32 rows; the key
+    /// is the same for the same values, and differs when one own value
+    /// differs.
     #[test]
     fn scans_in_pieces_equal_one_scan_and_the_definitions() {
         let mut next = rng(11);
@@ -543,19 +441,18 @@ mod tests {
                 let own = &x[o0..o1];
                 let want_nonzero = own.iter().any(|&v| v != 0);
                 let want_all = own.iter().all(|&v| v == own.first().copied().unwrap_or(0));
-                let one = scan_in_pieces(&x, cols, &[], false);
+                let one = scan_in_pieces(&x, cols, &[]);
                 let (runs, facts) = one.finish(&x);
                 assert_eq!(runs, want_runs, "case {case}, min_run {min_run}");
                 assert_eq!(facts.any_nonzero, want_nonzero, "case {case}");
                 assert_eq!(facts.all_first, want_all, "case {case}");
-                // Fed in random pieces; joined at hash piece starts and
-                // anywhere outside the own columns.
+                // Fed in random pieces, and cut at every hash piece start.
                 let mut cuts: Vec<usize> = (0..(next() % 12))
                     .map(|_| (next() % n as u64) as usize)
                     .collect();
-                let fed = scan_in_pieces(&x, cols, &cuts, false).finish(&x);
+                let fed = scan_in_pieces(&x, cols, &cuts).finish(&x);
                 assert_eq!(fed, (runs.clone(), facts), "case {case}: fed in pieces");
-                let fed32 = scan_in_pieces(&xf, cols, &cuts, false).finish(&xf);
+                let fed32 = scan_in_pieces(&xf, cols, &cuts).finish(&xf);
                 assert_eq!(fed32, (runs.clone(), facts), "case {case}: f32");
                 // Values that are not int16 (the float lane), fed in pieces.
                 let xg: Vec<f32> = xf
@@ -563,18 +460,17 @@ mod tests {
                     .enumerate()
                     .map(|(j, &v)| if j % 29 == 3 { v + 0.25 } else { v })
                     .collect();
-                let g1 = scan_in_pieces(&xg, cols, &[], false).finish(&xg);
-                let g2 = scan_in_pieces(&xg, cols, &cuts, false).finish(&xg);
+                let g1 = scan_in_pieces(&xg, cols, &[]).finish(&xg);
+                let g2 = scan_in_pieces(&xg, cols, &cuts).finish(&xg);
                 assert_eq!(g1, g2, "case {case}: f32 not int16, fed in pieces");
-                cuts.retain(|&c| c <= o0 || c >= o1 || (c - o0).is_multiple_of(HASH_PIECE));
                 cuts.extend((o0..o1).step_by(HASH_PIECE));
-                let joined = scan_in_pieces(&x, cols, &cuts, true).finish(&x);
-                assert_eq!(joined, (runs.clone(), facts), "case {case}: joined");
+                let at_pieces = scan_in_pieces(&x, cols, &cuts).finish(&x);
+                assert_eq!(at_pieces, (runs.clone(), facts), "case {case}: at pieces");
                 if o1 > o0 {
                     let mut y = x.clone();
                     let j = o0 + (next() % (o1 - o0) as u64) as usize;
                     y[j] = y[j].wrapping_add(1 + (next() % 100) as i16);
-                    let (_, other) = scan_in_pieces(&y, cols, &cuts, true).finish(&y);
+                    let (_, other) = scan_in_pieces(&y, cols, &cuts).finish(&y);
                     assert_ne!(other.key, facts.key, "case {case}: one value changed");
                 }
             }
@@ -598,7 +494,7 @@ mod tests {
         b.extend_from_slice(&a[2 * HASH_PIECE..]);
         let mut c = a.clone();
         c.swap(5, 6);
-        let key = |x: &[i16]| scan_in_pieces(x, cols, &[], false).finish(x).1.key;
+        let key = |x: &[i16]| scan_in_pieces(x, cols, &[]).finish(x).1.key;
         assert_ne!(key(&a), key(&b));
         assert_ne!(key(&a), key(&c));
     }
