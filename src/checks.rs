@@ -155,52 +155,15 @@ pub fn stuck_runs<T: RawSample>(
     min_run: usize,
 ) -> Vec<(usize, usize)> {
     let hi = hi.min(row.len());
-    if hi <= lo || hi - lo < min_run {
-        return Vec::new();
-    }
-    let seg = &row[lo..hi];
-    // Any run of at least min_run ≥ 2h identical values holds two samples h
-    // apart at a multiple of h: look only there first, so a healthy row costs
-    // a strided pass over 1/h of its samples.
-    let h = (min_run / 2).max(1);
-    let mut constant = Vec::new();
-    let mut m = 0;
-    while m + h < seg.len() {
-        let v = seg[m];
-        if seg[m + h] != v || !seg[m + 1..m + h].iter().all(|&u| u == v) {
-            m += h;
-            continue;
-        }
-        let mut start = m;
-        while start > 0 && seg[start - 1] == v {
-            start -= 1;
-        }
-        let mut end = m + h + 1;
-        while end < seg.len() && seg[end] == v {
-            end += 1;
-        }
-        if end - start >= min_run {
-            constant.push((start, end, v));
-        }
-        m = end.div_ceil(h) * h;
-    }
-    if constant.is_empty() {
-        return Vec::new();
-    }
-    let (mut mn, mut mx) = (seg[0], seg[0]);
-    for &v in seg {
-        mn = mn.min_of(v);
-        mx = mx.max_of(v);
-    }
-    if mn == mx {
-        return Vec::new();
-    }
-    let runs: Vec<(usize, usize)> = constant
-        .into_iter()
-        .filter(|&(_, _, v)| v == mn || v == mx)
-        .map(|(a, b, _)| (lo + a, lo + b))
-        .collect();
-    runs
+    let cols = ScanColumns {
+        lo: lo.min(hi),
+        hi,
+        own: (0, 0),
+        min_run,
+    };
+    let mut scan = RowScan::new(cols, cols.lo);
+    scan.feed(&row[cols.lo..hi]);
+    scan.finish(row).0
 }
 
 /// The stuck runs ([`stuck_runs`]) of every row of a raw window, over the
@@ -1530,10 +1493,13 @@ mod tests {
     }
 
     /// The plain definition: maximal runs of ≥ min_run equal values at an extreme.
-    fn naive(row: &[f32], min_run: usize) -> Vec<(usize, usize)> {
-        let mn = row.iter().copied().fold(f32::INFINITY, f32::min);
-        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    pub(super) fn naive<T: RawSample>(row: &[T], min_run: usize) -> Vec<(usize, usize)> {
         let mut out = Vec::new();
+        let Some(&first) = row.first() else {
+            return out;
+        };
+        let mn = row.iter().fold(first, |m, &v| m.min_of(v));
+        let mx = row.iter().fold(first, |m, &v| m.max_of(v));
         if mn == mx {
             return out;
         }

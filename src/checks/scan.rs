@@ -5,8 +5,8 @@
 //! the block is in cache, was measured 2.7 times slower on the 16-core
 //! machine than reading and then checking, so it was taken out.)
 //!
-//! What a scan finds is what [`super::stuck_runs`] and the channel facts of
-//! [`super::ChannelHealth`] define, whatever the pieces: the maximal runs of at
+//! What a scan finds, whatever the pieces ([`super::stuck_runs`] is a scan of
+//! the real columns): the maximal runs of at
 //! least `min_run` identical values at the row's extremes over the real
 //! columns; over the own columns whether any value is non-zero, whether all
 //! have the first one's bits, and the row's hash key.
@@ -186,9 +186,10 @@ impl<T: RawSample> RowScan<T> {
             return;
         }
         self.end_run(start, c0 + i, v);
-        // s[i] starts a run. Runs of at least min_run ≥ 2h inside: as in
-        // `stuck_runs`, found where two samples h apart at a multiple of h
-        // are equal; the run reaching the end stays open.
+        // s[i] starts a run. Runs of at least min_run ≥ 2h inside hold two
+        // equal samples h apart at a multiple of h, so only those places are
+        // looked at first (a healthy row costs a strided pass over 1/h of its
+        // samples); the run reaching the end stays open.
         let rest = &s[i..];
         let base = c0 + i;
         let h = (self.cols.min_run / 2).max(1);
@@ -324,8 +325,7 @@ impl<T: RawSample> RowScan<T> {
     /// The stuck runs (half-open column ranges, in order) and the own
     /// columns' facts, once every column has been fed; `row` holds the
     /// row's values from column 0 (the extremes are looked up there only
-    /// when a run is long enough). The runs are those of
-    /// [`super::stuck_runs`] over the real columns.
+    /// when a run is long enough).
     pub fn finish(mut self, row: &[T]) -> (Vec<(usize, usize)>, RowFacts) {
         let end = self.cols.own.1;
         if self.col >= end {
@@ -415,8 +415,7 @@ mod tests {
         all
     }
 
-    /// The runs are those of `stuck_runs`, and the facts those of their
-    /// definitions, whatever the pieces fed, for int16 and f32 rows; the key
+    /// The runs and the facts are those of their definitions, whatever the pieces fed, for int16 and f32 rows; the key
     /// is the same for the same values, and differs when one own value
     /// differs.
     #[test]
@@ -437,7 +436,11 @@ mod tests {
                     own: (o0, o1),
                     min_run,
                 };
-                let want_runs = super::super::stuck_runs(&x, lo, hi, min_run);
+                let want_runs: Vec<(usize, usize)> =
+                    super::super::tests::naive(&x[lo..hi], min_run)
+                        .into_iter()
+                        .map(|(a, b)| (lo + a, lo + b))
+                        .collect();
                 let own = &x[o0..o1];
                 let want_nonzero = own.iter().any(|&v| v != 0);
                 let want_all = own.iter().all(|&v| v == own.first().copied().unwrap_or(0));
