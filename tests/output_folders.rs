@@ -342,6 +342,16 @@ fn a_killed_runs_temporary_folder_is_removed_by_the_next_run() {
 #[cfg(unix)]
 #[test]
 fn a_closed_standard_output_never_stops_a_run() {
+    // `spikecube ARGS | PIPE` under pipefail.
+    let piped = |args: &[String], pipe: &str| {
+        Command::new("bash")
+            .arg("-c")
+            .arg(format!(r#"set -o pipefail; "$0" "$@" | {pipe}"#))
+            .arg(bin())
+            .args(args)
+            .output()
+            .unwrap()
+    };
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let sim = simulate(d, "sim", "2");
@@ -351,13 +361,7 @@ fn a_closed_standard_output_never_stops_a_run() {
         if which == "detect" {
             args.push("--json".into());
         }
-        let o = Command::new("bash")
-            .arg("-c")
-            .arg(r#"set -o pipefail; "$0" "$@" | head -n 0"#)
-            .arg(bin())
-            .args(&args)
-            .output()
-            .unwrap();
+        let o = piped(&args, "head -n 0");
         let err = stderr(&o);
         assert!(o.status.success(), "{which}: {:?} {err}", o.status.code());
         assert!(!err.contains("panicked"), "{which}: {err}");
@@ -376,13 +380,7 @@ fn a_closed_standard_output_never_stops_a_run() {
     let out = d.join("piped-head1");
     let mut args = command("detect", &sim, &out, 1);
     args.push("--json".into());
-    let o = Command::new("bash")
-        .arg("-c")
-        .arg(r#"set -o pipefail; "$0" "$@" | head -1"#)
-        .arg(bin())
-        .args(&args)
-        .output()
-        .unwrap();
+    let o = piped(&args, "head -1");
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(String::from_utf8_lossy(&o.stdout).contains("\"spikes\""));
     assert!(out.join("drift_map.png").is_file());
@@ -393,13 +391,7 @@ fn a_closed_standard_output_never_stops_a_run() {
         vec!["info".to_string()],
         vec!["probe".into(), s(&probe).into()],
     ] {
-        let o = Command::new("bash")
-            .arg("-c")
-            .arg(r#"set -o pipefail; "$0" "$@" | head -n 0"#)
-            .arg(bin())
-            .args(&args)
-            .output()
-            .unwrap();
+        let o = piped(&args, "head -n 0");
         let err = stderr(&o);
         assert!(o.status.success(), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{args:?}: {err}");
