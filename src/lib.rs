@@ -68,6 +68,7 @@ pub mod preprocess;
 pub mod probe;
 pub mod recording;
 pub mod simulate;
+pub mod sort;
 pub mod stages;
 pub mod universal;
 
