@@ -22,6 +22,7 @@ mod common;
 mod detect;
 mod detect_window;
 mod drift;
+mod export_phy;
 mod info;
 mod preprocess;
 mod probe;
@@ -63,6 +64,9 @@ enum Command {
     Simulate(simulate::Args),
     /// List the back ends this build has and the devices each finds.
     Info,
+    /// Merges and Phy folder from Kilosort4's own sort arrays (for checks against Kilosort4).
+    #[command(hide = true)]
+    ExportPhy(export_phy::Args),
 }
 
 /// Parses the command line and runs the subcommand.
@@ -104,5 +108,6 @@ pub fn run() -> anyhow::Result<ExitCode> {
         Command::Probe(args) => probe::run(args),
         Command::Simulate(args) => simulate::run(args, cli.quiet),
         Command::Info => info::run(),
+        Command::ExportPhy(args) => export_phy::run(args, cli.quiet),
     }
 }

@@ -47,6 +47,8 @@ mod drift_map;
 pub mod folder;
 pub mod npy_stream;
 pub mod params;
+pub mod ks_arrays;
+pub mod phy;
 pub mod plot;
 
 use std::collections::BTreeMap;

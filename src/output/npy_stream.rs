@@ -162,7 +162,7 @@ macro_rules! le_bytes {
         }
     )*};
 }
-le_bytes!(i8, u8, i16, i32, i64, u64, f32, f64);
+le_bytes!(i8, u8, i16, i32, u32, i64, u64, f32, f64);
 
 /// Writes a small whole array in one go through [`NpyStream`] (same header layout).
 ///

@@ -1,0 +1,340 @@
+//! The sort's Phy folder, as Kilosort4 4.1.7's `io.save_to_phy` writes it
+//! (`../shared/docs/sorting-spec.md` §3), published atomically through a
+//! [`StagedFolder`](super::folder::StagedFolder) with its `spikecube.json`.
+//!
+//! [`save_sorting`] takes the final clustering's result, runs the CCG-gated
+//! merges ([`crate::sort::merge::merge_ccg`]) and writes the folder
+//! ([`write_phy`]). n = spikes after the merges, n_k = spikes kept after
+//! duplicate removal, U = units, C = sites, nC = 10, npc = 6, nt = 61.
+//!
+//! | file | dtype | shape | contents |
+//! |---|---|---|---|
+//! | `spike_times.npy` | int64 | (n_k,) | trough sample + `imin`, time order |
+//! | `spike_clusters.npy` | int32 | (n_k,) | unit 0…U−1 |
+//! | `spike_templates.npy` | int32 | (n_k,) | the same unit ids (Kilosort4 writes the clusters here, not the templates) |
+//! | `spike_detection_templates.npy` | int32 | (n_k,) | learned template that matched the spike |
+//! | `amplitudes.npy` | float32 | (n_k,) | L2 norm of the spike's (nC, npc) features, whitened units |
+//! | `spike_positions.npy` | float32 | (n_k, 2) | x, y µm: sites weighted by feature norm |
+//! | `kept_spikes.npy` | bool | (n,) | false for spikes dropped as duplicates |
+//! | `templates.npy` | float32 | (U, nt, C) | Wall·wPCA, whitened |
+//! | `templates_ind.npy` | int64 | (U, C) | 0…C−1 on every row |
+//! | `similar_templates.npy` | float32 | (U, U) | max over lags of the normalised template cross-correlation |
+//! | `pc_features.npy` | float32 | (n_k, npc, nC) | features on the unit's nC sites (Kilosort4's `make_pc_features`) |
+//! | `pc_feature_ind.npy` | uint32 | (U, nC) | those sites |
+//! | `whitening_mat.npy`, `whitening_mat_dat.npy` | float32 | (C, C) | Wrot |
+//! | `whitening_mat_inv.npy` | float32 | (C, C) | inverse of Wrot + 1e-5·I |
+//! | `channel_map.npy` | int32 | (C,) | probe's channel map |
+//! | `channel_positions.npy` | float32 | (C, 2) | site x, y µm |
+//! | `channel_shanks.npy` | float32 | (C,) | probe's shank ids (`kcoords`) |
+//! | `cluster_KSLabel.tsv` | text | header + U rows | `good` (refractory after duplicate removal) or `mua` |
+//! | `cluster_group.tsv` | text | | byte copy of `cluster_KSLabel.tsv` (header `KSLabel`, as Kilosort4) |
+//! | `cluster_ContamPct.tsv` | text | | 100·R12, one decimal |
+//! | `cluster_Amplitude.tsv` | text | | template L2 norm, one decimal |
+//! | `params.py` | text | | `n_channels_dat`, `offset = 0`, `sample_rate`, `dtype`, `hp_filtered = False`, `dat_path` (list of absolute paths) |
+//! | `spikecube.json` | JSON | | provenance (spikecube's own; Kilosort4 writes `ops.npy` instead) |
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use ndarray::{Array2, Array3, ArrayView2, Axis};
+
+use super::folder::StagedFolder;
+use super::npy_stream::{LeBytes, write_all};
+use super::params::{py_float, py_str};
+use crate::probe::Probe;
+use crate::sort::ccg::{self, Thresholds};
+use crate::sort::merge::{MergeSettings, Merged, Similarity, merge_ccg};
+use crate::sort::postprocess::{self as pp, ChannelSets};
+
+/// The final clustering's result and what the matching fixed, as the export needs them.
+#[derive(Debug, Clone)]
+pub struct SortResult {
+    /// (n, 3) float64: trough sample (without `imin`), learned template id, amplitude.
+    pub st: Array2<f64>,
+    /// (n, nC, npc) float32 features.
+    pub tf: Array3<f32>,
+    /// (n,) final clustering labels 0…U−1.
+    pub clu: Vec<i32>,
+    /// (U, C, npc) float32 cluster templates in wPCA space.
+    pub wall: Array3<f32>,
+    /// (npc, nt) temporal basis.
+    pub wpca: Array2<f32>,
+    /// (C, C) whitening matrix applied to the data.
+    pub wrot: Array2<f32>,
+    /// The matching's site sets (iCC, iCC_mask, iU).
+    pub sets: ChannelSets,
+}
+
+/// Settings of the merges and the export (Kilosort4's names and defaults).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExportSettings {
+    /// Sample rate, Hz (`fs`).
+    pub fs: f64,
+    /// Columns in the raw file (`n_chan_bin`), for `params.py`.
+    pub n_chan_bin: u64,
+    /// NumPy name of the raw sample type (`data_dtype`), for `params.py`.
+    pub dtype: String,
+    /// Raw recording file(s), written absolute into `params.py`.
+    pub dat_path: Vec<PathBuf>,
+    /// First sample read (`tmin`·fs), added to the spike times.
+    pub imin: i64,
+    /// Same-unit spikes closer than this are duplicates (`duplicate_spike_ms`, 0.25).
+    pub duplicate_spike_ms: f64,
+    /// The global merges' settings (and the `good` label's thresholds).
+    pub merge: MergeSettings,
+}
+
+impl ExportSettings {
+    /// Kilosort4's defaults for a recording of `n_chan_bin` int16 columns at `fs` Hz.
+    pub fn new(fs: f64, n_chan_bin: u64, dat_path: Vec<PathBuf>) -> Self {
+        ExportSettings {
+            fs,
+            n_chan_bin,
+            dtype: "int16".into(),
+            dat_path,
+            imin: 0,
+            duplicate_spike_ms: 0.25,
+            merge: MergeSettings::default(),
+        }
+    }
+}
+
+/// What [`save_sorting`] wrote.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PhySummary {
+    /// The published folder.
+    pub path: PathBuf,
+    /// Units (U).
+    pub n_units: usize,
+    /// Units labelled `good`.
+    pub n_good: usize,
+    /// Spikes written (n_k).
+    pub n_spikes: usize,
+    /// Spikes dropped as duplicates.
+    pub n_duplicates: usize,
+    /// Merges made.
+    pub n_merges: usize,
+}
+
+/// Merges the final clustering ([`merge_ccg`]) and writes the Phy folder `out`
+/// ([`write_phy`]), Kilosort4's `merging_function` + `save_sorting`.
+///
+/// `manifest` (a JSON object: settings, versions…) goes into `spikecube.json`
+/// with `command` (the subcommand whose folder this is) and the file list.
+///
+/// # Errors
+/// When the inputs disagree in size or index range (named), `out` holds
+/// something spikecube did not write (nothing is then changed), or a write fails.
+pub fn save_sorting(
+    out: &Path,
+    result: SortResult,
+    probe: &Probe,
+    settings: &ExportSettings,
+    manifest: serde_json::Value,
+    command: &str,
+) -> Result<PhySummary> {
+    let SortResult {
+        st,
+        tf,
+        clu,
+        wall,
+        wpca,
+        wrot,
+        sets,
+    } = result;
+    let merged = merge_ccg(wall, &clu, st, tf, wpca.view(), settings.fs, &settings.merge)
+        .context("global merges")?;
+    write_phy(out, merged, wpca.view(), wrot.view(), &sets, probe, settings, manifest, command)
+}
+
+fn npy<T: LeBytes>(dir: &Path, name: &str, descr: &str, shape: &[usize], v: &[T]) -> Result<()> {
+    write_all(&dir.join(name), descr, shape, v)
+}
+
+/// The text of Kilosort4's `params.py` (its key order and literals).
+///
+/// # Errors
+/// When `fs` is not finite or a path cannot be made absolute.
+pub fn params_text(settings: &ExportSettings) -> Result<String> {
+    let mut paths = Vec::new();
+    for p in &settings.dat_path {
+        let abs = std::path::absolute(p)
+            .with_context(|| format!("cannot make {} absolute", p.display()))?;
+        let abs = abs.canonicalize().unwrap_or(abs);
+        paths.push(py_str(&abs.to_string_lossy().replace('\\', "/")));
+    }
+    if settings.dtype.is_empty() || !settings.dtype.chars().all(|c| c.is_ascii_alphanumeric()) {
+        bail!("params.py: dtype `{}` is not a NumPy type name", settings.dtype);
+    }
+    Ok(format!(
+        "n_channels_dat = {}\noffset = 0\nsample_rate = {}\ndtype = {}\nhp_filtered = False\ndat_path = [{}]\n",
+        settings.n_chan_bin,
+        py_float(settings.fs, "sample_rate")?,
+        py_str(&settings.dtype),
+        paths.join(", ")
+    ))
+}
+
+/// One `cluster_<name>.tsv`: header `cluster_id\t<name>`, then `i\tvalue` rows.
+fn tsv(name: &str, values: impl Iterator<Item = String>) -> String {
+    let mut s = format!("cluster_id\t{name}\n");
+    for (i, v) in values.enumerate() {
+        s.push_str(&format!("{i}\t{v}\n"));
+    }
+    s
+}
+
+/// One decimal, rounding the exact binary value half to even (Python's `{:.1f}`).
+fn one_decimal(v: f64) -> String {
+    format!("{v:.1}")
+}
+
+/// Writes the probe's and the whitening files into `dir`.
+fn write_probe_files(dir: &Path, probe: &Probe, wrot: ArrayView2<f32>) -> Result<()> {
+    let c = probe.n_sites();
+    if wrot.dim() != (c, c) {
+        bail!("the whitening matrix is {:?}, but the probe has {c} sites", wrot.dim());
+    }
+    let map: Vec<i32> = probe.chan_map.iter().map(|&m| m as i32).collect();
+    npy(dir, "channel_map.npy", "'<i4'", &[c], &map)?;
+    let pos: Vec<f32> = (0..c).flat_map(|i| [probe.xc[i], probe.yc[i]]).collect();
+    npy(dir, "channel_positions.npy", "'<f4'", &[c, 2], &pos)?;
+    let shanks: Vec<f32> = probe.kcoords.iter().map(|&k| k as f32).collect();
+    npy(dir, "channel_shanks.npy", "'<f4'", &[c], &shanks)?;
+    let w = wrot.as_standard_layout();
+    let w = w.as_slice().expect("standard layout");
+    npy(dir, "whitening_mat_dat.npy", "'<f4'", &[c, c], w)?;
+    npy(dir, "whitening_mat.npy", "'<f4'", &[c, c], w)?;
+    let inv = pp::whitening_inverse(wrot)?;
+    npy(dir, "whitening_mat_inv.npy", "'<f4'", &[c, c], inv.as_slice().expect("standard layout"))
+}
+
+/// Writes the Phy folder `out` from merged spikes (module docs), Kilosort4's
+/// `save_to_phy`: spike positions and amplitudes of every spike, duplicate
+/// removal, templates and their similarity, PC features of the kept spikes,
+/// refractoriness of the kept spikes (`good`/`mua`, `ContamPct`), `params.py`.
+///
+/// # Errors
+/// As [`save_sorting`].
+#[allow(clippy::too_many_arguments)]
+pub fn write_phy(
+    out: &Path,
+    merged: Merged,
+    wpca: ArrayView2<f32>,
+    wrot: ArrayView2<f32>,
+    sets: &ChannelSets,
+    probe: &Probe,
+    settings: &ExportSettings,
+    manifest: serde_json::Value,
+    command: &str,
+) -> Result<PhySummary> {
+    let Merged { wall, clu, st, tf, n_merges, .. } = merged;
+    let (u, c, _) = wall.dim();
+    if c != probe.n_sites() {
+        bail!("the templates have {c} sites, but the probe {} has {}", probe.source.display(), probe.n_sites());
+    }
+    let n = clu.len();
+    let templates: Vec<usize> = st.column(1).iter().map(|&t| t as usize).collect();
+    sets.check(c, &templates)?;
+    let staged = StagedFolder::create(out, command)?;
+    let dir = staged.path().to_path_buf();
+    write_probe_files(&dir, probe, wrot)?;
+
+    let times: Vec<i64> = st.column(0).iter().map(|&t| t as i64 + settings.imin).collect();
+    let positions = pp::spike_positions(&templates, tf.view(), sets, &probe.xc, &probe.yc);
+    let amps = pp::amplitudes(tf.view());
+    let dt = pp::duplicate_spike_bins(settings.duplicate_spike_ms, settings.fs);
+    let keep = pp::remove_duplicates(&times, &clu, dt);
+    let pick = |i: usize| keep[i];
+    let kept: Vec<usize> = (0..n).filter(|&i| pick(i)).collect();
+    let nk = kept.len();
+    let k_times: Vec<i64> = kept.iter().map(|&i| times[i]).collect();
+    let k_clu: Vec<i32> = kept.iter().map(|&i| clu[i]).collect();
+    let k_tmpl: Vec<usize> = kept.iter().map(|&i| templates[i]).collect();
+    npy(&dir, "spike_times.npy", "'<i8'", &[nk], &k_times)?;
+    npy(&dir, "spike_templates.npy", "'<i4'", &[nk], &k_clu)?;
+    npy(&dir, "spike_clusters.npy", "'<i4'", &[nk], &k_clu)?;
+    let k_pos: Vec<f32> = kept.iter().flat_map(|&i| [positions[[i, 0]], positions[[i, 1]]]).collect();
+    npy(&dir, "spike_positions.npy", "'<f4'", &[nk, 2], &k_pos)?;
+    let k_t32: Vec<i32> = k_tmpl.iter().map(|&t| t as i32).collect();
+    npy(&dir, "spike_detection_templates.npy", "'<i4'", &[nk], &k_t32)?;
+    let k_amp: Vec<f32> = kept.iter().map(|&i| amps[i]).collect();
+    npy(&dir, "amplitudes.npy", "'<f4'", &[nk], &k_amp)?;
+    let keep_u8: Vec<u8> = keep.iter().map(|&k| u8::from(k)).collect();
+    npy(&dir, "kept_spikes.npy", "'|b1'", &[n], &keep_u8)?;
+
+    let sim = Similarity::new(wpca).matrix(wall.view());
+    let sim32: Vec<f32> = sim.iter().map(|&v| v as f32).collect();
+    npy(&dir, "similar_templates.npy", "'<f4'", &[u, u], &sim32)?;
+    let tt = pp::templates_in_time(wall.view(), wpca);
+    npy(&dir, "templates.npy", "'<f4'", tt.shape(), tt.as_slice().expect("standard layout"))?;
+    let ind: Vec<i64> = (0..u).flat_map(|_| 0..c as i64).collect();
+    npy(&dir, "templates_ind.npy", "'<i8'", &[u, c], &ind)?;
+
+    let tf_k = tf.select(Axis(0), &kept);
+    drop(tf);
+    let (pcs, pc_ind) = pp::make_pc_features(&k_tmpl, &k_clu, tf_k, sets, u)?;
+    npy(&dir, "pc_features.npy", "'<f4'", pcs.shape(), pcs.as_slice().expect("standard layout"))?;
+    npy(&dir, "pc_feature_ind.npy", "'<u4'", pc_ind.shape(), pc_ind.as_slice().expect("standard layout"))?;
+
+    // Refractoriness of the kept spikes: Kilosort4 sizes it by max(id) + 1.
+    let n_ref = k_clu.iter().map(|&c| c as usize + 1).max().unwrap_or(0);
+    let secs: Vec<f64> = k_times.iter().map(|&t| t as f64 / settings.fs).collect();
+    let thr: Thresholds = settings.merge.thresholds;
+    let (is_ref, r12) = ccg::refract(&k_clu, &secs, n_ref, thr);
+    let write = |name: &str, text: String| -> Result<()> {
+        let p = dir.join(name);
+        std::fs::write(&p, text).with_context(|| format!("cannot write {}", p.display()))
+    };
+    write("cluster_ContamPct.tsv", tsv("ContamPct", r12.iter().map(|&r| one_decimal(r * 100.0))))?;
+    let amp_t = pp::template_amplitudes(wall.view());
+    write("cluster_Amplitude.tsv", tsv("Amplitude", amp_t.iter().map(|&a| one_decimal(f64::from(a)))))?;
+    let labels = tsv("KSLabel", is_ref.iter().map(|&r| if r { "good" } else { "mua" }.to_string()));
+    write("cluster_KSLabel.tsv", labels.clone())?;
+    write("cluster_group.tsv", labels)?;
+    write("params.py", params_text(settings)?)?;
+
+    let n_good = is_ref.iter().filter(|&&r| r).count();
+    let mut manifest = match manifest {
+        serde_json::Value::Object(m) => m,
+        _ => serde_json::Map::new(),
+    };
+    manifest.insert(
+        "counts".into(),
+        serde_json::json!({
+            "units": u, "good": n_good, "spikes": nk, "duplicates": n - nk, "merges": n_merges,
+        }),
+    );
+    let path = staged.publish(serde_json::Value::Object(manifest))?;
+    Ok(PhySummary {
+        path,
+        n_units: u,
+        n_good,
+        n_spikes: nk,
+        n_duplicates: n - nk,
+        n_merges,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decimals_like_python() {
+        // Python: f'{0.25:.1f}' = '0.2', f'{0.35:.1f}' = '0.3' (0.35 is below .35), f'{12.25:.1f}' = '12.2'.
+        assert_eq!(one_decimal(0.25), "0.2");
+        assert_eq!(one_decimal(0.35), "0.3");
+        assert_eq!(one_decimal(12.25), "12.2");
+        assert_eq!(one_decimal(0.0), "0.0");
+        assert_eq!(one_decimal(99.96), "100.0");
+    }
+
+    #[test]
+    fn tsv_layout() {
+        assert_eq!(
+            tsv("KSLabel", ["good", "mua"].iter().map(|s| s.to_string())),
+            "cluster_id\tKSLabel\n0\tgood\n1\tmua\n"
+        );
+    }
+}

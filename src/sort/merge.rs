@@ -1,0 +1,525 @@
+//! The CCG-gated global merges after the final clustering, Kilosort4 4.1.7's
+//! `template_matching.merging_function(mode='ccg', r_thresh=0.5, check_dt=True)`
+//! with `roll_features` (`../shared/docs/sorting-spec.md` §2.7), and the
+//! template similarity it and the Phy export share (`CCG.similarity`).
+//!
+//! Layouts (row-major): `wall` (U, C, npc) float32 templates in wPCA space;
+//! `wpca` (npc, nt); `st` (n, 3) float64 [sample, template, amplitude];
+//! `tf` (n, nC, npc) float32 features; `clu` (n,) cluster ids 0…U−1.
+//!
+//! # Order and ties
+//! - Clusters are visited by descending spike count, partners by descending
+//!   similarity. Kilosort4 reverses `np.argsort` (quicksort: unstable, and on
+//!   AVX2/AVX-512 machines NumPy's SIMD sort, whose order among equal keys
+//!   depends on the CPU); here equal keys go **higher index first** (a
+//!   reversed stable sort). Equal spike counts matter only when both such
+//!   clusters are refractory and compete for the same partner.
+//! - The final re-sort by time is stable: spikes with equal times keep their
+//!   order in the input (Kilosort4's `np.argsort(st[:, 0])` leaves their order
+//!   to NumPy's unstable sort). Equal times arise when two templates matched
+//!   the same sample, or a merge shifted a spike onto another's time.
+//!
+//! # Precision
+//! Similarities are computed in float64 from the float32 templates
+//! (Kilosort4: float32 einsums); they decide only comparisons with 0.5 and
+//! the partners' order. The shifted features and templates are computed in
+//! float64 and rounded once to float32 (Kilosort4: three float32 matmuls).
+//! The count-weighted template mean is Kilosort4's float32 arithmetic
+//! exactly (weights rounded to float32, two products and a sum).
+
+use anyhow::{Result, bail};
+use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis};
+use rayon::prelude::*;
+
+use super::ccg::{self, Thresholds};
+
+/// Kilosort4's global-merge similarity threshold (`r_thresh`).
+pub const R_THRESH: f64 = 0.5;
+
+/// Lagged products of the temporal basis (Kilosort4's `WtW`): for PCs a, b and
+/// lag index l = 0…2nt, Σ_t wPCA[a][t + nt − l]·wPCA[b][t] (l = nt is zero lag).
+#[derive(Debug, Clone)]
+pub struct Similarity {
+    npc: usize,
+    nt: usize,
+    /// (npc, npc, 2nt + 1), float64.
+    wtw: Vec<f64>,
+}
+
+/// One template divided by (1e-6 + its L2 norm), kept only on its non-zero channels.
+#[derive(Debug, Clone, Default)]
+pub struct Normed {
+    chans: Vec<usize>,
+    /// (chans.len(), npc).
+    vals: Vec<f64>,
+}
+
+impl Similarity {
+    /// `WtW` of a (npc, nt) temporal basis.
+    pub fn new(wpca: ArrayView2<f32>) -> Self {
+        let (npc, nt) = wpca.dim();
+        let nl = 2 * nt + 1;
+        let mut wtw = vec![0.0f64; npc * npc * nl];
+        for a in 0..npc {
+            for b in 0..npc {
+                for l in 0..nl {
+                    // t + nt − l in [0, nt).
+                    let mut acc = 0.0f64;
+                    for t in 0..nt {
+                        let u = t as i64 + nt as i64 - l as i64;
+                        if (0..nt as i64).contains(&u) {
+                            acc += f64::from(wpca[[a, u as usize]]) * f64::from(wpca[[b, t]]);
+                        }
+                    }
+                    wtw[(a * npc + b) * nl + l] = acc;
+                }
+            }
+        }
+        Similarity { npc, nt, wtw }
+    }
+
+    /// Lags: 2nt + 1.
+    pub fn n_lags(&self) -> usize {
+        2 * self.nt + 1
+    }
+
+    /// Normalises template `w` (C, npc): w / (1e-6 + ‖w‖).
+    pub fn normed(&self, w: ArrayView2<f32>) -> Normed {
+        let mu = w.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+        let mut out = Normed::default();
+        for (c, row) in w.outer_iter().enumerate() {
+            if row.iter().any(|&v| v != 0.0) {
+                out.chans.push(c);
+                out.vals.extend(row.iter().map(|&v| f64::from(v) / (1e-6 + mu)));
+            }
+        }
+        out
+    }
+
+    /// Normalised cross-correlation of templates `a` and `b` at every lag
+    /// (`n_lags()` values; `a` is the one shifted, Kilosort4's `ctc[b, :]` for
+    /// template `a`), from their [`Similarity::normed`] forms; `dense_a` is `a`
+    /// scattered on all C channels ((C, npc), zero elsewhere).
+    fn lags(&self, dense_a: &[f64], b: &Normed, out: &mut [f64]) {
+        let npc = self.npc;
+        let nl = self.n_lags();
+        let mut utu = vec![0.0f64; npc * npc];
+        let mut any = false;
+        for (i, &c) in b.chans.iter().enumerate() {
+            let ra = &dense_a[c * npc..(c + 1) * npc];
+            if ra.iter().all(|&v| v == 0.0) {
+                continue;
+            }
+            any = true;
+            let rb = &b.vals[i * npc..(i + 1) * npc];
+            for k in 0..npc {
+                for m in 0..npc {
+                    utu[k * npc + m] += ra[k] * rb[m];
+                }
+            }
+        }
+        out.iter_mut().for_each(|v| *v = 0.0);
+        if !any {
+            return;
+        }
+        for (km, &u) in utu.iter().enumerate() {
+            let row = &self.wtw[km * nl..(km + 1) * nl];
+            for (o, &w) in out.iter_mut().zip(row) {
+                *o += u * w;
+            }
+        }
+    }
+
+    /// `a` on all `n_chan` channels, (C, npc) row-major.
+    fn dense(&self, a: &Normed, n_chan: usize) -> Vec<f64> {
+        let npc = self.npc;
+        let mut d = vec![0.0f64; n_chan * npc];
+        for (i, &c) in a.chans.iter().enumerate() {
+            d[c * npc..(c + 1) * npc].copy_from_slice(&a.vals[i * npc..(i + 1) * npc]);
+        }
+        d
+    }
+
+    /// For template `k` against every template j: the largest normalised
+    /// cross-correlation over lags (`cmax[j]`) and its lag index (`imax[j]`,
+    /// the first on a tie; nt is zero lag). Parallel over j, deterministic.
+    pub fn row(&self, k: usize, normed: &[Normed], n_chan: usize) -> (Vec<f64>, Vec<usize>) {
+        let dense = self.dense(&normed[k], n_chan);
+        normed
+            .par_iter()
+            .map(|b| {
+                let mut lag = vec![0.0f64; self.n_lags()];
+                self.lags(&dense, b, &mut lag);
+                let mut best = (lag[0], 0usize);
+                for (l, &v) in lag.iter().enumerate().skip(1) {
+                    if v > best.0 {
+                        best = (v, l);
+                    }
+                }
+                best
+            })
+            .unzip()
+    }
+
+    /// Kilosort4's `CCG.similarity`: (U, U) maxima over lags of the normalised
+    /// template cross-correlations, float64 (Kilosort4 stores them as float32).
+    pub fn matrix(&self, wall: ArrayView3<f32>) -> Array2<f64> {
+        let u = wall.shape()[0];
+        let n_chan = wall.shape()[1];
+        let normed: Vec<Normed> = (0..u)
+            .map(|i| self.normed(wall.index_axis(Axis(0), i)))
+            .collect();
+        let mut out = Array2::<f64>::zeros((u, u));
+        for i in 0..u {
+            let (cmax, _) = self.row(i, &normed, n_chan);
+            out.row_mut(i).assign(&ndarray::Array1::from(cmax));
+        }
+        out
+    }
+}
+
+/// Settings of the global merges (Kilosort4's names and defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MergeSettings {
+    /// Similarity a partner needs (`r_thresh`, 0.5).
+    pub r_thresh: f64,
+    /// `acg_threshold` (0.2) and `ccg_threshold` (0.25).
+    pub thresholds: Thresholds,
+    /// Shift the absorbed cluster's spikes and features by the lag (`check_dt`, true).
+    pub check_dt: bool,
+}
+
+impl Default for MergeSettings {
+    fn default() -> Self {
+        MergeSettings {
+            r_thresh: R_THRESH,
+            thresholds: Thresholds::default(),
+            check_dt: true,
+        }
+    }
+}
+
+/// The result of [`merge_ccg`]: U' ≤ U units.
+#[derive(Debug, Clone)]
+pub struct Merged {
+    /// (U', C, npc) float32 templates of the surviving clusters, in id order.
+    pub wall: Array3<f32>,
+    /// (n,) unit ids 0…U'−1, in the re-sorted spike order.
+    pub clu: Vec<i32>,
+    /// (U',) whether each unit was refractory before the merges (Kilosort4's `is_ref`).
+    pub is_ref: Vec<bool>,
+    /// (n, 3) spikes re-sorted by time; absorbed clusters' times shifted by their lag.
+    pub st: Array2<f64>,
+    /// (n, nC, npc) features in the same order, shifted with their spikes.
+    pub tf: Array3<f32>,
+    /// Merges made.
+    pub n_merges: usize,
+}
+
+/// Indices 0…n−1 ordered by descending key, equal keys higher index first.
+fn descending<T: PartialOrd + Copy>(keys: &[T]) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..keys.len()).collect();
+    idx.sort_by(|&a, &b| {
+        keys[b]
+            .partial_cmp(&keys[a])
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(b.cmp(&a))
+    });
+    idx
+}
+
+/// The (npc, npc) operator of Kilosort4's `roll_features` for a shift of `dt`
+/// samples (|dt| < nt): to time with wPCA, roll by dt filling the wrapped edge
+/// with the nearest kept sample (sample t takes t − dt clamped to [0, nt−1]),
+/// back with wPCAᵀ. New coefficients f'[q] = Σ_p f[p]·M[p][q].
+pub fn roll_operator(wpca: ArrayView2<f32>, dt: i64) -> Vec<f64> {
+    let (npc, nt) = wpca.dim();
+    let mut m = vec![0.0f64; npc * npc];
+    for p in 0..npc {
+        for q in 0..npc {
+            let mut acc = 0.0f64;
+            for t in 0..nt {
+                let src = (t as i64 - dt).clamp(0, nt as i64 - 1) as usize;
+                acc += f64::from(wpca[[p, src]]) * f64::from(wpca[[q, t]]);
+            }
+            m[p * npc + q] = acc;
+        }
+    }
+    m
+}
+
+/// Applies a [`roll_operator`] to rows of npc coefficients in place.
+fn roll_rows(data: &mut [f32], m: &[f64], npc: usize) {
+    let mut tmp = vec![0.0f64; npc];
+    for row in data.chunks_exact_mut(npc) {
+        for (q, t) in tmp.iter_mut().enumerate() {
+            *t = (0..npc).map(|p| f64::from(row[p]) * m[p * npc + q]).sum();
+        }
+        for (r, &t) in row.iter_mut().zip(&tmp) {
+            *r = t as f32;
+        }
+    }
+}
+
+fn check_inputs(
+    wall: &Array3<f32>,
+    clu: &[i32],
+    st: &Array2<f64>,
+    tf: &Array3<f32>,
+    wpca: ArrayView2<f32>,
+    fs: f64,
+) -> Result<()> {
+    let (u, _, npc) = wall.dim();
+    let n = clu.len();
+    if st.nrows() != n || st.ncols() < 2 || tf.shape()[0] != n {
+        bail!(
+            "merges: st has {} rows × {} columns and tF {} rows, for {n} cluster labels (st needs ≥ 2 columns)",
+            st.nrows(),
+            st.ncols(),
+            tf.shape()[0]
+        );
+    }
+    if wpca.nrows() != npc || tf.shape()[2] != npc {
+        bail!(
+            "merges: Wall has {npc} PCs per channel, wPCA {} and tF {}",
+            wpca.nrows(),
+            tf.shape()[2]
+        );
+    }
+    if !(fs.is_finite() && fs > 0.0) {
+        bail!("merges: sample rate {fs} Hz must be positive");
+    }
+    if let Some(&c) = clu.iter().find(|&&c| c < 0 || c as usize >= u) {
+        bail!("merges: cluster label {c} outside 0…{} (Wall has {u} templates)", u as i64 - 1);
+    }
+    if let Some(t) = st.column(0).iter().find(|t| !t.is_finite()) {
+        bail!("merges: spike time {t} is not finite");
+    }
+    Ok(())
+}
+
+/// Kilosort4's `merging_function` in mode `ccg` (module docs; spec §2.7).
+///
+/// 1. `is_ref` once, from [`ccg::refract`] on the input labels (times st[:,0]/fs s);
+/// 2. clusters by descending count; a non-refractory or absorbed one is skipped;
+/// 3. partners by descending similarity while ≥ `r_thresh`; the first whose
+///    CCG with the cluster is cross-refractory is absorbed: its spikes and
+///    template are shifted by dt = imax[k] − imax[j] samples (`check_dt`), the
+///    template becomes the count-weighted mean, and the same cluster is tried again;
+/// 4. ids compacted over the survivors, spikes re-sorted by time.
+///
+/// Unlike Kilosort4, a label 0…U−1 without spikes is allowed (count 0, never
+/// refractory); Kilosort4 fails on it with an index error.
+///
+/// # Errors
+/// When the arrays' sizes disagree, a label is outside 0…U−1, fs is not
+/// positive or a spike time is not finite.
+pub fn merge_ccg(
+    mut wall: Array3<f32>,
+    clu: &[i32],
+    mut st: Array2<f64>,
+    mut tf: Array3<f32>,
+    wpca: ArrayView2<f32>,
+    fs: f64,
+    settings: &MergeSettings,
+) -> Result<Merged> {
+    check_inputs(&wall, clu, &st, &tf, wpca, fs)?;
+    let (nn, n_chan, npc) = wall.dim();
+    let nt = wpca.ncols();
+    let mut ns = vec![0i64; nn];
+    let mut members: Vec<Vec<usize>> = vec![Vec::new(); nn];
+    for (i, &c) in clu.iter().enumerate() {
+        ns[c as usize] += 1;
+        members[c as usize].push(i);
+    }
+    let order = descending(&ns);
+    let times: Vec<f64> = st.column(0).iter().map(|&t| t / fs).collect();
+    let (is_ref, _) = ccg::refract(clu, &times, nn, settings.thresholds);
+
+    let sim = Similarity::new(wpca);
+    let mut normed: Vec<Normed> = (0..nn)
+        .map(|j| sim.normed(wall.index_axis(Axis(0), j)))
+        .collect();
+    let mut is_merged = vec![false; nn];
+    let mut n_merges = 0usize;
+    let feat_len = tf.shape()[1] * npc;
+    let mut t = 0usize;
+    while t < nn {
+        let kk = order[t];
+        if !is_ref[kk] || is_merged[kk] {
+            t += 1;
+            continue;
+        }
+        let (mut cmax, imax) = sim.row(kk, &normed, n_chan);
+        cmax[kk] = 0.0;
+        let seconds = |c: usize, st: &Array2<f64>| -> Vec<f64> {
+            members[c].iter().map(|&i| st[[i, 0]] / fs).collect()
+        };
+        let st_k = seconds(kk, &st);
+        let mut partner = None;
+        for jj in descending(&cmax) {
+            if cmax[jj] < settings.r_thresh {
+                break;
+            }
+            let st_j = seconds(jj, &st);
+            if ccg::check_ccg(&st_k, Some(&st_j), settings.thresholds).cross_refractory {
+                partner = Some(jj);
+                break;
+            }
+        }
+        let Some(jj) = partner else {
+            t += 1;
+            continue;
+        };
+        is_merged[jj] = true;
+        let dt = imax[kk] as i64 - imax[jj] as i64;
+        if dt != 0 && settings.check_dt && dt.unsigned_abs() < nt as u64 {
+            let m = roll_operator(wpca, dt);
+            let flat = tf.as_slice_mut().expect("tF is contiguous");
+            for &i in &members[jj] {
+                roll_rows(&mut flat[i * feat_len..(i + 1) * feat_len], &m, npc);
+                st[[i, 0]] -= dt as f64;
+            }
+            let mut wj = wall.index_axis_mut(Axis(0), jj);
+            roll_rows(wj.as_slice_mut().expect("Wall is contiguous"), &m, npc);
+        }
+        let total = (ns[kk] + ns[jj]) as f64;
+        let (a, b) = ((ns[kk] as f64 / total) as f32, (ns[jj] as f64 / total) as f32);
+        let wj = wall.index_axis(Axis(0), jj).to_owned();
+        wall.index_axis_mut(Axis(0), kk)
+            .zip_mut_with(&wj, |wk, &w| *wk = *wk * a + w * b);
+        wall.index_axis_mut(Axis(0), jj).fill(0.0);
+        ns[kk] += ns[jj];
+        ns[jj] = 0;
+        let moved = std::mem::take(&mut members[jj]);
+        members[kk].extend(moved);
+        normed[kk] = sim.normed(wall.index_axis(Axis(0), kk));
+        normed[jj] = Normed::default();
+        n_merges += 1;
+    }
+    Ok(finish(wall, members, is_ref, is_merged, st, tf, n_merges))
+}
+
+/// Compacts ids over the surviving clusters and re-sorts spikes by time (stable).
+fn finish(
+    wall: Array3<f32>,
+    members: Vec<Vec<usize>>,
+    is_ref: Vec<bool>,
+    is_merged: Vec<bool>,
+    st: Array2<f64>,
+    tf: Array3<f32>,
+    n_merges: usize,
+) -> Merged {
+    let n = st.nrows();
+    let mut clu2 = vec![0i32; n];
+    let mut new_id = 0i32;
+    let mut keep = Vec::new();
+    for (c, m) in members.iter().enumerate() {
+        if is_merged[c] {
+            continue;
+        }
+        for &i in m {
+            clu2[i] = new_id;
+        }
+        keep.push(c);
+        new_id += 1;
+    }
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| st[[a, 0]].total_cmp(&st[[b, 0]]));
+    let st2 = st.select(Axis(0), &order);
+    let tf2 = tf.select(Axis(0), &order);
+    Merged {
+        wall: wall.select(Axis(0), &keep),
+        clu: order.iter().map(|&i| clu2[i]).collect(),
+        is_ref: keep.iter().map(|&c| is_ref[c]).collect(),
+        st: st2,
+        tf: tf2,
+        n_merges,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn basis(npc: usize, nt: usize) -> Array2<f32> {
+        // Smooth, roughly orthonormal bumps.
+        Array2::from_shape_fn((npc, nt), |(p, t)| {
+            let x = (t as f32 - nt as f32 / 2.0) / 6.0;
+            (-(x * x) / 2.0).exp() * ((p as f32 + 1.0) * x * 0.7).cos() / 3.0
+        })
+    }
+
+    #[test]
+    fn roll_by_zero_is_projection() {
+        let w = basis(3, 21);
+        let m0 = roll_operator(w.view(), 0);
+        // M[p][q] = Σ_t w_p w_q (the Gram matrix).
+        for p in 0..3 {
+            for q in 0..3 {
+                let g: f64 = (0..21)
+                    .map(|t| f64::from(w[[p, t]]) * f64::from(w[[q, t]]))
+                    .sum();
+                assert!((m0[p * 3 + q] - g).abs() < 1e-12);
+            }
+        }
+    }
+
+    #[test]
+    fn self_similarity_peaks_at_zero_lag() {
+        let w = basis(3, 21);
+        let sim = Similarity::new(w.view());
+        let wall = Array3::from_shape_fn((2, 4, 3), |(k, c, p)| {
+            ((k * 7 + c * 3 + p) as f32 * 0.37).sin()
+        });
+        let normed: Vec<Normed> = (0..2)
+            .map(|j| sim.normed(wall.index_axis(Axis(0), j)))
+            .collect();
+        let (cmax, imax) = sim.row(0, &normed, 4);
+        assert_eq!(imax[0], 21);
+        assert!(cmax[0] > 0.0);
+        assert!(cmax[1] <= cmax[0] + 1e-12);
+        let m = sim.matrix(wall.view());
+        assert!((m[[0, 1]] - m[[1, 0]]).abs() < 1e-9, "{m:?}");
+    }
+
+    #[test]
+    fn ties_go_to_higher_index() {
+        assert_eq!(descending(&[3i64, 5, 3, 5]), vec![3, 1, 2, 0]);
+    }
+
+    /// Two clusters made from one refractory train with identical templates
+    /// merge into one; a third with a different template stays.
+    #[test]
+    fn refractory_halves_merge() {
+        let (npc, nt, c) = (3, 21, 4);
+        let w = basis(npc, nt);
+        let mut wall = Array3::<f32>::zeros((3, c, npc));
+        for p in 0..npc {
+            wall[[0, 1, p]] = 1.0 + p as f32;
+            wall[[1, 1, p]] = 1.0 + p as f32;
+            wall[[2, 3, p]] = 2.0;
+        }
+        let fs = 30000.0;
+        let mut rows = Vec::new();
+        for i in 0..3000usize {
+            // 10 Hz units: cluster 0 and 1 alternate spikes of one 100-ms-periodic train.
+            let t = (i as f64 * 0.05 * fs).round();
+            rows.push((t, (i % 2) as i32));
+        }
+        for i in 0..500usize {
+            rows.push(((i as f64 * 0.29 * fs).round() + 7.0, 2));
+        }
+        rows.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let n = rows.len();
+        let st = Array2::from_shape_fn((n, 3), |(i, j)| if j == 0 { rows[i].0 } else { 0.0 });
+        let clu: Vec<i32> = rows.iter().map(|r| r.1).collect();
+        let tf = Array3::<f32>::zeros((n, 2, npc));
+        let m = merge_ccg(wall, &clu, st, tf, w.view(), fs, &MergeSettings::default()).unwrap();
+        assert_eq!(m.n_merges, 1);
+        assert_eq!(m.wall.shape(), &[2, c, npc]);
+        assert_eq!(m.clu.iter().filter(|&&c| c == 0).count(), 3000);
+        assert_eq!(m.is_ref, vec![true, true]);
+        assert!(m.st.column(0).windows(2).into_iter().all(|w| w[0] <= w[1]));
+    }
+}
