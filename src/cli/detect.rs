@@ -21,7 +21,8 @@ pub struct Args {
     /// Several files are read one after the other as one recording.
     #[arg(required = true)]
     recording: Vec<PathBuf>,
-    /// Output folder. Default: spikecube/ beside the recording (inside an Open Ephys folder).
+    /// Output folder. Default: spikecube/ (detect) or spikecube_sort/ (sort) beside the
+    /// recording (inside an Open Ephys folder).
     #[arg(long)]
     out: Option<PathBuf>,
     #[command(flatten)]
@@ -34,7 +35,7 @@ pub struct Args {
     preprocess_on: String,
     /// Print a machine-readable summary (JSON) on standard output.
     #[arg(long)]
-    json: bool,
+    pub(super) json: bool,
     #[command(flatten)]
     rec: RecordingArgs,
     #[command(flatten)]
@@ -55,7 +56,7 @@ pub struct Args {
 
 /// A speed as × realtime: one decimal, two decimals below 1 (a
 /// software GPU runs at a few hundredths of realtime).
-fn speed(x: f64) -> String {
+pub(super) fn speed(x: f64) -> String {
     if x < 1.0 {
         format!("{x:.2}")
     } else {
@@ -63,9 +64,9 @@ fn speed(x: f64) -> String {
     }
 }
 
-pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
-    // ---- issue 10: --threads ----
-    if let Some(n) = args.threads {
+/// Starts the global thread pool with `--threads` (the size every parallel step uses).
+pub(super) fn start_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(n) = threads {
         if n == 0 {
             anyhow::bail!("--threads 0: give at least 1 thread (or leave it out for one per core)");
         }
@@ -74,7 +75,13 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             .build_global()
             .map_err(|e| anyhow::anyhow!("--threads {n}: cannot start the thread pool: {e}"))?;
     }
-    // ---- end issue 10 ----
+    Ok(())
+}
+
+/// Opens the recording and builds the detection job the flags ask for
+/// (shared by `detect` and `sort`).
+pub(super) fn build_job(args: &Args, quiet: bool, command: &str) -> Result<DetectJob> {
+    start_threads(args.threads)?;
     let (opened, probe, mut checks) = open_input(&args.rec, &args.checks, &args.recording)?;
     let rec = opened.recording.clone();
     // A --fs the recording's metadata overrides (logged when opening) is also
@@ -89,7 +96,14 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     }
     let out = match &args.out {
         Some(o) => o.clone(),
-        None => default_out(&args.recording[0])?,
+        None => {
+            let d = default_out(&args.recording[0])?;
+            if command == "detect" {
+                d
+            } else {
+                d.with_file_name(format!("spikecube_{command}"))
+            }
+        }
     };
     let fs = rec.fs();
     let run_info = RunInfo {
@@ -111,7 +125,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     }
     let mut detection = args.det.settings();
     let templates = args.templates.apply(&mut detection)?;
-    let job = DetectJob {
+    Ok(DetectJob {
         recording: rec,
         probe,
         detection,
@@ -124,7 +138,11 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         drift: args.drift.settings()?,
         device_preprocessing: args.preprocess_on == "device",
         last_device_use: true,
-    };
+    })
+}
+
+pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
+    let job = build_job(&args, quiet, "detect")?;
     let bar = progress_bar(quiet);
     let report = run_detection(job, &mut |p| {
         bar.set_length(p.windows_total);

@@ -28,6 +28,7 @@ mod preprocess;
 mod probe;
 mod signals;
 mod simulate;
+mod sort;
 mod templates;
 
 use std::process::ExitCode;
@@ -54,6 +55,8 @@ pub struct Cli {
 enum Command {
     /// Detect spikes in a recording (SpikeGLX, Open Ephys or flat binary) and write them to a folder.
     Detect(detect::Args),
+    /// Sort a recording into units (Kilosort4's whole sort) and write a Phy folder.
+    Sort(sort::Args),
     /// Detect spikes in one whitened window stored as .npy (channels × samples, float32).
     DetectWindow(detect_window::Args),
     /// Preprocess a recording as Kilosort4 does and write the whitened data (temp_wh.dat).
@@ -103,6 +106,7 @@ pub fn run() -> anyhow::Result<ExitCode> {
         .try_init();
     match cli.command {
         Command::Detect(args) => detect::run(args, cli.quiet),
+        Command::Sort(args) => sort::run(args, cli.quiet),
         Command::DetectWindow(args) => detect_window::run(args),
         Command::Preprocess(args) => preprocess::run(args, cli.quiet),
         Command::Probe(args) => probe::run(args),

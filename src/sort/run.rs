@@ -1,0 +1,395 @@
+//! The whole sort, as Kilosort4 4.1.7's `run_kilosort` chains it after
+//! detection (`../shared/docs/sorting-spec.md` §1):
+//!
+//! ```text
+//! detection (universal spikes st0, features tF0, wPCA/wTEMP, W, drift)
+//!   → first clustering          clu0, Wall0      (clustering::first_clustering)
+//!   → template post-processing  Wall3            (templates::postprocess_templates)
+//!   → learned-template matching st, tF           (matching::extract, every window again)
+//!   → final clustering          clu, Wall        (clustering::final_clustering)
+//!   → CCG-gated merges, duplicate removal, Phy folder (output::phy::save_sorting)
+//! ```
+//!
+//! The detection stage is `spikecube detect` itself: it writes its folder
+//! into a private working folder beside the output (removed once the sort is
+//! published), and the sort reads its arrays back. Each later stage keeps its
+//! output in memory: a 10-minute 384-site recording holds about a million
+//! spikes, 240 MB of features per pass.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use ndarray::{Array1, Array2, Array3, Axis};
+use serde::{Deserialize, Serialize};
+
+use crate::detect::Geometry;
+use crate::drift::DriftMode;
+use crate::drift::correct::DriftCorrection;
+use crate::output::phy::{ExportSettings, PhySummary, SortResult, save_sorting};
+use crate::pipeline::{DetectJob, Report, run_detection};
+use crate::preprocess::Preprocessor;
+use crate::recording::{Recording, WindowPlan};
+use crate::sort::clustering::{ClusteringSettings, final_clustering, first_clustering};
+use crate::sort::matching::{MatchingSettings, MatchingSetup, match_window, preprocessed_window};
+use crate::sort::merge::MergeSettings;
+use crate::sort::postprocess::ChannelSets;
+use crate::sort::templates::postprocess_templates;
+
+/// Settings of the stages after detection, with Kilosort4's names and defaults.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SortSettings {
+    /// Both clusterings (`cluster_downsampling`, `max_cluster_subset`,
+    /// `cluster_neighbors`, `cluster_init_seed`, `x_centers`, …).
+    pub clustering: ClusteringSettings,
+    /// The learned-template matching (`Th_learned`, `max_peels`,
+    /// `nearest_chans`, `position_limit`).
+    pub matching: MatchingSettings,
+    /// Same-unit spikes closer than this are duplicates, ms (`duplicate_spike_ms`, 0.25).
+    pub duplicate_spike_ms: f64,
+    /// `acg_threshold` (0.2): a unit is `good` when its ACG's R12 is below it.
+    pub acg_threshold: f64,
+    /// `ccg_threshold` (0.25): two units merge when their CCG's R12 is below it.
+    pub ccg_threshold: f64,
+}
+
+impl SortSettings {
+    /// Kilosort4 4.1.7's defaults.
+    pub fn kilosort() -> Self {
+        SortSettings {
+            clustering: ClusteringSettings::default(),
+            matching: MatchingSettings::default(),
+            duplicate_spike_ms: 0.25,
+            acg_threshold: 0.2,
+            ccg_threshold: 0.25,
+        }
+    }
+}
+
+/// One sort: the detection run (whose `out` is the sort's output folder) and
+/// the settings of the later stages.
+pub struct SortJob {
+    /// Detection as `spikecube detect` runs it; `detect.out` is where the
+    /// Phy folder is published.
+    pub detect: DetectJob,
+    /// Settings after detection.
+    pub sort: SortSettings,
+}
+
+/// Where a sort is, reported between stages and once per matched window.
+#[derive(Debug, Clone)]
+pub struct SortProgress {
+    /// The stage running (Kilosort4's log names: "detection", "first clustering",
+    /// "templates", "matching", "final clustering", "merges and export").
+    pub stage: &'static str,
+    /// Windows done in the stage (detection and matching), else 0.
+    pub done: u64,
+    /// Windows of the stage (detection and matching), else 0.
+    pub total: u64,
+    /// Recording seconds processed in this stage.
+    pub seconds_done: f64,
+    /// Wall time since the sort started, s.
+    pub elapsed: f64,
+    /// Units (clusters or templates) found so far.
+    pub units: usize,
+}
+
+/// What a finished sort reports.
+#[derive(Debug, Clone)]
+pub struct SortReport {
+    /// The Phy folder written.
+    pub phy: PhySummary,
+    /// The detection run's report (its warnings included).
+    pub detection: Report,
+    /// Universal-template spikes (n0) and first-clustering clusters (K0).
+    pub n0: usize,
+    /// Clusters of the first clustering (K0).
+    pub k0: usize,
+    /// Learned templates after the pre-merge (K).
+    pub k: usize,
+    /// Learned-template spikes (n).
+    pub n: usize,
+    /// Clusters of the final clustering, before the merges.
+    pub u1: usize,
+    /// Recording seconds sorted.
+    pub seconds: f64,
+    /// Wall time of each stage, s, in order.
+    pub timings: Vec<(&'static str, f64)>,
+    /// Warnings of the whole sort.
+    pub warnings: Vec<String>,
+}
+
+/// The detection folder's arrays the sort continues from.
+struct Detected {
+    centres: Vec<u32>,
+    tf0: Array3<f32>,
+    wpca: Array2<f32>,
+    wtemp: Array2<f32>,
+    wrot: Array2<f32>,
+    dshift: Option<(Array2<f64>, Vec<f64>)>,
+}
+
+fn read_detected(dir: &Path) -> Result<Detected> {
+    let r = |name: &str| dir.join(name);
+    let centres: Array1<i64> = crate::npy::read(&r("spike_centers.npy"))?;
+    let tf0: Array3<f32> = crate::npy::read(&r("pc_features.npy"))?;
+    let wpca: Array2<f32> = crate::npy::read(&r("wPCA.npy"))?;
+    let wtemp: Array2<f32> = crate::npy::read(&r("wTEMP.npy"))?;
+    let wrot: Array2<f32> = crate::npy::read(&r("whitening_mat.npy"))?;
+    let dshift = if r("drift.npy").exists() {
+        let d: Array2<f64> = crate::npy::read(&r("drift.npy"))?;
+        let y: Array1<f64> = crate::npy::read(&r("drift_blocks.npy"))?;
+        Some((d, y.to_vec()))
+    } else {
+        None
+    };
+    Ok(Detected {
+        centres: centres.iter().map(|&c| c as u32).collect(),
+        tf0,
+        wpca,
+        wtemp,
+        wrot,
+        dshift,
+    })
+}
+
+/// A private working folder beside `out` for the detection stage.
+fn work_folder(out: &Path) -> Result<PathBuf> {
+    let name = out
+        .file_name()
+        .with_context(|| format!("output folder {} has no name", out.display()))?
+        .to_string_lossy()
+        .into_owned();
+    let parent = out.parent().map(Path::to_path_buf).unwrap_or_default();
+    let parent = if parent.as_os_str().is_empty() {
+        PathBuf::from(".")
+    } else {
+        parent
+    };
+    Ok(parent.join(format!(".{name}.spikecube-detection-{}", std::process::id())))
+}
+
+/// Runs the whole sort of `job` and publishes the Phy folder at `job.detect.out`.
+///
+/// # Errors
+/// As [`run_detection`]; when no spike is detected, a stage's inputs disagree
+/// (named), or the output folder cannot be written. On error nothing is left
+/// at the output folder (a previous result there is kept) and the working
+/// folder is removed.
+pub fn run_sort(job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Result<SortReport> {
+    let out = job.detect.out.clone();
+    let work = work_folder(&out)?;
+    let result = sort_into(job, &work, progress);
+    if work.exists() {
+        // Ours alone: made by this process under a name with its pid.
+        let _ = std::fs::remove_dir_all(&work);
+    }
+    result
+}
+
+fn sort_into(
+    mut job: SortJob,
+    work: &Path,
+    progress: &mut dyn FnMut(SortProgress),
+) -> Result<SortReport> {
+    let t0 = Instant::now();
+    let out = std::mem::replace(&mut job.detect.out, work.to_path_buf());
+    let rec: Arc<dyn Recording> = job.detect.recording.clone();
+    let probe = job.detect.probe.clone();
+    let detection_settings = job.detect.detection.clone();
+    let mut pre_settings = job.detect.preprocess.clone();
+    pre_settings.fs = rec.fs();
+    pre_settings.nt = detection_settings.nt;
+    // As the detection run does: a recording shorter than one batch is one window.
+    let n_rec = rec.n_samples();
+    if n_rec > 0 && n_rec < pre_settings.batch_size as u64 && n_rec >= pre_settings.nt as u64 {
+        pre_settings.batch_size = n_rec as usize;
+    }
+    let drift_settings = job.detect.drift.clone();
+    let run_info = job.detect.run_info.clone();
+    let s = job.sort.clone();
+    let mut timings: Vec<(&'static str, f64)> = Vec::new();
+    let mut lap = {
+        let mut t = Instant::now();
+        move |timings: &mut Vec<(&'static str, f64)>, name: &'static str| {
+            timings.push((name, t.elapsed().as_secs_f64()));
+            t = Instant::now();
+        }
+    };
+
+    let detection = run_detection(job.detect, &mut |p| {
+        progress(SortProgress {
+            stage: "detection",
+            done: p.windows_done,
+            total: p.windows_total,
+            seconds_done: p.seconds_done,
+            elapsed: t0.elapsed().as_secs_f64(),
+            units: 0,
+        })
+    })?;
+    lap(&mut timings, "detection");
+    if detection.summary.n_spikes == 0 {
+        bail!("no spike was detected in {}: nothing to sort", rec.describe());
+    }
+    let det = read_detected(work).context("reading the detection stage's arrays")?;
+    let geometry = Geometry::new(&probe, &detection_settings)?;
+    let stage = |name: &'static str, units: usize| SortProgress {
+        stage: name,
+        done: 0,
+        total: 0,
+        seconds_done: 0.0,
+        elapsed: t0.elapsed().as_secs_f64(),
+        units,
+    };
+
+    progress(stage("first clustering", 0));
+    let ic = geometry.i_c.mapv(|v| v as usize);
+    let first = first_clustering(
+        &det.centres,
+        det.tf0.view(),
+        ic.view(),
+        &geometry.xcup,
+        &geometry.ycup,
+        &probe.xc,
+        geometry.dmin,
+        probe.n_sites(),
+        &s.clustering,
+    )
+    .context("first clustering")?;
+    lap(&mut timings, "first_clustering");
+    let k0 = first.wall.dim().0;
+
+    progress(stage("templates", k0));
+    let post = postprocess_templates(first.wall.view(), &first.clu, det.wpca.view(), det.wtemp.view())
+        .context("template post-processing")?;
+    lap(&mut timings, "templates");
+    let k = post.wall3.dim().0;
+
+    let mut matching = s.matching.clone();
+    matching.nt = detection_settings.nt;
+    matching.batch_size = pre_settings.batch_size;
+    let setup = MatchingSetup::new(post.wall3.view(), det.wpca.view(), &probe.xc, &probe.yc, &matching)
+        .context("learned-template matching set-up")?;
+    let pre = Preprocessor::new(&pre_settings, det.wrot.clone())?;
+    let drift = match &det.dshift {
+        Some((dshift, yblk)) if !drift_settings.drift_only => Some(
+            DriftCorrection::new(&probe.xc, &probe.yc, dshift.clone(), yblk.clone(), drift_settings.sig_interp)?
+                .with_zero_outside(
+                    (drift_settings.mode != DriftMode::Kilosort && drift_settings.edge_margin.is_finite())
+                        .then_some(drift_settings.edge_margin),
+                ),
+        ),
+        _ => None,
+    };
+    let plan = WindowPlan::new(rec.n_samples(), pre_settings.batch_size as u64, pre_settings.nt as u64)?;
+    let n_windows = plan.n_windows;
+    let chan_map = probe.chan_map.clone();
+    let mut parts = Vec::with_capacity(n_windows as usize);
+    let mut n_found = 0usize;
+    for i in 0..n_windows {
+        let x = preprocessed_window(rec.as_ref(), &plan, &chan_map, &pre, drift.as_ref(), i)
+            .with_context(|| format!("matching: window {i}"))?;
+        let w = match_window(&setup, x.view()).with_context(|| format!("matching: window {i}"))?;
+        n_found += w.len();
+        parts.push(w);
+        progress(SortProgress {
+            stage: "matching",
+            done: i + 1,
+            total: n_windows,
+            seconds_done: ((i + 1) * plan.batch_size).min(plan.n_samples) as f64 / rec.fs(),
+            elapsed: t0.elapsed().as_secs_f64(),
+            units: k,
+        });
+    }
+    let _ = n_found;
+    let ex = crate::sort::matching::assemble(&setup, &parts);
+    drop(parts);
+    lap(&mut timings, "matching");
+    let n = ex.st.nrows();
+    if n == 0 {
+        bail!(
+            "the learned-template matching found no spike above Th_learned = {} in {}",
+            s.matching.th_learned,
+            rec.describe()
+        );
+    }
+
+    progress(stage("final clustering", k));
+    let st_template: Vec<u32> = ex.st.column(1).iter().map(|&v| v as u32).collect();
+    let times_s: Vec<f64> = ex.st.column(0).iter().map(|&v| v / rec.fs()).collect();
+    let icc = ex.icc.mapv(|v| v as usize);
+    let iu: Vec<usize> = ex.iu.iter().map(|&v| v as usize).collect();
+    let fin = final_clustering(
+        &st_template,
+        &times_s,
+        ex.tf.view(),
+        icc.view(),
+        &iu,
+        &probe.xc,
+        &probe.yc,
+        &geometry.ycup,
+        geometry.dmin,
+        &s.clustering,
+    )
+    .context("final clustering")?;
+    lap(&mut timings, "final_clustering");
+    let u1 = fin.wall.dim().0;
+
+    progress(stage("merges and export", u1));
+    let mut export = ExportSettings::new(rec.fs(), run_info.n_channels_dat, vec![run_info.dat_path.clone()]);
+    export.dtype = run_info.dtype.clone();
+    export.duplicate_spike_ms = s.duplicate_spike_ms;
+    export.merge = MergeSettings::default();
+    export.merge.thresholds.acg = s.acg_threshold;
+    export.merge.thresholds.ccg = s.ccg_threshold;
+    let sets = ChannelSets {
+        icc: icc.clone(),
+        icc_mask: ex.icc_mask.clone(),
+        iu: iu.clone(),
+    };
+    let mut warnings = detection.warnings.clone();
+    let manifest = serde_json::json!({
+        "settings": { "sort": s },
+        "counts": { "universal_spikes": det.tf0.len_of(Axis(0)), "first_clusters": k0,
+                    "learned_templates": k, "learned_spikes": n, "final_clusters": u1 },
+        "detection_warnings": detection.warnings,
+        "timings_s": timings.iter().map(|(k, v)| ((*k).to_string(), serde_json::json!(v)))
+            .collect::<serde_json::Map<_, _>>(),
+    });
+    let phy = save_sorting(
+        &out,
+        SortResult {
+            st: ex.st,
+            tf: ex.tf,
+            clu: fin.clu,
+            wall: fin.wall,
+            wpca: det.wpca,
+            wrot: det.wrot,
+            sets,
+        },
+        &probe,
+        &export,
+        manifest,
+        "sort",
+    )?;
+    lap(&mut timings, "merges_export");
+    if phy.n_good == 0 {
+        warnings.push(format!(
+            "none of the {} units passed the refractory test (acg_threshold {}): check the recording's sample rate and scale",
+            phy.n_units, s.acg_threshold
+        ));
+    }
+    Ok(SortReport {
+        phy,
+        seconds: detection.seconds,
+        detection,
+        n0: det.tf0.len_of(Axis(0)),
+        k0,
+        k,
+        n,
+        u1,
+        timings,
+        warnings,
+    })
+}
