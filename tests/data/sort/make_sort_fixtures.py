@@ -53,7 +53,9 @@ def main():
     probe['n_chan'] = len(probe['chanMap'])
 
     torch.set_num_threads(int(arg('--threads', '2')))
-    from kilosort import run_kilosort as rk, clustering_qr as cq, template_matching as tm
+    import importlib
+    rk = importlib.import_module("kilosort.run_kilosort")
+    from kilosort import clustering_qr as cq, template_matching as tm
     import kilosort
 
     cap = {}
