@@ -2,8 +2,10 @@
 //! (`../shared/docs/sorting-spec.md` §1): first clustering of the universal
 //! spikes, template post-processing (alignment and a 0.9-similarity pre-merge),
 //! learned-template matching over every window, final clustering, CCG-gated
-//! merges, duplicate removal and the Phy export.
+//! merges, duplicate removal and the Phy export. [`run`] chains them.
 
 pub mod ccg;
+pub mod matching;
 pub mod merge;
 pub mod postprocess;
+pub mod templates;

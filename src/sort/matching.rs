@@ -1,0 +1,828 @@
+//! Learned-template matching on the CPU (Kilosort4 4.1.7
+//! `template_matching.extract`, `prepare_extract`, `prepare_matching`,
+//! `run_matching`; `shared/docs/sorting-spec.md` §2.5).
+//!
+//! Per window X (C sites × NT samples, preprocessed and drift-corrected):
+//!
+//! 1. B\[k, t\] = Σ_{c,p} U\[k, p, c\]·(X_c ⋆ wPCA_p)\[t\] (correlation, zero
+//!    padding nt/2), nm\[k\] = ‖U_k‖²;
+//! 2. each peel: Cf = relu(B)²/nm, zero in the first and last nt columns;
+//!    the best template per sample (first on ties); spikes are the samples
+//!    whose best Cf exceeds `Th_learned`² and is the largest within ±nt; each
+//!    gets amp = B/nm and √Cf; amp × the templates' cross-correlations are
+//!    subtracted from B and amp × the waveform from the residual, first for
+//!    the even-numbered spikes, then for the odd ones;
+//! 3. up to `max_peels` peels; then the features of every spike from the
+//!    final residual on the 10 sites `iCC[:, iU[template]]`, plus amp × the
+//!    template's own PCs there.
+//!
+//! Exactness and order: every sum is float32 in a fixed order (the filter
+//! and the product over sites: sequential; template products and features:
+//! float64, rounded once), so a window's spikes do not depend on the thread
+//! count. Against Kilosort4 the floats differ by rounding only (its sums run
+//! in BLAS/oneDNN order); a spike can differ only where that rounding moves
+//! a comparison (a Cf within rounding of `Th_learned`², or two equal maxima).
+//!
+//! Work saved without changing any result: sites where a template is zero
+//! are skipped (their products are exact zeros); after the first peel only
+//! samples within ±2·nt of the last peel's spikes are examined again (elsewhere
+//! neither B nor the pooled maximum changed).
+//!
+//! Memory: B is K × NT float32 (K·NT·4 B: 96 MB for K = 400 at NT = 60 122),
+//! the residual C × NT; the filtered window is made per tile of [`TILE`]
+//! samples (C·npc·TILE·4 B per thread). Template cross-correlations are kept
+//! only for pairs of templates that share a site: precomputed (`2nt + 1`
+//! floats per pair) while that fits in [`MatchingSettings::ctc_budget_bytes`],
+//! otherwise only the pairs' `UtU` (npc² floats, 144 B per pair; at most
+//! K²·144 B = 576 MB for K = 2000 when every pair shares a site) and each
+//! spike's cross-correlations are made when it is subtracted. Kilosort4's
+//! K² × (2nt + 1) tensor (`ctc`, 1.97 GB at K = 2000) is never made.
+
+use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
+use rayon::prelude::*;
+
+use super::templates::{support, wtw};
+
+/// Samples per tile of the filter product.
+pub const TILE: usize = 1024;
+
+/// Settings of the matching pass, named and defaulted as in Kilosort4 4.1.7.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct MatchingSettings {
+    /// `Th_learned`: a spike needs relu(B)²/‖U‖² above its square. Default 8.
+    #[serde(rename = "Th_learned")]
+    pub th_learned: f64,
+    /// `max_peels`: peels per window. Default 100.
+    pub max_peels: usize,
+    /// `nearest_chans`: sites per spike feature (`iCC` rows). Default 10.
+    pub nearest_chans: usize,
+    /// `position_limit`, µm: `iCC_mask` marks sites nearer than this. Default 100.
+    pub position_limit: f64,
+    /// `nt`: waveform length and window pad, samples. Default 61.
+    pub nt: usize,
+    /// `nt0min`: trough sample within the waveform. Default 20.
+    pub nt0min: usize,
+    /// `batch_size`: own samples per window. Default 60 000.
+    pub batch_size: usize,
+    /// Bytes the precomputed template cross-correlations may take; above,
+    /// they are made per spike. Not a Kilosort4 setting. Default 512 MiB.
+    pub ctc_budget_bytes: usize,
+}
+
+impl Default for MatchingSettings {
+    fn default() -> Self {
+        MatchingSettings {
+            th_learned: 8.0,
+            max_peels: 100,
+            nearest_chans: 10,
+            position_limit: 100.0,
+            nt: 61,
+            nt0min: 20,
+            batch_size: 60_000,
+            ctc_budget_bytes: 512 << 20,
+        }
+    }
+}
+
+/// Bad inputs to the matching pass.
+#[derive(Debug, thiserror::Error)]
+pub enum MatchError {
+    /// A setting out of range.
+    #[error("setting {name}: {message}")]
+    Setting {
+        /// The setting's Kilosort4 name.
+        name: &'static str,
+        /// What is wrong, with the numbers.
+        message: String,
+    },
+    /// Arrays whose shapes do not fit together.
+    #[error("{what}: {message}")]
+    Shape {
+        /// Which array.
+        what: &'static str,
+        /// What is wrong, with the numbers.
+        message: String,
+    },
+}
+
+fn shape_err(what: &'static str, message: String) -> MatchError {
+    MatchError::Shape { what, message }
+}
+
+/// Cross-correlations of the templates that share a site with one template.
+#[derive(Debug, Clone)]
+struct Partners {
+    /// Templates k sharing a site with this one (itself included), ascending.
+    k: Vec<u32>,
+    /// Per partner, `UtU[k, j]` (npc × npc, a-major): Σ_c U\[k, a, c\]·U\[j, b, c\].
+    utu: Vec<f32>,
+    /// Per partner, `ctc[k, j, :]` (2nt + 1), when precomputed.
+    ctc: Option<Vec<f32>>,
+}
+
+/// Everything the matching needs that does not change between windows
+/// (`prepare_extract` and `prepare_matching`).
+#[derive(Debug, Clone)]
+pub struct MatchingSetup {
+    settings: MatchingSettings,
+    /// K × npc × C templates (`Wall3`).
+    u: Array3<f32>,
+    wpca: Array2<f32>,
+    wtw: Array3<f32>,
+    /// ‖U_k‖², K values.
+    nm: Vec<f32>,
+    /// Sites of each template's non-zero coefficients.
+    support: Vec<Vec<u32>>,
+    /// Each template's waveform on its support sites (|support| × nt, site-major).
+    wave: Vec<Vec<f32>>,
+    partners: Vec<Partners>,
+    icc: Array2<u32>,
+    icc_mask: Array2<bool>,
+    iu: Vec<u32>,
+}
+
+/// The spikes of one window, in the order found (peel by peel, by sample).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct WindowSpikes {
+    /// Window column of each spike's template centre (nt ≤ col < NT − nt).
+    pub col: Vec<u32>,
+    /// Template index (0 … K − 1).
+    pub template: Vec<u32>,
+    /// Fitted amplitude B/nm (float32), used for the features.
+    pub amp: Vec<f32>,
+    /// √(pooled Cf), Kilosort4's `st[:, 2]`.
+    pub th_amp: Vec<f32>,
+    /// Features, n × nC × npc row-major (`tF` rows).
+    pub tf: Vec<f32>,
+    /// Peels run (1 … `max_peels`; the last may have found none).
+    pub peels: usize,
+}
+
+impl WindowSpikes {
+    /// Number of spikes.
+    pub fn len(&self) -> usize {
+        self.col.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.col.is_empty()
+    }
+}
+
+/// The whole pass's output (`extract`'s return values and the `ops` it sets).
+#[derive(Debug, Clone)]
+pub struct Extracted {
+    /// n × 3 float64: sample (relative to the first window's first own sample,
+    /// at the trough: template centre − nt/2 + nt0min), template, √Cf.
+    pub st: Array2<f64>,
+    /// n × nC × npc float32 features.
+    pub tf: Array3<f32>,
+    /// nC × C: each site's nearest sites (`iCC`).
+    pub icc: Array2<u32>,
+    /// nC × C: whether that neighbour is within `position_limit` (`iCC_mask`).
+    pub icc_mask: Array2<bool>,
+    /// K: each template's site of largest energy (`iU`).
+    pub iu: Vec<u32>,
+}
+
+impl MatchingSetup {
+    /// `prepare_extract` + `prepare_matching`: from `Wall3` (K × npc × C),
+    /// `wPCA` (npc × nt) and the site positions (µm, C each).
+    ///
+    /// `iCC` takes each site's nC nearest sites by squared distance (float32,
+    /// as Kilosort4 computes it), ties to the lower index; Kilosort4's numpy
+    /// sort breaks ties in a CPU-dependent order, so [`MatchingSetup::with_icc`]
+    /// can impose its `iCC`.
+    ///
+    /// # Errors
+    /// [`MatchError::Setting`] for `Th_learned` ≤ 0 or not finite, `max_peels`
+    /// 0, `nt` even or unlike wPCA, `nt0min` ≥ `nt`, `nearest_chans` 0 or above
+    /// C; [`MatchError::Shape`] when the arrays disagree or there is no template.
+    pub fn new(
+        wall3: ArrayView3<f32>,
+        wpca: ArrayView2<f32>,
+        xc: &[f32],
+        yc: &[f32],
+        settings: &MatchingSettings,
+    ) -> Result<Self, MatchError> {
+        let (k, npc, n_c) = wall3.dim();
+        check_settings(settings, wpca, n_c)?;
+        if wpca.nrows() != npc {
+            return Err(shape_err(
+                "Wall3",
+                format!("has {npc} PCs, wPCA {} rows", wpca.nrows()),
+            ));
+        }
+        if xc.len() != n_c || yc.len() != n_c {
+            return Err(shape_err(
+                "site positions",
+                format!("{} x and {} y for {n_c} sites", xc.len(), yc.len()),
+            ));
+        }
+        if k == 0 {
+            return Err(shape_err("Wall3", "has no template".into()));
+        }
+        let u = wall3.to_owned();
+        let nt = settings.nt;
+        let support: Vec<Vec<u32>> = (0..k).map(|j| support(u.slice(ndarray::s![j, .., ..]))).collect();
+        let nm: Vec<f32> = (0..k)
+            .map(|j| {
+                let s: f64 = u.slice(ndarray::s![j, .., ..]).iter().map(|&v| f64::from(v).powi(2)).sum();
+                s as f32
+            })
+            .collect();
+        if let Some(j) = nm.iter().position(|&v| !(v > 0.0 && v.is_finite())) {
+            return Err(shape_err(
+                "Wall3",
+                format!("template {j} has norm² {} (zero or not finite)", nm[j]),
+            ));
+        }
+        let wave = (0..k)
+            .into_par_iter()
+            .map(|j| {
+                let mut w = Vec::with_capacity(support[j].len() * nt);
+                for &c in &support[j] {
+                    for i in 0..nt {
+                        let mut acc = 0f64;
+                        for p in 0..npc {
+                            acc += f64::from(u[[j, p, c as usize]]) * f64::from(wpca[[p, i]]);
+                        }
+                        w.push(acc as f32);
+                    }
+                }
+                w
+            })
+            .collect();
+        let (icc, icc_mask) = nearest_sites(xc, yc, settings.nearest_chans, settings.position_limit);
+        let iu = (0..k)
+            .map(|j| {
+                let mut best = (0u32, f32::NEG_INFINITY);
+                for c in 0..n_c {
+                    let e: f64 = (0..npc).map(|p| f64::from(u[[j, p, c]]).powi(2)).sum();
+                    if (e as f32) > best.1 {
+                        best = (c as u32, e as f32);
+                    }
+                }
+                best.0
+            })
+            .collect();
+        let wtw = wtw(wpca);
+        let partners = partners(&u, &support, &wtw, settings.ctc_budget_bytes);
+        Ok(MatchingSetup {
+            settings: settings.clone(),
+            u,
+            wpca: wpca.to_owned(),
+            wtw,
+            nm,
+            support,
+            wave,
+            partners,
+            icc,
+            icc_mask,
+            iu,
+        })
+    }
+
+    /// Replaces `iCC` (nC × C, e.g. Kilosort4's own, whose tie order depends on
+    /// numpy's CPU path).
+    ///
+    /// # Errors
+    /// [`MatchError::Shape`] when the shape differs or an entry is not a site.
+    pub fn with_icc(mut self, icc: Array2<u32>) -> Result<Self, MatchError> {
+        let n_c = self.u.dim().2;
+        if icc.dim() != self.icc.dim() || icc.iter().any(|&c| c as usize >= n_c) {
+            return Err(shape_err(
+                "iCC",
+                format!("is {:?}, expected {:?} with sites below {n_c}", icc.dim(), self.icc.dim()),
+            ));
+        }
+        self.icc = icc;
+        Ok(self)
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &MatchingSettings {
+        &self.settings
+    }
+
+    /// K templates.
+    pub fn n_templates(&self) -> usize {
+        self.u.dim().0
+    }
+
+    /// `iCC` (nC × C).
+    pub fn icc(&self) -> &Array2<u32> {
+        &self.icc
+    }
+
+    /// `iCC_mask` (nC × C).
+    pub fn icc_mask(&self) -> &Array2<bool> {
+        &self.icc_mask
+    }
+
+    /// `iU` (K).
+    pub fn iu(&self) -> &[u32] {
+        &self.iu
+    }
+
+    /// Template pairs that share a site (the stored cross-correlations).
+    pub fn n_pairs(&self) -> usize {
+        self.partners.iter().map(|p| p.k.len()).sum()
+    }
+
+    /// Whether the cross-correlations are precomputed (else made per spike).
+    pub fn ctc_precomputed(&self) -> bool {
+        self.partners.iter().all(|p| p.ctc.is_some())
+    }
+
+    /// Bytes held by the set-up's per-pair arrays.
+    pub fn pair_bytes(&self) -> usize {
+        self.partners
+            .iter()
+            .map(|p| 4 * (p.k.len() + p.utu.len() + p.ctc.as_ref().map_or(0, Vec::len)))
+            .sum()
+    }
+
+    /// `ctc[k, j, :]` for every partner k of template j, partner-major.
+    fn ctc_of(&self, j: usize) -> std::borrow::Cow<'_, [f32]> {
+        let p = &self.partners[j];
+        match &p.ctc {
+            Some(c) => std::borrow::Cow::Borrowed(c),
+            None => std::borrow::Cow::Owned(ctc_from_utu(&p.utu, &self.wtw)),
+        }
+    }
+}
+
+fn check_settings(s: &MatchingSettings, wpca: ArrayView2<f32>, n_c: usize) -> Result<(), MatchError> {
+    let bad = |name, message: String| Err(MatchError::Setting { name, message });
+    if !(s.th_learned.is_finite() && s.th_learned > 0.0) {
+        return bad("Th_learned", format!("is {}; it must be positive", s.th_learned));
+    }
+    if s.max_peels == 0 {
+        return bad("max_peels", "is 0; it must be at least 1".into());
+    }
+    if s.nt % 2 == 0 || s.nt != wpca.ncols() {
+        return bad(
+            "nt",
+            format!("is {}; it must be odd and equal wPCA's {} samples", s.nt, wpca.ncols()),
+        );
+    }
+    if s.nt0min >= s.nt {
+        return bad("nt0min", format!("is {}; it must be below nt = {}", s.nt0min, s.nt));
+    }
+    if s.nearest_chans == 0 || s.nearest_chans > n_c {
+        return bad(
+            "nearest_chans",
+            format!("is {}; it must be 1 … {n_c} (the probe's sites)", s.nearest_chans),
+        );
+    }
+    if s.batch_size < s.nt {
+        return bad("batch_size", format!("is {}; it must be at least nt = {}", s.batch_size, s.nt));
+    }
+    Ok(())
+}
+
+/// `iCC` and `iCC_mask`: per site (column), its `n` nearest sites by squared
+/// distance in float32, ties to the lower index, and whether each lies within
+/// `limit` µm.
+pub fn nearest_sites(xc: &[f32], yc: &[f32], n: usize, limit: f64) -> (Array2<u32>, Array2<bool>) {
+    let n_c = xc.len();
+    let mut icc = Array2::<u32>::zeros((n, n_c));
+    let mut mask = Array2::<bool>::from_elem((n, n_c), false);
+    let lim2 = limit * limit;
+    for b in 0..n_c {
+        let d: Vec<f32> = (0..n_c)
+            .map(|a| {
+                let dx = xc[b] - xc[a];
+                let dy = yc[b] - yc[a];
+                dx * dx + dy * dy
+            })
+            .collect();
+        let mut order: Vec<usize> = (0..n_c).collect();
+        order.sort_by(|&p, &q| d[p].total_cmp(&d[q]));
+        for r in 0..n {
+            icc[[r, b]] = order[r] as u32;
+            mask[[r, b]] = f64::from(d[order[r]]) < lim2;
+        }
+    }
+    (icc, mask)
+}
+
+/// `ctc[k, j, :]` = Σ_{a,b} `UtU[k, j, a, b]`·`WtW[a, b, :]` for a list of
+/// partners' UtU (npc² each), partner-major, float64 rounded once.
+fn ctc_from_utu(utu: &[f32], wtw: &Array3<f32>) -> Vec<f32> {
+    let (npc, _, nl) = wtw.dim();
+    let n2 = npc * npc;
+    let mut out = Vec::with_capacity(utu.len() / n2 * nl);
+    for u in utu.chunks_exact(n2) {
+        for l in 0..nl {
+            let mut acc = 0f64;
+            for a in 0..npc {
+                for b in 0..npc {
+                    acc += f64::from(u[a * npc + b]) * f64::from(wtw[[a, b, l]]);
+                }
+            }
+            out.push(acc as f32);
+        }
+    }
+    out
+}
+
+/// For every template j, the templates sharing a site with it and their `UtU`,
+/// with `ctc` too when all of them fit in `budget` bytes.
+fn partners(u: &Array3<f32>, support: &[Vec<u32>], wtw: &Array3<f32>, budget: usize) -> Vec<Partners> {
+    let (k, npc, n_c) = u.dim();
+    let mut by_site: Vec<Vec<u32>> = vec![Vec::new(); n_c];
+    for (j, s) in support.iter().enumerate() {
+        for &c in s {
+            by_site[c as usize].push(j as u32);
+        }
+    }
+    let mut list: Vec<Partners> = (0..k)
+        .into_par_iter()
+        .map(|j| {
+            let mut ks: Vec<u32> = support[j].iter().flat_map(|&c| by_site[c as usize].iter().copied()).collect();
+            ks.sort_unstable();
+            ks.dedup();
+            let mut utu = Vec::with_capacity(ks.len() * npc * npc);
+            for &kk in &ks {
+                for a in 0..npc {
+                    for b in 0..npc {
+                        let mut acc = 0f64;
+                        for &c in &support[j] {
+                            acc += f64::from(u[[kk as usize, a, c as usize]]) * f64::from(u[[j, b, c as usize]]);
+                        }
+                        utu.push(acc as f32);
+                    }
+                }
+            }
+            Partners { k: ks, utu, ctc: None }
+        })
+        .collect();
+    let n_pairs: usize = list.iter().map(|p| p.k.len()).sum();
+    if n_pairs.saturating_mul(4 * wtw.dim().2) <= budget {
+        list.par_iter_mut().for_each(|p| p.ctc = Some(ctc_from_utu(&p.utu, wtw)));
+    }
+    list
+}
+
+/// B (time-major, NT × K) of a window: the filter bank product, in tiles.
+fn filter_product(setup: &MatchingSetup, x: ArrayView2<f32>) -> Vec<f32> {
+    let (k, npc, _) = setup.u.dim();
+    let n = x.ncols();
+    let nt = setup.settings.nt;
+    let half = nt / 2;
+    let used: Vec<usize> = {
+        let mut m = vec![false; x.nrows()];
+        for s in &setup.support {
+            for &c in s {
+                m[c as usize] = true;
+            }
+        }
+        (0..x.nrows()).filter(|&c| m[c]).collect()
+    };
+    let mut slot = vec![usize::MAX; x.nrows()];
+    for (i, &c) in used.iter().enumerate() {
+        slot[c] = i;
+    }
+    let mut b = vec![0f32; n * k];
+    b.par_chunks_mut(TILE * k).enumerate().for_each(|(tile, out)| {
+        let t0 = tile * TILE;
+        let w = out.len() / k;
+        // F[slot][p][t]: the filtered site over this tile.
+        let mut f = vec![0f32; used.len() * npc * w];
+        let mut seg = vec![0f32; w + 2 * half];
+        for (si, &c) in used.iter().enumerate() {
+            let row = x.row(c);
+            for (i, v) in seg.iter_mut().enumerate() {
+                let t = (t0 + i) as i64 - half as i64;
+                *v = if t >= 0 && (t as usize) < n { row[t as usize] } else { 0.0 };
+            }
+            for p in 0..npc {
+                let fo = &mut f[(si * npc + p) * w..(si * npc + p + 1) * w];
+                for i in 0..nt {
+                    let wv = setup.wpca[[p, i]];
+                    for (o, &xv) in fo.iter_mut().zip(&seg[i..i + w]) {
+                        *o += xv * wv;
+                    }
+                }
+            }
+        }
+        let mut acc = vec![0f32; w];
+        for j in 0..k {
+            acc.fill(0.0);
+            for &c in &setup.support[j] {
+                let si = slot[c as usize];
+                for p in 0..npc {
+                    let uv = setup.u[[j, p, c as usize]];
+                    let fo = &f[(si * npc + p) * w..(si * npc + p + 1) * w];
+                    for (a, &fv) in acc.iter_mut().zip(fo) {
+                        *a += uv * fv;
+                    }
+                }
+            }
+            for (t, &a) in acc.iter().enumerate() {
+                out[t * k + j] = a;
+            }
+        }
+    });
+    b
+}
+
+/// Per-sample best template and its Cf over `lo..hi` (zero in the first and
+/// last nt columns, as Kilosort4 zeroes Cf there).
+fn best_templates(setup: &MatchingSetup, b: &[f32], n: usize, lo: usize, hi: usize, cfmax: &mut [f32], imax: &mut [u32]) {
+    let k = setup.nm.len();
+    let nt = setup.settings.nt;
+    let nm = &setup.nm;
+    cfmax[lo..hi]
+        .par_iter_mut()
+        .zip(imax[lo..hi].par_iter_mut())
+        .enumerate()
+        .for_each(|(i, (cm, im))| {
+            let t = lo + i;
+            if t < nt || t + nt >= n {
+                *cm = 0.0;
+                *im = 0;
+                return;
+            }
+            let row = &b[t * k..(t + 1) * k];
+            let mut best = (0u32, f32::NEG_INFINITY);
+            for (j, (&v, &m)) in row.iter().zip(nm).enumerate() {
+                let r = v.max(0.0);
+                let cf = (r * r) / m;
+                if cf > best.1 {
+                    best = (j as u32, cf);
+                }
+            }
+            *cm = best.1;
+            *im = best.0;
+        });
+}
+
+/// Merges sorted, possibly overlapping intervals into disjoint ones.
+fn merge_intervals(mut v: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
+    v.sort_unstable();
+    let mut out: Vec<(usize, usize)> = Vec::with_capacity(v.len());
+    for (lo, hi) in v {
+        match out.last_mut() {
+            Some(last) if lo <= last.1 => last.1 = last.1.max(hi),
+            _ => out.push((lo, hi)),
+        }
+    }
+    out
+}
+
+/// Samples t of `ranges` (clipped to nt … NT − nt) whose best Cf exceeds
+/// `th2` and is the largest within ±nt (Kilosort4's max-pool test), ascending.
+fn peaks(cfmax: &[f32], nt: usize, th2: f32, ranges: &[(usize, usize)]) -> Vec<usize> {
+    let n = cfmax.len();
+    let mut out = Vec::new();
+    for &(lo, hi) in ranges {
+        for t in lo.max(nt)..hi.min(n.saturating_sub(nt)) {
+            let v = cfmax[t];
+            if v > th2 {
+                let a = t.saturating_sub(nt);
+                let z = (t + nt + 1).min(n);
+                if cfmax[a..z].iter().all(|&w| w <= v) {
+                    out.push(t);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Kilosort4's `run_matching` on one window plus `extract`'s features.
+///
+/// `x`: C × NT preprocessed window (NT = batch_size + 2·nt in a full pass;
+/// any NT > 2·nt works).
+///
+/// # Errors
+/// [`MatchError::Shape`] when `x` does not have C rows or has at most 2·nt columns.
+pub fn match_window(setup: &MatchingSetup, x: ArrayView2<f32>) -> Result<WindowSpikes, MatchError> {
+    let (k, _, n_c) = setup.u.dim();
+    let nt = setup.settings.nt;
+    let n = x.ncols();
+    if x.nrows() != n_c || n <= 2 * nt {
+        return Err(shape_err(
+            "window",
+            format!("is {} × {n}; expected {n_c} sites and more than {} samples", x.nrows(), 2 * nt),
+        ));
+    }
+    let mut b = filter_product(setup, x);
+    let mut xres = x.as_standard_layout().into_owned();
+    let th2 = (setup.settings.th_learned * setup.settings.th_learned) as f32;
+    let mut cfmax = vec![0f32; n];
+    let mut imax = vec![0u32; n];
+    best_templates(setup, &b, n, 0, n, &mut cfmax, &mut imax);
+    let mut ranges = vec![(0, n)];
+    let mut out = WindowSpikes::default();
+    for peel in 0..setup.settings.max_peels {
+        out.peels = peel + 1;
+        let spikes = peaks(&cfmax, nt, th2, &ranges);
+        if spikes.is_empty() {
+            break;
+        }
+        let found: Vec<(usize, usize, f32)> = spikes
+            .iter()
+            .map(|&t| {
+                let j = imax[t] as usize;
+                (t, j, b[t * k + j] / setup.nm[j])
+            })
+            .collect();
+        for &(t, j, amp) in &found {
+            out.col.push(t as u32);
+            out.template.push(j as u32);
+            out.amp.push(amp);
+            out.th_amp.push(cfmax[t].sqrt());
+        }
+        for parity in 0..2 {
+            let half_spikes: Vec<(usize, usize, f32)> = found.iter().copied().skip(parity).step_by(2).collect();
+            subtract(setup, &half_spikes, &mut b, &mut xres, n);
+        }
+        let dirty = merge_intervals(found.iter().map(|&(t, _, _)| (t - nt, (t + nt + 1).min(n))).collect());
+        for &(lo, hi) in &dirty {
+            best_templates(setup, &b, n, lo, hi, &mut cfmax, &mut imax);
+        }
+        ranges = merge_intervals(
+            dirty
+                .iter()
+                .map(|&(lo, hi)| (lo.saturating_sub(nt), (hi + nt).min(n)))
+                .collect(),
+        );
+        if peel + 1 == setup.settings.max_peels {
+            tracing::debug!(
+                "matching stopped at max_peels = {} with {} spikes in the last peel",
+                setup.settings.max_peels,
+                found.len()
+            );
+        }
+    }
+    out.tf = features(setup, xres.view(), &out);
+    Ok(out)
+}
+
+/// Subtracts one half-peel's spikes (ascending samples) from B and the residual.
+///
+/// Kilosort4 writes each half with one indexed assignment (`X[:, idx] -= v`):
+/// every column of a spike's range becomes (value before the half) − (its
+/// term), for all rows. Ranges within a half overlap only when two samples
+/// within nt tie exactly; then the later spike's write wins for the shared
+/// columns, which is what is done here (Kilosort4's order there is unspecified).
+fn subtract(setup: &MatchingSetup, spikes: &[(usize, usize, f32)], b: &mut [f32], xres: &mut Array2<f32>, n: usize) {
+    if spikes.is_empty() {
+        return;
+    }
+    let k = setup.nm.len();
+    let nt = setup.settings.nt;
+    let half = nt / 2;
+    let nl = 2 * nt + 1;
+    let ctcs: Vec<std::borrow::Cow<'_, [f32]>> = spikes.par_iter().map(|&(_, j, _)| setup.ctc_of(j)).collect();
+    let overlap_b = spikes.windows(2).any(|w| w[1].0 - w[0].0 <= 2 * nt);
+    let overlap_x = spikes.windows(2).any(|w| w[1].0 - w[0].0 <= 2 * half);
+    let b_before = overlap_b.then(|| b.to_vec());
+    let x_before = overlap_x.then(|| xres.clone());
+    for (&(t, j, amp), ctc) in spikes.iter().zip(&ctcs) {
+        let lo = t - nt;
+        if let Some(orig) = &b_before {
+            let hi = (t + nt + 1).min(n);
+            b[lo * k..hi * k].copy_from_slice(&orig[lo * k..hi * k]);
+        }
+        let p = &setup.partners[j];
+        for d in 0..nl {
+            let row = &mut b[(lo + d) * k..(lo + d + 1) * k];
+            for (pi, &kk) in p.k.iter().enumerate() {
+                row[kk as usize] -= amp * ctc[pi * nl + d];
+            }
+        }
+        let xlo = t - half;
+        if let Some(orig) = &x_before {
+            xres.slice_mut(ndarray::s![.., xlo..xlo + nt])
+                .assign(&orig.slice(ndarray::s![.., xlo..xlo + nt]));
+        }
+        for (si, &c) in setup.support[j].iter().enumerate() {
+            let w = &setup.wave[j][si * nt..(si + 1) * nt];
+            let mut row = xres.row_mut(c as usize);
+            for (i, &wv) in w.iter().enumerate() {
+                row[xlo + i] -= amp * wv;
+            }
+        }
+    }
+}
+
+/// `extract`'s features: per spike, the wPCA projection of the final
+/// residual on the nC sites `iCC[:, iU[template]]` over the nt samples centred
+/// on it, plus amp × the template's coefficients there (n × nC × npc).
+fn features(setup: &MatchingSetup, xres: ArrayView2<f32>, sp: &WindowSpikes) -> Vec<f32> {
+    let (_, npc, _) = setup.u.dim();
+    let nt = setup.settings.nt;
+    let half = nt / 2;
+    let nc = setup.icc.nrows();
+    let mut tf = vec![0f32; sp.len() * nc * npc];
+    tf.par_chunks_mut(nc * npc).enumerate().for_each(|(s, o)| {
+        let j = sp.template[s] as usize;
+        let t = sp.col[s] as usize;
+        let centre = setup.iu[j] as usize;
+        for ci in 0..nc {
+            let c = setup.icc[[ci, centre]] as usize;
+            let row = xres.row(c);
+            for p in 0..npc {
+                let mut acc = 0f64;
+                for i in 0..nt {
+                    acc += f64::from(row[t - half + i]) * f64::from(setup.wpca[[p, i]]);
+                }
+                o[ci * npc + p] = (acc as f32) + sp.amp[s] * setup.u[[j, p, c]];
+            }
+        }
+    });
+    tf
+}
+
+/// `extract` over `n_windows` windows read by `window(i)` (C × NT each,
+/// preprocessed): spike samples are `col − nt + i·batch_size − nt/2 + nt0min`
+/// (the trough, relative to window 0's first own sample); negative samples
+/// (window 0 only) are dropped; the rows are then sorted by sample with a
+/// stable sort (Kilosort4's `np.argsort` quicksort orders equal samples,
+/// which come from different peels, in an unspecified way).
+///
+/// # Errors
+/// What `window` returns, and [`MatchError`] from [`match_window`] (through `E: From`).
+pub fn extract<E, F>(setup: &MatchingSetup, n_windows: u64, mut window: F) -> Result<Extracted, E>
+where
+    F: FnMut(u64) -> Result<Array2<f32>, E>,
+    E: From<MatchError>,
+{
+    let mut parts = Vec::new();
+    for i in 0..n_windows {
+        let x = window(i)?;
+        parts.push(match_window(setup, x.view())?);
+    }
+    Ok(assemble(setup, &parts))
+}
+
+/// Combines per-window spikes (`parts[i]` from window i) into `st` and `tF`,
+/// as [`extract`] does.
+pub fn assemble(setup: &MatchingSetup, parts: &[WindowSpikes]) -> Extracted {
+    let s = &setup.settings;
+    let npc = setup.u.dim().1;
+    let nc = setup.icc.nrows();
+    let per = nc * npc;
+    let mut rows: Vec<(i64, u32, f32, usize, usize)> = Vec::new();
+    for (i, p) in parts.iter().enumerate() {
+        for r in 0..p.len() {
+            let sample = p.col[r] as i64 - s.nt as i64 + (i * s.batch_size) as i64 - (s.nt / 2) as i64
+                + s.nt0min as i64;
+            if sample >= 0 {
+                rows.push((sample, p.template[r], p.th_amp[r], i, r));
+            }
+        }
+    }
+    rows.sort_by_key(|r| r.0);
+    let mut st = Array2::<f64>::zeros((rows.len(), 3));
+    let mut tf = Array3::<f32>::zeros((rows.len(), nc, npc));
+    let flat = tf.as_slice_mut().expect("standard layout");
+    for (o, &(sample, j, th, i, r)) in rows.iter().enumerate() {
+        st[[o, 0]] = sample as f64;
+        st[[o, 1]] = f64::from(j);
+        st[[o, 2]] = f64::from(th);
+        flat[o * per..(o + 1) * per].copy_from_slice(&parts[i].tf[r * per..(r + 1) * per]);
+    }
+    Extracted {
+        st,
+        tf,
+        icc: setup.icc.clone(),
+        icc_mask: setup.icc_mask.clone(),
+        iu: setup.iu.clone(),
+    }
+}
+
+/// Window `i` of `rec` preprocessed as the matching pass reads it (Kilosort4's
+/// `BinaryFiltered.padded_batch_to_torch` with drift correction): raw rows
+/// `chan_map` (C × (batch_size + 2·nt)), channel means, median CAR, high-pass,
+/// then the whitening `W` of `pre`, or `M_b·W` when `drift` is given.
+///
+/// # Errors
+/// When the read fails, the window does not fit `pre`, or `i` is past the
+/// drift estimate's windows.
+pub fn preprocessed_window(
+    rec: &dyn crate::recording::Recording,
+    plan: &crate::recording::WindowPlan,
+    chan_map: &[u64],
+    pre: &crate::preprocess::Preprocessor,
+    drift: Option<&crate::drift::correct::DriftCorrection>,
+    i: u64,
+) -> anyhow::Result<Array2<f32>> {
+    let mut x = Array2::<f32>::zeros((chan_map.len(), plan.window_len()));
+    crate::recording::read_window(rec, plan, i, chan_map, &mut x)?;
+    match drift {
+        None => pre.apply(&mut x)?,
+        Some(d) => {
+            pre.filter_only(&mut x)?;
+            d.window_whitening(i, pre.whitening())?.apply(&mut x)?;
+        }
+    }
+    Ok(x)
+}
