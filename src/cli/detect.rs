@@ -64,7 +64,7 @@ fn speed(x: f64) -> String {
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
-    // ---- issue 10: --threads ----
+    // --threads: the size of the thread pool every parallel step uses.
     if let Some(n) = args.threads {
         if n == 0 {
             anyhow::bail!("--threads 0: give at least 1 thread (or leave it out for one per core)");
@@ -74,7 +74,6 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             .build_global()
             .map_err(|e| anyhow::anyhow!("--threads {n}: cannot start the thread pool: {e}"))?;
     }
-    // ---- end issue 10 ----
     let (opened, probe, mut checks) = open_input(&args.rec, &args.checks, &args.recording)?;
     let rec = opened.recording.clone();
     // A --fs the recording's metadata overrides (logged when opening) is also
