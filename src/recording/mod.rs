@@ -21,6 +21,7 @@ mod concat;
 pub mod np_parts;
 pub mod openephys;
 pub mod ordered;
+mod probe_file;
 pub mod spikeglx;
 mod window;
 
