@@ -131,7 +131,11 @@ impl Device {
     ///
     /// # Errors
     /// When the device cannot take the preprocessing constants.
-    pub fn into_pass(self, pre: &Preprocessor, job: &DetectJob) -> Result<(Box<dyn WindowPass>, BackEnd)> {
+    pub fn into_pass(
+        self,
+        pre: &Preprocessor,
+        job: &DetectJob,
+    ) -> Result<(Box<dyn WindowPass>, BackEnd)> {
         let pass = crate::stages::window_pass(
             self.detector,
             pre,

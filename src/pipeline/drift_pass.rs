@@ -23,16 +23,18 @@ pub(crate) struct DriftStep {
     /// The estimate and the correction (none when `nblocks = 0` or the
     /// estimate was turned off); shared with the window pass.
     pub run: Arc<DriftRun>,
-    /// The first pass's templates, when the second pass learned its own.
-    pub first_pass_templates: Option<ChosenTemplates>,
+    /// The templates learned again from the drift-corrected windows, which
+    /// the detection pass uses (and the output records) in place of stage
+    /// 4's; `None` when the run did not learn them again.
+    pub relearned: Option<ChosenTemplates>,
 }
 
 /// Runs the drift step: the first pass through `pass` (with `--drift-only`
 /// its spikes stream into the staged folder as the output), the estimate and
 /// its files; then, when the detection pass corrects drift and the templates
 /// are learned, the templates learned again from the corrected windows
-/// (`templates_second_pass` in the timings): `templates` becomes those and
-/// the first pass's are kept in [`DriftStep::first_pass_templates`].
+/// (`templates_second_pass` in the timings), handed to `pass` and kept in
+/// [`DriftStep::relearned`].
 ///
 /// # Errors
 /// As [`crate::drift::prepare`]; a failed read or learning step.
@@ -41,7 +43,6 @@ pub(crate) fn drift_step(
     run: &mut OpenRun,
     pre: &Preprocessor,
     pass: &mut dyn WindowPass,
-    templates: &mut ChosenTemplates,
     timer: &mut StageTimer,
 ) -> Result<DriftStep> {
     let fp = FirstPass {
@@ -66,19 +67,18 @@ pub(crate) fn drift_step(
     )?;
     found.into_iter().for_each(|w| run.warnings.push(w));
     let drift = Arc::new(drift);
-    let mut first_pass_templates = None;
+    let mut relearned = None;
     if drift.correction.is_some()
         && drift.windows_to_detect() > 0
         && matches!(job.templates, TemplateSource::Learned(_))
     {
-        let second = timer.time("templates_second_pass", |_| {
+        relearned = Some(timer.time("templates_second_pass", |_| {
             relearn(job, run, pre, &drift, pass)
-        })?;
-        first_pass_templates = Some(std::mem::replace(templates, second));
+        })?);
     }
     Ok(DriftStep {
         run: drift,
-        first_pass_templates,
+        relearned,
     })
 }
 
@@ -107,7 +107,8 @@ fn relearn(
     )?;
     second.description["windows"] = "drift-corrected (second pass)".into();
     if let Some(w) = &second.warning {
-        run.warnings.push(format!("second pass (drift-corrected): {w}"));
+        run.warnings
+            .push(format!("second pass (drift-corrected): {w}"));
     }
     pass.set_templates(&second.templates)?;
     crate::universal::write_outputs(run.writer.partial_path(), &second)?;

@@ -136,7 +136,6 @@ pub struct Report {
     pub warnings: Vec<String>,
 }
 
-
 /// Warnings of a run: each is logged (`tracing::warn!`, shown even with `-q`)
 /// when raised and kept for `spikecube.json` and the final summary.
 #[derive(Debug, Default)]
@@ -148,4 +147,3 @@ impl Warnings {
         self.0.push(w);
     }
 }
-

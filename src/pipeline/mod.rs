@@ -105,12 +105,13 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         fit::fit_run(&job, &mut run, &mut device, t)
     })?;
     let pre = Preprocessor::new(&job.preprocess, fitted.whitening.clone())?;
-    let mut templates = timer.time("templates", |_| {
+    let templates = timer.time("templates", |_| {
         templates::choose_templates(&job, &mut run, &pre, &mut device)
     })?;
     let (mut pass, back_end) = device.into_pass(&pre, &job)?;
-    let drift = drift_pass::drift_step(&job, &mut run, &pre, pass.as_mut(), &mut templates, &mut timer)?;
-    let found = detect_pass::detect_pass(&job, &mut run, pass.as_mut(), &drift, &mut timer, progress)?;
+    let drift = drift_pass::drift_step(&job, &mut run, &pre, pass.as_mut(), &mut timer)?;
+    let found =
+        detect_pass::detect_pass(&job, &mut run, pass.as_mut(), &drift, &mut timer, progress)?;
     let results = outputs::Results {
         fitted,
         templates,

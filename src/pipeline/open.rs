@@ -73,8 +73,7 @@ pub(crate) fn open_run(job: &mut DetectJob) -> Result<OpenRun> {
         crate::error::count(plan.n_windows, "window"),
         plan.window_len(),
         crate::stages::WINDOWS_IN_FLIGHT,
-        memory_estimate(job.probe.n_sites(), plan.window_len(), geometry.n_centres()) as f64
-            / 1e6
+        memory_estimate(job.probe.n_sites(), plan.window_len(), geometry.n_centres()) as f64 / 1e6
     );
     Ok(OpenRun {
         plan,
@@ -201,7 +200,6 @@ pub(crate) fn layout_checks(
     Ok(())
 }
 
-
 /// Host memory a run holds at once, bytes: the windows in flight
 /// ([`crate::stages::WINDOWS_IN_FLIGHT`]: one being read, one queued, one being
 /// preprocessed and detected), one more window for scratch and the output
@@ -254,4 +252,3 @@ pub(crate) fn plan_windows(
     }
     Ok(plan)
 }
-

@@ -21,7 +21,7 @@ use crate::universal::ChosenTemplates;
 pub(crate) struct Results {
     /// Stage 3.
     pub fitted: Fitted,
-    /// Stage 4 (the second pass's when the drift stage learned them again).
+    /// Stage 4's templates.
     pub templates: ChosenTemplates,
     /// Stage 5.
     pub drift: DriftStep,
@@ -45,9 +45,15 @@ pub(crate) fn write_outputs(
     let Results {
         fitted,
         templates,
-        drift,
+        mut drift,
         found,
     } = results;
+    // The templates the detection pass used: learned again from the
+    // drift-corrected windows when the drift stage did so.
+    let (templates, first_pass_templates) = match drift.relearned.take() {
+        Some(second) => (second, Some(templates)),
+        None => (templates, None),
+    };
     let checks = &job.checks;
     // Stuck samples are counted as masked only when they were (the channel
     // findings name them either way).
@@ -56,7 +62,10 @@ pub(crate) fn write_outputs(
     } else {
         0
     };
-    if let Some(w) = found.health.warning("the whole recording", checks.mask_clipped) {
+    if let Some(w) = found
+        .health
+        .warning("the whole recording", checks.mask_clipped)
+    {
         run.warnings.push(w);
     }
     let rec = &job.recording;
@@ -92,7 +101,7 @@ pub(crate) fn write_outputs(
     back_end.record(&mut timer);
     drift.run.record(&mut info, run.writer.n_spikes());
     drift.run.record_timings(&mut timer);
-    if let Some(first) = &drift.first_pass_templates {
+    if let Some(first) = &first_pass_templates {
         info.settings["drift"]["templates_first_pass"] = first.description.clone();
         info.settings["drift"]["templates_second_pass"] = templates.description.clone();
     }

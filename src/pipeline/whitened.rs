@@ -16,7 +16,6 @@ use crate::preprocess::{FitOptions, PreprocessSettings, Preprocessor};
 use crate::probe::Probe;
 use crate::recording::{Recording, WindowLoader};
 
-
 /// Sample type of the whitened recording written by [`write_whitened`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WhitenedFormat {
