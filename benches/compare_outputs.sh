@@ -8,9 +8,12 @@
 # Every file of every output folder is compared with cmp, except
 # spikecube.json, whose timings and wall times differ from run to run: there
 # its `timings_s` keys are compared, and everything else with the timings'
-# values and the `wall`/`*_s` entries of settings.drift masked.
+# values and the `wall`/`*_s` entries masked; and params.py, which names the
+# recording's path (WORK/old/... against WORK/new/...): compared with that
+# path made the same.
 #
 # Usage: benches/compare_outputs.sh OLD_BINARY NEW_BINARY [WORK_DIR]
+# (SKIP_RUNS=1 compares the folders already in WORK_DIR.)
 # Exits 1 at the first difference; prints one line per output compared.
 set -euo pipefail
 old=$1
@@ -28,9 +31,14 @@ same_folder() { # label dirA dirB
     if [ "$fa" != "$fb" ]; then
         echo "DIFFERENT $label: file lists differ"; diff <(echo "$fa") <(echo "$fb") || true; fail=1; return
     fi
-    local n=0
+    local n=0 bad=$fail
+    fail=0
     while read -r f; do
         case "$f" in
+        */params.py)
+            if ! cmp -s <(sed 's|/old/|/new/|g' "$a/$f") "$b/$f"; then
+                echo "DIFFERENT $label: $f"; fail=1
+            fi ;;
         */spikecube.json)
             if ! python3 "$here/benches/compare_spikecube_json.py" "$a/$f" "$b/$f"; then
                 echo "DIFFERENT $label: $f"; fail=1
@@ -42,10 +50,13 @@ same_folder() { # label dirA dirB
         esac
         n=$((n + 1))
     done <<< "$fa"
+    if [ $fail = 1 ]; then return; fi
+    fail=$bad
     echo "same $label: $n files ($(cd "$a" && find . -name '*.npy' | wc -l) .npy; sha1 of all: $(cd "$a" && find . -type f ! -name spikecube.json | sort | xargs sha1sum | sha1sum | cut -c1-12))"
 }
 
 for v in old new; do
+    [ "${SKIP_RUNS:-0}" = 1 ] && break
     bin=${!v}
     "$bin" -q simulate --seconds 60 --out "$work/$v/sim" >/dev/null
     "$bin" -q detect "$work/$v/sim/sim_g0_t0.imec0.ap.bin" --backend cpu --templates-from-data false --nblocks 0 --out "$work/$v/det_builtin" >/dev/null
