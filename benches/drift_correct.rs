@@ -93,7 +93,7 @@ fn time_runs(runs: usize, mut f: impl FnMut()) -> f64 {
 /// `parts`: CPU ms of each part of building one window's `G_b` (1 thread:
 /// `RAYON_NUM_THREADS=1`), each marked with where it ran before and after the
 /// sixth session's changes (serial: on the calling thread; pool: spread over
-/// the thread pool), for the serial milliseconds per window (BENCHMARKS.md,
+/// the thread pool), for the serial milliseconds per window (docs/benchmarks-history.md,
 /// "Drift: the cost of the drift step, sixth session").
 fn parts(runs: usize, corr: &DriftCorrection, w: &Whitening, p: &Probe) {
     use spikecube::drift::correct::{combine, kernel2d, site_shifts};

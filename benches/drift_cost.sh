@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The drift step's cost, measured as BENCHMARKS.md defines it (issue 12):
+# The drift step's cost, measured as docs/benchmarks-history.md defines it (issue 12):
 #
 #   cost = [T(nblocks 1) − 2·T(nblocks 0) + T(fit)] / T(nblocks 0) = r − 2 + f
 #   r = T(nblocks 1) / T(nblocks 0) (median over pairs),  f = T(fit) / T(nblocks 0)
@@ -19,7 +19,7 @@
 # Usage:
 #   benches/drift_cost.sh SPIKECUBE REC.bin PROBE.json OUTDIR THREADS REPEATS FIT_BIN [BATCH_SIZE]
 #
-# e.g. (the recording of BENCHMARKS.md: spikecube simulate --seconds 60 --seed 5 --drift rigid --out /tmp/rec)
+# e.g. (the recording of docs/benchmarks-history.md: spikecube simulate --seconds 60 --seed 5 --drift rigid --out /tmp/rec)
 #   benches/drift_cost.sh target/release/spikecube /tmp/rec/sim_g0_t0.imec0.ap.bin \
 #       /tmp/rec/probe.json /tmp/cost 16 4 target/release/deps/drift_windows-HASH
 #

@@ -1,4 +1,4 @@
-"""Recall with a depth criterion (BENCHMARKS.md, "Drift", edge policy): is the recall gain of
+"""Recall with a depth criterion (docs/benchmarks-history.md, "Drift", edge policy): is the recall gain of
 drift correction with Kilosort4's extrapolation at the probe's end (edge margin inf) made of
 false detections that match true spikes at other depths by chance?
 

@@ -1,4 +1,4 @@
-"""Recall and drift-estimate error on simulated drifting recordings (BENCHMARKS.md, "Drift").
+"""Recall and drift-estimate error on simulated drifting recordings (docs/benchmarks-history.md, "Drift").
 
 Usage: drift_recall.py SIM_DIR NAME=SPIKES [NAME=SPIKES ...]
   SIM_DIR: a `spikecube simulate --drift ...` folder (ground_truth.npy, drift_truth*.npy, probe.json)

@@ -1,8 +1,8 @@
 """Every difference between spikecube's and Kilosort4's drift-corrected second
-pass, explained (issue 12; BENCHMARKS.md, "Drift: every difference explained").
+pass, explained (issue 12; docs/benchmarks-history.md, "Drift: every difference explained").
 
 Inputs (made as the "Drift: every difference explained" section of
-BENCHMARKS.md lists):
+docs/benchmarks-history.md lists):
   KS   Kilosort4's export (benches/drift_ties_ks4.py): its windows ks_X_<b>.npy,
        its template_match results ks_xy/ks_imax/ks_amp_<b>.npy, st.npy,
        dshift.npy, iC/iC2/weigh.npy;

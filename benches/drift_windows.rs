@@ -104,7 +104,7 @@ fn main() -> Result<()> {
     if fit_only {
         // `fit …`: the whitening fit of a `detect` run alone (opening, checks,
         // fit), the part of a run that the drift step does not repeat; timed
-        // as a whole process for the drift step's cost (BENCHMARKS.md).
+        // as a whole process for the drift step's cost (docs/benchmarks-history.md).
         eprintln!("fit: W is {:?}", fit.whitening.dim());
         return Ok(());
     }

@@ -1,4 +1,4 @@
-"""Kilosort4 4.1.7's own detection with templates learned from the data (BENCHMARKS.md).
+"""Kilosort4 4.1.7's own detection with templates learned from the data (docs/benchmarks-history.md).
 
 Usage (the Kilosort4 venv; see ../shared/tools/ks4ref/README.md for its set-up):
 

@@ -1,5 +1,5 @@
 """Kilosort4's own detection (`kilosort.spikedetect.template_match`) on a GPU,
-timed beside spikecube's GPU detector on the same window (BENCHMARKS.md).
+timed beside spikecube's GPU detector on the same window (docs/benchmarks-history.md).
 
 Usage (torch with CUDA and the `kilosort==4.1.7` package importable; the tools of
 `../shared/tools/ks4ref/` on PYTHONPATH):

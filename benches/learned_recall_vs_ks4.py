@@ -1,5 +1,5 @@
 """Recall and precision of Kilosort4's own learned-template detection next to spikecube's
-(BENCHMARKS.md, "Learned universal templates").
+(docs/benchmarks-history.md, "Learned universal templates").
 
 Usage (numpy):
 

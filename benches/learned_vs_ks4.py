@@ -1,4 +1,4 @@
-"""spikecube's learned universal templates beside Kilosort4 4.1.7's (BENCHMARKS.md).
+"""spikecube's learned universal templates beside Kilosort4 4.1.7's (docs/benchmarks-history.md).
 
 Usage (numpy):
 

@@ -104,7 +104,7 @@ pub fn probe_cuda() -> Probe {
 
 /// Ends GPU 0's primary CUDA context (the one CubeCL and the page-locked
 /// pool use) and frees everything in it: the work CUDA otherwise does when
-/// the process exits (issue 10: measured 0.16 s at exit after a 10-minute
+/// the process exits (measured 0.16 s at exit after a 10-minute
 /// pass on the H200; done on a thread while the outputs are written, the
 /// exit took 0.07 s and the whole run about 0.1 s less). Returns whether the
 /// driver did it.
@@ -598,7 +598,7 @@ impl Detector {
     pub fn packer(&mut self) -> Option<crate::detect::gpu::Packer> {
         match self {
             Detector::Cpu(_) => None,
-            // Issue 10: one page-locked pool per detector, made at the first
+            // One page-locked pool per detector, made at the first
             // call (or given by `use_pinned_pool`) and shared by every packer
             // (warm-up, whitening fit, pass).
             #[cfg(feature = "cuda")]
@@ -617,7 +617,7 @@ impl Detector {
         }
     }
 
-    /// Makes `pool` this detector's page-locked pool (issue 10: opened and
+    /// Makes `pool` this detector's page-locked pool (opened and
     /// filled on a thread of its own while the device starts,
     /// [`crate::detect::gpu::pinned::PinnedPool::open_reserving`]); later
     /// [`Detector::packer`]s pack into it. Nothing on the other back ends.
@@ -751,7 +751,7 @@ impl Detector {
 
     /// Detects with other universal templates (same shapes) from the next
     /// window on, keeping the device's buffers (e.g. templates learned again
-    /// for the drift-corrected pass, issue 11).
+    /// for the drift-corrected pass).
     ///
     /// # Errors
     /// [`DetectError::Setting`] when their shapes do not fit this detector.

@@ -26,7 +26,7 @@ pub fn stuck_min_run(fs: f64) -> usize {
 }
 
 /// A raw sample as the input checks see it: f32 (any reader) or the file's
-/// int16 value (a GPU pass's int16 windows, issue 10). Every check gives the
+/// int16 value (a GPU pass's int16 windows). Every check gives the
 /// same answer for an int16 value and its (exact) f32 conversion.
 pub trait RawSample: Copy + PartialEq + PartialOrd + Send + Sync + 'static {
     /// The value as f32 (exact for int16).
@@ -355,7 +355,7 @@ pub fn check_window(
     runs
 }
 
-/// [`check_window`] without a [`ChannelHealth`] (issue 10: windows checked on
+/// [`check_window`] without a [`ChannelHealth`] (for windows checked on
 /// several reading threads at once): the same stuck runs and masking, and
 /// the window's channel facts, for [`ChannelHealth::merge`] in window order
 /// (`precheck_window` then `merge` in window order give the same health as

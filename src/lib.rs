@@ -1,23 +1,43 @@
 //! # spikecube
 //!
-//! Kilosort4's universal-template spike detection, reimplemented in Rust: the
-//! same detections as Kilosort4 4.1.7 (`spikedetect.run` with
-//! `templates_from_data = False`), on the CPU (rayon) or, later, on any GPU
-//! through CubeCL.
+//! Kilosort4 (4.1.7) reimplemented in Rust: its preprocessing, universal
+//! templates, drift correction and spike detection, with the same detections
+//! as Kilosort4's `run_kilosort` up to and including the detection pass after
+//! drift correction. Every step runs on the CPU (rayon; the reference, giving
+//! the same bits for any number of threads) or on a GPU through CubeCL: CUDA on
+//! NVIDIA cards, wgpu (Vulkan, Metal) elsewhere, with the same spikes and
+//! floats within float32 rounding of the CPU's.
 //!
-//! The pipeline flows one way:
+//! The default run is Kilosort4's default: universal templates learned from
+//! the data (`templates_from_data = True`), a first detection pass, the drift
+//! estimate (`nblocks = 1`), templates learned again from the drift-corrected
+//! windows, and the detection pass with drift correction. The sorting stages
+//! that follow in Kilosort4 (clustering, template matching, merges, Phy
+//! output) are being added under `src/sort/`, after the detection pass.
+//!
+//! A run is a chain of stages ([`pipeline`]; docs/architecture.md draws it):
 //!
 //! ```text
-//! recording file ─▶ windows ─▶ preprocess ─▶ detect ─▶ spikes on disk
-//!       ▲ probe ───────────────────┘ (geometry: centres, neighbours, weights)
+//! recording + probe ─▶ open ─▶ device ─▶ whitening fit ─▶ universal templates
+//!     ─▶ drift (first pass, estimate) ─▶ detection pass ─▶ outputs (folder)
+//!                                                  └─▶ (sort stages, to come)
 //! ```
 //!
 //! * [`probe`]: site geometry and its loaders.
 //! * [`recording`]: readers (flat binary, SpikeGLX, Open Ephys) and windows cut as Kilosort4 cuts them.
-//! * [`preprocess`]: channel mean, median CAR, high-pass, whitening.
-//! * [`detect`]: template centres, neighbourhoods, the reference CPU detector.
+//! * [`checks`]: input checks (scale, channel health, stuck stretches, layout).
+//! * [`preprocess`]: channel mean, median CAR, high-pass, whitening and its fit.
+//! * [`detect`]: template centres, neighbourhoods, learned templates, the CPU
+//!   detector and the GPU kernels.
+//! * [`backend`]: choosing a back end and the [`backend::Detector`] on it.
+//! * [`universal`]: where a run's templates come from.
+//! * [`drift`]: the drift estimate and its correction.
+//! * [`stages`]: one pass over a recording's windows, read, preprocessed and
+//!   detected on overlapping threads ([`stages::WindowPass`]: host or device).
+//! * [`pipeline`]: the whole run, recording to output folder, stage by stage;
+//!   [`timing`] times its stages.
 //! * [`output`]: `.npy` files, Phy's `params.py`, provenance and the drift map.
-//! * [`pipeline`]: the whole run, recording to output folder.
+//! * [`simulate`]: synthetic SpikeGLX recordings with ground truth.
 //!
 //! Detection on one whitened window (C sites × NT samples):
 //!
@@ -53,7 +73,6 @@
 //! assert!(!spikes.is_empty());
 //! # Ok::<(), spikecube::error::DetectError>(())
 //! ```
-//! * [`simulate`]: synthetic SpikeGLX recordings with ground truth.
 #![deny(missing_docs)]
 
 pub mod backend;
@@ -70,6 +89,7 @@ pub mod recording;
 pub mod simulate;
 pub mod sort;
 pub mod stages;
+pub mod timing;
 pub mod universal;
 
 pub use detect::{DetectionSettings, Detections, Geometry, UniversalTemplates};

@@ -632,6 +632,52 @@ fn draw_spikes(probe: &Probe, cfg: &SimConfig, n_samples: u64) -> (Vec<Unit>, Ve
 /// the recording would have no samples, a sample rate below 1 kHz, or a file
 /// cannot be written (the path is named).
 pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary> {
+    let n_samples = checked_samples(probe, cfg)?;
+    let n_ap = probe.chan_map.iter().max().map_or(0, |&m| m as usize + 1);
+    let n_cols = n_ap + 1;
+    let staged = crate::output::folder::StagedFolder::create(dir, "simulate")?;
+    let final_dir = dir;
+    let dir = staged.path();
+
+    let scene = Scene::new(probe, cfg, n_samples, n_ap);
+    scene.write_bin(&dir.join(format!("{STEM}.bin")))?;
+    let file_bytes = n_samples * n_cols as u64 * 2;
+    scene.write_truth(dir)?;
+
+    let mut written = probe.clone();
+    written.n_chan = n_cols as u64;
+    write_probe_json(&written, &dir.join("probe.json"))?;
+
+    let meta_path = dir.join(format!("{STEM}.meta"));
+    let meta = meta_text(probe, cfg, n_ap, n_samples, file_bytes);
+    std::fs::write(&meta_path, meta)
+        .with_context(|| format!("cannot write {}", meta_path.display()))?;
+    let Scene { units, spikes, .. } = scene;
+    staged.publish(serde_json::json!({
+        "program": "spikecube",
+        "version": env!("CARGO_PKG_VERSION"),
+        "config": cfg,
+        "n_samples": n_samples,
+        "n_channels": n_cols,
+        "n_spikes": spikes.len(),
+    }))?;
+
+    Ok(SimSummary {
+        bin_path: final_dir.join(format!("{STEM}.bin")),
+        meta_path: final_dir.join(format!("{STEM}.meta")),
+        n_samples,
+        n_channels: n_cols,
+        n_spikes: spikes.len(),
+        file_bytes,
+        units,
+    })
+}
+
+/// Checks `cfg` and `probe` and returns the recording's samples.
+///
+/// # Errors
+/// As [`simulate`].
+fn checked_samples(probe: &Probe, cfg: &SimConfig) -> Result<u64> {
     if !(cfg.seconds.is_finite() && cfg.seconds > 0.0) {
         bail!("--seconds = {} must be a positive number", cfg.seconds);
     }
@@ -655,44 +701,73 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
     if n_samples == 0 {
         bail!("{} s at {} Hz is no samples", cfg.seconds, cfg.fs);
     }
-    let n_ap = probe.chan_map.iter().max().map_or(0, |&m| m as usize + 1);
-    let n_cols = n_ap + 1;
-    let staged = crate::output::folder::StagedFolder::create(dir, "simulate")?;
-    let final_dir = dir;
-    let dir = staged.path();
+    Ok(n_samples)
+}
 
-    let (units, spikes) = draw_spikes(probe, cfg, n_samples);
-    let feet: Vec<Vec<(usize, f32)>> = units.iter().map(|u| footprint(probe, u)).collect();
-    let waves: Vec<[f32; WAVEFORM_LEN]> =
-        units.iter().map(|u| waveform(u.width_s, cfg.fs)).collect();
-    let table = normal_table();
-    let (_, _, y0, y1) = probe.extent();
-    // The unit's position at sample s (moved by the drift model, if any).
-    let moved = |u: &Unit, s: u64| -> Unit {
+/// Everything the simulated signal is made of: the units and their spikes,
+/// footprints and waveforms, the noise table, the LFP's gain per site.
+struct Scene<'a> {
+    probe: &'a Probe,
+    cfg: &'a SimConfig,
+    n_samples: u64,
+    /// AP channels of the file (the sync channel follows them).
+    n_ap: usize,
+    units: Vec<Unit>,
+    /// (sample, unit), sorted.
+    spikes: Vec<(u64, u32)>,
+    feet: Vec<Vec<(usize, f32)>>,
+    waves: Vec<[f32; WAVEFORM_LEN]>,
+    table: Vec<f32>,
+    /// The probe's vertical extent, µm.
+    y0: f32,
+    y1: f32,
+    lfp_gain: Vec<f32>,
+}
+
+impl<'a> Scene<'a> {
+    fn new(probe: &'a Probe, cfg: &'a SimConfig, n_samples: u64, n_ap: usize) -> Self {
+        let (units, spikes) = draw_spikes(probe, cfg, n_samples);
+        let feet = units.iter().map(|u| footprint(probe, u)).collect();
+        let waves = units.iter().map(|u| waveform(u.width_s, cfg.fs)).collect();
+        let table = normal_table();
+        let (_, _, y0, y1) = probe.extent();
+        let lfp_gain = probe
+            .yc
+            .iter()
+            .map(|&y| 0.7 + 0.6 * if y1 > y0 { (y - y0) / (y1 - y0) } else { 0.5 })
+            .collect();
+        Scene {
+            probe,
+            cfg,
+            n_samples,
+            n_ap,
+            units,
+            spikes,
+            feet,
+            waves,
+            table,
+            y0,
+            y1,
+            lfp_gain,
+        }
+    }
+
+    /// The unit's position at sample s (moved by the drift model, if any).
+    fn moved(&self, u: &Unit, s: u64) -> Unit {
         let mut m = u.clone();
-        if let Some(d) = &cfg.drift {
-            let t = s as f64 / cfg.fs;
-            m.y += d.displacement(t, u.y as f64, y0 as f64, y1 as f64, cfg.seconds) as f32;
+        if let Some(d) = &self.cfg.drift {
+            let t = s as f64 / self.cfg.fs;
+            let (y0, y1) = (self.y0 as f64, self.y1 as f64);
+            m.y += d.displacement(t, u.y as f64, y0, y1, self.cfg.seconds) as f32;
         }
         m
-    };
-    let lfp_gain: Vec<f32> = probe
-        .yc
-        .iter()
-        .map(|&y| 0.7 + 0.6 * if y1 > y0 { (y - y0) / (y1 - y0) } else { 0.5 })
-        .collect();
+    }
 
-    let bin_path = dir.join(format!("{STEM}.bin"));
-    let tmp_path = dir.join(format!("{STEM}.bin.partial"));
-    let file =
-        File::create(&tmp_path).with_context(|| format!("cannot create {}", tmp_path.display()))?;
-    let mut w = BufWriter::with_capacity(1 << 20, file);
-
-    let n_chunks = n_samples.div_ceil(CHUNK as u64);
-    let group = (rayon::current_num_threads() * 2).max(2) as u64;
-    let make_chunk = |c: u64| -> Vec<u8> {
+    /// The file's bytes of chunk `c` (samples `c·CHUNK ..`, every column).
+    fn chunk(&self, c: u64) -> Vec<u8> {
+        let (probe, cfg) = (self.probe, self.cfg);
         let s0 = c * CHUNK as u64;
-        let len = (n_samples - s0).min(CHUNK as u64) as usize;
+        let len = (self.n_samples - s0).min(CHUNK as u64) as usize;
         let ns = probe.n_sites();
         // Signal in site order, sample-major: acc[t * ns + i].
         let mut acc = vec![0f32; len * ns];
@@ -704,7 +779,7 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
                 bits = r.next_u64();
                 left = 4;
             }
-            *v = table[(bits & 0xFFFF) as usize] * cfg.noise_sd;
+            *v = self.table[(bits & 0xFFFF) as usize] * cfg.noise_sd;
             bits >>= 16;
             left -= 1;
         }
@@ -714,24 +789,32 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
                 * (0.6 * (std::f64::consts::TAU * 3.1 * ts).sin()
                     + 0.4 * (std::f64::consts::TAU * 7.3 * ts + 1.0).sin())
                     as f32;
-            for (i, g) in lfp_gain.iter().enumerate() {
+            for (i, g) in self.lfp_gain.iter().enumerate() {
                 acc[t * ns + i] += l * g;
             }
         }
-        // Spikes whose waveform overlaps [s0, s0 + len).
+        self.add_spikes(&mut acc, s0, len);
+        self.to_file_bytes(&acc, s0, len)
+    }
+
+    /// Adds the spikes whose waveform overlaps `[s0, s0 + len)` to `acc`
+    /// (site order, sample-major).
+    fn add_spikes(&self, acc: &mut [f32], s0: u64, len: usize) {
+        let ns = self.probe.n_sites();
+        let spikes = &self.spikes;
         let first = spikes.partition_point(|&(s, _)| s + (WAVEFORM_LEN - TROUGH) as u64 <= s0);
         for &(s, u) in &spikes[first..] {
             let start = s as i64 - TROUGH as i64;
             if start >= (s0 + len as u64) as i64 {
                 break;
             }
-            let (unit, wave) = (&units[u as usize], &waves[u as usize]);
+            let (unit, wave) = (&self.units[u as usize], &self.waves[u as usize]);
             let moved_foot;
-            let foot = if cfg.drift.is_some() {
-                moved_foot = footprint(probe, &moved(unit, s));
+            let foot = if self.cfg.drift.is_some() {
+                moved_foot = footprint(self.probe, &self.moved(unit, s));
                 &moved_foot
             } else {
-                &feet[u as usize]
+                &self.feet[u as usize]
             };
             for (k, &wv) in wave.iter().enumerate() {
                 let t = start + k as i64 - s0 as i64;
@@ -745,16 +828,23 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
                 }
             }
         }
+    }
+
+    /// The chunk's samples as the file holds them: int16, interleaved in the
+    /// probe's channel map, the sync channel (a 1 Hz square wave) last.
+    fn to_file_bytes(&self, acc: &[f32], s0: u64, len: usize) -> Vec<u8> {
+        let (ns, n_ap) = (self.probe.n_sites(), self.n_ap);
+        let n_cols = n_ap + 1;
         let mut out = vec![0u8; len * n_cols * 2];
         for t in 0..len {
             let base = t * n_cols;
             for i in 0..ns {
                 let v = acc[t * ns + i].round().clamp(-32768.0, 32767.0) as i16;
-                let o = (base + probe.chan_map[i] as usize) * 2;
+                let o = (base + self.probe.chan_map[i] as usize) * 2;
                 out[o..o + 2].copy_from_slice(&v.to_le_bytes());
             }
             let abs = s0 + t as u64;
-            let sync: i16 = if ((abs as f64 / cfg.fs).fract()) < 0.5 {
+            let sync: i16 = if ((abs as f64 / self.cfg.fs).fract()) < 0.5 {
                 64
             } else {
                 0
@@ -763,63 +853,79 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
             out[o..o + 2].copy_from_slice(&sync.to_le_bytes());
         }
         out
-    };
-    // A writer thread drains finished groups while the next group is computed.
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<Vec<u8>>>(1);
-    let written: std::io::Result<()> = std::thread::scope(|scope| {
-        let writer = scope.spawn(move || -> std::io::Result<()> {
-            for bufs in rx {
-                for b in bufs {
-                    w.write_all(&b)?;
-                }
-            }
-            // Flushed, not synced: the operating system writes it out at its pace.
-            w.into_inner().map_err(|e| e.into_error())?;
-            Ok(())
-        });
-        let mut c = 0;
-        while c < n_chunks {
-            let hi = (c + group).min(n_chunks);
-            let bufs: Vec<Vec<u8>> = (c..hi).into_par_iter().map(make_chunk).collect();
-            if tx.send(bufs).is_err() {
-                break; // The writer failed; its error is reported below.
-            }
-            c = hi;
-        }
-        drop(tx);
-        writer
-            .join()
-            .unwrap_or_else(|_| Err(std::io::Error::other("the writer thread panicked")))
-    });
-    written.with_context(|| format!("cannot write {}", tmp_path.display()))?;
-    std::fs::rename(&tmp_path, &bin_path).with_context(|| {
-        format!(
-            "cannot rename {} to {}",
-            tmp_path.display(),
-            bin_path.display()
-        )
-    })?;
-    let file_bytes = n_samples * n_cols as u64 * 2;
-
-    // Ground truth.
-    let mut gt = Array2::<f64>::zeros((spikes.len(), 4));
-    for (k, &(s, u)) in spikes.iter().enumerate() {
-        let unit = &units[u as usize];
-        gt[[k, 0]] = s as f64;
-        gt[[k, 1]] = unit.x as f64;
-        gt[[k, 2]] = moved(unit, s).y as f64;
-        gt[[k, 3]] = unit.amplitude as f64;
     }
-    crate::npy::write(&dir.join("ground_truth.npy"), &gt)?;
-    if let Some(d) = &cfg.drift {
-        let n_t = (cfg.seconds / DRIFT_TRUTH_DT).floor() as usize + 1;
+
+    /// Writes the recording to `bin_path` (under a temporary name, renamed
+    /// when complete): chunks computed in parallel groups, a writer thread
+    /// draining finished groups while the next group is computed.
+    fn write_bin(&self, bin_path: &Path) -> Result<()> {
+        let tmp_path = bin_path.with_extension("bin.partial");
+        let file = File::create(&tmp_path)
+            .with_context(|| format!("cannot create {}", tmp_path.display()))?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        let n_chunks = self.n_samples.div_ceil(CHUNK as u64);
+        let group = (rayon::current_num_threads() * 2).max(2) as u64;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<Vec<u8>>>(1);
+        let written: std::io::Result<()> = std::thread::scope(|scope| {
+            let writer = scope.spawn(move || -> std::io::Result<()> {
+                for bufs in rx {
+                    for b in bufs {
+                        w.write_all(&b)?;
+                    }
+                }
+                // Flushed, not synced: the operating system writes it out at its pace.
+                w.into_inner().map_err(|e| e.into_error())?;
+                Ok(())
+            });
+            let mut c = 0;
+            while c < n_chunks {
+                let hi = (c + group).min(n_chunks);
+                let bufs: Vec<Vec<u8>> = (c..hi).into_par_iter().map(|c| self.chunk(c)).collect();
+                if tx.send(bufs).is_err() {
+                    break; // The writer failed; its error is reported below.
+                }
+                c = hi;
+            }
+            drop(tx);
+            writer
+                .join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("the writer thread panicked")))
+        });
+        written.with_context(|| format!("cannot write {}", tmp_path.display()))?;
+        std::fs::rename(&tmp_path, bin_path).with_context(|| {
+            format!(
+                "cannot rename {} to {}",
+                tmp_path.display(),
+                bin_path.display()
+            )
+        })
+    }
+
+    /// Writes `ground_truth.npy` and, with a drift model, the drift truth
+    /// (`drift_truth.npy`, `drift_truth_times.npy`, `drift_truth_depths.npy`)
+    /// into `dir`.
+    fn write_truth(&self, dir: &Path) -> Result<()> {
+        let mut gt = Array2::<f64>::zeros((self.spikes.len(), 4));
+        for (k, &(s, u)) in self.spikes.iter().enumerate() {
+            let unit = &self.units[u as usize];
+            gt[[k, 0]] = s as f64;
+            gt[[k, 1]] = unit.x as f64;
+            gt[[k, 2]] = self.moved(unit, s).y as f64;
+            gt[[k, 3]] = unit.amplitude as f64;
+        }
+        crate::npy::write(&dir.join("ground_truth.npy"), &gt)?;
+        let Some(d) = &self.cfg.drift else {
+            return Ok(());
+        };
+        let (y0, y1, seconds) = (self.y0, self.y1, self.cfg.seconds);
+        let n_t = (seconds / DRIFT_TRUTH_DT).floor() as usize + 1;
         let times: Vec<f64> = (0..n_t).map(|i| i as f64 * DRIFT_TRUTH_DT).collect();
         let n_y = ((y1 - y0) as f64 / DRIFT_TRUTH_DY).floor() as usize + 1;
         let depths: Vec<f64> = (0..n_y)
             .map(|j| y0 as f64 + j as f64 * DRIFT_TRUTH_DY)
             .collect();
         let truth = Array2::from_shape_fn((n_t, n_y), |(i, j)| {
-            d.displacement(times[i], depths[j], y0 as f64, y1 as f64, cfg.seconds)
+            d.displacement(times[i], depths[j], y0 as f64, y1 as f64, seconds)
         });
         crate::npy::write(&dir.join("drift_truth.npy"), &truth)?;
         crate::npy::write(
@@ -830,32 +936,6 @@ pub fn simulate(probe: &Probe, cfg: &SimConfig, dir: &Path) -> Result<SimSummary
             &dir.join("drift_truth_depths.npy"),
             &ndarray::Array1::from(depths),
         )?;
+        Ok(())
     }
-
-    let mut written = probe.clone();
-    written.n_chan = n_cols as u64;
-    write_probe_json(&written, &dir.join("probe.json"))?;
-
-    let meta_path = dir.join(format!("{STEM}.meta"));
-    let meta = meta_text(probe, cfg, n_ap, n_samples, file_bytes);
-    std::fs::write(&meta_path, meta)
-        .with_context(|| format!("cannot write {}", meta_path.display()))?;
-    staged.publish(serde_json::json!({
-        "program": "spikecube",
-        "version": env!("CARGO_PKG_VERSION"),
-        "config": cfg,
-        "n_samples": n_samples,
-        "n_channels": n_cols,
-        "n_spikes": spikes.len(),
-    }))?;
-
-    Ok(SimSummary {
-        bin_path: final_dir.join(format!("{STEM}.bin")),
-        meta_path: final_dir.join(format!("{STEM}.meta")),
-        n_samples,
-        n_channels: n_cols,
-        n_spikes: spikes.len(),
-        file_bytes,
-        units,
-    })
 }

@@ -1,5 +1,5 @@
 //! The per-window part of a run, pipelined: reading, preprocessing + detection,
-//! and writing overlap across windows (issue 10).
+//! and writing overlap across windows.
 //!
 //! Three stages, each on its own thread, joined by bounded queues that move
 //! owned buffers from one stage to the next:
@@ -43,14 +43,13 @@ use crate::recording::{Recording, Window, WindowPlan, read_window};
 /// for the pass, one in the pass.
 pub const WINDOWS_IN_FLIGHT: usize = 3;
 
-// ---- issue 10 (reading threads) ----
 /// Threads reading windows at once for a pass that takes int16 windows (a GPU
 /// pass, [`WindowPass::raw16_buffers`]) of a recording that gives them
 /// ([`crate::recording::gives_int16`]): each reads a window of its own, then
 /// hands it on in window order ([`crate::recording::read_in_order`]); one
 /// reader for other passes. One by default: on the H200 machine three readers
 /// shared the host's memory bandwidth and were no faster (the read already
-/// runs on every core; BENCHMARKS.md, seventh session); [`device_readers`]
+/// runs on every core); [`device_readers`]
 /// takes another count from the environment, for measuring. Each reader
 /// beyond the first holds one more window ([`windows_in_flight`]).
 pub const DEVICE_READERS: usize = 1;
@@ -73,7 +72,6 @@ pub fn device_readers() -> usize {
         .filter(|n| (1..=8).contains(n))
         .unwrap_or(DEVICE_READERS)
 }
-// ---- end issue 10 (reading threads) ----
 
 /// Busy seconds per stage, by name (`read`, `checks`, `preprocess`, `detect`,
 /// `write`; a GPU pass adds its own, e.g. `upload`, `download`).
@@ -115,6 +113,32 @@ impl StageTimes {
             .map(|(_, v)| v)
             .sum()
     }
+}
+
+/// A whitening that changes from window to window: drift correction's
+/// `G_b = M_b·W` (the drift module's `DriftRun`). A [`WindowPass`] takes one
+/// through [`WindowPass::set_drift`] and asks it for each window's matrix;
+/// it knows nothing else of drift.
+pub trait WindowWhitening: Send + Sync {
+    /// Whether any window's whitening differs from W (false: the pass keeps W).
+    fn corrects(&self) -> bool;
+
+    /// The whitening of window `index` in place of `w`; `None`: `w` itself.
+    ///
+    /// # Errors
+    /// When the window is unknown or `w` does not fit.
+    fn window_whitening(
+        &self,
+        index: u64,
+        w: &crate::preprocess::Whitening,
+    ) -> Result<Option<Arc<crate::preprocess::Whitening>>>;
+
+    /// Preprocesses raw window `index` in place on the host: `pre`'s steps
+    /// with the window's whitening.
+    ///
+    /// # Errors
+    /// As [`WindowWhitening::window_whitening`] and `pre`'s steps.
+    fn preprocess(&self, pre: &Preprocessor, index: u64, x: &mut Array2<f32>) -> Result<()>;
 }
 
 /// A window's place in the recording (a [`Window`] without its samples).
@@ -168,26 +192,24 @@ pub trait WindowPass: Send {
         0
     }
 
-    /// Corrects drift in every later window (issue 12): `Some` after the drift
+    /// Corrects drift in every later window: `Some` after the drift
     /// step estimated a correction, `None` for none (the first pass).
     ///
     /// # Errors
     /// When the pass cannot take the correction (the default: it corrects nothing).
-    fn set_drift(&mut self, drift: Option<Arc<crate::drift::DriftRun>>) -> Result<()> {
+    fn set_drift(&mut self, drift: Option<Arc<dyn WindowWhitening>>) -> Result<()> {
         match drift {
-            Some(d) if d.correction.is_some() => Err(anyhow!("this pass cannot correct drift")),
+            Some(d) if d.corrects() => Err(anyhow!("this pass cannot correct drift")),
             _ => Ok(()),
         }
     }
 
-    // ---- issue 12 (drift cost): the first pass goes without PC features ----
     /// Whether detection computes the PC features `tF` from the next window
     /// on (the drift step's first pass needs only times, depths and
     /// amplitudes); a pass that always computes them ignores it (the default).
     fn set_pc_features(&mut self, on: bool) {
         let _ = on;
     }
-    // ---- end issue 12 ----
 
     /// Where preprocessing runs: `host` or `device`.
     fn preprocess_on(&self) -> &'static str {
@@ -202,7 +224,7 @@ pub trait WindowPass: Send {
 
     /// Detects with other universal templates (same shapes) from the next
     /// window on, keeping the detector's buffers (templates learned again for
-    /// the drift-corrected pass, issue 11).
+    /// the drift-corrected pass).
     ///
     /// # Errors
     /// When the templates do not fit (the default: the pass has no detector).
@@ -221,7 +243,7 @@ pub trait WindowPass: Send {
     /// Storage for windows read as the file's int16 values
     /// ([`crate::recording::read_window_i16`], rows of
     /// [`crate::recording::Raw16::stride_for`]), when this pass takes them (a GPU
-    /// pass, issue 10: it uploads them as they are); `None` (the default)
+    /// pass: it uploads them as they are); `None` (the default)
     /// for f32 windows. Recordings that cannot give int16 values get f32
     /// windows anyway, so the pass must take both.
     fn raw16_buffers(&self) -> Option<Raw16Alloc> {
@@ -252,7 +274,7 @@ pub trait WindowPass: Send {
     /// Takes the next window (with what the [`Stager`] made of it, if any) and
     /// returns the windows whose detections are done, in window order: the
     /// window itself (the default, [`WindowPass::run_staged`]), or earlier
-    /// ones when the pass keeps windows queued on a device (issue 10: the
+    /// ones when the pass keeps windows queued on a device (the
     /// device starts on window k + 1 before the host takes window k's
     /// detections). [`WindowPass::drain`] returns the rest.
     ///
@@ -300,6 +322,39 @@ pub trait Stager: Send {
     fn stage(&mut self, window: &mut Window, times: &mut StageTimes) -> Result<Staged>;
 }
 
+/// The window pass for `detector`: preprocessing on the device
+/// ([`DevicePass`]) when `on_device` and the back end can preprocess as `pre`
+/// does, on the host ([`HostPass`]) otherwise. GPU back ends that preprocess
+/// take each raw window as it was read (int16 values two per word;
+/// page-locked with CUDA).
+///
+/// # Errors
+/// When the device cannot take the preprocessing constants.
+pub fn window_pass(
+    detector: Detector,
+    pre: &Preprocessor,
+    yc: Vec<f32>,
+    on_device: bool,
+) -> Result<Box<dyn WindowPass>> {
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    let detector = if on_device {
+        match DevicePass::new(detector, pre, yc.clone())? {
+            Ok(p) => return Ok(Box::new(p)),
+            Err(d) => d,
+        }
+    } else {
+        detector
+    };
+    #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+    let _ = on_device;
+    Ok(Box::new(HostPass {
+        pre: pre.clone(),
+        detector,
+        yc,
+        drift: None,
+    }))
+}
+
 /// Preprocessing on the CPU ([`Preprocessor`]), then detection on any back
 /// end ([`Detector`]); stage names `preprocess` and `detect`. In
 /// [`run_windows`] the preprocessing runs one window ahead of the detection,
@@ -311,9 +366,9 @@ pub struct HostPass {
     pub detector: Detector,
     /// Site depths, µm (the probe's `yc`).
     pub yc: Vec<f32>,
-    /// Drift correction (issue 12), when on: each high-passed window is
-    /// multiplied by `G_b = M_b·W` instead of W ([`crate::drift::DriftRun::preprocess`]).
-    pub drift: Option<Arc<crate::drift::DriftRun>>,
+    /// Drift correction, when on: each high-passed window is
+    /// multiplied by `G_b = M_b·W` instead of W ([`WindowWhitening::preprocess`]).
+    pub drift: Option<Arc<dyn WindowWhitening>>,
 }
 
 /// The preprocessing half of a [`HostPass`], run one window ahead of its
@@ -323,7 +378,7 @@ pub struct HostPass {
 /// window is preprocessed exactly as [`HostPass::run`] does it.
 struct HostStager {
     pre: Preprocessor,
-    drift: Option<Arc<crate::drift::DriftRun>>,
+    drift: Option<Arc<dyn WindowWhitening>>,
 }
 
 /// What [`HostStager`] made of a window: the window itself is preprocessed in place.
@@ -334,12 +389,12 @@ struct HostStaged;
 /// name `preprocess` (and its parts).
 fn host_preprocess(
     pre: &Preprocessor,
-    drift: Option<&crate::drift::DriftRun>,
+    drift: Option<&dyn WindowWhitening>,
     w: &mut Window,
     times: &mut StageTimes,
 ) -> Result<()> {
     let t0 = Instant::now();
-    // Issue 12: with drift correction, G_b = M_b·W in place of W.
+    // With drift correction, G_b = M_b·W in place of W.
     let res = match drift {
         Some(d) => d.preprocess(pre, w.index, &mut w.data),
         None => pre
@@ -415,8 +470,8 @@ impl WindowPass for HostPass {
         }
     }
 
-    fn set_drift(&mut self, drift: Option<Arc<crate::drift::DriftRun>>) -> Result<()> {
-        self.drift = drift.filter(|d| d.correction.is_some());
+    fn set_drift(&mut self, drift: Option<Arc<dyn WindowWhitening>>) -> Result<()> {
+        self.drift = drift.filter(|d| d.corrects());
         Ok(())
     }
 
@@ -425,12 +480,13 @@ impl WindowPass for HostPass {
     }
 
     fn set_pc_features(&mut self, on: bool) {
-        // Issue 12: the drift step's first pass goes without.
+        // The drift step's first pass goes without (it needs only times,
+        // depths and amplitudes).
         self.detector.set_pc_features(on);
     }
 }
 
-/// Preprocessing and detection on a GPU (issue 10): the raw window is packed
+/// Preprocessing and detection on a GPU: the raw window is packed
 /// (int16 values two per word when they are integers; page-locked memory with
 /// CUDA), sent up as it was read, preprocessed there
 /// ([`crate::detect::gpu::preprocess`]) and detected in; one download of the
@@ -444,7 +500,7 @@ pub struct DevicePass {
     yc: Vec<f32>,
     upload_bytes: u64,
     upload_windows: u64,
-    drift: Option<Arc<crate::drift::DriftRun>>,
+    drift: Option<Arc<dyn WindowWhitening>>,
     timed_windows: Vec<crate::detect::gpu::StepTimes>,
     /// Device seconds (host wall) of window 0 and of each later window not
     /// timed step by step.
@@ -504,7 +560,7 @@ impl DevicePass {
 struct DeviceStager {
     packer: crate::detect::gpu::Packer,
     whitening: crate::preprocess::Whitening,
-    drift: Option<Arc<crate::drift::DriftRun>>,
+    drift: Option<Arc<dyn WindowWhitening>>,
 }
 
 /// What [`DeviceStager`] makes of a window.
@@ -745,8 +801,8 @@ impl WindowPass for DevicePass {
         self.upload_windows
     }
 
-    fn set_drift(&mut self, drift: Option<Arc<crate::drift::DriftRun>>) -> Result<()> {
-        self.drift = drift.filter(|d| d.correction.is_some());
+    fn set_drift(&mut self, drift: Option<Arc<dyn WindowWhitening>>) -> Result<()> {
+        self.drift = drift.filter(|d| d.corrects());
         if self.drift.is_none() {
             // Back to the plain whitening.
             let (start, cols, vals) = self.pre.whitening().csr();
@@ -838,7 +894,7 @@ pub(crate) fn read_any(
             *data = Array2::zeros((0, 0));
             return Ok(Some(raw));
         }
-        // Issue 10: a window across two files of a concatenation is read as
+        // A window across two files of a concatenation is read as
         // f32, and the next ones as int16 again; a recording that never gives
         // int16 values gets f32 windows from here on.
         if !crate::recording::gives_int16(rec, chan_map) {
@@ -888,7 +944,7 @@ where
     )
 }
 
-/// [`run_windows`] with the checks in two parts (issue 10): `prepare` runs
+/// [`run_windows`] with the checks in two parts: `prepare` runs
 /// on the reading threads right after each window is read (several windows
 /// at once, in any order; e.g. [`crate::checks::precheck_window`]), `merge`
 /// then takes its result in window order (e.g. adding it to the run's
@@ -901,7 +957,7 @@ pub fn run_windows_prechecked<P, M, W>(
     plan: WindowPlan,
     chan_map: &[u64],
     prepare: &(dyn Fn(&mut Window) -> Result<P> + Sync),
-    mut merge: M,
+    merge: M,
     pass: &mut dyn WindowPass,
     mut write: W,
 ) -> Result<StagesReport>
@@ -912,17 +968,7 @@ where
 {
     let t_start = Instant::now();
     let stager = pass.stager();
-    // ---- issue 10 (reading threads): one allocator of int16 storage per
-    // reading thread; several threads for a pass that takes int16 windows
-    // from a recording that gives them (others hold f32 windows, twice the
-    // bytes: one reader, as for a CPU pass).
-    let raw16_allocs: Vec<Option<Raw16Alloc>> = match pass.raw16_buffers() {
-        Some(a) if !crate::recording::gives_int16(rec.as_ref(), chan_map) => vec![Some(a)],
-        Some(a) => std::iter::once(Some(a))
-            .chain((1..device_readers()).map(|_| pass.raw16_buffers()))
-            .collect(),
-        None => vec![None],
-    };
+    let raw16_allocs = reading_allocs(pass, rec.as_ref(), chan_map);
     let in_flight = windows_in_flight(stager.is_some(), raw16_allocs.len());
     if raw16_allocs.len() > 1 {
         tracing::info!(
@@ -930,135 +976,31 @@ where
             raw16_allocs.len()
         );
     }
-    // ---- end issue 10 (reading threads) ----
     let (raw_tx, raw_rx) = bounded::<Result<Window>>(WINDOWS_IN_FLIGHT);
     let (staged_tx, staged_rx) = bounded::<Result<(Window, Option<Staged>)>>(1);
     let (det_tx, det_rx) = bounded::<Result<(WindowInfo, Detections)>>(WINDOWS_IN_FLIGHT);
     let (free_tx, free_rx) = unbounded::<Array2<f32>>();
     let rec = rec.as_ref();
+    let reading = Reading {
+        rec,
+        plan,
+        chan_map,
+        allocs: raw16_allocs,
+        in_flight,
+    };
 
     std::thread::scope(|s| -> Result<StagesReport> {
-        // ---- issue 10 (reading threads): windows read on `raw16_allocs.len()`
-        // threads, checked and queued in window order
-        // (`crate::recording::read_in_order`); window buffers taken in window
-        // order, at most `in_flight`.
         let reader = std::thread::Builder::new()
             .name("spikecube-read".into())
-            .spawn_scoped(s, move || {
-                let mut times = StageTimes::default();
-                let first = rec.first_sample();
-                let mut allocated = 0;
-                let states: Vec<(Option<Raw16Alloc>, StageTimes)> = raw16_allocs
-                    .into_iter()
-                    .map(|a| (a, StageTimes::default()))
-                    .collect();
-                let raw_tx = &raw_tx;
-                let times_r = &mut times;
-                let done = crate::recording::read_in_order(
-                    "spikecube-read",
-                    plan.n_windows,
-                    states,
-                    // A free buffer, or a new one while fewer than the bound
-                    // exist (allocated at its size only when f32 samples go in);
-                    // none once the pass stopped.
-                    |_| {
-                        if allocated < in_flight {
-                            allocated += 1;
-                            Some(Array2::zeros((0, 0)))
-                        } else {
-                            free_rx.recv().ok()
-                        }
-                    },
-                    |(raw16, times), i, mut data| {
-                        let t1 = Instant::now();
-                        let res = read_any(rec, &plan, i, chan_map, &mut data, raw16)
-                            .map(|raw16| Window::of(first, &plan, i, data, raw16));
-                        let t2 = times.lap("read", t1);
-                        let res = res.and_then(|mut w| prepare(&mut w).map(|p| (w, p)));
-                        times.lap("checks.prepare", t2);
-                        res
-                    },
-                    |_, res: Result<(Window, P)>| {
-                        let t2 = Instant::now();
-                        let res = res.and_then(|(mut w, p)| merge(&mut w, p).map(|()| w));
-                        times_r.lap("checks", t2);
-                        let failed = res.is_err();
-                        raw_tx.send(res).is_ok() && !failed
-                    },
-                );
-                match done {
-                    Ok(states) => states.iter().for_each(|(_, t)| times.merge(t)),
-                    Err(e) => {
-                        let _ = raw_tx.send(Err(e).context("cannot start a reading thread"));
-                    }
-                }
-                times
-            })
+            .spawn_scoped(s, move || reading.run(prepare, merge, raw_tx, free_rx))
             .context("cannot start the reading thread")?;
-        // ---- end issue 10 (reading threads) ----
-
-        // Between the reader and the pass: the pass's stager, or a plain relay.
         let stage_thread = std::thread::Builder::new()
             .name("spikecube-stage".into())
-            .spawn_scoped(s, move || {
-                let mut times = StageTimes::default();
-                let mut stager = stager;
-                for item in raw_rx.iter() {
-                    let res = item.and_then(|mut w| match stager.as_mut() {
-                        Some(st) => {
-                            let staged = st.stage(&mut w, &mut times).with_context(|| {
-                                format!(
-                                    "preparing window {} (samples from {})",
-                                    w.index, w.own_start
-                                )
-                            })?;
-                            Ok((w, Some(staged)))
-                        }
-                        None => Ok((w, None)),
-                    });
-                    let failed = res.is_err();
-                    if staged_tx.send(res).is_err() || failed {
-                        break;
-                    }
-                }
-                times
-            })
+            .spawn_scoped(s, move || stage_windows(stager, raw_rx, staged_tx))
             .context("cannot start the staging thread")?;
-
         let pass_thread = std::thread::Builder::new()
             .name("spikecube-pass".into())
-            .spawn_scoped(s, move || {
-                let mut times = StageTimes::default();
-                // Hands on finished windows; false when the run stops.
-                let hand_on = |res: Result<Vec<(Window, Detections)>>| -> bool {
-                    match res {
-                        Ok(done) => done.into_iter().all(|(w, det)| {
-                            let info = WindowInfo::of(&w);
-                            // Hand the buffer back; the reader may have stopped.
-                            let _ = free_tx.send(w.data);
-                            det_tx.send(Ok((info, det))).is_ok()
-                        }),
-                        Err(e) => {
-                            let _ = det_tx.send(Err(e));
-                            false
-                        }
-                    }
-                };
-                let mut going = true;
-                for item in staged_rx.iter() {
-                    let res = item.and_then(|(w, staged)| pass.push(w, staged, &mut times));
-                    if !hand_on(res) {
-                        going = false;
-                        break;
-                    }
-                }
-                // The windows still queued (released even when the run stopped).
-                let rest = pass.drain(&mut times);
-                if going {
-                    hand_on(rest);
-                }
-                times
-            })
+            .spawn_scoped(s, move || pass_windows(pass, staged_rx, free_tx, det_tx))
             .context("cannot start the processing thread")?;
 
         let mut times = StageTimes::default();
@@ -1099,6 +1041,181 @@ where
             wall: t_start.elapsed().as_secs_f64(),
         })
     })
+}
+
+/// One allocator of int16 storage per reading thread: several threads for a
+/// pass that takes int16 windows from a recording that gives them
+/// ([`device_readers`]); one for the others (f32 windows, twice the bytes,
+/// as for a CPU pass).
+fn reading_allocs(
+    pass: &mut dyn WindowPass,
+    rec: &dyn Recording,
+    chan_map: &[u64],
+) -> Vec<Option<Raw16Alloc>> {
+    match pass.raw16_buffers() {
+        Some(a) if !crate::recording::gives_int16(rec, chan_map) => vec![Some(a)],
+        Some(a) => std::iter::once(Some(a))
+            .chain((1..device_readers()).map(|_| pass.raw16_buffers()))
+            .collect(),
+        None => vec![None],
+    }
+}
+
+/// The read stage of [`run_windows_prechecked`]: what the reading threads need.
+struct Reading<'a> {
+    rec: &'a dyn Recording,
+    plan: WindowPlan,
+    chan_map: &'a [u64],
+    /// One per reading thread.
+    allocs: Vec<Option<Raw16Alloc>>,
+    /// Window buffers that may exist at once.
+    in_flight: usize,
+}
+
+impl Reading<'_> {
+    /// Reads every window on `allocs.len()` threads, `prepare` right after
+    /// each read, then `merge` and the hand-on to `raw_tx` in window order
+    /// ([`crate::recording::read_in_order`]); window buffers are taken in
+    /// window order, at most `in_flight`, new ones while fewer exist and then
+    /// those `free_rx` gives back. Returns the busy seconds (`read`,
+    /// `checks.prepare` summed over the threads, `checks`).
+    fn run<P, M>(
+        self,
+        prepare: &(dyn Fn(&mut Window) -> Result<P> + Sync),
+        mut merge: M,
+        raw_tx: crossbeam_channel::Sender<Result<Window>>,
+        free_rx: crossbeam_channel::Receiver<Array2<f32>>,
+    ) -> StageTimes
+    where
+        P: Send,
+        M: FnMut(&mut Window, P) -> Result<()> + Send,
+    {
+        let Reading {
+            rec,
+            plan,
+            chan_map,
+            allocs,
+            in_flight,
+        } = self;
+        let mut times = StageTimes::default();
+        let first = rec.first_sample();
+        let mut allocated = 0;
+        let states: Vec<(Option<Raw16Alloc>, StageTimes)> = allocs
+            .into_iter()
+            .map(|a| (a, StageTimes::default()))
+            .collect();
+        let raw_tx = &raw_tx;
+        let times_r = &mut times;
+        let done = crate::recording::read_in_order(
+            "spikecube-read",
+            plan.n_windows,
+            states,
+            // A free buffer, or a new one while fewer than the bound exist
+            // (allocated at its size only when f32 samples go in); none once
+            // the pass stopped.
+            |_| {
+                if allocated < in_flight {
+                    allocated += 1;
+                    Some(Array2::zeros((0, 0)))
+                } else {
+                    free_rx.recv().ok()
+                }
+            },
+            |(raw16, times), i, mut data| {
+                let t1 = Instant::now();
+                let res = read_any(rec, &plan, i, chan_map, &mut data, raw16)
+                    .map(|raw16| Window::of(first, &plan, i, data, raw16));
+                let t2 = times.lap("read", t1);
+                let res = res.and_then(|mut w| prepare(&mut w).map(|p| (w, p)));
+                times.lap("checks.prepare", t2);
+                res
+            },
+            |_, res: Result<(Window, P)>| {
+                let t2 = Instant::now();
+                let res = res.and_then(|(mut w, p)| merge(&mut w, p).map(|()| w));
+                times_r.lap("checks", t2);
+                let failed = res.is_err();
+                raw_tx.send(res).is_ok() && !failed
+            },
+        );
+        match done {
+            Ok(states) => states.iter().for_each(|(_, t)| times.merge(t)),
+            Err(e) => {
+                let _ = raw_tx.send(Err(e).context("cannot start a reading thread"));
+            }
+        }
+        times
+    }
+}
+
+/// The stage between the reader and the pass: the pass's stager, or a plain
+/// relay. Returns its busy seconds.
+fn stage_windows(
+    mut stager: Option<Box<dyn Stager>>,
+    raw_rx: crossbeam_channel::Receiver<Result<Window>>,
+    staged_tx: crossbeam_channel::Sender<Result<(Window, Option<Staged>)>>,
+) -> StageTimes {
+    let mut times = StageTimes::default();
+    for item in raw_rx.iter() {
+        let res = item.and_then(|mut w| match stager.as_mut() {
+            Some(st) => {
+                let staged = st.stage(&mut w, &mut times).with_context(|| {
+                    format!(
+                        "preparing window {} (samples from {})",
+                        w.index, w.own_start
+                    )
+                })?;
+                Ok((w, Some(staged)))
+            }
+            None => Ok((w, None)),
+        });
+        let failed = res.is_err();
+        if staged_tx.send(res).is_err() || failed {
+            break;
+        }
+    }
+    times
+}
+
+/// The pass stage: each staged window through `pass`, the finished ones'
+/// detections on to `det_tx` and their buffers back to the reader through
+/// `free_tx`. Returns its busy seconds.
+fn pass_windows(
+    pass: &mut dyn WindowPass,
+    staged_rx: crossbeam_channel::Receiver<Result<(Window, Option<Staged>)>>,
+    free_tx: crossbeam_channel::Sender<Array2<f32>>,
+    det_tx: crossbeam_channel::Sender<Result<(WindowInfo, Detections)>>,
+) -> StageTimes {
+    let mut times = StageTimes::default();
+    // Hands on finished windows; false when the run stops.
+    let hand_on = |res: Result<Vec<(Window, Detections)>>| -> bool {
+        match res {
+            Ok(done) => done.into_iter().all(|(w, det)| {
+                let info = WindowInfo::of(&w);
+                // Hand the buffer back; the reader may have stopped.
+                let _ = free_tx.send(w.data);
+                det_tx.send(Ok((info, det))).is_ok()
+            }),
+            Err(e) => {
+                let _ = det_tx.send(Err(e));
+                false
+            }
+        }
+    };
+    let mut going = true;
+    for item in staged_rx.iter() {
+        let res = item.and_then(|(w, staged)| pass.push(w, staged, &mut times));
+        if !hand_on(res) {
+            going = false;
+            break;
+        }
+    }
+    // The windows still queued (released even when the run stopped).
+    let rest = pass.drain(&mut times);
+    if going {
+        hand_on(rest);
+    }
+    times
 }
 
 #[cfg(test)]

@@ -1,9 +1,8 @@
 //! The input checks of one row as a scan fed its samples in column order, in
 //! any number of pieces. `check_rows` feeds each row of a window in one
-//! piece. (Issue 10, eighth
-//! session: feeding each block to the scans inside the int16 reader, while
+//! piece. (Feeding each block to the scans inside the int16 reader, while
 //! the block is in cache, was measured 2.7 times slower on the 16-core
-//! machine than reading and then checking, so it was taken out.)
+//! machine than reading and then checking, so the reader does not.)
 //!
 //! What a scan finds, whatever the pieces ([`super::stuck_runs`] is a scan of
 //! the real columns): the maximal runs of at

@@ -306,19 +306,7 @@ fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
         // Channel numbers (file columns): left of sites in the left half of
         // their shank, right of the others.
         let step = if probe.n_sites() <= 64 { 1 } else { 10 };
-        let mut mid = std::collections::HashMap::new();
-        for &k in &ids {
-            let xs: Vec<f32> = (0..probe.n_sites())
-                .filter(|&i| probe.kcoords[i] == k)
-                .map(|i| probe.xc[i])
-                .collect();
-            let (lo, hi) = xs
-                .iter()
-                .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
-                    (a.min(x), b.max(x))
-                });
-            mid.insert(k, (lo + hi) / 2.0);
-        }
+        let mid = shank_middles(probe, &ids);
         let label_size = if scale >= 2.0 { 16 } else { 13 };
         chart
             .draw_series((0..probe.n_sites()).step_by(step).map(|i| {
@@ -339,48 +327,81 @@ fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
             }))
             .map_err(&err)?;
 
-        // Legend: one entry per shank, then the symbols.
-        let text = |s: &str, x: i32, y: i32, size: u32| {
-            Text::new(
-                s.to_string(),
-                (x, y),
-                (FONT, size).into_font().color(&BLACK),
-            )
-        };
-        let mut y = top as i32;
-        side.draw(&text("shank", 10, y, 18)).map_err(&err)?;
-        y += 28;
-        for (n, &k) in ids.iter().enumerate().take(24) {
-            side.draw(&Rectangle::new(
-                [(12, y + 2), (26, y + 16)],
-                category_colour(n).mix(0.55).filled(),
-            ))
-            .map_err(&err)?;
-            side.draw(&text(&k.to_string(), 34, y, 16)).map_err(&err)?;
-            y += 22;
-        }
-        if ids.len() > 24 {
-            side.draw(&text(&format!("… {} more", ids.len() - 24), 12, y, 16))
-                .map_err(&err)?;
-            y += 22;
-        }
-        y += 16;
-        for line in [
-            "squares: sites".to_string(),
-            "numbers: channel".to_string(),
-            format!(
-                "  (file column){}",
-                if step > 1 { ", every 10th" } else { "" }
-            ),
-            "dots: template".to_string(),
-            "  centres".to_string(),
-        ] {
-            side.draw(&text(&line, 10, y, 15)).map_err(&err)?;
-            y += 20;
-        }
+        draw_legend(&side, &ids, top as i32, step > 1, path)?;
         root.present().map_err(&err)?;
     }
     plot::save_png(path, buf, w, h)
+}
+
+/// The middle of each shank's sites along x, µm, by shank id.
+fn shank_middles(probe: &Probe, ids: &[i64]) -> std::collections::HashMap<i64, f32> {
+    let mut mid = std::collections::HashMap::new();
+    for &k in ids {
+        let xs: Vec<f32> = (0..probe.n_sites())
+            .filter(|&i| probe.kcoords[i] == k)
+            .map(|i| probe.xc[i])
+            .collect();
+        let (lo, hi) = xs
+            .iter()
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| {
+                (a.min(x), b.max(x))
+            });
+        mid.insert(k, (lo + hi) / 2.0);
+    }
+    mid
+}
+
+/// The legend of [`draw`] on `side`, from pixel row `top`: one entry per
+/// shank (24 at most), then the symbols.
+fn draw_legend<DB: plotters::prelude::DrawingBackend>(
+    side: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+    ids: &[i64],
+    top: i32,
+    every_10th: bool,
+    path: &Path,
+) -> Result<()> {
+    use plotters::prelude::*;
+    use spikecube::output::plot::{FONT, category_colour, plot_err};
+    let err = plot_err(path);
+    let text = |s: &str, x: i32, y: i32, size: u32| {
+        Text::new(
+            s.to_string(),
+            (x, y),
+            (FONT, size).into_font().color(&BLACK),
+        )
+    };
+    let mut y = top;
+    side.draw(&text("shank", 10, y, 18)).map_err(&err)?;
+    y += 28;
+    for (n, &k) in ids.iter().enumerate().take(24) {
+        side.draw(&Rectangle::new(
+            [(12, y + 2), (26, y + 16)],
+            category_colour(n).mix(0.55).filled(),
+        ))
+        .map_err(&err)?;
+        side.draw(&text(&k.to_string(), 34, y, 16)).map_err(&err)?;
+        y += 22;
+    }
+    if ids.len() > 24 {
+        side.draw(&text(&format!("… {} more", ids.len() - 24), 12, y, 16))
+            .map_err(&err)?;
+        y += 22;
+    }
+    y += 16;
+    for line in [
+        "squares: sites".to_string(),
+        "numbers: channel".to_string(),
+        format!(
+            "  (file column){}",
+            if every_10th { ", every 10th" } else { "" }
+        ),
+        "dots: template".to_string(),
+        "  centres".to_string(),
+    ] {
+        side.draw(&text(&line, 10, y, 15)).map_err(&err)?;
+        y += 20;
+    }
+    Ok(())
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {

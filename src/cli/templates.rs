@@ -1,4 +1,4 @@
-//! Flags choosing the universal templates of `detect` (issue 11).
+//! Flags choosing the universal templates of `detect` (learned, built-in or a file).
 
 use std::path::PathBuf;
 

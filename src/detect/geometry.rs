@@ -175,7 +175,7 @@ impl Geometry {
 
         // The k nearest by (squared distance, index): a total order, so the
         // k smallest are the same whether all are sorted or only those
-        // (one centre at a time, centres in parallel: issue 10, start-up).
+        // (one centre at a time, centres in parallel, for a fast start-up).
         fn nearest(mut d: Vec<(f64, usize)>, k: usize) -> Vec<(f64, usize)> {
             let order =
                 |a: &(f64, usize), b: &(f64, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));

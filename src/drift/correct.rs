@@ -19,7 +19,7 @@ use crate::preprocess::Whitening;
 
 /// Default margin, µm, beyond the probe's end past which corrected sites read
 /// zero ([`DriftCorrection::with_zero_outside`]): one Neuropixels 2.0 row.
-/// Measured on simulated drifting recordings (BENCHMARKS.md): 0 µm removes
+/// Measured on simulated drifting recordings (docs/benchmarks-history.md): 0 µm removes
 /// every false detection at the end but loses 0.2–0.4 % recall there;
 /// 15 µm keeps recall at or above no correction with 99–99.8 % precision;
 /// Kilosort4's extrapolation (no zeroing) gives 83–96 % precision.
@@ -271,7 +271,7 @@ impl DriftCorrection {
     /// extrapolation everywhere (`None`, for `--drift-mode kilosort`).
     /// Extrapolated rows are near-copies of the last real sites; their
     /// strongly correlated noise makes the spatial templates cross the
-    /// threshold at the probe's end (BENCHMARKS.md).
+    /// threshold at the probe's end (docs/benchmarks-history.md).
     pub fn with_zero_outside(mut self, margin: Option<f64>) -> Self {
         self.zero_outside = margin;
         self

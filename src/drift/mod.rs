@@ -552,11 +552,8 @@ impl DriftRun {
     }
 
     /// Adds the drift step to the run's `spikecube.json`: `settings.drift`
-    /// (settings, both passes' spike counts, shifts) and the timings
-    /// `drift_first_pass`, `drift_estimate` (with its parts
-    /// `drift_estimate.register`, `.files` (drift.npy, drift_blocks.npy,
-    /// drift.png), `.correction` (iKxx)), `drift_correct` (also inside
-    /// `preprocess`). `second_pass_spikes`: the output's count.
+    /// (settings, both passes' spike counts, shifts). `second_pass_spikes`:
+    /// the output's count.
     pub fn record(&self, info: &mut crate::output::RunInfo, second_pass_spikes: u64) {
         let mut summary = self.summary.clone();
         if self.correction.is_some() {
@@ -565,14 +562,39 @@ impl DriftRun {
         if let serde_json::Value::Object(m) = &mut info.settings {
             m.insert("drift".into(), summary);
         }
+    }
+
+    /// Records the drift step's seconds: `drift_first_pass`,
+    /// `drift_estimate` (with its parts `drift_estimate.register`, `.files`
+    /// (drift.npy, drift_blocks.npy, drift.png), `.correction` (iKxx)) and,
+    /// after the second pass, `drift_correct` (the corrected whitening
+    /// matrices' builds, also inside the pass's `preprocess`).
+    pub fn record_timings(&self, timer: &mut crate::timing::StageTimer) {
         for (k, v) in &self.timings {
-            info.timings.insert((*k).into(), *v);
+            timer.add(*k, *v);
         }
         if self.correction.is_some() {
             let ns = self.correct_ns.load(std::sync::atomic::Ordering::Relaxed);
-            info.timings
-                .insert("drift_correct".into(), ns as f64 * 1e-9);
+            timer.add("drift_correct", ns as f64 * 1e-9);
         }
+    }
+}
+
+impl crate::stages::WindowWhitening for DriftRun {
+    fn corrects(&self) -> bool {
+        self.correction.is_some()
+    }
+
+    fn window_whitening(
+        &self,
+        index: u64,
+        w: &crate::preprocess::Whitening,
+    ) -> Result<Option<Arc<crate::preprocess::Whitening>>> {
+        DriftRun::window_whitening(self, index, w)
+    }
+
+    fn preprocess(&self, pre: &Preprocessor, index: u64, x: &mut Array2<f32>) -> Result<()> {
+        DriftRun::preprocess(self, pre, index, x)
     }
 }
 
@@ -661,7 +683,7 @@ pub fn prepare(
                 settings.sig_interp,
             )?
             // The sparse G_b in both modes: on the fixture recordings it gives
-            // the same spike times as every non-zero (BENCHMARKS.md, "Drift").
+            // the same spike times as every non-zero (docs/benchmarks-history.md, "Drift").
             .with_zero_outside(
                 (settings.mode != DriftMode::Kilosort && settings.edge_margin.is_finite())
                     .then_some(settings.edge_margin),

@@ -70,7 +70,6 @@ use npy_stream::{LeBytes, write_all};
 pub const PEAK_DESCR: &str = "[('sample_index', '<i8'), ('channel_index', '<i8'), ('amplitude', '<f8'), ('segment_index', '<i8')]";
 /// Bytes per peak record.
 pub const PEAK_BYTES: usize = 32;
-// ---- issue 13: SpikeInterface's conventions in peaks.npy ----
 /// Samples from a spike's trough to its detection time (Kilosort4's
 /// convention, `spike_times.npy`): `nt/2 − nt0min` = 30 − 20 for the built-in
 /// universal templates, whose trough is at sample `nt0min` of 61 and which
@@ -102,7 +101,6 @@ pub fn peak_site_and_amplitude(
     let site = if nc == 0 { 0 } else { i_c[[best, j]] as usize };
     (site, -f64::from(det.sign[i]) * f64::from(det.amp[i]))
 }
-// ---- end issue 13 ----
 
 /// Number of (size, template) pairs a detection can report.
 pub const N_DETECTION_TEMPLATES: usize = 30;
@@ -398,13 +396,12 @@ impl OutputWriter {
             for c in 0..nc {
                 (self.i_c[[c, j]] as i64).put(&mut b_ind);
             }
-            // ---- issue 13: SpikeInterface's conventions in peaks.npy ----
+            // peaks.npy: SpikeInterface's conventions (peak time, site, amplitude).
             let (site, amplitude) = peak_site_and_amplitude(det, i, &self.i_c, j);
             (t - TROUGH_OFFSET).max(0).put(&mut b_peaks);
             (site as i64).put(&mut b_peaks);
             amplitude.put(&mut b_peaks);
             0i64.put(&mut b_peaks);
-            // ---- end issue 13 ----
             self.per_template[det.imax[i] as usize] += 1;
             self.drift.push(t, det.yct[i], det.amp[i]);
         }
@@ -454,8 +451,8 @@ impl OutputWriter {
             s.pc_ind,
             s.peaks,
         ];
-        // Each file's header and its sync to disk, all at once (issue 10:
-        // nine syncs one after another took tens of ms), beside the drift map.
+        // Each file's header and its sync to disk, all at once (nine
+        // syncs one after another took tens of ms), beside the drift map.
         let drift_map = self.tmp.join("drift_map.png");
         let axes = DriftAxes {
             fs: run.fs,
@@ -551,7 +548,6 @@ impl OutputWriter {
                 "spike_times": "absolute sample index of the detection, about 10 samples after the spike's trough (Kilosort4's st[:, 0] times fs)",
                 "spike_positions": "x of the template centre and amplitude-weighted depth yct, µm",
                 "channel_index": "rows of channel_map.npy (probe sites in channel-map order); channel_map.npy gives the raw-file column",
-                // issue 13: SpikeInterface's conventions in peaks.npy.
                 "peaks": "SpikeInterface's conventions: sample_index = spike_times - 10 (the trough), channel_index = the site where the winning template's output is largest, amplitude = -sign * |A| (whitened units, negative for a trough-first spike)",
                 "whitening_mat": whitening_note,
             },

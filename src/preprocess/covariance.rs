@@ -1,5 +1,5 @@
 //! The window term `X·Xᵀ` of Kilosort4's whitening covariance, computed fast
-//! with exactly the bits of the plain product (issue 10).
+//! with exactly the bits of the plain product.
 //!
 //! The plain product ([`gram_reference`]) hands faer one f64 copy of 4096
 //! columns at a time (`matmul`, `Accum::Add`). On x86-64 with AVX2 + FMA or
@@ -80,8 +80,7 @@ fn to_f64_columns(rows: &[&[f32]], k0: usize, w: usize, x: &mut [f64]) {
     }
 }
 
-/// The plain window term (the code before issue 10's fit work, kept as the
-/// oracle): `acc` (C × C, column-major, `acc[k·C + i]`) ← `X·Xᵀ` of a (C × T)
+/// The plain window term (the simple form, kept as the oracle): `acc` (C × C, column-major, `acc[k·C + i]`) ← `X·Xᵀ` of a (C × T)
 /// f32 block, with one faer product per 4096 columns converted to f64
 /// (`Accum::Add` from zeros, all threads).
 pub(crate) fn gram_reference(block: ArrayView2<'_, f32>, acc: &mut Vec<f64>) {

@@ -1,5 +1,5 @@
 //! Kilosort4's high-pass as a circular forward–backward IIR: the CPU twin of the
-//! device kernels in `crate::detect::gpu::highpass_iir` (issue 10).
+//! device kernels in `crate::detect::gpu::highpass_iir`.
 //!
 //! [`HighpassFilter`](super::HighpassFilter) computes
 //! `y[t] = Σ_j g[j]·x[(t + j + s) mod N]`, g the filtfilt impulse response of the

@@ -386,7 +386,8 @@ impl Preprocessor {
             .map(|&v| f64::from(v.abs()))
             .sum::<f64>()
             / f64::from(peak.max(f32::MIN_POSITIVE));
-        // The CPU's summation order (issue 12: the same code applies G_b = M_b·W).
+        // The CPU's summation order (the same code applies drift correction's
+        // G_b = M_b·W).
         let (w_start, w_cols, w_vals) = self.whitening.csr();
         Some(DevicePreprocessing {
             n_sites: self.n_sites,

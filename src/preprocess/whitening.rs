@@ -181,9 +181,8 @@ pub fn accumulate_covariance(
 }
 
 /// As [`accumulate_covariance`], always with the plain product: one faer
-/// `X·Xᵀ` (all threads) per 4096 columns converted to f64, the code before
-/// issue 10's fit work, kept to check the fast form's bits and for the
-/// benchmark.
+/// `X·Xᵀ` (all threads) per 4096 columns converted to f64: the simple form,
+/// kept to check the fast form's bits and for the benchmark.
 ///
 /// # Errors
 /// As [`accumulate_covariance`].
@@ -354,7 +353,7 @@ impl FitTimes {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FitOptions {
     /// Window k's product runs beside window k + 1's preprocessing (`true`),
-    /// or after it (`false`: one step at a time, as before issue 10's fit work).
+    /// or after it (`false`: one step at a time, the simple schedule).
     pub pipelined: bool,
     /// `X·Xᵀ` by 512-column blocks, lower triangle only, where that keeps the
     /// bits ([`accumulate_covariance`]), or always the plain product
@@ -366,7 +365,7 @@ pub struct FitOptions {
 }
 
 impl FitOptions {
-    /// The schedule before issue 10's fit work: one step at a time, the plain
+    /// The simple schedule, for comparisons: one step at a time, the plain
     /// product, a new buffer per window.
     pub fn plain() -> Self {
         FitOptions {
@@ -812,7 +811,8 @@ impl Whitening {
         &self.w
     }
 
-    // ---- issue 12 (drift): a whitening-like matrix applied as CSR; its CSR form ----
+    // A whitening-like matrix (drift correction's G_b = M_b·W) applied as
+    // CSR, and the CSR form of any whitening.
 
     /// Wraps a (C × C) matrix for the sparse product only, without the
     /// entries whose magnitude is at most `floor` × its largest (`floor` = 0
@@ -901,7 +901,6 @@ impl Whitening {
         }
         (start, cols, vals)
     }
-    // ---- end issue 12 ----
 
     fn whiten_block(
         &self,

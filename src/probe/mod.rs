@@ -2,8 +2,10 @@
 //! column of the recording file holds it.
 //!
 //! Loaders: Kilosort's probe JSON ([`Probe::from_kilosort_json`]), probeinterface
-//! JSON ([`Probe::from_probeinterface_json`]) and [`Probe::load`], which picks one
-//! by content. Every loader ends in [`Probe::validate`], so a `Probe` in hand is
+//! JSON ([`Probe::from_probeinterface_json`]), `.prb` files ([`prb`]) and
+//! [`Probe::parse`], which picks one by content. [`Probe::load`], which also
+//! reads the geometry in a SpikeGLX `.meta`, is defined with the recordings
+//! (`recording/probe_file.rs`) so that this module needs none of them. Every loader ends in [`Probe::validate`], so a `Probe` in hand is
 //! always consistent: 1-D arrays of equal length, finite coordinates, unique
 //! channel indices within `n_chan`.
 
@@ -42,41 +44,6 @@ impl Probe {
     /// Number of sites in use (rows of a window).
     pub fn n_sites(&self) -> usize {
         self.xc.len()
-    }
-
-    /// Loads a probe file, choosing the format from its content: Kilosort JSON
-    /// (has `chanMap`), probeinterface JSON (has `probes`); by extension, a `.prb`
-    /// file (parsed as data, never executed) or a SpikeGLX `.meta` (geometry of the
-    /// saved AP channels, see [`crate::recording::spikeglx::Meta::probe`]).
-    ///
-    /// # Errors
-    /// [`ProbeError`] naming the file and the field that is missing or invalid.
-    pub fn load(path: &Path) -> Result<Probe, ProbeError> {
-        if path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("meta"))
-        {
-            return crate::recording::spikeglx::parse_meta(path)
-                .and_then(|m| m.probe())
-                .map_err(|e| match e {
-                    crate::error::RecordingError::Probe(p) => p,
-                    other => ProbeError::Parse {
-                        path: path.to_owned(),
-                        message: other.to_string(),
-                    },
-                });
-        }
-        let text = std::fs::read_to_string(path).map_err(|source| ProbeError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
-        if path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("prb"))
-        {
-            return prb::parse(&text, path);
-        }
-        Probe::parse(&text, path)
     }
 
     /// Parses probe text already in memory; `path` is used in messages only.

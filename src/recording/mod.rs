@@ -21,6 +21,7 @@ mod concat;
 pub mod np_parts;
 pub mod openephys;
 pub mod ordered;
+mod probe_file;
 pub mod spikeglx;
 mod window;
 
@@ -114,7 +115,7 @@ pub trait Recording: Send + Sync {
     ) -> Result<(), RecordingError>;
     /// Reads as [`Recording::read_channels`] does, but as the file's int16
     /// values unchanged, into rows of `stride` values: row i (file column
-    /// `chan_map[i]`) in `out[i·stride .. i·stride + count]` (issue 10: a
+    /// `chan_map[i]`) in `out[i·stride .. i·stride + count]` (a
     /// window goes to the GPU as it lies in the file, with no float copy).
     ///
     /// Returns `Ok(false)`, leaving `out` alone, when the recording's values

@@ -1,4 +1,4 @@
-//! Reading windows on several threads, handed on in window order (issue 10).
+//! Reading windows on several threads, handed on in window order.
 //!
 //! One thread reading a 384-channel window (46 MB of int16) and then checking
 //! it keeps a GPU waiting: both steps already run on the shared rayon pool,

@@ -111,7 +111,7 @@ pub struct Window {
     /// samples are in `raw16` instead.
     pub data: Array2<f32>,
     /// The samples as the file's int16 values, when the run reads them so
-    /// (a GPU pass on an int16 recording, issue 10); `data` is empty then.
+    /// (a GPU pass on an int16 recording); `data` is empty then.
     pub raw16: Option<Raw16>,
 }
 
@@ -174,7 +174,7 @@ pub fn read_window(
 }
 
 /// As [`read_window`], into `out` as the file's int16 values (rows of
-/// `out.stride`): what a GPU pass uploads (issue 10). Returns `Ok(false)`,
+/// `out.stride`): what a GPU pass uploads. Returns `Ok(false)`,
 /// with `out` unspecified, when the recording cannot give its values as int16
 /// unchanged ([`Recording::read_channels_i16`]).
 ///
@@ -210,7 +210,7 @@ pub fn read_window_i16(
         |a, m, buf, stride| rec.read_channels_i16(a, m, chan_map, buf, stride),
     )?;
     if read && stride > nw {
-        // Issue 10: the values past each row's end (one when the window has an
+        // The values past each row's end (one when the window has an
         // odd number of samples) go to a GPU with the row; they are set here so
         // that every byte of the buffer is written by the read (its storage may
         // be a reused page-locked block: `PinnedPool::take` does not zero).
@@ -223,8 +223,8 @@ pub fn read_window_i16(
 
 /// Whether `rec` gives the values of the channels of `chan_map` as int16
 /// unchanged ([`read_window_i16`] reads them; [`Recording::read_channels_i16`]
-/// answers for one sample of the first channel). Issue 10: a GPU pass reads
-/// such windows on several threads, into page-locked buffers made ahead.
+/// answers for one sample of the first channel). A GPU pass reads such
+/// windows on several threads, into page-locked buffers made ahead.
 pub fn gives_int16(rec: &dyn Recording, chan_map: &[u64]) -> bool {
     let mut one = [0i16; 1];
     !chan_map.is_empty()
@@ -340,8 +340,8 @@ impl Raw16Buffer for Vec<i16> {
 }
 
 /// A window's samples as the file's int16 values, rows in channel-map order:
-/// row r in `values()[r·stride .. r·stride + n_cols]` (issue 10: a GPU pass
-/// uploads this, with no float copy on the host).
+/// row r in `values()[r·stride .. r·stride + n_cols]` (a GPU pass uploads
+/// this, with no float copy on the host).
 pub struct Raw16 {
     /// Rows (probe sites).
     pub n_rows: usize,

@@ -11,7 +11,7 @@
 //! One cube per centre and [`TILE`] samples, centre-fastest (CUBE_POS_X = centre),
 //! so all centres of one time tile run together and that tile of B stays in L2.
 //! (Staging a block of centres' sites in shared memory instead was measured 3.5×
-//! slower on the H200: BENCHMARKS.md.)
+//! slower on the H200: docs/benchmarks-history.md.)
 //!
 //! Pruned: where the Cauchy–Schwarz bound max_s ‖weigh\[s, :, j\]‖²·Σ_c q\[iC\[c, j\], t\]
 //! (1 % margin) stays below Th_universal², no |A| can exceed the threshold and the

@@ -1,5 +1,5 @@
 //! The device high-pass as a circular forward–backward IIR, GPU twin of
-//! [`CircularIir`] (issue 10): Kilosort4's zero-phase high-pass at about 14
+//! [`CircularIir`]: Kilosort4's zero-phase high-pass at about 14
 //! multiply-adds per sample instead of the direct kernel's ~1000 taps
 //! ([`super::preprocess::highpass_kernel`]).
 //!

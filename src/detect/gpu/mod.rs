@@ -182,8 +182,8 @@ pub struct GpuDetector<R: Runtime> {
     /// bytes into a new pageable vector first.
     direct: Option<DirectUpload<R>>,
     /// The page-locked pool of [`GpuDetector::use_direct_upload`], kept so that
-    /// every packer of this detector shares it (issue 10: one pool per
-    /// detector; [`GpuDetector::pinned_pool`]).
+    /// every packer of this detector shares it (one pool per detector;
+    /// [`GpuDetector::pinned_pool`]).
     #[cfg(feature = "cuda")]
     pinned: Option<pinned::PinnedPool>,
     /// The two persistent buffers windows are sent ahead into (bytes,
@@ -346,8 +346,8 @@ impl Packer {
         }
     }
 
-    /// A packer into `pool`'s page-locked memory (issue 10: the pool a
-    /// detector's packers share).
+    /// A packer into `pool`'s page-locked memory (the pool a detector's
+    /// packers share).
     #[cfg(feature = "cuda")]
     pub fn with_pool(pool: pinned::PinnedPool) -> Packer {
         Packer {
@@ -364,7 +364,7 @@ impl Packer {
 
     /// Copies a page-locked window into the next of the detector's two upload
     /// buffers ([`pinned::UploadSlots`]), on a stream of its own, so that the
-    /// copy overlaps the device's work on the window before (issue 10); waits
+    /// copy overlaps the device's work on the window before; waits
     /// until the window that used that buffer before has been detected in.
     /// Other windows (not page-locked, another size, no buffers: wgpu) come
     /// back unchanged and are uploaded by [`GpuDetector::detect_raw`].
@@ -463,8 +463,8 @@ impl Packer {
 
 /// An int16 window's storage made by [`Packer::raw16_buffer`]: the reader
 /// fills it ([`crate::recording::read_window_i16`]), the input checks work on
-/// it, and it goes to the device as it is, a packed [`RawWindow`] (issue 10:
-/// no float copy and no packing on the host).
+/// it, and it goes to the device as it is, a packed [`RawWindow`] (no float
+/// copy and no packing on the host).
 pub struct PackedRows {
     data: cubecl::bytes::Bytes,
     pinned: bool,
@@ -555,7 +555,7 @@ fn bytemuck_words(b: &mut cubecl::bytes::Bytes) -> &mut [u32] {
 impl GpuDetector<cubecl::cuda::CudaRuntime> {
     /// Uploads page-locked raw windows ([`Packer::pinned_cuda`]) with one
     /// `cuMemcpyHtoD` into a persistent buffer (about 25 GB/s measured on the H200
-    /// machine, BENCHMARKS.md) instead of CubeCL's `create`.
+    /// machine, docs/benchmarks-history.md) instead of CubeCL's `create`.
     pub fn use_direct_upload(&mut self, pool: pinned::PinnedPool) {
         self.pinned = Some(pool.clone());
         self.direct = Some(Box::new(move |client, handle, bytes| {
@@ -896,8 +896,8 @@ impl<R: Runtime> GpuDetector<R> {
     /// [`Packer::send_ahead`], or else copied into a device buffer of its
     /// own): preprocessing, detection and the download of its
     /// detections, without waiting for them, so that the device starts on it
-    /// as soon as the window before is done (issue 10: no gap between windows
-    /// while the host sorts and hands on the previous window's detections).
+    /// as soon as the window before is done (no gap between windows while
+    /// the host sorts and hands on the previous window's detections).
     /// [`GpuDetector::collect`] returns the detections, in the order the
     /// windows were queued; each equals what [`GpuDetector::detect_raw`] gives
     /// for that window. Every buffer the queued work uses is either the
@@ -1494,7 +1494,7 @@ impl<R: Runtime> GpuDetector<R> {
 
     /// Runs `alloc` with CubeCL's persistent allocation mode: buffers of exactly
     /// the asked size instead of slices of the pools' pages (which held 3–4 GB
-    /// for our 1.3 GB of window buffers on the H200, BENCHMARKS.md).
+    /// for our 1.3 GB of window buffers on the H200, docs/benchmarks-history.md).
     fn persistent<T: Send>(&self, alloc: impl Fn(&ComputeClient<R>) -> T + Send + Sync) -> T {
         match self
             .client

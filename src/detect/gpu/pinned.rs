@@ -361,7 +361,7 @@ impl std::fmt::Debug for ReservedPool {
 }
 
 /// Two device buffers that windows are copied into, in turn, on a CUDA stream
-/// of their own (issue 10): the copy of window k + 1 runs on the GPU's copy
+/// of their own: the copy of window k + 1 runs on the GPU's copy
 /// engine while its compute units work on window k, which reads the other
 /// buffer. A buffer is written only after the window that used it before has
 /// released it ([`SlotGuard`], dropped once its detections are downloaded).

@@ -24,7 +24,7 @@
 //!   taps whose magnitude is above [`crate::preprocess::DEVICE_TAP_FLOOR`] of the
 //!   peak (the CPU uses FFTs over the taps above 1e-13 of the peak); the error is
 //!   bounded by the dropped taps' sum times the input's magnitude (measured in
-//!   `tests/gpu.rs` and BENCHMARKS.md);
+//!   `tests/gpu.rs` and docs/benchmarks-history.md);
 //! * whitening: the CPU's sparse product with the same terms in the same order.
 //!
 //! Kilosort4's artifact check (`artifact_threshold`) has no device version: a run

@@ -2,7 +2,7 @@
 //!
 //! CubeCL 0.10 has no write into an existing buffer: each upload creates a new
 //! one through a host staging copy. For a whole 92 MB window that path was
-//! measured at about 0.4 GB/s on the H200 machine (BENCHMARKS.md), so the window
+//! measured at about 0.4 GB/s on the H200 machine (docs/benchmarks-history.md), so the window
 //! is sent in chunks of a few MB, whose staging memory CubeCL's pools reuse, and
 //! a kernel copies each chunk into the window's persistent device buffer.
 

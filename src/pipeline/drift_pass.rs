@@ -1,0 +1,116 @@
+//! Stage 5, **drift**: Kilosort4's `datashift` — a first detection pass with
+//! the run's whitening, the drift estimate, `drift.npy`, `drift_blocks.npy`
+//! and `drift.png` in the staged folder, and the correction the detection
+//! pass applies ([`crate::drift`]). When the run learns its templates,
+//! Kilosort4 learns them again from the drift-corrected windows for the
+//! second pass (drift-spec.md §8); those are the output's.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+
+use super::job::DetectJob;
+use super::open::OpenRun;
+use super::templates::read_masked;
+use crate::drift::{DriftRun, FirstPass};
+use crate::preprocess::Preprocessor;
+use crate::stages::WindowPass;
+use crate::timing::StageTimer;
+use crate::universal::{ChosenTemplates, TemplateSource};
+
+/// What the drift stage leaves for the detection pass and the outputs.
+pub(crate) struct DriftStep {
+    /// The estimate and the correction (none when `nblocks = 0` or the
+    /// estimate was turned off); shared with the window pass.
+    pub run: Arc<DriftRun>,
+    /// The templates learned again from the drift-corrected windows, which
+    /// the detection pass uses (and the output records) in place of stage
+    /// 4's; `None` when the run did not learn them again.
+    pub relearned: Option<ChosenTemplates>,
+}
+
+/// Runs the drift step: the first pass through `pass` (with `--drift-only`
+/// its spikes stream into the staged folder as the output), the estimate and
+/// its files; then, when the detection pass corrects drift and the templates
+/// are learned, the templates learned again from the corrected windows
+/// (`templates_second_pass` in the timings), handed to `pass` and kept in
+/// [`DriftStep::relearned`].
+///
+/// # Errors
+/// As [`crate::drift::prepare`]; a failed read or learning step.
+pub(crate) fn drift_step(
+    job: &DetectJob,
+    run: &mut OpenRun,
+    pre: &Preprocessor,
+    pass: &mut dyn WindowPass,
+    timer: &mut StageTimer,
+) -> Result<DriftStep> {
+    let fp = FirstPass {
+        recording: &job.recording,
+        plan: &run.plan,
+        probe: &job.probe,
+        pre,
+        nt: job.detection.nt as u64,
+        mask_clipped: job.checks.mask_clipped,
+    };
+    let staged = run.writer.partial_path().to_path_buf();
+    let mut found = Vec::new();
+    let writer = &mut run.writer;
+    let drift = crate::drift::prepare(
+        &fp,
+        &job.drift,
+        f64::from(job.detection.th_universal),
+        pass,
+        &staged,
+        &mut |d, first| writer.append(d, first),
+        &mut |w| found.push(w),
+    )?;
+    found.into_iter().for_each(|w| run.warnings.push(w));
+    let drift = Arc::new(drift);
+    let mut relearned = None;
+    if drift.correction.is_some()
+        && drift.windows_to_detect() > 0
+        && matches!(job.templates, TemplateSource::Learned(_))
+    {
+        relearned = Some(timer.time("templates_second_pass", |_| {
+            relearn(job, run, pre, &drift, pass)
+        })?);
+    }
+    Ok(DriftStep {
+        run: drift,
+        relearned,
+    })
+}
+
+/// The templates learned again from the drift-corrected windows, handed to
+/// `pass` and written into the staged folder.
+fn relearn(
+    job: &DetectJob,
+    run: &mut OpenRun,
+    pre: &Preprocessor,
+    drift: &DriftRun,
+    pass: &mut dyn WindowPass,
+) -> Result<ChosenTemplates> {
+    let plan = run.plan;
+    let mut second = crate::universal::choose(
+        &job.templates,
+        plan.n_windows,
+        job.detection.nt,
+        job.detection.nt0min(),
+        |i| {
+            let mut w = read_masked(job, &plan, i)?;
+            drift.preprocess(pre, i, &mut w).with_context(|| {
+                format!("preprocessing window {i} (drift-corrected) for learning templates")
+            })?;
+            Ok(w)
+        },
+    )?;
+    second.description["windows"] = "drift-corrected (second pass)".into();
+    if let Some(w) = &second.warning {
+        run.warnings
+            .push(format!("second pass (drift-corrected): {w}"));
+    }
+    pass.set_templates(&second.templates)?;
+    crate::universal::write_outputs(run.writer.partial_path(), &second)?;
+    Ok(second)
+}
