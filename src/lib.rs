@@ -57,6 +57,7 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod batch;
 pub mod checks;
 pub mod detect;
 pub mod drift;
@@ -66,6 +67,7 @@ pub mod output;
 pub mod pipeline;
 pub mod preprocess;
 pub mod probe;
+pub mod provenance;
 pub mod recording;
 pub mod simulate;
 pub mod stages;

@@ -64,6 +64,16 @@ fn speed(x: f64) -> String {
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
+    run_task(args, quiet, None)
+}
+
+/// `detect`, as line `task` of a `spikecube batch` run when given (recorded in
+/// spikecube.json's provenance).
+pub fn run_task(
+    args: Args,
+    quiet: bool,
+    task: Option<spikecube::provenance::Task>,
+) -> Result<ExitCode> {
     // ---- issue 10: --threads ----
     if let Some(n) = args.threads {
         if n == 0 {
@@ -99,6 +109,7 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         dtype: args.rec.dtype.name().into(),
         offset: args.rec.offset,
         hp_filtered: false,
+        task,
         ..RunInfo::default()
     };
     if !quiet {

@@ -18,6 +18,7 @@ macro_rules! tell {
     }};
 }
 
+mod batch;
 mod common;
 mod detect;
 mod detect_window;
@@ -63,6 +64,9 @@ enum Command {
     Simulate(simulate::Args),
     /// List the back ends this build has and the devices each finds.
     Info,
+    /// Many recordings as tasks for a job engine (Slurm, Snakemake): plan, task, collect.
+    #[command(subcommand)]
+    Batch(batch::Args),
 }
 
 /// Parses the command line and runs the subcommand.
@@ -104,5 +108,6 @@ pub fn run() -> anyhow::Result<ExitCode> {
         Command::Probe(args) => probe::run(args),
         Command::Simulate(args) => simulate::run(args, cli.quiet),
         Command::Info => info::run(),
+        Command::Batch(args) => batch::run(args, cli.quiet),
     }
 }
