@@ -79,18 +79,46 @@ fn npy_expected_len(path: &Path) -> Result<u64, String> {
         let end = start + rest[start..].find(close)?;
         Some(rest[start..end].to_string())
     };
-    let descr = field("'descr'", '\'', '\'').ok_or("its header has no descr")?;
-    let item: u64 = descr
-        .trim_start_matches(['<', '>', '|', '='])
-        .get(1..)
-        .and_then(|n| n.parse().ok())
-        .ok_or_else(|| format!("dtype {descr:?} is not a plain number type"))?;
+    let item = descr_itemsize(&dict)?;
     let shape = field("'shape'", '(', ')').ok_or("its header has no shape")?;
     let mut n: u64 = 1;
     for d in shape.split(',').map(str::trim).filter(|d| !d.is_empty()) {
         n = n.saturating_mul(d.parse::<u64>().map_err(|_| format!("shape ({shape}) unreadable"))?);
     }
     Ok(pre + hlen + n * item)
+}
+
+/// Bytes per element of an `.npy` header's `descr`: a plain type (`'<f4'`)
+/// or a flat structured one (`[('a', '<i8'), ('b', '<f8')]`, the sum of its
+/// fields).
+fn descr_itemsize(dict: &str) -> Result<u64, String> {
+    let at = dict.find("'descr'").ok_or("its header has no descr")? + "'descr'".len();
+    let rest = dict[at..].trim_start_matches([':', ' ']);
+    let region = if rest.starts_with('[') {
+        &rest[..rest.find(']').ok_or("its descr is cut short")?]
+    } else {
+        let end = rest[1..].find('\'').ok_or("its descr is cut short")? + 2;
+        &rest[..end]
+    };
+    let mut total = 0u64;
+    for token in region.split('\'').skip(1).step_by(2) {
+        let mut chars = token.chars();
+        let (Some(order), Some(kind)) = (chars.next(), chars.next()) else {
+            continue;
+        };
+        if !"<>|=".contains(order) || !kind.is_ascii_alphabetic() {
+            continue;
+        }
+        let size: u64 = chars
+            .as_str()
+            .parse()
+            .map_err(|_| format!("dtype {token:?} is not a plain number type"))?;
+        total += size;
+    }
+    if total == 0 {
+        return Err("its descr holds no number type".into());
+    }
+    Ok(total)
 }
 
 /// Rows of an `.npy` file (its shape's first number; 1 for a scalar).
@@ -245,5 +273,15 @@ mod tests {
             std::fs::metadata(&p).unwrap().len()
         );
         assert_eq!(npy_rows(&p), Some(3));
+        // A structured dtype (as peaks.npy): the fields' sizes add up.
+        let dict = format!("{{'descr': {}, 'fortran_order': False, 'shape': (2,), }}", crate::output::PEAK_DESCR);
+        let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+        bytes.extend((dict.len() as u16).to_le_bytes());
+        bytes.extend(dict.as_bytes());
+        bytes.extend([0u8; 64]);
+        std::fs::write(&p, &bytes).unwrap();
+        assert_eq!(npy_expected_len(&p).unwrap(), bytes.len() as u64);
+        assert_eq!(descr_itemsize("{'descr': '|i1', }"), Ok(1));
+        assert!(descr_itemsize("{'descr': 'O', }").is_err());
     }
 }

@@ -87,7 +87,10 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     }
 }
 
-fn plan(args: Vec<OsString>, quiet: bool) -> Result<ExitCode> {
+fn plan(mut args: Vec<OsString>, quiet: bool) -> Result<ExitCode> {
+    // The global -q / -v given after `plan` are the plan's own, not task flags.
+    let quiet = quiet || args.iter().any(|a| a == "-q" || a == "--quiet");
+    args.retain(|a| !["-q", "--quiet", "-v", "--verbose"].iter().any(|f| a == f));
     if args.iter().any(|a| a == "--help" || a == "-h") {
         use clap::CommandFactory;
         let mut cmd = super::Cli::command();

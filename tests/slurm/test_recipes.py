@@ -25,6 +25,13 @@ def summary(run):
     return [dict(zip(head, l.split("\t"))) for l in lines[1:]]
 
 
+def requeue(job, env):
+    """`scontrol requeue JOB`, then made eligible now: Slurm holds a requeued
+    job for about two minutes before it may start again."""
+    run_cmd(["scontrol", "requeue", job], env)
+    run_cmd(["scontrol", "update", f"jobid={job}", "StartTime=now"], env)
+
+
 def test_array_equals_plain_detect_and_collect_runs_after_it(recordings, reference, slurm, tmp_path):
     run = plan(tmp_path / "run", recordings)
     out = run_cmd([CONTRIB / "slurm" / "submit", run], slurm).stdout.split()
@@ -77,7 +84,7 @@ def test_cancelled_and_requeued_task_gives_the_same_bytes(recordings, reference,
     state = job_info(f"{array}_1", env)["1"]["JobState"]
     assert state == "CANCELLED", f"task 1 ended {state} before it could be cancelled"
     assert not (out / NAMES[1]).exists(), "a cancelled task left an output"
-    run_cmd(["scontrol", "requeue", f"{array}_1"], env)
+    requeue(f"{array}_1", env)
     wait_jobs([array], env)
     for t, info in job_info(array, env).items():
         assert info["JobState"] == "COMPLETED", (t, info["JobState"])
@@ -88,7 +95,7 @@ def test_cancelled_and_requeued_task_gives_the_same_bytes(recordings, reference,
     assert provenance(run, NAMES[1])["env"]["SLURM_RESTART_COUNT"] == "1"
     # Requeued again once complete: skipped, nothing rewritten.
     before = (out / NAMES[1] / "spikecube.json").stat().st_mtime_ns
-    run_cmd(["scontrol", "requeue", f"{array}_1"], env)
+    requeue(f"{array}_1", env)
     wait_jobs([array], env)
     assert "skipped" in (run / "logs" / "1.log").read_text().splitlines()[-1]
     assert (out / NAMES[1] / "spikecube.json").stat().st_mtime_ns == before
