@@ -76,6 +76,7 @@
 #![deny(missing_docs)]
 
 pub mod backend;
+pub mod batch;
 pub mod checks;
 pub mod detect;
 pub mod drift;
@@ -85,6 +86,7 @@ pub mod output;
 pub mod pipeline;
 pub mod preprocess;
 pub mod probe;
+pub mod provenance;
 pub mod recording;
 pub mod simulate;
 pub mod sort;

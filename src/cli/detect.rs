@@ -80,7 +80,12 @@ pub(super) fn start_threads(threads: Option<usize>) -> Result<()> {
 
 /// Opens the recording and builds the detection job the flags ask for
 /// (shared by `detect` and `sort`).
-pub(super) fn build_job(args: &Args, quiet: bool, command: &str) -> Result<DetectJob> {
+pub(super) fn build_job(
+    args: &Args,
+    quiet: bool,
+    command: &str,
+    task: Option<spikecube::provenance::Task>,
+) -> Result<DetectJob> {
     start_threads(args.threads)?;
     let (opened, probe, mut checks) = open_input(&args.rec, &args.checks, &args.recording)?;
     let rec = opened.recording.clone();
@@ -113,6 +118,7 @@ pub(super) fn build_job(args: &Args, quiet: bool, command: &str) -> Result<Detec
         dtype: args.rec.dtype.name().into(),
         offset: args.rec.offset,
         hp_filtered: false,
+        task,
         ..RunInfo::default()
     };
     if !quiet {
@@ -142,7 +148,17 @@ pub(super) fn build_job(args: &Args, quiet: bool, command: &str) -> Result<Detec
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
-    let job = build_job(&args, quiet, "detect")?;
+    run_task(args, quiet, None)
+}
+
+/// `detect`, as line `task` of a `spikecube batch` run when given (recorded in
+/// spikecube.json's provenance).
+pub fn run_task(
+    args: Args,
+    quiet: bool,
+    task: Option<spikecube::provenance::Task>,
+) -> Result<ExitCode> {
+    let job = build_job(&args, quiet, "detect", task)?;
     let bar = progress_bar(quiet);
     let report = run_detection(job, &mut |p| {
         bar.set_length(p.windows_total);

@@ -18,6 +18,7 @@ macro_rules! tell {
     }};
 }
 
+mod batch;
 mod common;
 mod detect;
 mod detect_window;
@@ -70,6 +71,9 @@ enum Command {
     /// Merges and Phy folder from Kilosort4's own sort arrays (for checks against Kilosort4).
     #[command(hide = true)]
     ExportPhy(export_phy::Args),
+    /// Many recordings as tasks for a job engine (Slurm, Snakemake): plan, task, collect.
+    #[command(subcommand)]
+    Batch(batch::Args),
 }
 
 /// Parses the command line and runs the subcommand.
@@ -113,5 +117,6 @@ pub fn run() -> anyhow::Result<ExitCode> {
         Command::Simulate(args) => simulate::run(args, cli.quiet),
         Command::Info => info::run(),
         Command::ExportPhy(args) => export_phy::run(args, cli.quiet),
+        Command::Batch(args) => batch::run(args, cli.quiet),
     }
 }

@@ -77,7 +77,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
-    let detect = super::detect::build_job(&args.detect, quiet, "sort")?;
+    let detect = super::detect::build_job(&args.detect, quiet, "sort", None)?;
     let sort = args.sort.settings(detect.detection.nearest_chans);
     let bar = progress_bar(quiet);
     let report = run_sort(SortJob { detect, sort }, &mut |p| {

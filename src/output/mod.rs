@@ -144,6 +144,10 @@ pub struct RunInfo {
     pub whitening: Array2<f32>,
     /// Warnings of the run (input checks), one line each; `"warnings"` in `spikecube.json`.
     pub warnings: Vec<String>,
+    /// The `spikecube batch` task this run is, if any; with the host, device
+    /// and job engine's ids it makes `"provenance"` in `spikecube.json`
+    /// ([`crate::provenance::record`]).
+    pub task: Option<crate::provenance::Task>,
 }
 
 /// What [`OutputWriter::finish`] wrote.
@@ -534,6 +538,7 @@ impl OutputWriter {
                 "n_pcs": self.n_pcs,
             },
             "warnings": run.warnings,
+            "provenance": crate::provenance::record(run.versions.get("device").map(String::as_str), run.task.as_ref()),
             "timings_s": run.timings,
             "counts": {
                 "n_spikes": self.n_spikes,
