@@ -18,6 +18,7 @@
 //! * [`detect`]: template centres, neighbourhoods, the reference CPU detector.
 //! * [`output`]: `.npy` files, Phy's `params.py`, provenance and the drift map.
 //! * [`pipeline`]: the whole run, recording to output folder.
+//! * [`preprocess_folder`]: the output folder of `spikecube preprocess`.
 //!
 //! Detection on one whitened window (C sites × NT samples):
 //!
@@ -65,6 +66,7 @@ pub mod npy;
 pub mod output;
 pub mod pipeline;
 pub mod preprocess;
+pub mod preprocess_folder;
 pub mod probe;
 pub mod recording;
 pub mod simulate;

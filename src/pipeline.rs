@@ -173,6 +173,10 @@ pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opene
     let structured = first.is_dir()
         || first.extension().is_some_and(|e| e == "oebin")
         || first.with_extension("meta").is_file();
+    if !structured && let Some(w) = checks::dtype::dtype_warning(first, &req.open) {
+        warnings.insert(0, w); // before any rescaling's message
+    }
+    warnings.extend(crate::recording::junction_warnings(&req.paths, &req.open));
     let checks = Checks {
         warnings,
         auto_scale: req.open.scale.is_none(),
@@ -397,6 +401,10 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     if let Some(m) = &fitted.scale_message {
         warnings.push(m.clone());
     }
+    fitted
+        .noisy_message
+        .iter()
+        .for_each(|m| warnings.push(m.clone()));
     let whiten_mat = fitted.whitening;
     let fit_times = fitted.times;
     let fit_s = t_fit.elapsed().as_secs_f64();
@@ -623,7 +631,11 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         writer.append(&prev, prev_first)?;
         spikes += prev.len() as u64;
     }
-    let _ = spikes;
+    if drift.windows_to_detect() > 0
+        && let Some(w) = checks::zero_spikes_warning(spikes, rec.n_samples() as f64 / fs)
+    {
+        warnings.push(w);
+    }
     if dropped > 0 {
         tracing::info!(
             "{dropped} detections in the last window's padding (past the end of the recording) were dropped"
@@ -837,6 +849,7 @@ pub fn fit_whitening_with(
     let plan = plan_windows(rec.as_ref(), probe, settings.batch_size, settings.nt)?;
     let fitted = fit(rec, &plan, probe, &settings, checks, options)?;
     let mut warnings: Vec<String> = fitted.scale_message.iter().cloned().collect();
+    warnings.extend(fitted.noisy_message.iter().cloned());
     if let Some(w) = fitted
         .health
         .warning("the windows of the whitening fit", checks.mask_clipped)
@@ -1053,6 +1066,10 @@ pub fn write_whitened(
         if let Some(m) = &fitted.scale_message {
             warnings.push(m.clone());
         }
+        fitted
+            .noisy_message
+            .iter()
+            .for_each(|m| warnings.push(m.clone()));
         if let Some(w) = fitted
             .health
             .warning("the windows of the whitening fit", checks.mask_clipped)
@@ -1190,6 +1207,8 @@ struct Fitted {
     scale_factor: f64,
     /// Why the data were rescaled.
     scale_message: Option<String>,
+    /// Noisy channels found in the fit's covariance ([`checks::noisy_channels_warning`]).
+    noisy_message: Option<String>,
     /// Channel check over the windows of the fit.
     health: ChannelHealth,
     /// Busy seconds of the fit's parts (`whitening_fit.<part>` in the timings).
@@ -1304,6 +1323,7 @@ fn finish_fit(
         whitening,
         scale_factor: k,
         scale_message: message,
+        noisy_message: checks::noisy_channels_warning(&cc, &probe.chan_map),
         health,
         times,
     })
