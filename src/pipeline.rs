@@ -578,6 +578,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         health_ref.merge(&h);
         Ok(())
     };
+    let zeroed_before = pre.artifact_windows();
     // `--drift-only`: the first pass's spikes are the output; no second pass.
     let stages = if drift.windows_to_detect() == 0 {
         crate::stages::StagesReport::default()
@@ -630,6 +631,11 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     if let Some((prev, prev_first)) = pending.take() {
         writer.append(&prev, prev_first)?;
         spikes += prev.len() as u64;
+    }
+    let zeroed = pre.artifact_windows() - zeroed_before;
+    let (thr, bs) = (job.preprocess.artifact_threshold, job.preprocess.batch_size);
+    if let Some(w) = checks::artifact_windows_warning(thr, zeroed, plan.n_windows, bs, fs) {
+        warnings.push(w);
     }
     if drift.windows_to_detect() > 0
         && let Some(w) = checks::zero_spikes_warning(spikes, rec.n_samples() as f64 / fs)

@@ -161,9 +161,10 @@ pub struct Registration {
     pub imin: Array2<f64>,
     /// `yblk`: block centres, µm.
     pub yblk: Vec<f64>,
-    /// Per batch, the rigid passes whose best lag sat at the edge of the
-    /// ±[`RIGID_LAGS`] search (the true shift may lie beyond it).
-    pub rigid_edge_passes: Vec<u32>,
+    /// Per batch, the lag (bins) its last applied rigid pass chose: at the
+    /// edge of the ±[`RIGID_LAGS`] search the batch was still moving as fast as
+    /// the search allows when the passes ended.
+    pub rigid_last: Vec<i32>,
 }
 
 /// Mean of f32 values, accumulated in f64 and rounded to f32 (a float32
@@ -236,7 +237,7 @@ pub fn register(
     }
     let mut t = g.index_axis(ndarray::Axis(0), reference).to_owned();
     let mut rigid = vec![0i32; nbat];
-    let mut rigid_edge_passes = vec![0u32; nbat];
+    let mut rigid_last = vec![0i32; nbat];
     let lags: Vec<i32> = (-RIGID_LAGS..=RIGID_LAGS).collect();
     use rayon::prelude::*;
     for it in 0..RIGID_PASSES {
@@ -260,7 +261,7 @@ pub fn register(
                 let mut gb = g.index_axis_mut(ndarray::Axis(0), b);
                 roll_rows(&mut gb, best[b]);
                 rigid[b] += best[b];
-                rigid_edge_passes[b] += u32::from(best[b].abs() == RIGID_LAGS);
+                rigid_last[b] = best[b];
             }
         }
         // The last pass's scores are never used; its template equals this one.
@@ -341,14 +342,14 @@ pub fn register(
         smoothed,
         imin,
         yblk,
-        rigid_edge_passes,
+        rigid_last,
     })
 }
 
 /// What [`check_search_range`] found.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RangeCheck {
-    /// Batches whose rigid search chose an edge lag (±[`RIGID_LAGS`]) in some pass.
+    /// Batches whose last rigid pass chose an edge lag (±[`RIGID_LAGS`]).
     pub edge_batches: Vec<usize>,
     /// Batches (with spikes) whose fingerprint, shifted by the estimate, still
     /// matches the reference batch's best at a further lag beyond
@@ -358,8 +359,8 @@ pub struct RangeCheck {
     pub wide_lags: i32,
 }
 
-/// Checks a registration against its search range: batches whose rigid
-/// search chose an edge lag, and batches that, shifted by their estimated
+/// Checks a registration against its search range: batches whose last rigid
+/// pass chose an edge lag, and batches that, shifted by their estimated
 /// rigid offset, still match the reference batch best at a lag beyond the
 /// fine step's ±[`FINE_LAGS`] bins, searching up to ±4·[`RIGID_LAGS`] bins
 /// (at most a third of the depth bins, so the circular roll does not alias;
@@ -369,7 +370,7 @@ pub fn check_search_range(hist: &Histogram, reg: &Registration, reference: usize
     let wide = (4 * RIGID_LAGS).min((d / 3) as i32);
     let mut out = RangeCheck {
         edge_batches: (0..nbat)
-            .filter(|&b| reg.rigid_edge_passes[b] > 0)
+            .filter(|&b| reg.rigid_last[b].abs() == RIGID_LAGS)
             .collect(),
         missed: Vec::new(),
         wide_lags: wide,
@@ -420,23 +421,24 @@ pub fn range_warning(check: &RangeCheck, dd: f64, nbat: usize) -> Option<String>
     let mut parts = Vec::new();
     if !check.edge_batches.is_empty() {
         parts.push(format!(
-            "the rigid search's best shift sat at the edge of its range (±{RIGID_LAGS} bins × {dd} µm = ±{limit:.0} µm) in {} of {nbat} windows (first: {})",
+            "the rigid search's best shift still sat at the edge of its range in its last pass (±{RIGID_LAGS} bins × {dd} µm = ±{limit:.0} µm) in {} of {nbat} windows (first: {})",
             check.edge_batches.len(),
             check.edge_batches.iter().take(5).map(|b| b.to_string()).collect::<Vec<_>>().join(", ")
         ));
     }
     if enough {
-        let worst = check.missed.iter().map(|m| m.1.abs()).max().unwrap_or(0);
+        let mut lags: Vec<i32> = check.missed.iter().map(|m| m.1.abs()).collect();
+        lags.sort_unstable();
         parts.push(format!(
-            "{} of {nbat} windows, shifted by their estimate, still match the reference window best {} µm further (up to {:.0} µm; first windows: {})",
+            "{} of {nbat} windows, shifted by their estimate, still match the reference window best {:.0} µm further (median; up to {:.0} µm; first windows: {})",
             check.missed.len(),
-            if check.missed.iter().all(|m| m.1 > 0) { "up" } else { "away" },
-            f64::from(worst) * dd,
+            f64::from(lags[lags.len() / 2]) * dd,
+            f64::from(lags[lags.len() - 1]) * dd,
             check.missed.iter().take(5).map(|m| m.0.to_string()).collect::<Vec<_>>().join(", ")
         ));
     }
     Some(format!(
-        "drift: {}: the drift is probably larger than the ±{limit:.0} µm Kilosort4's registration can find, and is under-corrected; a larger --binning-depth widens the search (±{RIGID_LAGS} bins of it), or sort the stretches before and after a large jump separately",
+        "drift: {}: the drift is probably larger than the ±{limit:.0} µm Kilosort4's registration can find, and is under-corrected (depths jump where it happens; see drift.png): sort the stretches before and after a large jump separately (--tmin/--tmax), or compare with --nblocks 0 (no correction); a larger --binning-depth widens the search (±{RIGID_LAGS} bins of it) but its circular search may then alias",
         parts.join("; ")
     ))
 }
