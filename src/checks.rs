@@ -16,7 +16,12 @@ use crate::preprocess::WHITENING_EPS;
 use crate::probe::Probe;
 use crate::recording::Recording;
 
+pub mod dtype;
+mod noisy;
+mod outcome;
+pub use noisy::{NOISY_SD_RATIO, noisy_channels, noisy_channels_warning};
 mod scan;
+pub use outcome::{ZERO_SPIKES_MIN_SECONDS, artifact_windows_warning, zero_spikes_warning};
 pub use scan::{HASH_PIECE, RowFacts, RowScan, ScanColumns};
 
 /// Shortest run of identical samples at a channel's window extreme counted as

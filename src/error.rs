@@ -135,7 +135,7 @@ pub enum RecordingError {
     },
     /// The data size is not a whole number of frames (one sample of every channel).
     #[error(
-        "{path}: {data_bytes} data bytes (file size {file_bytes} minus offset {offset}) is not a multiple of the frame size {frame_bytes} bytes ({n_channels} channels × {itemsize} bytes of {dtype}): {remainder} bytes are left over; channel counts that divide the data evenly near {n_channels}: {nearest}"
+        "{path}: {data_bytes} data bytes (file size {file_bytes} minus offset {offset}) is not a multiple of the frame size {frame_bytes} bytes ({n_channels} channels × {itemsize} bytes of {dtype}): {remainder} bytes are left over: the file looks truncated (a recording or copy cut short) unless the channel count, dtype or offset is wrong; channel counts that divide the data evenly near {n_channels}: {nearest}"
     )]
     Size {
         /// The file.

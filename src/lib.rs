@@ -38,6 +38,7 @@
 //!   [`timing`] times its stages.
 //! * [`output`]: `.npy` files, Phy's `params.py`, provenance and the drift map.
 //! * [`simulate`]: synthetic SpikeGLX recordings with ground truth.
+//! * [`preprocess_folder`]: the output folder of `spikecube preprocess`.
 //!
 //! Detection on one whitened window (C sites × NT samples):
 //!
@@ -85,6 +86,7 @@ pub mod npy;
 pub mod output;
 pub mod pipeline;
 pub mod preprocess;
+pub mod preprocess_folder;
 pub mod probe;
 pub mod provenance;
 pub mod recording;

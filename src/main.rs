@@ -53,6 +53,11 @@ fn main() -> ExitCode {
             }
             use std::io::Write as _;
             let _ = writeln!(std::io::stderr(), "spikecube: error: {line}");
+            // `--json` asks for a machine-readable result: the error is one too.
+            if std::env::args_os().any(|a| a == "--json") {
+                let v = serde_json::json!({"error": line, "exit_code": 2});
+                let _ = writeln!(std::io::stdout(), "{v}");
+            }
             ExitCode::from(2)
         }
     }

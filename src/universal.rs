@@ -144,6 +144,20 @@ pub fn choose(
                 "seed": settings.seed,
                 "learn_settings": settings,
                 "kmeans_inertia": learned.inertia,
+                "template_check": {
+                    "on": settings.template_check,
+                    "peak_tolerance_samples": crate::detect::template_check::PEAK_TOLERANCE,
+                    "nt0min": nt0min,
+                    "off_centre": learned.template_findings,
+                },
+            });
+            let check_warning = (!learned.template_findings.is_empty()).then(|| {
+                learned
+                    .template_findings
+                    .iter()
+                    .map(|f| f.describe(settings.n_templates))
+                    .collect::<Vec<_>>()
+                    .join("; ")
             });
             match learned.templates {
                 Some(t) => {
@@ -158,7 +172,7 @@ pub fn choose(
                     ChosenTemplates {
                         templates: t,
                         description: d,
-                        warning: None,
+                        warning: check_warning,
                     }
                 }
                 None => {
@@ -232,10 +246,15 @@ fn draw(path: &Path, wtemp: &Array2<f32>, title: &str) -> Result<()> {
             .y_label_area_size(70)
             .build_cartesian_2d(0f64..(nt - 1) as f64, -lim..lim)
             .map_err(&err)?;
+        // Kilosort4's nt0min for this length (20 of 61): where a spike's trough sits.
+        let nt0min = 20 * nt / 61;
+        let x_desc = format!(
+            "sample of the template (trough at nt0min = {nt0min}, grey line; 30 samples = 1 ms at 30 kHz)"
+        );
         chart
             .configure_mesh()
-            .x_desc("sample")
-            .y_desc("weight (unit norm)")
+            .x_desc(x_desc)
+            .y_desc("weight (unit L2 norm per template)")
             .label_style((plot::FONT, 16))
             .axis_desc_style((plot::FONT, 18))
             .light_line_style(WHITE)
@@ -254,8 +273,26 @@ fn draw(path: &Path, wtemp: &Array2<f32>, title: &str) -> Result<()> {
                         .collect::<Vec<_>>(),
                     c.stroke_width(2),
                 )))
-                .map_err(&err)?;
+                .map_err(&err)?
+                .label(format!("wTEMP row {k}"))
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3))
+                });
         }
+        chart
+            .draw_series(std::iter::once(PathElement::new(
+                vec![(nt0min as f64, -lim), (nt0min as f64, lim)],
+                BLACK.mix(0.35).stroke_width(1),
+            )))
+            .map_err(&err)?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK.mix(0.3))
+            .label_font((plot::FONT, 14))
+            .draw()
+            .map_err(&err)?;
         root.present().map_err(&err)?;
     }
     plot::save_png(path, buf, w, h)

@@ -623,8 +623,12 @@ def preprocess(
     ``out/temp_wh.dat`` (``spikecube preprocess``): whitening fit, then per
     window channel mean, median CAR, high-pass and whitening.
 
-    Parameters as :func:`detect`; ``out`` is a folder (created; the file is
-    written under a temporary name and renamed when complete).
+    Parameters as :func:`detect`; ``out`` is a folder, written as the command
+    line writes it: ``temp_wh.dat``, ``whitening_mat.npy``, ``hp_filter.npy``
+    and ``spikecube.json``, first as ``out.partial-PID`` and renamed when
+    complete. An existing ``out`` is replaced only when it is empty or an
+    earlier ``preprocess`` result holding nothing else; a folder holding any
+    other file raises ``RuntimeError`` naming it, and nothing is touched.
     Preprocessing settings by Kilosort4's names (``batch_size``,
     ``highpass_cutoff``, ``whitening_range``, ``nskip``, ``do_CAR``, ...).
 
@@ -634,9 +638,6 @@ def preprocess(
     allowed.discard("keep_boundary_duplicates")
     groups = _settings.split(settings, allowed)
     groups["recording"].setdefault("keep_boundary_duplicates", False)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    target = out / "temp_wh.dat"
     cb, close = _progress(progress)
     try:
         _sync_log_level()
@@ -645,13 +646,14 @@ def preprocess(
             None if probe is None else Probe.of(probe)._tuple(),
             _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
             _settings.preprocessing_json(groups["preprocessing"]),
-            os.fspath(target),
+            os.fspath(out),
             bool(float32),
             cb,
         )
     finally:
         close()
     info = json.loads(info)
+    target = Path(info["path"])
     data = np.memmap(
         target,
         dtype=np.float32 if float32 else np.int16,

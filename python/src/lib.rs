@@ -467,10 +467,13 @@ fn detect(
     result.map_err(|e| interrupt.into_err(e))
 }
 
-/// `spikecube preprocess`: writes `temp_wh.dat` (and nothing else) to `out_file`.
-/// Returns (whitening matrix, report JSON).
+/// `spikecube preprocess`: writes the folder `out` as the command line does
+/// ([`spikecube::preprocess_folder::write_preprocess_folder`]: staged, never
+/// touching a file it did not write; `temp_wh.dat`, `whitening_mat.npy`,
+/// `hp_filter.npy`, `spikecube.json`). Returns (whitening matrix, report JSON
+/// with the folder's path as `out` and the whitened file's as `path`).
 #[pyfunction]
-#[pyo3(signature = (paths, probe, recording_opts, preprocess, out_file, float32, progress=None))]
+#[pyo3(signature = (paths, probe, recording_opts, preprocess, out, float32, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn preprocess<'py>(
     py: Python<'py>,
@@ -478,7 +481,7 @@ fn preprocess<'py>(
     probe: Option<ProbeTuple>,
     recording_opts: &str,
     preprocess: &str,
-    out_file: PathBuf,
+    out: PathBuf,
     float32: bool,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<(Bound<'py, PyArray2<f32>>, String)> {
@@ -500,26 +503,24 @@ fn preprocess<'py>(
             fs: rec.fs(),
             ..pre
         };
-        let report = guarded(|| {
-            spikecube::pipeline::write_whitened(
+        // An interrupt unwinds through the staged folder, which removes itself.
+        let (path, report) = guarded(|| {
+            spikecube::preprocess_folder::write_preprocess_folder(
                 rec.clone(),
                 &probe,
                 &settings,
                 format,
-                &out_file,
+                &out,
                 &checks,
                 &mut reporter(&interrupt, &progress),
             )
-        })
-        .inspect_err(|_| {
-            // write_whitened's own temporary file, left by an interrupt's unwinding.
-            let _ = std::fs::remove_file(out_file.with_extension("partial"));
         })?;
         if interrupt.is_set() {
-            let _ = std::fs::remove_file(&out_file);
             anyhow::bail!("interrupted");
         }
         let json = serde_json::json!({
+            "out": path,
+            "path": path.join(spikecube::preprocess_folder::WHITENED_FILE),
             "input": rec.describe(),
             "n_samples": report.n_samples,
             "n_sites": report.n_sites,
@@ -537,6 +538,7 @@ fn preprocess<'py>(
         Err(e) => Err(interrupt.into_err(e)),
     }
 }
+
 
 fn detections_dict<'py>(
     py: Python<'py>,

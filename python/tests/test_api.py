@@ -171,3 +171,61 @@ def nearest_offsets(samples, ys, gt, max_dt=20, max_dy=60):
         if best is not None:
             out.append(s - tt[best])
     return np.asarray(out)
+
+
+def _flat_recording(folder, n_ch, seconds, fs=30000.0, seed=0):
+    """A flat int16 file of white noise (sd 10) with a Kilosort JSON probe of
+    one column at 20 µm; returns (file, probe file)."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((int(seconds * fs), n_ch)) * 10).astype(np.int16)
+    f = Path(folder) / f"flat{n_ch}.bin"
+    x.tofile(f)
+    probe = Path(folder) / f"probe{n_ch}.json"
+    probe.write_text(json.dumps({
+        "chanMap": list(range(n_ch)), "xc": [0.0] * n_ch, "yc": [20.0 * i for i in range(n_ch)],
+        "kcoords": [0] * n_ch, "n_chan": n_ch,
+    }))
+    return f, probe
+
+
+@pytest.mark.parametrize("n_ch, seconds, user_file", [
+    (8, 2.5, "temp_wh.dat"),  # the file preprocess writes itself
+    (32, 1.0, "notes.txt"),   # any other file
+])
+def test_preprocess_never_touches_a_users_file(tmp_path, n_ch, seconds, user_file):
+    rec, probe = _flat_recording(tmp_path, n_ch, seconds)
+    out = tmp_path / "prep"
+    out.mkdir()
+    mine = out / user_file
+    mine.write_bytes(b"my own data, not spikecube's")
+    kw = dict(n_channels=n_ch, fs=30000.0, out=out, progress=False)
+    with pytest.raises(spikecube.SpikecubeError) as e:
+        spikecube.preprocess(rec, probe, **kw)
+    assert user_file in str(e.value) and "nothing was changed" in str(e.value)
+    assert mine.read_bytes() == b"my own data, not spikecube's"
+    assert sorted(p.name for p in out.iterdir()) == [user_file]
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+    # The command line refuses the same folder with the same words.
+    p = cli("preprocess", rec, "--probe", probe, "--n-channels", n_ch, "--fs", 30000, "--out", out,
+            "-q", check=False)
+    assert p.returncode != 0 and p.stderr.strip().endswith(str(e.value)), (p.stderr, str(e.value))
+
+    # Moved away: Python writes the command line's files, with the same bytes.
+    mine.unlink()
+    pre = spikecube.preprocess(rec, probe, **kw)
+    cli("preprocess", rec, "--probe", probe, "--n-channels", n_ch, "--fs", 30000,
+        "--out", tmp_path / "prep_cli", "-q")
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["hp_filter.npy", "spikecube.json", "temp_wh.dat", "whitening_mat.npy"]
+    assert names == sorted(p.name for p in (tmp_path / "prep_cli").iterdir())
+    for name in ["hp_filter.npy", "temp_wh.dat", "whitening_mat.npy"]:
+        assert (out / name).read_bytes() == (tmp_path / "prep_cli" / name).read_bytes(), name
+    manifest = json.loads((out / "spikecube.json").read_text())
+    assert manifest["command"] == "preprocess" and manifest["files"] == names
+    assert pre.path == out / "temp_wh.dat" and pre.data.shape == (int(seconds * 30000), n_ch)
+    # An earlier result of preprocess is replaced; a file added to it is not.
+    spikecube.preprocess(rec, probe, **kw)
+    (out / "extra.npy").write_bytes(b"x")
+    with pytest.raises(spikecube.SpikecubeError, match="extra.npy"):
+        spikecube.preprocess(rec, probe, **kw)
+    assert (out / "extra.npy").read_bytes() == b"x"

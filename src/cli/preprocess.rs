@@ -5,12 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use ndarray::Array1;
 use spikecube::error::count;
-use spikecube::npy;
-use spikecube::output::folder::StagedFolder;
-use spikecube::pipeline::{WhitenedFormat, write_whitened};
-use spikecube::preprocess::highpass_kernel;
+use spikecube::pipeline::WhitenedFormat;
+use spikecube::preprocess_folder::write_preprocess_folder;
 
 use super::common::{CheckArgs, PreprocessArgs, RecordingArgs, open_input, progress_bar};
 
@@ -39,20 +36,18 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     let (opened, probe, checks) = open_input(&args.rec, &args.checks, &args.recording)?;
     let rec = opened.recording.clone();
     let settings = args.pre.settings(rec.fs());
-    let staged = StagedFolder::create(&args.out, "preprocess")?;
-    let dir = staged.path().to_path_buf();
     let bar = progress_bar(quiet);
     let format = if args.float32 {
         WhitenedFormat::Float32
     } else {
         WhitenedFormat::Int16x200
     };
-    let report = write_whitened(
+    let (_, report) = write_preprocess_folder(
         rec.clone(),
         &probe,
         &settings,
         format,
-        &dir.join("temp_wh.dat"),
+        &args.out,
         &checks,
         &mut |p| {
             bar.set_length(p.windows_total);
@@ -64,19 +59,6 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
         },
     )?;
     bar.finish_and_clear();
-    npy::write(&dir.join("whitening_mat.npy"), &report.whitening)?;
-    let kernel = highpass_kernel(settings.fs, settings.highpass_cutoff)?;
-    npy::write(&dir.join("hp_filter.npy"), &Array1::from(kernel))?;
-    staged.publish(serde_json::json!({
-        "program": "spikecube",
-        "version": env!("CARGO_PKG_VERSION"),
-        "input": rec.describe(),
-        "temp_wh_dtype": if args.float32 { "float32" } else { "int16 holding 200 x the whitened value" },
-        "n_samples": report.n_samples,
-        "n_sites": report.n_sites,
-        "saturated": report.saturated,
-        "settings": settings,
-    }))?;
     if !quiet {
         tell!(
             "spikecube: {} × {} whitened ({}, {}) in {:.1} s → {}",

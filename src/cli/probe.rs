@@ -225,12 +225,21 @@ fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
     );
     let (wu, hu) = ((x1 - x0).max(1.0), (y1 - y0).max(1.0));
     let scale = (1800.0 / hu).min(1400.0 / wu).min(12.0);
-    // At least 420 px wide: a narrow probe is widened around its middle (still
-    // to scale) so its labels and ticks fit.
-    let plot_w = (wu * scale).max(420.0);
+    // A long, narrow probe drawn to scale is a sliver (a 32-µm-wide, 3-mm-long
+    // shank would take 20 of 1800 px): its x axis is stretched so the probe
+    // takes at least 300 px, and the axis says by how much.
+    let x_scale = scale.max((300.0 / wu).min(12.0));
+    // At least 420 px wide: a narrow probe is widened around its middle so its
+    // labels and ticks fit.
+    let plot_w = (wu * x_scale).max(420.0);
     let plot_h = (hu * scale).max(200.0);
     let xm = (x0 + x1) / 2.0;
-    let (x0, x1) = (xm - plot_w / scale / 2.0, xm + plot_w / scale / 2.0);
+    let (x0, x1) = (xm - plot_w / x_scale / 2.0, xm + plot_w / x_scale / 2.0);
+    let x_desc = if x_scale > scale * 1.01 {
+        format!("x (µm; drawn {:.0}× wider than y)", x_scale / scale)
+    } else {
+        "x (µm)".to_string()
+    };
     let ym = (y0 + y1) / 2.0;
     let (y0, y1) = (ym - plot_h / scale / 2.0, ym + plot_h / scale / 2.0);
     let (left, bottom, top, legend_w) = (100u32, 70u32, 70u32, 200u32);
@@ -269,7 +278,7 @@ fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
             .map_err(&err)?;
         chart
             .configure_mesh()
-            .x_desc("x (µm)")
+            .x_desc(x_desc)
             .y_desc("y (µm)")
             .label_style((FONT, 16))
             .axis_desc_style((FONT, 20))
@@ -312,9 +321,9 @@ fn draw(probe: &Probe, geometry: Option<&Geometry>, path: &Path) -> Result<()> {
             .draw_series((0..probe.n_sites()).step_by(step).map(|i| {
                 let right = probe.xc[i] > mid[&probe.kcoords[i]];
                 let (dx, hpos) = if right {
-                    (half + 3.0 / scale, HPos::Left)
+                    (half + 3.0 / x_scale, HPos::Left)
                 } else {
-                    (-half - 3.0 / scale, HPos::Right)
+                    (-half - 3.0 / x_scale, HPos::Right)
                 };
                 Text::new(
                     probe.chan_map[i].to_string(),

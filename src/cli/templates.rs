@@ -32,6 +32,11 @@ pub struct TemplateArgs {
     /// warning (spikecube's; Kilosort4 learns from any number: 6 comes closest).
     #[arg(long, default_value_t = spikecube::detect::learn::DEFAULT_MIN_CLIPS)]
     pub min_learn_clips: usize,
+    /// Check each learned template for its peak at nt0min (±3 samples) and
+    /// realign or replace one that is off centre, with a warning (false keeps
+    /// it, as Kilosort4 does: every spike may then be detected twice).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub template_check: bool,
     /// Use wTEMP and wPCA from this .npz file (Kilosort4's wTEMP.npz layout, or
     /// a spikecube output's wTEMP.npy/wPCA.npy saved with np.savez) instead of
     /// learning them.
@@ -66,6 +71,7 @@ impl TemplateArgs {
                 n_pcs: self.n_pcs,
                 seed: self.seed,
                 min_clips: self.min_learn_clips,
+                template_check: self.template_check,
                 ..LearnSettings::default()
             })
         } else {

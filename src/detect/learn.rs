@@ -70,6 +70,15 @@ pub struct LearnSettings {
     /// built-in templates are used. Raised to `max(n_templates, n_pcs)` when
     /// lower (the least k-means and the SVD can work with).
     pub min_clips: usize,
+    /// Check each learned wTEMP row for its peak at `nt0min` and realign or
+    /// replace those off centre ([`crate::detect::template_check`]); false
+    /// keeps them (Kilosort4), still reporting them. Default true.
+    #[serde(default = "yes")]
+    pub template_check: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for LearnSettings {
@@ -83,6 +92,7 @@ impl Default for LearnSettings {
             max_iter: 300,
             tol: 1e-4,
             min_clips: DEFAULT_MIN_CLIPS,
+            template_check: true,
         }
     }
 }
@@ -670,6 +680,9 @@ pub struct Learned {
     pub min_clips: usize,
     /// k-means inertia of the kept restart (on the normalised clips), when learned.
     pub inertia: Option<f64>,
+    /// Learned templates whose peak was off `nt0min`, and what was done
+    /// ([`crate::detect::template_check::check_wtemp`]).
+    pub template_findings: Vec<crate::detect::template_check::TemplateFinding>,
 }
 
 /// Kilosort4's `extract_wPCA_wTEMP` over a recording of `n_windows` windows:
@@ -710,13 +723,16 @@ where
         windows_read: read,
         min_clips,
         inertia: None,
+        template_findings: Vec::new(),
     };
     if pool.len() < min_clips {
         return Ok(learned);
     }
     let clips = pool.normalised();
     let wpca = learn_wpca(clips.view(), settings.n_pcs)?;
-    let (wtemp, km) = learn_wtemp(clips.view(), settings)?;
+    let (mut wtemp, km) = learn_wtemp(clips.view(), settings)?;
+    learned.template_findings =
+        crate::detect::template_check::check_wtemp(&mut wtemp, nt0min, settings.template_check);
     learned.templates = Some(UniversalTemplates { wtemp, wpca });
     learned.inertia = Some(km.inertia);
     Ok(learned)

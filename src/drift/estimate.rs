@@ -161,6 +161,10 @@ pub struct Registration {
     pub imin: Array2<f64>,
     /// `yblk`: block centres, µm.
     pub yblk: Vec<f64>,
+    /// Per batch, the lag (bins) its last applied rigid pass chose: at the
+    /// edge of the ±[`RIGID_LAGS`] search the batch was still moving as fast as
+    /// the search allows when the passes ended.
+    pub rigid_last: Vec<i32>,
 }
 
 /// Mean of f32 values, accumulated in f64 and rounded to f32 (a float32
@@ -233,6 +237,7 @@ pub fn register(
     }
     let mut t = g.index_axis(ndarray::Axis(0), reference).to_owned();
     let mut rigid = vec![0i32; nbat];
+    let mut rigid_last = vec![0i32; nbat];
     let lags: Vec<i32> = (-RIGID_LAGS..=RIGID_LAGS).collect();
     use rayon::prelude::*;
     for it in 0..RIGID_PASSES {
@@ -256,6 +261,7 @@ pub fn register(
                 let mut gb = g.index_axis_mut(ndarray::Axis(0), b);
                 roll_rows(&mut gb, best[b]);
                 rigid[b] += best[b];
+                rigid_last[b] = best[b];
             }
         }
         // The last pass's scores are never used; its template equals this one.
@@ -336,7 +342,105 @@ pub fn register(
         smoothed,
         imin,
         yblk,
+        rigid_last,
     })
+}
+
+/// What [`check_search_range`] found.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RangeCheck {
+    /// Batches whose last rigid pass chose an edge lag (±[`RIGID_LAGS`]).
+    pub edge_batches: Vec<usize>,
+    /// Batches (with spikes) whose fingerprint, shifted by the estimate, still
+    /// matches the reference batch's best at a further lag beyond
+    /// ±[`FINE_LAGS`] bins, and that lag (bins).
+    pub missed: Vec<(usize, i32)>,
+    /// The widest lag tried by the check, bins.
+    pub wide_lags: i32,
+}
+
+/// Checks a registration against its search range: batches whose last rigid
+/// pass chose an edge lag, and batches that, shifted by their estimated
+/// rigid offset, still match the reference batch best at a lag beyond the
+/// fine step's ±[`FINE_LAGS`] bins, searching up to ±4·[`RIGID_LAGS`] bins
+/// (at most a third of the depth bins, so the circular roll does not alias;
+/// the lag must score above lag 0 by 10 % of the score range).
+pub fn check_search_range(hist: &Histogram, reg: &Registration, reference: usize) -> RangeCheck {
+    let (nbat, d, nc) = hist.f.dim();
+    let wide = (4 * RIGID_LAGS).min((d / 3) as i32);
+    let mut out = RangeCheck {
+        edge_batches: (0..nbat)
+            .filter(|&b| reg.rigid_last[b].abs() == RIGID_LAGS)
+            .collect(),
+        missed: Vec::new(),
+        wide_lags: wide,
+    };
+    if wide <= FINE_LAGS || reference >= nbat {
+        return out;
+    }
+    let fingerprint = |b: usize| {
+        let mut g = hist.f.index_axis(ndarray::Axis(0), b).mapv(|v| v as f32);
+        for c in 0..nc {
+            let m = mean_f32((0..d).map(|r| g[[r, c]]), d);
+            g.column_mut(c).mapv_inplace(|v| v - m);
+        }
+        roll_rows(&mut g.view_mut(), reg.rigid[b]);
+        g
+    };
+    let t = fingerprint(reference);
+    for b in 0..nbat {
+        if b == reference || hist.counts[b] == 0 {
+            continue;
+        }
+        let gb = fingerprint(b);
+        let s: Vec<(i32, f32)> = (-wide..=wide)
+            .map(|k| (k, score(gb.view(), t.view(), k)))
+            .collect();
+        let at0 = s[wide as usize].1;
+        let (lo, hi) = s.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |a, x| {
+            (a.0.min(x.1), a.1.max(x.1))
+        });
+        let best = s.iter().fold(s[0], |a, &x| if x.1 > a.1 { x } else { a });
+        if best.0.abs() > FINE_LAGS && best.1 - at0 > 0.1 * (hi - lo) {
+            out.missed.push((b, best.0));
+        }
+    }
+    out
+}
+
+/// The warning for a [`RangeCheck`] (`dd`: bin height, µm; `nbat`: batches),
+/// or `None` when the estimate sits well inside its range: edge hits and
+/// batches left off by more than the fine step (at least 2 and 10 % of the
+/// batches) name the shift, the limit and what to do.
+pub fn range_warning(check: &RangeCheck, dd: f64, nbat: usize) -> Option<String> {
+    let limit = f64::from(RIGID_LAGS) * dd;
+    let enough = check.missed.len() >= 2 && check.missed.len() * 10 >= nbat;
+    if check.edge_batches.is_empty() && !enough {
+        return None;
+    }
+    let mut parts = Vec::new();
+    if !check.edge_batches.is_empty() {
+        parts.push(format!(
+            "the rigid search's best shift still sat at the edge of its range in its last pass (±{RIGID_LAGS} bins × {dd} µm = ±{limit:.0} µm) in {} of {nbat} windows (first: {})",
+            check.edge_batches.len(),
+            check.edge_batches.iter().take(5).map(|b| b.to_string()).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    if enough {
+        let mut lags: Vec<i32> = check.missed.iter().map(|m| m.1.abs()).collect();
+        lags.sort_unstable();
+        parts.push(format!(
+            "{} of {nbat} windows, shifted by their estimate, still match the reference window best {:.0} µm further (median; up to {:.0} µm; first windows: {})",
+            check.missed.len(),
+            f64::from(lags[lags.len() / 2]) * dd,
+            f64::from(lags[lags.len() - 1]) * dd,
+            check.missed.iter().take(5).map(|m| m.0.to_string()).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    Some(format!(
+        "drift: {}: the drift is probably larger than the ±{limit:.0} µm Kilosort4's registration can find, and is under-corrected (depths jump where it happens; see drift.png): sort the stretches before and after a large jump separately (--tmin/--tmax), or compare with --nblocks 0 (no correction); a larger --binning-depth widens the search (±{RIGID_LAGS} bins of it) but its circular search may then alias",
+        parts.join("; ")
+    ))
 }
 
 /// scipy's `gaussian_filter1d` along `axis` (truncate 4, mode "reflect"),

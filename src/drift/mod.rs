@@ -271,6 +271,10 @@ pub fn estimate(
         ));
     }
     let registration = register(&hist, nb, settings.drift_smoothing, reference)?;
+    let range = estimate::check_search_range(&hist, &registration, reference);
+    if let Some(w) = estimate::range_warning(&range, dd, n_windows) {
+        warn(w);
+    }
     let mut dshift = registration.imin.mapv(|v| v * dd);
     if !kilosort && !empty.is_empty() {
         interpolate_empty(&mut dshift, &hist.counts);

@@ -36,7 +36,19 @@ pub fn render(
     plot::register_font()?;
     let (w, h) = (1400u32, 1000u32);
     let nwin = est.dshift.nrows();
-    let t_max = (nwin as f64 * window_s).max(1e-3);
+    // The last window is usually shorter: the axis ends at the last spike's
+    // window end or the last window's centre, whichever is later, never past
+    // the recording (nwin windows at most).
+    let last_spike = spikes
+        .sample
+        .iter()
+        .copied()
+        .max()
+        .map_or(0.0, |t| t as f64 / fs);
+    let t_max = ((nwin as f64 - 0.5) * window_s)
+        .max(last_spike)
+        .min(nwin as f64 * window_s)
+        .max(1e-3);
     let (_, _, y0, y1) = probe.extent();
     let (y0, y1) = (y0 as f64 - 20.0, y1 as f64 + 20.0);
     let (mut d0, mut d1) = est
@@ -49,7 +61,9 @@ pub fn render(
         (d0, d1) = (-1.0, 1.0);
     }
     let pad = ((d1 - d0) * 0.1).max(2.0);
-    let (d0, d1) = (d0 - pad, d1 + pad);
+    // Room above the lines for the legend (one row per block).
+    let legend_room = (d1 - d0 + 2.0 * pad) * (0.12 * est.yblk.len() as f64 + 0.1);
+    let (d0, d1) = (d0 - pad, d1 + pad + legend_room);
     let step = spikes.len().div_ceil(MAX_DOTS).max(1);
     let centre = |b: usize| (b as f64 + 0.5) * window_s;
     let err = plot::plot_err(path);
@@ -64,7 +78,7 @@ pub fn render(
             est.yblk.len(),
             if est.yblk.len() == 1 { "" } else { "s" },
             d0 + pad,
-            d1 - pad
+            d1 - pad - legend_room
         );
         let size = plot::fitting_size(&title, 1300.0, 28.0);
         let mut chart = ChartBuilder::on(&top)
@@ -140,6 +154,7 @@ pub fn render(
         }
         chart
             .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
             .background_style(WHITE.mix(0.8))
             .border_style(BLACK.mix(0.3))
             .label_font((plot::FONT, 16))

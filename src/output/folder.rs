@@ -252,6 +252,13 @@ impl StagedFolder {
                 parent.display()
             );
         }
+        if !parent.exists() {
+            // Said, not silent: a mistyped --out would otherwise grow folders unseen.
+            tracing::warn!(
+                "the output folder's parent {} did not exist; it was created",
+                parent.display()
+            );
+        }
         std::fs::create_dir_all(&parent).with_context(|| {
             format!(
                 "cannot create the output folder {}: cannot create {}",

@@ -85,6 +85,7 @@ pub fn fit_whitening_with(
     let plan = plan_windows(rec.as_ref(), probe, settings.batch_size, settings.nt)?;
     let fitted = fit(rec, &plan, probe, &settings, checks, options)?;
     let mut warnings: Vec<String> = fitted.scale_message.iter().cloned().collect();
+    warnings.extend(fitted.noisy_message.iter().cloned());
     if let Some(w) = fitted
         .health
         .warning("the windows of the whitening fit", checks.mask_clipped)
@@ -109,6 +110,8 @@ pub(crate) struct Fitted {
     pub scale_factor: f64,
     /// Why the data were rescaled.
     pub scale_message: Option<String>,
+    /// Noisy channels found in the fit's covariance ([`checks::noisy_channels_warning`]).
+    pub noisy_message: Option<String>,
     /// Channel check over the windows of the fit.
     pub health: ChannelHealth,
     /// Busy seconds of the fit's parts (`whitening_fit.<part>` in the timings).
@@ -145,6 +148,9 @@ pub(crate) fn fit_run(
         tracing::warn!("{w}");
     }
     if let Some(m) = &fitted.scale_message {
+        run.warnings.push(m.clone());
+    }
+    for m in &fitted.noisy_message {
         run.warnings.push(m.clone());
     }
     for (part, v) in &fitted.times.0 {
@@ -261,6 +267,7 @@ fn finish_fit(
         whitening,
         scale_factor: k,
         scale_message: message,
+        noisy_message: checks::noisy_channels_warning(&cc, &probe.chan_map),
         health,
         times,
     })

@@ -149,6 +149,10 @@ pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opene
     let structured = first.is_dir()
         || first.extension().is_some_and(|e| e == "oebin")
         || first.with_extension("meta").is_file();
+    if !structured && let Some(w) = checks::dtype::dtype_warning(first, &req.open) {
+        warnings.insert(0, w); // before any rescaling's message
+    }
+    warnings.extend(crate::recording::junction_warnings(&req.paths, &req.open));
     let checks = Checks {
         warnings,
         auto_scale: req.open.scale.is_none(),

@@ -102,6 +102,7 @@ pub fn write_whitened(
         if let Some(m) = &fitted.scale_message {
             warnings.push(m.clone());
         }
+        warnings.extend(fitted.noisy_message.iter().cloned());
         if let Some(w) = fitted
             .health
             .warning("the windows of the whitening fit", checks.mask_clipped)

@@ -178,6 +178,8 @@ pub struct Preprocessor {
     /// The high-pass as a circular IIR (device form), when it equals `highpass`.
     iir: Option<CircularIir>,
     whitening: Whitening,
+    /// Windows this preprocessor and its clones zeroed at `artifact_threshold`.
+    artifact_windows: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Preprocessor {
@@ -217,6 +219,7 @@ impl Preprocessor {
             highpass: HighpassFilter::new(kernel, n)?,
             iir: highpass_iir::iir_for_kernel(settings.fs, settings.highpass_cutoff, kernel, n)?,
             whitening,
+            artifact_windows: Default::default(),
         })
     }
 
@@ -273,6 +276,7 @@ impl Preprocessor {
         common_reference(window, self.do_car)?;
         self.highpass.apply(window)?;
         if exceeds_artifact_threshold(window, self.artifact_threshold) {
+            self.count_artifact_window();
             window.fill(0.0);
         }
         Ok(())
@@ -308,12 +312,25 @@ impl Preprocessor {
         let t2 = std::time::Instant::now();
         lap("highpass", (t2 - t1).as_secs_f64());
         if artifact {
+            self.count_artifact_window();
             window.fill(0.0);
             return Ok(());
         }
         self.whitening.apply(window)?;
         lap("whitening", t2.elapsed().as_secs_f64());
         Ok(())
+    }
+
+    fn count_artifact_window(&self) {
+        self.artifact_windows
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Windows zeroed at `artifact_threshold` so far by this preprocessor and
+    /// its clones (they share the count).
+    pub fn artifact_windows(&self) -> u64 {
+        self.artifact_windows
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     fn check_shape(&self, window: &Array2<f32>) -> Result<(), PreprocessError> {

@@ -186,3 +186,106 @@ impl Recording for TimeSlice {
         )
     }
 }
+
+/// Samples on each side of a junction whose medians give a file's baseline
+/// there (1 ms at 30 kHz: slow field potentials barely move in that time).
+pub const JUNCTION_EDGE: usize = 30;
+
+/// Samples on each side of a junction over which a channel's noise sd is estimated.
+pub const JUNCTION_NOISE: usize = 3000;
+
+/// A baseline step at a junction is reported from this many noise sd on one channel.
+pub const JUNCTION_STEP_SDS: f64 = 5.0;
+
+fn median(v: &mut [f32]) -> f64 {
+    let mid = v.len() / 2;
+    let (_, m, _) = v.select_nth_unstable_by(mid, f32::total_cmp);
+    f64::from(*m)
+}
+
+/// Per channel: (baseline step across the junction, noise sd), file units,
+/// from the last samples of `a` and the first of `b`.
+fn steps(a: &dyn Recording, b: &dyn Recording) -> Result<Vec<(f64, f64)>, RecordingError> {
+    let n_ch = a.n_channels();
+    let map: Vec<u64> = (0..n_ch as u64).collect();
+    let na = (a.n_samples() as usize).min(JUNCTION_NOISE);
+    let nb = (b.n_samples() as usize).min(JUNCTION_NOISE);
+    if na < JUNCTION_EDGE || nb < JUNCTION_EDGE {
+        return Ok(Vec::new());
+    }
+    let mut xa = vec![0f32; n_ch * na];
+    let mut xb = vec![0f32; n_ch * nb];
+    a.read_channels(a.n_samples() - na as u64, na, &map, &mut xa)?;
+    b.read_channels(0, nb, &map, &mut xb)?;
+    let mut out = Vec::with_capacity(n_ch);
+    for c in 0..n_ch {
+        let ra = &xa[c * na..(c + 1) * na];
+        let rb = &xb[c * nb..(c + 1) * nb];
+        let step = median(&mut rb[..JUNCTION_EDGE].to_vec())
+            - median(&mut ra[na - JUNCTION_EDGE..].to_vec());
+        let mut d: Vec<f32> = ra
+            .windows(2)
+            .chain(rb.windows(2))
+            .map(|w| (w[1] - w[0]).abs())
+            .collect();
+        // Median |difference| of white noise = 0.6745·√2·sd.
+        let sd = median(&mut d) / (0.6745 * std::f64::consts::SQRT_2);
+        out.push((step, sd));
+    }
+    Ok(out)
+}
+
+/// Warnings for baseline steps where one file of a recording ends and the
+/// next begins (`paths` opened with `opts`, as [`super::open_many`] opens
+/// them): each names the two files, the junction's sample and time, the
+/// largest step (file units and noise sd, with its channel) and how many
+/// channels step by at least [`JUNCTION_STEP_SDS`] sd. The high-pass filter
+/// rings at such a step, and the ringing is detected as spikes around the
+/// junction. Files that cannot be read give no warning (opening them reports that).
+pub fn junction_warnings(paths: &[PathBuf], opts: &super::OpenOptions) -> Vec<String> {
+    let mut parts = Vec::new();
+    for p in paths {
+        match super::open_untrimmed(p, opts) {
+            Ok(o) => parts.push(o.recording),
+            Err(_) => return Vec::new(),
+        }
+    }
+    let mut warnings = Vec::new();
+    let mut at = 0u64;
+    for j in 0..parts.len().saturating_sub(1) {
+        at += parts[j].n_samples();
+        let Ok(s) = steps(parts[j].as_ref(), parts[j + 1].as_ref()) else {
+            continue;
+        };
+        let ratio = |&(step, sd): &(f64, f64)| {
+            if sd > 0.0 {
+                step.abs() / sd
+            } else if step != 0.0 {
+                f64::INFINITY
+            } else {
+                0.0
+            }
+        };
+        let over = s.iter().filter(|x| ratio(x) >= JUNCTION_STEP_SDS).count();
+        let Some((c, worst)) = s
+            .iter()
+            .enumerate()
+            .max_by(|a, b| ratio(a.1).total_cmp(&ratio(b.1)))
+        else {
+            continue;
+        };
+        if over == 0 {
+            continue;
+        }
+        warnings.push(format!(
+            "the baseline steps where {} ends and {} begins (sample {at}, {:.3} s): by up to {:.1} file units on channel {c} ({:.0} × its noise sd; {over} of {} channels step by {JUNCTION_STEP_SDS} sd or more). The high-pass filter rings at a step and the ringing is detected as spikes within a few ms of it; remove each file's offset (subtract its per-channel median) or sort the files separately",
+            paths[j].display(),
+            paths[j + 1].display(),
+            at as f64 / parts[0].fs(),
+            worst.0,
+            ratio(worst),
+            s.len()
+        ));
+    }
+    warnings
+}

@@ -29,7 +29,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use binary::BinaryRecording;
-pub use concat::ConcatRecording;
+pub use concat::{
+    ConcatRecording, JUNCTION_EDGE, JUNCTION_NOISE, JUNCTION_STEP_SDS, junction_warnings,
+};
 pub use ordered::read_in_order;
 pub use window::{
     Raw16, Raw16Buffer, Window, WindowLoader, WindowPlan, gives_int16, read_window, read_window_i16,
