@@ -1,0 +1,116 @@
+//! `spikecube sort` end to end on the CPU back end: the 30-s 32-site
+//! simulation of `tests/data/sort/sim32` (regenerated from its seed), sorted
+//! into a Phy folder whose files have Kilosort4's names, dtypes and shapes,
+//! whose units recover the simulated ones, and whose bytes do not depend on
+//! the number of threads.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{s, spikecube};
+use ndarray::{Array1, Array2};
+use spikecube::npy;
+
+fn simulate(dir: &Path) -> PathBuf {
+    let probe = common::data("sort/probe32.json");
+    let out = dir.join("sim");
+    let o = spikecube(&[
+        "simulate", "--probe", s(&probe), "--seconds", "30", "--n-units", "36", "--rate", "15",
+        "--seed", "7", "--out", s(&out), "-q",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+fn sort(rec: &Path, out: &Path, threads: &str) {
+    let o = spikecube(&[
+        "sort",
+        s(&rec.join("sim_g0_t0.imec0.ap.bin")),
+        "--backend",
+        "cpu",
+        "--threads",
+        threads,
+        "--out",
+        s(out),
+        "-q",
+    ]);
+    assert!(o.status.success(), "sort failed: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Fraction of the simulated unit's spikes that the best-matching sorted unit
+/// holds within ±12 samples (0.4 ms), and that unit's precision.
+fn best_match(gt: &[i64], times: &[i64], clu: &[i32], n_units: usize) -> (f64, f64) {
+    let mut best = (0.0, 0.0);
+    for u in 0..n_units as i32 {
+        let t: Vec<i64> = times.iter().zip(clu).filter(|(_, c)| **c == u).map(|(t, _)| *t).collect();
+        let mut hits = 0usize;
+        let mut j = 0usize;
+        for &g in gt {
+            while j < t.len() && t[j] < g - 12 {
+                j += 1;
+            }
+            if j < t.len() && (t[j] - g).abs() <= 12 {
+                hits += 1;
+                j += 1;
+            }
+        }
+        let recall = hits as f64 / gt.len().max(1) as f64;
+        let precision = hits as f64 / t.len().max(1) as f64;
+        if recall * precision > best.0 * best.1 {
+            best = (recall, precision);
+        }
+    }
+    best
+}
+
+#[test]
+fn sort_writes_a_phy_folder_that_finds_the_simulated_units() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = simulate(dir.path());
+    let out = dir.path().join("sorted");
+    sort(&rec, &out, "2");
+    for f in [
+        "params.py", "spike_times.npy", "spike_clusters.npy", "spike_templates.npy",
+        "spike_detection_templates.npy", "amplitudes.npy", "templates.npy", "templates_ind.npy",
+        "similar_templates.npy", "pc_features.npy", "pc_feature_ind.npy", "whitening_mat.npy",
+        "whitening_mat_inv.npy", "channel_map.npy", "channel_positions.npy", "cluster_KSLabel.tsv",
+        "cluster_group.tsv", "cluster_ContamPct.tsv", "cluster_Amplitude.tsv", "spikecube.json",
+    ] {
+        assert!(out.join(f).is_file(), "{f} missing");
+    }
+    let times: Array1<i64> = npy::read(&out.join("spike_times.npy")).unwrap();
+    let clu: Array1<i32> = npy::read(&out.join("spike_clusters.npy")).unwrap();
+    let n_units = clu.iter().copied().max().unwrap() as usize + 1;
+    assert!(times.windows(2).into_iter().all(|w| w[0] <= w[1]), "spike times not sorted");
+    // Ground truth: float64 (n, 4) rows of (trough sample, unit x, unit y,
+    // amplitude); a unit is one (x, y).
+    let gt: Array2<f64> = npy::read(&rec.join("ground_truth.npy")).unwrap();
+    let mut units: std::collections::BTreeMap<(u64, u64), Vec<i64>> = Default::default();
+    for r in gt.rows() {
+        units.entry((r[1].to_bits(), r[2].to_bits())).or_default().push(r[0] as i64);
+    }
+    let n_true = units.len();
+    let mut well = 0;
+    for g in units.values() {
+        let (r, p) = best_match(g, times.as_slice().unwrap(), clu.as_slice().unwrap(), n_units);
+        if r >= 0.8 && p >= 0.8 {
+            well += 1;
+        }
+    }
+    eprintln!("{n_units} units; {well} of {n_true} simulated units found with recall and precision ≥ 0.8");
+    assert!(well * 10 >= n_true * 8, "only {well} of {n_true} simulated units well sorted");
+
+    // The same folder with 1 thread.
+    let out1 = dir.path().join("sorted1");
+    sort(&rec, &out1, "1");
+    for e in std::fs::read_dir(&out).unwrap() {
+        let name = e.unwrap().file_name();
+        if name == "spikecube.json" {
+            continue;
+        }
+        let a = std::fs::read(out.join(&name)).unwrap();
+        let b = std::fs::read(out1.join(&name)).unwrap();
+        assert!(a == b, "{} differs between 2 threads and 1", name.to_string_lossy());
+    }
+}
