@@ -3,3 +3,5 @@
 //! spikes, template post-processing (alignment and a 0.9-similarity pre-merge),
 //! learned-template matching over every window, final clustering, CCG-gated
 //! merges, duplicate removal and the Phy export.
+
+pub mod clustering;
