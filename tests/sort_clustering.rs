@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use ndarray::{Array1, Array2, Array3, ArrayD, Ix1, Ix2, Ix3};
 use ndarray_npy::ReadNpyExt;
 use spikecube::sort::clustering::{
-    self, ClusterInput, Clustering, ClusteringSettings, MIN_GROUP_SPIKES, Positions, group::build_graph,
+    self, ClusterInput, Clustering, ClusteringSettings, MIN_GROUP_SPIKES, Positions, cluster_group, group::build_graph,
     labels::propagate,
 };
 
@@ -374,7 +374,7 @@ fn final_clustering_agrees_with_kilosort4() {
 /// Runs the label updates of every clustered group from Kilosort4's own
 /// initial labels and counts the spikes whose label differs from Kilosort4's
 /// (after the relabelling, before the tree).
-fn from_ks4_init(c: &Case, input: &ClusterInput<'_>, file: &str) -> (usize, usize, usize) {
+fn from_ks4_init(c: &Case, input: &ClusterInput<'_>, file: &str, clu: &[i32]) -> (usize, usize, usize) {
     let g = c.npz(file);
     let ns: Vec<usize> = g.f64("n").iter().map(|&v| v as usize).collect();
     let ds: Vec<usize> = g.f64("d").iter().map(|&v| v as usize).collect();
@@ -389,7 +389,7 @@ fn from_ks4_init(c: &Case, input: &ClusterInput<'_>, file: &str) -> (usize, usiz
         .filter(|d| d.spikes.len() >= MIN_GROUP_SPIKES)
         .collect();
     assert_eq!(groups.len(), ns.len(), "{}: clustered groups", c.name);
-    let (mut off, mut differ, mut groups_differ) = (0, 0, 0);
+    let (mut off, mut differ, mut groups_differ, mut final_differ) = (0, 0, 0, 0);
     for (gi, d) in groups.iter().enumerate() {
         assert_eq!((d.spikes.len(), d.dim), (ns[gi], ds[gi]), "{}: group {gi} size", c.name);
         let graph = build_graph(&d.xd, d.dim, &settings);
@@ -401,14 +401,25 @@ fn from_ks4_init(c: &Case, input: &ClusterInput<'_>, file: &str) -> (usize, usiz
             eprintln!("  {}: group {gi} ({} spikes): {nd} labels differ", c.name, ns[gi]);
         }
         differ += nd;
+        // The tree and its cuts from the same start give Kilosort4's clusters.
+        let times: Option<Vec<f64>> = input.times.map(|t| d.spikes.iter().map(|&s| t[s]).collect());
+        let o = cluster_group(&d.xd, d.dim, times.as_deref(), Some(&init[off..off + ns[gi]]), &settings);
+        let ks: Vec<i32> = d.spikes.iter().map(|&s| clu[s]).collect();
+        let base = *ks.iter().min().unwrap();
+        let tree_differ = o.labels.iter().zip(&ks).filter(|(a, b)| **a as i32 != **b - base).count();
+        if tree_differ > 0 {
+            eprintln!("  {}: group {gi}: {tree_differ} final labels differ after the tree", c.name);
+        }
+        final_differ += tree_differ;
         off += ns[gi];
     }
+    eprintln!("{} {file}: after the tree, {final_differ} of {off} labels differ", c.name);
     eprintln!(
         "{} {file}: {differ} of {off} labels differ from Kilosort4's, in {groups_differ} of {} groups",
         c.name,
         ns.len()
     );
-    (differ, off, groups_differ)
+    (differ + final_differ, off, groups_differ)
 }
 
 #[test]
@@ -416,9 +427,11 @@ fn label_updates_from_kilosort4_init_reproduce_its_labels() {
     for dir in cases() {
         let c = Case::load(&dir);
         let fi = first_inputs(&c);
-        let (d1, n1, _) = from_ks4_init(&c, &fi.input(), "groups_first.npz");
+        let clu0 = c.npz("first_out.npz").f64("clu0").mapv(|v| v as i32);
+        let (d1, n1, _) = from_ks4_init(&c, &fi.input(), "groups_first.npz", clu0.as_slice().unwrap());
         let fl = final_inputs(&c);
-        let (d2, n2, _) = from_ks4_init(&c, &fl.input(), "groups_final.npz");
+        let clu = c.npz("final_out.npz").f64("clu").mapv(|v| v as i32);
+        let (d2, n2, _) = from_ks4_init(&c, &fl.input(), "groups_final.npz", clu.as_slice().unwrap());
         // Differences come only from near-tied neighbour distances (faiss's
         // float32 BLAS expansion against our direct sums) and float32 ties
         // in Kilosort4's expected-edge term; they stay rare.
