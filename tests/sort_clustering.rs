@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use ndarray::{Array1, Array2, Array3, ArrayD, Ix1, Ix2, Ix3};
 use ndarray_npy::ReadNpyExt;
 use spikecube::sort::clustering::{
-    self, ClusterInput, Clustering, ClusteringSettings, MIN_GROUP_SPIKES, Positions, cluster_group, group::build_graph,
-    labels::propagate,
+    self, ClusterInput, Clustering, ClusteringSettings, MIN_GROUP_SPIKES, Positions, cluster_group,
+    group::build_graph, labels::propagate,
 };
 
 /// Arrays of one `.npz` (compressed or not), by name without `.npy`.
@@ -36,7 +36,9 @@ impl Npz {
                 raw
             } else if method == zip::CompressionMethod::DEFLATE {
                 let mut out = Vec::new();
-                flate2::read::DeflateDecoder::new(&raw[..]).read_to_end(&mut out).unwrap();
+                flate2::read::DeflateDecoder::new(&raw[..])
+                    .read_to_end(&mut out)
+                    .unwrap();
                 out
             } else {
                 panic!("{}: {name} compressed with {method:?}", path.display())
@@ -47,9 +49,12 @@ impl Npz {
     }
 
     fn bytes(&self, name: &str) -> &[u8] {
-        self.0
-            .get(name)
-            .unwrap_or_else(|| panic!("no array `{name}` (have {:?})", self.0.keys().collect::<Vec<_>>()))
+        self.0.get(name).unwrap_or_else(|| {
+            panic!(
+                "no array `{name}` (have {:?})",
+                self.0.keys().collect::<Vec<_>>()
+            )
+        })
     }
 
     /// Any float or integer array as float64.
@@ -74,11 +79,15 @@ impl Npz {
     }
 
     fn f32(&self, name: &str) -> ArrayD<f32> {
-        ArrayD::<f32>::read_npy(self.bytes(name)).unwrap_or_else(|_| self.f64(name).mapv(|v| v as f32))
+        ArrayD::<f32>::read_npy(self.bytes(name))
+            .unwrap_or_else(|_| self.f64(name).mapv(|v| v as f32))
     }
 
     fn usize2(&self, name: &str) -> Array2<usize> {
-        self.f64(name).into_dimensionality::<Ix2>().unwrap().mapv(|v| v as usize)
+        self.f64(name)
+            .into_dimensionality::<Ix2>()
+            .unwrap()
+            .mapv(|v| v as usize)
     }
 
     fn scalar(&self, name: &str) -> f64 {
@@ -96,7 +105,11 @@ fn cases() -> Vec<PathBuf> {
         .filter(|p| p.join("first_in.npz").exists())
         .collect();
     v.sort();
-    assert!(!v.is_empty(), "no sort fixture case (a folder with first_in.npz) under {}", root.display());
+    assert!(
+        !v.is_empty(),
+        "no sort fixture case (a folder with first_in.npz) under {}",
+        root.display()
+    );
     v
 }
 
@@ -232,7 +245,13 @@ fn hungarian_max(score: &Array2<f64>) -> Vec<Option<usize>> {
     let n = nr.max(nc);
     let big = score.iter().copied().fold(0.0, f64::max);
     // Minimise cost = big − score on a square matrix padded with `big`.
-    let cost = |i: usize, j: usize| if i < nr && j < nc { big - score[[i, j]] } else { big };
+    let cost = |i: usize, j: usize| {
+        if i < nr && j < nc {
+            big - score[[i, j]]
+        } else {
+            big
+        }
+    };
     let (mut u, mut v) = (vec![0f64; n + 1], vec![0f64; n + 1]);
     let (mut p, mut way) = (vec![0usize; n + 1], vec![0usize; n + 1]);
     for i in 1..=n {
@@ -303,7 +322,11 @@ fn agreement(theirs: &[i32], ours: &[i32]) -> Vec<(usize, f64)> {
     }
     let score = Array2::from_shape_fn((k1, k2), |(a, b)| {
         let m = both[[a, b]];
-        if m == 0.0 { 0.0 } else { m / (n1[a] + n2[b] - m) }
+        if m == 0.0 {
+            0.0
+        } else {
+            m / (n1[a] + n2[b] - m)
+        }
     });
     let pairs = hungarian_max(&score);
     (0..k1)
@@ -337,14 +360,28 @@ fn first_clustering_agrees_with_kilosort4() {
     for dir in cases() {
         let c = Case::load(&dir);
         let fi = first_inputs(&c);
-        let clu0: Array1<i32> = c.npz("first_out.npz").f64("clu0").into_dimensionality::<Ix1>().unwrap().mapv(|v| v as i32);
+        let clu0: Array1<i32> = c
+            .npz("first_out.npz")
+            .f64("clu0")
+            .into_dimensionality::<Ix1>()
+            .unwrap()
+            .mapv(|v| v as i32);
         let t = std::time::Instant::now();
         let ours = clustering::run(&fi.input(), &ClusteringSettings::ks4_compatible()).unwrap();
-        eprintln!("{}: first clustering {:.2} s", c.name, t.elapsed().as_secs_f64());
+        eprintln!(
+            "{}: first clustering {:.2} s",
+            c.name,
+            t.elapsed().as_secs_f64()
+        );
         let wall0 = c.npz("first_out.npz").f32("Wall0");
         assert_eq!(ours.wall.shape()[1..], wall0.shape()[1..]);
         let frac = report("first clustering", &c.name, clu0.as_slice().unwrap(), &ours);
-        assert!(frac >= 0.95, "{}: only {:.1} % of Kilosort4's clusters matched", c.name, 100.0 * frac);
+        assert!(
+            frac >= 0.95,
+            "{}: only {:.1} % of Kilosort4's clusters matched",
+            c.name,
+            100.0 * frac
+        );
     }
 }
 
@@ -356,17 +393,34 @@ fn final_clustering_agrees_with_kilosort4() {
             panic!("{}: final_out.npz missing", dir.display());
         }
         let fi = final_inputs(&c);
-        let clu: Array1<i32> = c.npz("final_out.npz").f64("clu").into_dimensionality::<Ix1>().unwrap().mapv(|v| v as i32);
+        let clu: Array1<i32> = c
+            .npz("final_out.npz")
+            .f64("clu")
+            .into_dimensionality::<Ix1>()
+            .unwrap()
+            .mapv(|v| v as i32);
         let t = std::time::Instant::now();
         let ours = clustering::run(&fi.input(), &ClusteringSettings::ks4_compatible()).unwrap();
-        eprintln!("{}: final clustering {:.2} s", c.name, t.elapsed().as_secs_f64());
+        eprintln!(
+            "{}: final clustering {:.2} s",
+            c.name,
+            t.elapsed().as_secs_f64()
+        );
         let frac = report("final clustering", &c.name, clu.as_slice().unwrap(), &ours);
-        assert!(frac >= 0.95, "{}: only {:.1} % of Kilosort4's clusters matched", c.name, 100.0 * frac);
+        assert!(
+            frac >= 0.95,
+            "{}: only {:.1} % of Kilosort4's clusters matched",
+            c.name,
+            100.0 * frac
+        );
         // The intended CCG test changes decisions only towards merging.
         let fixed = clustering::run(&fi.input(), &ClusteringSettings::default()).unwrap();
         let k_bug = ours.wall.shape()[0];
         let k_fixed = fixed.wall.shape()[0];
-        eprintln!("{}: final clusters with 4.1.7's skipped CCG test {k_bug}, with the test {k_fixed}", c.name);
+        eprintln!(
+            "{}: final clusters with 4.1.7's skipped CCG test {k_bug}, with the test {k_fixed}",
+            c.name
+        );
         assert!(k_fixed <= k_bug);
     }
 }
@@ -374,14 +428,33 @@ fn final_clustering_agrees_with_kilosort4() {
 /// Runs the label updates of every clustered group from Kilosort4's own
 /// initial labels and counts the spikes whose label differs from Kilosort4's
 /// (after the relabelling, before the tree).
-fn from_ks4_init(c: &Case, input: &ClusterInput<'_>, file: &str, clu: &[i32]) -> (usize, usize, usize) {
+fn from_ks4_init(
+    c: &Case,
+    input: &ClusterInput<'_>,
+    file: &str,
+    clu: &[i32],
+) -> (usize, usize, usize) {
+    let settings = ClusteringSettings::ks4_compatible();
+    let plan = input.plan(&settings).unwrap();
+    if !c.dir.join(file).exists() {
+        // Kilosort4 writes no per-group file when every group is left whole.
+        let big = plan
+            .centres
+            .iter()
+            .filter_map(|&cn| input.group(&plan, cn))
+            .any(|d| d.spikes.len() >= MIN_GROUP_SPIKES);
+        assert!(
+            !big,
+            "{}: {file} missing but a group has ≥ {MIN_GROUP_SPIKES} spikes",
+            c.name
+        );
+        return (0, 0, 0);
+    }
     let g = c.npz(file);
     let ns: Vec<usize> = g.f64("n").iter().map(|&v| v as usize).collect();
     let ds: Vec<usize> = g.f64("d").iter().map(|&v| v as usize).collect();
     let init: Vec<u32> = g.f64("init").iter().map(|&v| v as u32).collect();
     let fin: Vec<u32> = g.f64("final").iter().map(|&v| v as u32).collect();
-    let settings = ClusteringSettings::ks4_compatible();
-    let plan = input.plan(&settings).unwrap();
     let groups: Vec<_> = plan
         .centres
         .iter()
@@ -391,29 +464,61 @@ fn from_ks4_init(c: &Case, input: &ClusterInput<'_>, file: &str, clu: &[i32]) ->
     assert_eq!(groups.len(), ns.len(), "{}: clustered groups", c.name);
     let (mut off, mut differ, mut groups_differ, mut final_differ) = (0, 0, 0, 0);
     for (gi, d) in groups.iter().enumerate() {
-        assert_eq!((d.spikes.len(), d.dim), (ns[gi], ds[gi]), "{}: group {gi} size", c.name);
+        assert_eq!(
+            (d.spikes.len(), d.dim),
+            (ns[gi], ds[gi]),
+            "{}: group {gi} size",
+            c.name
+        );
         let graph = build_graph(&d.xd, d.dim, &settings);
         let lab = propagate(&graph, &init[off..off + ns[gi]], 200, 200);
         let theirs = &fin[off..off + ns[gi]];
-        let nd = lab.iclust.iter().zip(theirs).filter(|(a, b)| a != b).count();
+        let nd = lab
+            .iclust
+            .iter()
+            .zip(theirs)
+            .filter(|(a, b)| a != b)
+            .count();
         if nd > 0 {
             groups_differ += 1;
-            eprintln!("  {}: group {gi} ({} spikes): {nd} labels differ", c.name, ns[gi]);
+            eprintln!(
+                "  {}: group {gi} ({} spikes): {nd} labels differ",
+                c.name, ns[gi]
+            );
         }
         differ += nd;
         // The tree and its cuts from the same start give Kilosort4's clusters.
-        let times: Option<Vec<f64>> = input.times.map(|t| d.spikes.iter().map(|&s| t[s]).collect());
-        let o = cluster_group(&d.xd, d.dim, times.as_deref(), Some(&init[off..off + ns[gi]]), &settings);
+        let times: Option<Vec<f64>> = input
+            .times
+            .map(|t| d.spikes.iter().map(|&s| t[s]).collect());
+        let o = cluster_group(
+            &d.xd,
+            d.dim,
+            times.as_deref(),
+            Some(&init[off..off + ns[gi]]),
+            &settings,
+        );
         let ks: Vec<i32> = d.spikes.iter().map(|&s| clu[s]).collect();
         let base = *ks.iter().min().unwrap();
-        let tree_differ = o.labels.iter().zip(&ks).filter(|(a, b)| **a as i32 != **b - base).count();
+        let tree_differ = o
+            .labels
+            .iter()
+            .zip(&ks)
+            .filter(|(a, b)| **a as i32 != **b - base)
+            .count();
         if tree_differ > 0 {
-            eprintln!("  {}: group {gi}: {tree_differ} final labels differ after the tree", c.name);
+            eprintln!(
+                "  {}: group {gi}: {tree_differ} final labels differ after the tree",
+                c.name
+            );
         }
         final_differ += tree_differ;
         off += ns[gi];
     }
-    eprintln!("{} {file}: after the tree, {final_differ} of {off} labels differ", c.name);
+    eprintln!(
+        "{} {file}: after the tree, {final_differ} of {off} labels differ",
+        c.name
+    );
     eprintln!(
         "{} {file}: {differ} of {off} labels differ from Kilosort4's, in {groups_differ} of {} groups",
         c.name,
@@ -428,14 +533,20 @@ fn label_updates_from_kilosort4_init_reproduce_its_labels() {
         let c = Case::load(&dir);
         let fi = first_inputs(&c);
         let clu0 = c.npz("first_out.npz").f64("clu0").mapv(|v| v as i32);
-        let (d1, n1, _) = from_ks4_init(&c, &fi.input(), "groups_first.npz", clu0.as_slice().unwrap());
+        let (d1, n1, _) = from_ks4_init(
+            &c,
+            &fi.input(),
+            "groups_first.npz",
+            clu0.as_slice().unwrap(),
+        );
         let fl = final_inputs(&c);
         let clu = c.npz("final_out.npz").f64("clu").mapv(|v| v as i32);
-        let (d2, n2, _) = from_ks4_init(&c, &fl.input(), "groups_final.npz", clu.as_slice().unwrap());
-        // Differences come only from near-tied neighbour distances (faiss's
-        // float32 BLAS expansion against our direct sums) and float32 ties
-        // in Kilosort4's expected-edge term; they stay rare.
-        assert!(d1 * 100 <= n1 && d2 * 100 <= n2, "{}: {d1}/{n1}, {d2}/{n2}", c.name);
+        let (d2, n2, _) =
+            from_ks4_init(&c, &fl.input(), "groups_final.npz", clu.as_slice().unwrap());
+        // Exact: only a near-tied neighbour distance (faiss's float32 BLAS
+        // expansion against our direct sums) or a float32 tie in Kilosort4's
+        // expected-edge term could move a label, and none does on these cases.
+        assert!(d1 == 0 && d2 == 0, "{}: {d1}/{n1}, {d2}/{n2}", c.name);
     }
 }
 
@@ -447,7 +558,10 @@ fn labels_are_identical_for_1_2_and_16_threads() {
     let fl = final_inputs(&c);
     let settings = ClusteringSettings::default();
     let run_with = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
         pool.install(|| {
             let a = clustering::run(&fi.input(), &settings).unwrap();
             let b = clustering::run(&fl.input(), &settings).unwrap();
@@ -457,8 +571,16 @@ fn labels_are_identical_for_1_2_and_16_threads() {
     let one = run_with(1);
     for t in [2, 16] {
         let other = run_with(t);
-        assert!(one.0 == other.0 && one.2 == other.2, "labels differ with {t} threads");
-        let same_bits = |x: &Array3<f32>, y: &Array3<f32>| x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same_bits(&one.1, &other.1) && same_bits(&one.3, &other.3), "Wall differs with {t} threads");
+        assert!(
+            one.0 == other.0 && one.2 == other.2,
+            "labels differ with {t} threads"
+        );
+        let same_bits = |x: &Array3<f32>, y: &Array3<f32>| {
+            x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits())
+        };
+        assert!(
+            same_bits(&one.1, &other.1) && same_bits(&one.3, &other.3),
+            "Wall differs with {t} threads"
+        );
     }
 }

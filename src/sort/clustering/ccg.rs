@@ -118,7 +118,9 @@ mod tests {
         let mut t = 0.0;
         (0..n)
             .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 t += min_gap + (x >> 40) as f64 / (1u64 << 24) as f64 * 0.05;
                 t
             })

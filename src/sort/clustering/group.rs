@@ -28,7 +28,11 @@ pub struct GroupOutcome {
 /// The neighbour graph of a group's features `xd` (n × `dim`).
 pub fn build_graph(xd: &[f32], dim: usize, settings: &ClusteringSettings) -> Graph {
     let n = xd.len() / dim;
-    let lm = landmarks(n, settings.cluster_downsampling, settings.max_cluster_subset);
+    let lm = landmarks(
+        n,
+        settings.cluster_downsampling,
+        settings.max_cluster_subset,
+    );
     let k = settings.cluster_neighbors.min(lm.len());
     let kn = knn(xd, dim, &lm, k);
     Graph::new(kn, k, &lm)
@@ -54,7 +58,12 @@ pub fn cluster_group(
             &seeded
         }
     };
-    let nclust = init.iter().map(|&l| l as usize + 1).max().unwrap_or(1).max(N_CLUSTERS_INIT);
+    let nclust = init
+        .iter()
+        .map(|&l| l as usize + 1)
+        .max()
+        .unwrap_or(1)
+        .max(N_CLUSTERS_INIT);
     let Labels {
         iclust,
         isub,

@@ -77,7 +77,11 @@ fn histogram_peaks(xc: &[f32]) -> Vec<f32> {
     let min_x = xc.iter().copied().fold(f32::INFINITY, f32::min);
     let max_x = xc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let num_edges = ((max_x - min_x) / X_BIN_WIDTH) as usize + 4;
-    let edges = linspace_f32(min_x - 2.0 * X_BIN_WIDTH, max_x + 2.0 * X_BIN_WIDTH, num_edges);
+    let edges = linspace_f32(
+        min_x - 2.0 * X_BIN_WIDTH,
+        max_x + 2.0 * X_BIN_WIDTH,
+        num_edges,
+    );
     let nb = num_edges - 1;
     let mut hist = vec![0i64; nb];
     for &x in xc {
@@ -89,7 +93,10 @@ fn histogram_peaks(xc: &[f32]) -> Vec<f32> {
         hist[(i.max(1) - 1).min(nb - 1)] += 1;
     }
     let smooth = smooth_counts(&hist);
-    local_maxima(&smooth).into_iter().map(|p| edges[p]).collect()
+    local_maxima(&smooth)
+        .into_iter()
+        .map(|p| edges[p])
+        .collect()
 }
 
 /// numpy's `linspace` in float32: `start + i·((stop − start)/(num − 1))`, the
@@ -203,7 +210,7 @@ fn lloyd_1d(x: &[f32], mut code: Vec<f32>) -> Vec<f32> {
 /// # Errors
 /// [`ClusteringError::Input`] when `ycup` is empty or `dmin` is not positive.
 pub fn y_centers(ycup: &[f64], dmin: f64) -> Result<Vec<f64>, ClusteringError> {
-    if ycup.is_empty() || !(dmin > 0.0) || ycup.iter().any(|v| !v.is_finite()) {
+    if ycup.is_empty() || dmin.is_nan() || dmin <= 0.0 || ycup.iter().any(|v| !v.is_finite()) {
         return Err(ClusteringError::Input(format!(
             "y-centres need template-centre depths (ycup: {} values, finite) and dmin > 0 (got {dmin})",
             ycup.len()
@@ -344,13 +351,19 @@ mod tests {
             (tile(&[0.0, 32.0], 192), vec![16.0]),
             (
                 (0..4)
-                    .flat_map(|s| tile(&[0.0, 32.0], 48).into_iter().map(move |x| x + 250.0 * s as f32))
+                    .flat_map(|s| {
+                        tile(&[0.0, 32.0], 48)
+                            .into_iter()
+                            .map(move |x| x + 250.0 * s as f32)
+                    })
                     .collect(),
                 vec![16.0, 266.0, 516.0, 766.0],
             ),
             (vec![0.0; 32], vec![0.0]),
             (
-                (0..8).flat_map(|i| std::iter::repeat_n(40.0 * i as f32, 8)).collect(),
+                (0..8)
+                    .flat_map(|i| std::iter::repeat_n(40.0 * i as f32, 8))
+                    .collect(),
                 vec![60.0, 220.0],
             ),
             (
@@ -359,7 +372,12 @@ mod tests {
             ),
         ];
         for (xc, want) in cases {
-            assert_eq!(x_centers(&xc, None).unwrap(), want, "xc {:?}", &xc[..8.min(xc.len())]);
+            assert_eq!(
+                x_centers(&xc, None).unwrap(),
+                want,
+                "xc {:?}",
+                &xc[..8.min(xc.len())]
+            );
         }
     }
 

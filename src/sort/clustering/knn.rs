@@ -96,7 +96,7 @@ impl TopK {
     /// keeps the earlier one (strictly smaller distances displace).
     #[inline]
     fn offer(&mut self, d: f32, j: u32) {
-        if self.dist.len() == self.k && !(d < self.dist[self.k - 1]) {
+        if d.is_nan() || (self.dist.len() == self.k && d >= self.dist[self.k - 1]) {
             return;
         }
         let p = self.dist.partition_point(|&e| e <= d);
@@ -114,7 +114,11 @@ impl TopK {
 /// exceed the number of landmarks.
 pub fn knn(xd: &[f32], dim: usize, landmarks: &[usize], k: usize) -> Vec<u32> {
     let n = xd.len() / dim.max(1);
-    assert!(k <= landmarks.len(), "k = {k} > {} landmarks", landmarks.len());
+    assert!(
+        k <= landmarks.len(),
+        "k = {k} > {} landmarks",
+        landmarks.len()
+    );
     let mut lm = Vec::with_capacity(landmarks.len() * dim);
     for &s in landmarks {
         lm.extend_from_slice(&xd[s * dim..(s + 1) * dim]);

@@ -314,7 +314,10 @@ mod tests {
         let g = Graph::new(kn, k, &lm);
         let nclust = 7;
         let isub: Vec<u32> = (0..g.n_sub).map(|_| (next() % 5) as u32).collect();
-        assert_eq!(assign_iclust(&g, &isub, nclust), dense_iclust(&g, &isub, nclust));
+        assert_eq!(
+            assign_iclust(&g, &isub, nclust),
+            dense_iclust(&g, &isub, nclust)
+        );
         assert_eq!(g.m, g.kj.iter().sum::<f64>());
     }
 }

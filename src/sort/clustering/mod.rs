@@ -165,12 +165,13 @@ impl<'a> ClusterInput<'a> {
             return bad(format!("spike template id {t} is out of range (K = {k})"));
         }
         if let Some(&c) = self.chans.iter().find(|&&c| c >= self.n_chan) {
-            return bad(format!("channel {c} in the templates' channel lists, but C = {}", self.n_chan));
+            return bad(format!(
+                "channel {c} in the templates' channel lists, but C = {}",
+                self.n_chan
+            ));
         }
-        if let Some(t) = self.times {
-            if t.len() != n {
-                return bad(format!("{} spike times for {n} spikes", t.len()));
-            }
+        if let Some(t) = self.times.filter(|t| t.len() != n) {
+            return bad(format!("{} spike times for {n} spikes", t.len()));
         }
         Ok(())
     }
@@ -197,7 +198,13 @@ impl<'a> ClusterInput<'a> {
 
     /// The data of the group around `centre` (`None` when it has no spikes).
     pub fn group(&self, plan: &GroupPlan, centre: usize) -> Option<GroupData> {
-        groups::group_data(centre, &plan.nearest, self.spike_template, self.tf, self.chans)
+        groups::group_data(
+            centre,
+            &plan.nearest,
+            self.spike_template,
+            self.tf,
+            self.chans,
+        )
     }
 }
 
@@ -212,12 +219,18 @@ struct GroupResult {
 }
 
 /// Clusters one group: whole when under 1000 spikes, else the graph clustering.
-fn run_group(inp: &ClusterInput<'_>, data: GroupData, settings: &ClusteringSettings) -> GroupResult {
+fn run_group(
+    inp: &ClusterInput<'_>,
+    data: GroupData,
+    settings: &ClusteringSettings,
+) -> GroupResult {
     let n = data.spikes.len();
     let (labels, ng, rounds) = if n < MIN_GROUP_SPIKES {
         (vec![0u32; n], 0, 0)
     } else {
-        let times: Option<Vec<f64>> = inp.times.map(|t| data.spikes.iter().map(|&s| t[s]).collect());
+        let times: Option<Vec<f64>> = inp
+            .times
+            .map(|t| data.spikes.iter().map(|&s| t[s]).collect());
         let o = cluster_group(&data.xd, data.dim, times.as_deref(), None, settings);
         (o.labels, o.n_graph_clusters, o.rounds_run)
     };
@@ -265,7 +278,10 @@ fn cluster_means(xd: &[f32], dim: usize, labels: &[u32], k: usize) -> Array2<f32
 ///
 /// # Errors
 /// Bad inputs or settings, no group with spikes, or an all-zero Wall.
-pub fn run(inp: &ClusterInput<'_>, settings: &ClusteringSettings) -> Result<Clustering, ClusteringError> {
+pub fn run(
+    inp: &ClusterInput<'_>,
+    settings: &ClusteringSettings,
+) -> Result<Clustering, ClusteringError> {
     settings.validate()?;
     inp.validate()?;
     let plan = inp.plan(settings)?;

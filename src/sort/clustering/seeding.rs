@@ -71,7 +71,7 @@ fn draw_without_replacement(w: &[f32], ntry: usize, rng: &mut ChaCha8Rng) -> Vec
         let total = *cum.last().unwrap_or(&0.0);
         let r = uniform(rng) * total;
         let i = cum.partition_point(|&c| c <= r).min(w.len() - 1);
-        if is_chosen[i] || !(w[i] > 0.0) {
+        if is_chosen[i] || w[i] <= 0.0 {
             rejects += 1;
             if rejects >= MAX_REJECTS {
                 cum = build(&is_chosen);

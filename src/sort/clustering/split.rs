@@ -54,21 +54,23 @@ pub fn split(inp: &SplitInput<'_>) -> Vec<bool> {
         if f64::from(m.ratio) < SPLIT_RATIO {
             criterion = -1;
         }
-        if criterion == 0 && !inp.ks4_ccg_bug {
-            if let Some(times) = inp.times {
-                let (t1, t2) = (
-                    pick(times, inp.iclust, &inp.leaf_sets[m.x]),
-                    pick(times, inp.iclust, &inp.leaf_sets[m.y]),
-                );
-                if cross_refractory(&t1, &t2) {
-                    criterion = 1;
-                }
+        if let (0, false, Some(times)) = (criterion, inp.ks4_ccg_bug, inp.times) {
+            let (t1, t2) = (
+                pick(times, inp.iclust, &inp.leaf_sets[m.x]),
+                pick(times, inp.iclust, &inp.leaf_sets[m.y]),
+            );
+            if cross_refractory(&t1, &t2) {
+                criterion = 1;
             }
         }
         if criterion == 0 {
             let score = bimodality(inp, m);
             // NaN (an empty side of the histogram) keeps the split, as in numpy.
-            criterion = if f64::from(score) < BIMODALITY_MERGE { 1 } else { -1 };
+            criterion = if f64::from(score) < BIMODALITY_MERGE {
+                1
+            } else {
+                -1
+            };
         }
         if criterion == 1 {
             valid[kk] = false;
@@ -179,7 +181,7 @@ fn solve_spd(mut a: Vec<f64>, mut b: Vec<f64>, d: usize) -> Option<Vec<f64>> {
         for k in 0..j {
             s -= a[j * d + k] * a[j * d + k];
         }
-        if !(s > 0.0) {
+        if s.is_nan() || s <= 0.0 {
             return None;
         }
         let l = s.sqrt();
@@ -224,7 +226,11 @@ pub fn bimod_score(xproj: &[f64]) -> f32 {
     let xm1 = sm[..imin].iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let xm2 = sm[imin..].iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let (r1, r2) = (xmin / xm1, xmin / xm2);
-    let r = if r1.is_nan() || r2.is_nan() { f32::NAN } else { r1.max(r2) };
+    let r = if r1.is_nan() || r2.is_nan() {
+        f32::NAN
+    } else {
+        r1.max(r2)
+    };
     1.0 - r
 }
 
@@ -237,7 +243,7 @@ fn histogram(x: &[f64]) -> Vec<f32> {
     edges[nb] = 2.0;
     let mut h = vec![0f32; nb];
     for &v in x {
-        if !(v >= -2.0 && v <= 2.0) {
+        if !(-2.0..=2.0).contains(&v) {
             continue;
         }
         let mut i = (((v + 2.0) * (nb as f64 / 4.0)) as usize).min(nb - 1);
@@ -305,7 +311,12 @@ fn pairwise_sum(v: &[f64]) -> f64 {
 /// Final labels from the surviving merges (Kilosort4's `new_clusters`): the
 /// leaves of the surviving nodes, numbered in increasing node id; all zeros
 /// when no merge survives.
-pub fn new_clusters(iclust: &[u32], merges: &[Merge], valid: &[bool], leaf_sets: &[Vec<bool>]) -> Vec<u32> {
+pub fn new_clusters(
+    iclust: &[u32],
+    merges: &[Merge],
+    valid: &[bool],
+    leaf_sets: &[Vec<bool>],
+) -> Vec<u32> {
     let nc = merges.len() + 1;
     let mut state = vec![0u8; 2 * nc]; // 1: child of a surviving node, 2: a surviving node
     let mut any = false;
@@ -350,7 +361,9 @@ mod tests {
             .map(|i| if i % 2 == 0 { -1.0 } else { 1.0 } + ((i * 37 % 101) as f64 - 50.0) * 0.004)
             .collect();
         assert!(bimod_score(&two) > 0.9);
-        let one: Vec<f64> = (0..2000).map(|i| ((i * 37 % 1001) as f64 - 500.0) * 0.0016).collect();
+        let one: Vec<f64> = (0..2000)
+            .map(|i| ((i * 37 % 1001) as f64 - 500.0) * 0.0016)
+            .collect();
         assert!(bimod_score(&one) < 0.2);
     }
 

@@ -127,7 +127,11 @@ pub fn leaf_sets(merges: &[Merge], nc: usize) -> Vec<Vec<bool>> {
         })
         .collect();
     for m in merges {
-        let s: Vec<bool> = sets[m.x].iter().zip(&sets[m.y]).map(|(a, b)| *a || *b).collect();
+        let s: Vec<bool> = sets[m.x]
+            .iter()
+            .zip(&sets[m.y])
+            .map(|(a, b)| *a || *b)
+            .collect();
         sets.push(s);
     }
     sets
