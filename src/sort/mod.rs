@@ -5,7 +5,9 @@
 //! merges, duplicate removal and the Phy export. [`run`] chains them.
 
 pub mod ccg;
+pub mod clustering;
 pub mod matching;
 pub mod merge;
 pub mod postprocess;
 pub mod templates;
+pub mod run;

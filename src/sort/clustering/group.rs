@@ -1,0 +1,94 @@
+//! The clustering of one spatial group (Kilosort4 4.1.7
+//! `clustering_qr.py:cluster`, then `hierarchical.maketree`,
+//! `swarmsplitter.split` and `new_clusters`).
+
+use super::knn::{knn, landmarks};
+use super::labels::{Graph, Labels, propagate};
+use super::seeding::kmeans_plusplus;
+use super::settings::{ClusteringSettings, N_CLUSTERS_INIT, N_LABEL_ROUNDS};
+use super::split::{SplitInput, new_clusters, split};
+use super::tree::{find_merges, leaf_sets, prepare};
+
+/// What the clustering of one group went through.
+#[derive(Debug, Clone)]
+pub struct GroupOutcome {
+    /// Final labels of the group's spikes (0‥`n_clusters`).
+    pub labels: Vec<u32>,
+    /// Final clusters.
+    pub n_clusters: usize,
+    /// Labels after the label updates and relabelling, before the tree
+    /// (Kilosort4's `cluster` output); empty for a group left whole.
+    pub graph_labels: Vec<u32>,
+    /// Clusters after the label updates.
+    pub n_graph_clusters: usize,
+    /// Label-update rounds run before a fixed point (≤ 200).
+    pub rounds_run: usize,
+}
+
+/// The neighbour graph of a group's features `xd` (n × `dim`).
+pub fn build_graph(xd: &[f32], dim: usize, settings: &ClusteringSettings) -> Graph {
+    let n = xd.len() / dim;
+    let lm = landmarks(
+        n,
+        settings.cluster_downsampling,
+        settings.max_cluster_subset,
+    );
+    let k = settings.cluster_neighbors.min(lm.len());
+    let kn = knn(xd, dim, &lm, k);
+    Graph::new(kn, k, &lm)
+}
+
+/// Clusters one group of at least 1000 spikes: neighbour graph, seeding (or
+/// `init`, initial labels 0‥200 given from elsewhere, e.g. Kilosort4's own),
+/// label updates, merge tree and cuts. `times` (s) turns on the CCG test of
+/// the final clustering.
+pub fn cluster_group(
+    xd: &[f32],
+    dim: usize,
+    times: Option<&[f64]>,
+    init: Option<&[u32]>,
+    settings: &ClusteringSettings,
+) -> GroupOutcome {
+    let g = build_graph(xd, dim, settings);
+    let seeded;
+    let init = match init {
+        Some(v) => v,
+        None => {
+            seeded = kmeans_plusplus(xd, dim, N_CLUSTERS_INIT, settings.cluster_init_seed);
+            &seeded
+        }
+    };
+    let nclust = init
+        .iter()
+        .map(|&l| l as usize + 1)
+        .max()
+        .unwrap_or(1)
+        .max(N_CLUSTERS_INIT);
+    let Labels {
+        iclust,
+        isub,
+        nclust: nc,
+        rounds_run,
+    } = propagate(&g, init, nclust, N_LABEL_ROUNDS);
+    let (cc, cneg) = prepare(&g, &iclust, &isub, nc);
+    let merges = find_merges(cc, cneg, nc);
+    let sets = leaf_sets(&merges, nc);
+    let valid = split(&SplitInput {
+        xd,
+        dim,
+        iclust: &iclust,
+        merges: &merges,
+        leaf_sets: &sets,
+        times,
+        ks4_ccg_bug: settings.ks4_swarm_ccg_bug,
+    });
+    let labels = new_clusters(&iclust, &merges, &valid, &sets);
+    let n_clusters = labels.iter().map(|&l| l as usize + 1).max().unwrap_or(1);
+    GroupOutcome {
+        labels,
+        n_clusters,
+        graph_labels: iclust,
+        n_graph_clusters: nc,
+        rounds_run,
+    }
+}
