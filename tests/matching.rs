@@ -13,7 +13,7 @@ use common::data;
 use ndarray::{Array1, Array2, Array3, ArrayD, Axis, Ix1, Ix2, Ix3};
 use ndarray_npy::NpzReader;
 use spikecube::sort::matching::{
-    MatchingSettings, MatchingSetup, WindowSpikes, assemble, match_window,
+    MatchError, MatchingSettings, MatchingSetup, WindowSpikes, assemble, extract, match_window,
 };
 use spikecube::sort::templates::postprocess_templates;
 
@@ -381,11 +381,11 @@ fn matching_equals_kilosort4_on_sim32() {
     .unwrap()
     .with_icc(icc.mapv(|v| v as u32))
     .unwrap();
-    let parts: Vec<WindowSpikes> = windows
-        .iter()
-        .map(|x| match_window(&setup, x.view()).unwrap())
-        .collect();
-    let ours = assemble(&setup, &parts);
+    let ours = extract(&setup, windows.len() as u64, |i| {
+        Ok::<_, MatchError>(windows[i as usize].clone())
+    })
+    .unwrap();
+    assert_eq!(ours.iu.len(), wall3.dim().0);
     report_and_compare("sim32", &ours.st, &ours.tf, &st, &tf);
 }
 
