@@ -23,6 +23,24 @@
 //! in BLAS/oneDNN order); a spike can differ only where that rounding moves
 //! a comparison (a Cf within rounding of `Th_learned`², or two equal maxima).
 //!
+//! Measured against Kilosort4 4.1.7's `extract` (`tests/matching.rs`): on
+//! its own windows (synthetic unit case, 118 spikes) and on windows
+//! preprocessed here with its `Wrot` (Open Ephys example, 1 555 spikes;
+//! 30-s 32-site simulation, 15 791 spikes) every spike has the same sample
+//! and template, √Cf within 1.5e-6 relative and tF within 2e-5 absolute (the
+//! part beyond 4e-6 comes from the preprocessing, not the matching).
+//!
+//! Where the order can differ from Kilosort4 (only on exact float ties):
+//! * `iCC` distance ties go to the lower site index ([`nearest_sites`]);
+//!   numpy's unstable sort orders them by CPU code path, so
+//!   [`MatchingSetup::with_icc`] takes Kilosort4's own;
+//! * spikes at the same sample (different peels) keep their peel order in
+//!   the final stable sort; `np.argsort` leaves their order unspecified;
+//! * two spikes of one half-peel with overlapping ranges (possible only when
+//!   two Cf maxima within nt are exactly equal): the later one's write wins;
+//! * Kilosort4 stops with an error past 100 000 spikes in one window; here
+//!   there is no cap. `batch_downsampling` is not supported (it is 1).
+//!
 //! Work saved without changing any result: sites where a template is zero
 //! are skipped (their products are exact zeros); after the first peel only
 //! samples within ±2·nt of the last peel's spikes are examined again (elsewhere
@@ -226,10 +244,16 @@ impl MatchingSetup {
         }
         let u = wall3.to_owned();
         let nt = settings.nt;
-        let support: Vec<Vec<u32>> = (0..k).map(|j| support(u.slice(ndarray::s![j, .., ..]))).collect();
+        let support: Vec<Vec<u32>> = (0..k)
+            .map(|j| support(u.slice(ndarray::s![j, .., ..])))
+            .collect();
         let nm: Vec<f32> = (0..k)
             .map(|j| {
-                let s: f64 = u.slice(ndarray::s![j, .., ..]).iter().map(|&v| f64::from(v).powi(2)).sum();
+                let s: f64 = u
+                    .slice(ndarray::s![j, .., ..])
+                    .iter()
+                    .map(|&v| f64::from(v).powi(2))
+                    .sum();
                 s as f32
             })
             .collect();
@@ -255,7 +279,8 @@ impl MatchingSetup {
                 w
             })
             .collect();
-        let (icc, icc_mask) = nearest_sites(xc, yc, settings.nearest_chans, settings.position_limit);
+        let (icc, icc_mask) =
+            nearest_sites(xc, yc, settings.nearest_chans, settings.position_limit);
         let iu = (0..k)
             .map(|j| {
                 let mut best = (0u32, f32::NEG_INFINITY);
@@ -295,7 +320,11 @@ impl MatchingSetup {
         if icc.dim() != self.icc.dim() || icc.iter().any(|&c| c as usize >= n_c) {
             return Err(shape_err(
                 "iCC",
-                format!("is {:?}, expected {:?} with sites below {n_c}", icc.dim(), self.icc.dim()),
+                format!(
+                    "is {:?}, expected {:?} with sites below {n_c}",
+                    icc.dim(),
+                    self.icc.dim()
+                ),
             ));
         }
         self.icc = icc;
@@ -355,31 +384,51 @@ impl MatchingSetup {
     }
 }
 
-fn check_settings(s: &MatchingSettings, wpca: ArrayView2<f32>, n_c: usize) -> Result<(), MatchError> {
+fn check_settings(
+    s: &MatchingSettings,
+    wpca: ArrayView2<f32>,
+    n_c: usize,
+) -> Result<(), MatchError> {
     let bad = |name, message: String| Err(MatchError::Setting { name, message });
     if !(s.th_learned.is_finite() && s.th_learned > 0.0) {
-        return bad("Th_learned", format!("is {}; it must be positive", s.th_learned));
+        return bad(
+            "Th_learned",
+            format!("is {}; it must be positive", s.th_learned),
+        );
     }
     if s.max_peels == 0 {
         return bad("max_peels", "is 0; it must be at least 1".into());
     }
-    if s.nt % 2 == 0 || s.nt != wpca.ncols() {
+    if s.nt.is_multiple_of(2) || s.nt != wpca.ncols() {
         return bad(
             "nt",
-            format!("is {}; it must be odd and equal wPCA's {} samples", s.nt, wpca.ncols()),
+            format!(
+                "is {}; it must be odd and equal wPCA's {} samples",
+                s.nt,
+                wpca.ncols()
+            ),
         );
     }
     if s.nt0min >= s.nt {
-        return bad("nt0min", format!("is {}; it must be below nt = {}", s.nt0min, s.nt));
+        return bad(
+            "nt0min",
+            format!("is {}; it must be below nt = {}", s.nt0min, s.nt),
+        );
     }
     if s.nearest_chans == 0 || s.nearest_chans > n_c {
         return bad(
             "nearest_chans",
-            format!("is {}; it must be 1 … {n_c} (the probe's sites)", s.nearest_chans),
+            format!(
+                "is {}; it must be 1 … {n_c} (the probe's sites)",
+                s.nearest_chans
+            ),
         );
     }
     if s.batch_size < s.nt {
-        return bad("batch_size", format!("is {}; it must be at least nt = {}", s.batch_size, s.nt));
+        return bad(
+            "batch_size",
+            format!("is {}; it must be at least nt = {}", s.batch_size, s.nt),
+        );
     }
     Ok(())
 }
@@ -432,7 +481,12 @@ fn ctc_from_utu(utu: &[f32], wtw: &Array3<f32>) -> Vec<f32> {
 
 /// For every template j, the templates sharing a site with it and their `UtU`,
 /// with `ctc` too when all of them fit in `budget` bytes.
-fn partners(u: &Array3<f32>, support: &[Vec<u32>], wtw: &Array3<f32>, budget: usize) -> Vec<Partners> {
+fn partners(
+    u: &Array3<f32>,
+    support: &[Vec<u32>],
+    wtw: &Array3<f32>,
+    budget: usize,
+) -> Vec<Partners> {
     let (k, npc, n_c) = u.dim();
     let mut by_site: Vec<Vec<u32>> = vec![Vec::new(); n_c];
     for (j, s) in support.iter().enumerate() {
@@ -443,7 +497,10 @@ fn partners(u: &Array3<f32>, support: &[Vec<u32>], wtw: &Array3<f32>, budget: us
     let mut list: Vec<Partners> = (0..k)
         .into_par_iter()
         .map(|j| {
-            let mut ks: Vec<u32> = support[j].iter().flat_map(|&c| by_site[c as usize].iter().copied()).collect();
+            let mut ks: Vec<u32> = support[j]
+                .iter()
+                .flat_map(|&c| by_site[c as usize].iter().copied())
+                .collect();
             ks.sort_unstable();
             ks.dedup();
             let mut utu = Vec::with_capacity(ks.len() * npc * npc);
@@ -452,18 +509,24 @@ fn partners(u: &Array3<f32>, support: &[Vec<u32>], wtw: &Array3<f32>, budget: us
                     for b in 0..npc {
                         let mut acc = 0f64;
                         for &c in &support[j] {
-                            acc += f64::from(u[[kk as usize, a, c as usize]]) * f64::from(u[[j, b, c as usize]]);
+                            acc += f64::from(u[[kk as usize, a, c as usize]])
+                                * f64::from(u[[j, b, c as usize]]);
                         }
                         utu.push(acc as f32);
                     }
                 }
             }
-            Partners { k: ks, utu, ctc: None }
+            Partners {
+                k: ks,
+                utu,
+                ctc: None,
+            }
         })
         .collect();
     let n_pairs: usize = list.iter().map(|p| p.k.len()).sum();
     if n_pairs.saturating_mul(4 * wtw.dim().2) <= budget {
-        list.par_iter_mut().for_each(|p| p.ctc = Some(ctc_from_utu(&p.utu, wtw)));
+        list.par_iter_mut()
+            .for_each(|p| p.ctc = Some(ctc_from_utu(&p.utu, wtw)));
     }
     list
 }
@@ -488,52 +551,66 @@ fn filter_product(setup: &MatchingSetup, x: ArrayView2<f32>) -> Vec<f32> {
         slot[c] = i;
     }
     let mut b = vec![0f32; n * k];
-    b.par_chunks_mut(TILE * k).enumerate().for_each(|(tile, out)| {
-        let t0 = tile * TILE;
-        let w = out.len() / k;
-        // F[slot][p][t]: the filtered site over this tile.
-        let mut f = vec![0f32; used.len() * npc * w];
-        let mut seg = vec![0f32; w + 2 * half];
-        for (si, &c) in used.iter().enumerate() {
-            let row = x.row(c);
-            for (i, v) in seg.iter_mut().enumerate() {
-                let t = (t0 + i) as i64 - half as i64;
-                *v = if t >= 0 && (t as usize) < n { row[t as usize] } else { 0.0 };
-            }
-            for p in 0..npc {
-                let fo = &mut f[(si * npc + p) * w..(si * npc + p + 1) * w];
-                for i in 0..nt {
-                    let wv = setup.wpca[[p, i]];
-                    for (o, &xv) in fo.iter_mut().zip(&seg[i..i + w]) {
-                        *o += xv * wv;
-                    }
+    b.par_chunks_mut(TILE * k)
+        .enumerate()
+        .for_each(|(tile, out)| {
+            let t0 = tile * TILE;
+            let w = out.len() / k;
+            // F[slot][p][t]: the filtered site over this tile.
+            let mut f = vec![0f32; used.len() * npc * w];
+            let mut seg = vec![0f32; w + 2 * half];
+            for (si, &c) in used.iter().enumerate() {
+                let row = x.row(c);
+                for (i, v) in seg.iter_mut().enumerate() {
+                    let t = (t0 + i) as i64 - half as i64;
+                    *v = if t >= 0 && (t as usize) < n {
+                        row[t as usize]
+                    } else {
+                        0.0
+                    };
                 }
-            }
-        }
-        let mut acc = vec![0f32; w];
-        for j in 0..k {
-            acc.fill(0.0);
-            for &c in &setup.support[j] {
-                let si = slot[c as usize];
                 for p in 0..npc {
-                    let uv = setup.u[[j, p, c as usize]];
-                    let fo = &f[(si * npc + p) * w..(si * npc + p + 1) * w];
-                    for (a, &fv) in acc.iter_mut().zip(fo) {
-                        *a += uv * fv;
+                    let fo = &mut f[(si * npc + p) * w..(si * npc + p + 1) * w];
+                    for i in 0..nt {
+                        let wv = setup.wpca[[p, i]];
+                        for (o, &xv) in fo.iter_mut().zip(&seg[i..i + w]) {
+                            *o += xv * wv;
+                        }
                     }
                 }
             }
-            for (t, &a) in acc.iter().enumerate() {
-                out[t * k + j] = a;
+            let mut acc = vec![0f32; w];
+            for j in 0..k {
+                acc.fill(0.0);
+                for &c in &setup.support[j] {
+                    let si = slot[c as usize];
+                    for p in 0..npc {
+                        let uv = setup.u[[j, p, c as usize]];
+                        let fo = &f[(si * npc + p) * w..(si * npc + p + 1) * w];
+                        for (a, &fv) in acc.iter_mut().zip(fo) {
+                            *a += uv * fv;
+                        }
+                    }
+                }
+                for (t, &a) in acc.iter().enumerate() {
+                    out[t * k + j] = a;
+                }
             }
-        }
-    });
+        });
     b
 }
 
 /// Per-sample best template and its Cf over `lo..hi` (zero in the first and
 /// last nt columns, as Kilosort4 zeroes Cf there).
-fn best_templates(setup: &MatchingSetup, b: &[f32], n: usize, lo: usize, hi: usize, cfmax: &mut [f32], imax: &mut [u32]) {
+fn best_templates(
+    setup: &MatchingSetup,
+    b: &[f32],
+    n: usize,
+    lo: usize,
+    hi: usize,
+    cfmax: &mut [f32],
+    imax: &mut [u32],
+) {
     let k = setup.nm.len();
     let nt = setup.settings.nt;
     let nm = &setup.nm;
@@ -609,7 +686,11 @@ pub fn match_window(setup: &MatchingSetup, x: ArrayView2<f32>) -> Result<WindowS
     if x.nrows() != n_c || n <= 2 * nt {
         return Err(shape_err(
             "window",
-            format!("is {} × {n}; expected {n_c} sites and more than {} samples", x.nrows(), 2 * nt),
+            format!(
+                "is {} × {n}; expected {n_c} sites and more than {} samples",
+                x.nrows(),
+                2 * nt
+            ),
         ));
     }
     let mut b = filter_product(setup, x);
@@ -640,10 +721,16 @@ pub fn match_window(setup: &MatchingSetup, x: ArrayView2<f32>) -> Result<WindowS
             out.th_amp.push(cfmax[t].sqrt());
         }
         for parity in 0..2 {
-            let half_spikes: Vec<(usize, usize, f32)> = found.iter().copied().skip(parity).step_by(2).collect();
+            let half_spikes: Vec<(usize, usize, f32)> =
+                found.iter().copied().skip(parity).step_by(2).collect();
             subtract(setup, &half_spikes, &mut b, &mut xres, n);
         }
-        let dirty = merge_intervals(found.iter().map(|&(t, _, _)| (t - nt, (t + nt + 1).min(n))).collect());
+        let dirty = merge_intervals(
+            found
+                .iter()
+                .map(|&(t, _, _)| (t - nt, (t + nt + 1).min(n)))
+                .collect(),
+        );
         for &(lo, hi) in &dirty {
             best_templates(setup, &b, n, lo, hi, &mut cfmax, &mut imax);
         }
@@ -672,7 +759,13 @@ pub fn match_window(setup: &MatchingSetup, x: ArrayView2<f32>) -> Result<WindowS
 /// term), for all rows. Ranges within a half overlap only when two samples
 /// within nt tie exactly; then the later spike's write wins for the shared
 /// columns, which is what is done here (Kilosort4's order there is unspecified).
-fn subtract(setup: &MatchingSetup, spikes: &[(usize, usize, f32)], b: &mut [f32], xres: &mut Array2<f32>, n: usize) {
+fn subtract(
+    setup: &MatchingSetup,
+    spikes: &[(usize, usize, f32)],
+    b: &mut [f32],
+    xres: &mut Array2<f32>,
+    n: usize,
+) {
     if spikes.is_empty() {
         return;
     }
@@ -680,7 +773,10 @@ fn subtract(setup: &MatchingSetup, spikes: &[(usize, usize, f32)], b: &mut [f32]
     let nt = setup.settings.nt;
     let half = nt / 2;
     let nl = 2 * nt + 1;
-    let ctcs: Vec<std::borrow::Cow<'_, [f32]>> = spikes.par_iter().map(|&(_, j, _)| setup.ctc_of(j)).collect();
+    let ctcs: Vec<std::borrow::Cow<'_, [f32]>> = spikes
+        .par_iter()
+        .map(|&(_, j, _)| setup.ctc_of(j))
+        .collect();
     let overlap_b = spikes.windows(2).any(|w| w[1].0 - w[0].0 <= 2 * nt);
     let overlap_x = spikes.windows(2).any(|w| w[1].0 - w[0].0 <= 2 * half);
     let b_before = overlap_b.then(|| b.to_vec());
@@ -773,7 +869,8 @@ pub fn assemble(setup: &MatchingSetup, parts: &[WindowSpikes]) -> Extracted {
     let mut rows: Vec<(i64, u32, f32, usize, usize)> = Vec::new();
     for (i, p) in parts.iter().enumerate() {
         for r in 0..p.len() {
-            let sample = p.col[r] as i64 - s.nt as i64 + (i * s.batch_size) as i64 - (s.nt / 2) as i64
+            let sample = p.col[r] as i64 - s.nt as i64 + (i * s.batch_size) as i64
+                - (s.nt / 2) as i64
                 + s.nt0min as i64;
             if sample >= 0 {
                 rows.push((sample, p.template[r], p.th_amp[r], i, r));

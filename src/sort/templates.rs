@@ -115,7 +115,10 @@ pub fn postprocess_templates(
         if c < 0 || c as usize >= k0 {
             return Err(shape_err(
                 "clu0",
-                format!("label {c} is outside 0 … {} (Wall0 has {k0} clusters)", k0 as i64 - 1),
+                format!(
+                    "label {c} is outside 0 … {} (Wall0 has {k0} clusters)",
+                    k0 as i64 - 1
+                ),
             ));
         }
         counts[c as usize] += 1;
@@ -128,7 +131,10 @@ pub fn postprocess_templates(
     }
     let (aligned, imax) = align_templates(wall0, wpca, wtemp)?;
     // (K0, npc, C) → (K0, C, npc), the layout `merging_function` receives.
-    let wall2 = aligned.permuted_axes([0, 2, 1]).as_standard_layout().into_owned();
+    let wall2 = aligned
+        .permuted_axes([0, 2, 1])
+        .as_standard_layout()
+        .into_owned();
     let merged = pre_merge(wall2, counts, &wtw(wpca))?;
     Ok(PostprocessedTemplates {
         wall3: merged
@@ -212,9 +218,7 @@ pub fn align_templates(
         .into_par_iter()
         .map(|k| {
             let sites: Vec<usize> = (0..n_c)
-                .filter(|&c| {
-                    (k.saturating_sub(1)..(k + 2).min(k0)).any(|kk| active[kk][c])
-                })
+                .filter(|&c| (k.saturating_sub(1)..(k + 2).min(k0)).any(|kk| active[kk][c]))
                 .collect();
             let mut best = (0usize, f32::NEG_INFINITY);
             for t in 0..nt {
@@ -369,7 +373,8 @@ pub fn pre_merge(
         .collect();
     let mut out = Array3::<f32>::zeros((kept.len(), n_c, npc));
     for (i, &k) in kept.iter().enumerate() {
-        out.slice_mut(s![i, .., ..]).assign(&wall.slice(s![k, .., ..]));
+        out.slice_mut(s![i, .., ..])
+            .assign(&wall.slice(s![k, .., ..]));
     }
     Ok(PreMerged {
         wall: out,
