@@ -205,11 +205,6 @@ pub struct OutputWriter {
 }
 
 impl OutputWriter {
-    /// Spikes appended so far.
-    pub fn n_spikes(&self) -> u64 {
-        self.n_spikes
-    }
-
     /// Starts an output folder that will become `out`, writing into
     /// `<out>.partial-<pid>` beside it; the probe and geometry files are written now.
     ///

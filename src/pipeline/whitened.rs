@@ -102,7 +102,9 @@ pub fn write_whitened(
         if let Some(m) = &fitted.scale_message {
             warnings.push(m.clone());
         }
-        warnings.extend(fitted.noisy_message.iter().cloned());
+        for m in &fitted.noisy_message {
+            warnings.push(m.clone());
+        }
         if let Some(w) = fitted
             .health
             .warning("the windows of the whitening fit", checks.mask_clipped)
