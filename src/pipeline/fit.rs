@@ -150,7 +150,7 @@ pub(crate) fn fit_run(
     if let Some(m) = &fitted.scale_message {
         run.warnings.push(m.clone());
     }
-    for m in &fitted.noisy_message {
+    if let Some(m) = &fitted.noisy_message {
         run.warnings.push(m.clone());
     }
     for (part, v) in &fitted.times.0 {

@@ -102,7 +102,7 @@ pub fn write_whitened(
         if let Some(m) = &fitted.scale_message {
             warnings.push(m.clone());
         }
-        for m in &fitted.noisy_message {
+        if let Some(m) = &fitted.noisy_message {
             warnings.push(m.clone());
         }
         if let Some(w) = fitted
