@@ -15,7 +15,7 @@ import pytest
 
 from conftest import (
     BIN, CONTRIB, FLAGS, NAMES, assert_same_outputs, cli, job_info, need, plan,
-    provenance, run_cmd, wait_jobs,
+    provenance, require_slurm, run_cmd, wait_jobs,
 )
 
 
@@ -32,7 +32,8 @@ def requeue(job, env):
     run_cmd(["scontrol", "update", f"jobid={job}", "StartTime=now"], env)
 
 
-def test_array_equals_plain_detect_and_collect_runs_after_it(recordings, reference, slurm, tmp_path):
+def test_array_equals_plain_detect_and_collect_runs_after_it(slurm_found, recordings, reference, tmp_path):
+    slurm = require_slurm(slurm_found)
     run = plan(tmp_path / "run", recordings)
     out = run_cmd([CONTRIB / "slurm" / "submit", run], slurm).stdout.split()
     # "array <id> (3 tasks, logs in …) collect <id>"
@@ -64,7 +65,8 @@ def test_array_equals_plain_detect_and_collect_runs_after_it(recordings, referen
     assert all(r["job"].startswith(f"{array}_") and int(r["spikes"]) > 0 for r in rows), rows
 
 
-def test_cancelled_and_requeued_task_gives_the_same_bytes(recordings, reference, slurm, tmp_path):
+def test_cancelled_and_requeued_task_gives_the_same_bytes(slurm_found, recordings, reference, tmp_path):
+    slurm = require_slurm(slurm_found)
     run = plan(tmp_path / "run", recordings)
     env = dict(slurm, RAYON_NUM_THREADS="1")
     r = run_cmd(["sbatch", "--parsable", "--array=0-2", f"--output={run}/logs/%a.log",
