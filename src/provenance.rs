@@ -63,7 +63,9 @@ pub fn record(device: Option<&str>, task: Option<&Task>) -> serde_json::Value {
     let env: serde_json::Map<String, serde_json::Value> = RECORDED_ENV
         .iter()
         .map(|k| {
-            let v = std::env::var(k).ok().map_or(serde_json::Value::Null, Into::into);
+            let v = std::env::var(k)
+                .ok()
+                .map_or(serde_json::Value::Null, Into::into);
             ((*k).to_string(), v)
         })
         .collect();

@@ -99,12 +99,22 @@ fn plan_task_collect_equal_plain_detect_and_skip_complete_tasks() {
     assert!(text(&o).contains("2 tasks"), "{}", text(&o));
     let manifest = std::fs::read_to_string(run.join("manifest.tsv")).unwrap();
     assert!(manifest.starts_with("index\tcommand\tname\tinputs\tprobe\tout\tflags\n"));
-    assert!(manifest.contains(&format!("\tout/{}\t--backend cpu\n", NAMES[1])), "{manifest}");
+    assert!(
+        manifest.contains(&format!("\tout/{}\t--backend cpu\n", NAMES[1])),
+        "{manifest}"
+    );
     // The same plan again changes nothing; another one is refused.
     ok(&plan(&[]));
     let o = plan(&["--th-universal", "8"]);
-    assert!(!o.status.success() && text(&o).contains("written once"), "{}", text(&o));
-    assert_eq!(std::fs::read_to_string(run.join("manifest.tsv")).unwrap(), manifest);
+    assert!(
+        !o.status.success() && text(&o).contains("written once"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(
+        std::fs::read_to_string(run.join("manifest.tsv")).unwrap(),
+        manifest
+    );
 
     // Nothing ran yet: collect fails, naming both tasks.
     let o = spikecube(&["batch", "collect", s(&run)]);
@@ -157,17 +167,25 @@ fn plan_task_collect_equal_plain_detect_and_skip_complete_tasks() {
     let summary = std::fs::read_to_string(run.join("summary.tsv")).unwrap();
     let rows: Vec<&str> = summary.lines().collect();
     assert_eq!(rows.len(), 3, "{summary}");
-    assert!(rows[0].starts_with("index\tname\tstatus\tspikes\trecording_s\twall_s\trealtime\twarnings\tdevice\thost"));
-    assert!(rows[1].starts_with(&format!("0\t{}\tok\t", NAMES[0])), "{summary}");
+    assert!(rows[0].starts_with(
+        "index\tname\tstatus\tspikes\trecording_s\twall_s\trealtime\twarnings\tdevice\thost"
+    ));
+    assert!(
+        rows[1].starts_with(&format!("0\t{}\tok\t", NAMES[0])),
+        "{summary}"
+    );
 
     // Half-written: a file cut short makes collect fail, naming it.
-    let amps = out0.join("spike_amplitudes.npy");
+    let amps = out0.join("amplitudes.npy");
     let bytes = std::fs::read(&amps).unwrap();
     std::fs::write(&amps, &bytes[..bytes.len() - 4]).unwrap();
     let o = spikecube(&["batch", "collect", s(&run)]);
     assert!(!o.status.success());
     let t = text(&o);
-    assert!(t.contains(&format!("task 0 ({}) incomplete", NAMES[0])) && t.contains("spike_amplitudes.npy is"), "{t}");
+    assert!(
+        t.contains(&format!("task 0 ({}) incomplete", NAMES[0])) && t.contains("amplitudes.npy is"),
+        "{t}"
+    );
     assert!(t.contains("1 of 2 tasks are not done"), "{t}");
     // ... and the task is no longer skipped.
     let o = spikecube(&["batch", "task", s(&run), "--index", "0", "-q"]);
@@ -182,35 +200,97 @@ fn bad_plans_and_failed_tasks_are_named() {
     let (recs, _) = recordings(dir.path());
     let run = dir.path().join("run");
     // A bad flag is refused at plan time, and no manifest is written.
-    let o = spikecube(&["batch", "plan", s(&recs[0]), "--out", s(&run), "--nblocks", "x"]);
+    let o = spikecube(&[
+        "batch",
+        "plan",
+        s(&recs[0]),
+        "--out",
+        s(&run),
+        "--nblocks",
+        "x",
+    ]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("task 0") && text(&o).contains("--nblocks"), "{}", text(&o));
+    assert!(
+        text(&o).contains("task 0") && text(&o).contains("--nblocks"),
+        "{}",
+        text(&o)
+    );
     assert!(!run.join("manifest.tsv").exists());
-    let o = spikecube(&["batch", "plan", s(&recs[0]), "--out", s(&run), "--no-such-flag"]);
-    assert!(!o.status.success() && text(&o).contains("--no-such-flag"), "{}", text(&o));
+    let o = spikecube(&[
+        "batch",
+        "plan",
+        s(&recs[0]),
+        "--out",
+        s(&run),
+        "--no-such-flag",
+    ]);
+    assert!(
+        !o.status.success() && text(&o).contains("--no-such-flag"),
+        "{}",
+        text(&o)
+    );
     let o = spikecube(&["batch", "plan", "--out", s(&run), s(&recs[0])]);
-    assert!(!o.status.success() && text(&o).contains("recordings first"), "{}", text(&o));
+    assert!(
+        !o.status.success() && text(&o).contains("recordings first"),
+        "{}",
+        text(&o)
+    );
     let missing = dir.path().join("missing.bin");
     let o = spikecube(&["batch", "plan", s(&missing), "--out", s(&run)]);
-    assert!(!o.status.success() && text(&o).contains("does not exist"), "{}", text(&o));
+    assert!(
+        !o.status.success() && text(&o).contains("does not exist"),
+        "{}",
+        text(&o)
+    );
 
     // A task that fails (its recording vanished) is named by collect with its error.
-    ok(&spikecube(&["batch", "plan", s(&recs[0]), "--out", s(&run), "--backend", "cpu", "-q"]));
+    ok(&spikecube(&[
+        "batch",
+        "plan",
+        s(&recs[0]),
+        "--out",
+        s(&run),
+        "--backend",
+        "cpu",
+        "-q",
+    ]));
     let moved = dir.path().join("moved.bin");
     std::fs::rename(&recs[0], &moved).unwrap();
     let o = spikecube(&["batch", "task", s(&run), "--index", "0"]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("task 0 (sim_g0_t0.imec0.ap) failed"), "{}", text(&o));
+    assert!(
+        text(&o).contains("task 0 (sim_g0_t0.imec0.ap) failed"),
+        "{}",
+        text(&o)
+    );
     let o = spikecube(&["batch", "task", s(&run), "--index", "3"]);
-    assert!(!o.status.success() && text(&o).contains("one task, index 0"), "{}", text(&o));
+    assert!(
+        !o.status.success() && text(&o).contains("one task, index 0"),
+        "{}",
+        text(&o)
+    );
     let o = spikecube(&["batch", "collect", s(&run)]);
     assert!(!o.status.success());
-    assert!(text(&o).contains("task 0 (sim_g0_t0.imec0.ap) failed"), "{}", text(&o));
+    assert!(
+        text(&o).contains("task 0 (sim_g0_t0.imec0.ap) failed"),
+        "{}",
+        text(&o)
+    );
     let summary = std::fs::read_to_string(run.join("summary.tsv")).unwrap();
-    assert!(summary.lines().nth(1).unwrap().contains("\tfailed\t"), "{summary}");
+    assert!(
+        summary.lines().nth(1).unwrap().contains("\tfailed\t"),
+        "{summary}"
+    );
     // Put back, the task runs and its error note goes.
     std::fs::rename(&moved, &recs[0]).unwrap();
-    ok(&spikecube(&["batch", "task", s(&run), "--index", "0", "-q"]));
+    ok(&spikecube(&[
+        "batch",
+        "task",
+        s(&run),
+        "--index",
+        "0",
+        "-q",
+    ]));
     assert!(!run.join("logs/0.error").exists());
     ok(&spikecube(&["batch", "collect", s(&run)]));
 }

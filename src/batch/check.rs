@@ -83,7 +83,10 @@ fn npy_expected_len(path: &Path) -> Result<u64, String> {
     let shape = field("'shape'", '(', ')').ok_or("its header has no shape")?;
     let mut n: u64 = 1;
     for d in shape.split(',').map(str::trim).filter(|d| !d.is_empty()) {
-        n = n.saturating_mul(d.parse::<u64>().map_err(|_| format!("shape ({shape}) unreadable"))?);
+        n = n.saturating_mul(
+            d.parse::<u64>()
+                .map_err(|_| format!("shape ({shape}) unreadable"))?,
+        );
     }
     Ok(pre + hlen + n * item)
 }
@@ -223,16 +226,25 @@ mod tests {
     #[test]
     fn complete_stale_and_missing_outputs_are_told_apart() {
         let dir = tempfile::tempdir().unwrap();
-        assert_eq!(check_output(&dir.path().join("rec"), "detect", "h1"), State::Missing);
+        assert_eq!(
+            check_output(&dir.path().join("rec"), "detect", "h1"),
+            State::Missing
+        );
         let out = folder(dir.path(), Some("h1"));
-        assert!(matches!(check_output(&out, "detect", "h1"), State::Complete(_)));
+        assert!(matches!(
+            check_output(&out, "detect", "h1"),
+            State::Complete(_)
+        ));
         assert_eq!(
             check_output(&out, "detect", "h2"),
             State::Stale(Some("h1".into()))
         );
         let out = folder(dir.path(), None);
         assert_eq!(check_output(&out, "detect", "h1"), State::Stale(None));
-        assert!(matches!(check_output(&out, "sort", "h1"), State::Incomplete(_)));
+        assert!(matches!(
+            check_output(&out, "sort", "h1"),
+            State::Incomplete(_)
+        ));
     }
 
     #[test]
@@ -251,15 +263,25 @@ mod tests {
         // A consistent file with the wrong count.
         npy(&times, 4);
         let s = check_output(&out, "detect", "h");
-        assert!(matches!(&s, State::Incomplete(w) if w.contains("holds 4 spikes")), "{s:?}");
+        assert!(
+            matches!(&s, State::Incomplete(w) if w.contains("holds 4 spikes")),
+            "{s:?}"
+        );
         // Gone.
         std::fs::remove_file(&times).unwrap();
         let s = check_output(&out, "detect", "h");
-        assert!(matches!(&s, State::Incomplete(w) if w.contains("missing")), "{s:?}");
+        assert!(
+            matches!(&s, State::Incomplete(w) if w.contains("missing")),
+            "{s:?}"
+        );
         // No spikecube.json.
         std::fs::remove_file(out.join(MANIFEST)).unwrap();
         let s = check_output(&out, "detect", "h");
-        assert!(s.describe(&out).contains("incomplete: it has no spikecube.json"), "{s:?}");
+        assert!(
+            s.describe(&out)
+                .contains("incomplete: it has no spikecube.json"),
+            "{s:?}"
+        );
     }
 
     #[test]
@@ -274,7 +296,10 @@ mod tests {
         );
         assert_eq!(npy_rows(&p), Some(3));
         // A structured dtype (as peaks.npy): the fields' sizes add up.
-        let dict = format!("{{'descr': {}, 'fortran_order': False, 'shape': (2,), }}", crate::output::PEAK_DESCR);
+        let dict = format!(
+            "{{'descr': {}, 'fortran_order': False, 'shape': (2,), }}",
+            crate::output::PEAK_DESCR
+        );
         let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
         bytes.extend((dict.len() as u16).to_le_bytes());
         bytes.extend(dict.as_bytes());

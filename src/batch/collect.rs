@@ -65,7 +65,10 @@ impl Row {
         let secs = j["input"]["duration_s"].as_f64();
         let wall = j["timings_s"]["total"].as_f64();
         let env = &j["provenance"]["env"];
-        let job = match (env["SLURM_ARRAY_JOB_ID"].as_str(), env["SLURM_ARRAY_TASK_ID"].as_str()) {
+        let job = match (
+            env["SLURM_ARRAY_JOB_ID"].as_str(),
+            env["SLURM_ARRAY_TASK_ID"].as_str(),
+        ) {
             (Some(a), Some(t)) => format!("{a}_{t}"),
             _ => text(&env["SLURM_JOB_ID"]),
         };
@@ -81,7 +84,10 @@ impl Row {
                 (Some(s), Some(w)) if w > 0.0 => format!("{:.2}", s / w),
                 _ => String::new(),
             },
-            j["warnings"].as_array().map(|a| a.len().to_string()).unwrap_or_default(),
+            j["warnings"]
+                .as_array()
+                .map(|a| a.len().to_string())
+                .unwrap_or_default(),
             text(&j["provenance"]["device"]),
             text(&j["provenance"]["host"]),
             job,

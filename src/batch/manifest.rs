@@ -147,7 +147,9 @@ impl Line {
             .parse()
             .with_context(|| format!("{where_}: index {:?} is not a number", cols[0]))?;
         if index != expected_index {
-            bail!("{where_}: index {index}, expected {expected_index} (lines are numbered 0, 1, 2, … in order)");
+            bail!(
+                "{where_}: index {index}, expected {expected_index} (lines are numbered 0, 1, 2, … in order)"
+            );
         }
         if !COMMANDS.contains(&cols[1]) {
             bail!(
@@ -284,7 +286,13 @@ pub fn names_for(inputs: &[PathBuf]) -> Vec<String> {
     let deepest = all.iter().map(Vec::len).max().unwrap_or(1).max(1);
     let clean = |s: String| -> String {
         s.chars()
-            .map(|c| if c.is_control() || "/\\|:".contains(c) { '_' } else { c })
+            .map(|c| {
+                if c.is_control() || "/\\|:".contains(c) {
+                    '_'
+                } else {
+                    c
+                }
+            })
             .collect()
     };
     for depth in 1..=deepest {
@@ -322,7 +330,12 @@ mod tests {
             inputs: vec![format!("/data/rec {i}/a.ap.bin").into()],
             probe: (i == 1).then(|| PathBuf::from("/p/probe.json")),
             out: format!("out/rec{i}").into(),
-            flags: vec!["--backend".into(), "cpu".into(), "--th-universal".into(), "8.5".into()],
+            flags: vec![
+                "--backend".into(),
+                "cpu".into(),
+                "--th-universal".into(),
+                "8.5".into(),
+            ],
         }
     }
 
@@ -335,7 +348,10 @@ mod tests {
         std::fs::write(dir.path().join(MANIFEST_TSV), m.to_tsv().unwrap()).unwrap();
         assert_eq!(Manifest::read(dir.path()).unwrap(), m);
         let err = m.line(2, dir.path()).unwrap_err().to_string();
-        assert!(err.contains("--index 2") && err.contains("tasks 0–1"), "{err}");
+        assert!(
+            err.contains("--index 2") && err.contains("tasks 0–1"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -343,7 +359,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let head = COLUMNS.join("\t");
         let cases = [
-            (format!("{head}\n1\tdetect\ta\t/x\t\tout/a\t\n"), "expected 0"),
+            (
+                format!("{head}\n1\tdetect\ta\t/x\t\tout/a\t\n"),
+                "expected 0",
+            ),
             (format!("{head}\n0\tsort9\ta\t/x\t\tout/a\t\n"), "command"),
             (format!("{head}\n0\tdetect\ta\t/x\n"), "4 columns"),
             (
@@ -387,7 +406,11 @@ mod tests {
         variants.push(l);
         // Moving a flag's boundary is a different setting too.
         let mut l = base.clone();
-        l.flags = vec!["--backend cpu".into(), "--th-universal".into(), "8.5".into()];
+        l.flags = vec![
+            "--backend cpu".into(),
+            "--th-universal".into(),
+            "8.5".into(),
+        ];
         variants.push(l);
         for v in variants {
             assert_ne!(v.settings_hash(), h, "{v:?}");
@@ -406,7 +429,11 @@ mod tests {
             ["a.ap", "b.ap"]
         );
         assert_eq!(
-            names_for(&p(&["/d/r1/sim.ap.bin", "/d/r2/sim.ap.bin", "/e/r3/sim.ap.bin"])),
+            names_for(&p(&[
+                "/d/r1/sim.ap.bin",
+                "/d/r2/sim.ap.bin",
+                "/e/r3/sim.ap.bin"
+            ])),
             ["r1_sim.ap", "r2_sim.ap", "r3_sim.ap"]
         );
         assert_eq!(

@@ -42,9 +42,7 @@ pub fn split_args(args: &[OsString]) -> Result<PlanArgs> {
         .position(|a| a.starts_with('-'))
         .unwrap_or(args.len());
     if first_flag == 0 {
-        bail!(
-            "give the recordings first: spikecube batch plan INPUTS… --out RUN [detect flags…]"
-        );
+        bail!("give the recordings first: spikecube batch plan INPUTS… --out RUN [detect flags…]");
     }
     let inputs = args[..first_flag].iter().map(PathBuf::from).collect();
     let (mut run, mut probe, mut flags) = (None, None, Vec::new());
@@ -256,6 +254,9 @@ mod tests {
             ..args
         };
         let err = manifest_for("detect", &missing).unwrap_err().to_string();
-        assert!(err.contains("nope.bin") && err.contains("does not exist"), "{err}");
+        assert!(
+            err.contains("nope.bin") && err.contains("does not exist"),
+            "{err}"
+        );
     }
 }

@@ -108,7 +108,11 @@ fn plan(mut args: Vec<OsString>, quiet: bool) -> Result<ExitCode> {
     for line in &manifest.lines {
         let argv = line.argv(&split.run);
         // `detect --help` or `--version` would print and exit from inside the check.
-        if line.flags.iter().any(|f| ["--help", "-h", "--version", "-V"].contains(&f.as_str())) {
+        if line
+            .flags
+            .iter()
+            .any(|f| ["--help", "-h", "--version", "-V"].contains(&f.as_str()))
+        {
             bail!("--help and --version are not task flags");
         }
         parse_line(argv, &format!("task {} ({})", line.index, line.name))?;
@@ -148,7 +152,11 @@ fn task(run: PathBuf, index: usize, quiet: bool) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     if !quiet {
-        let line: Vec<String> = task.argv().iter().map(|a| a.to_string_lossy().into_owned()).collect();
+        let line: Vec<String> = task
+            .argv()
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
         tell!(
             "spikecube: {what} on {}, CUDA_VISIBLE_DEVICES={}: spikecube {}",
             spikecube::provenance::host_name().unwrap_or_else(|| "?".into()),
@@ -200,10 +208,19 @@ fn collect(run: PathBuf, quiet: bool) -> Result<ExitCode> {
         }
     }
     for r in &bad {
-        tell!("spikecube: task {} ({}) {}: {}", r.index, r.name, r.status, r.problem);
+        tell!(
+            "spikecube: task {} ({}) {}: {}",
+            r.index,
+            r.name,
+            r.status,
+            r.problem
+        );
     }
     if !bad.is_empty() {
-        let names: Vec<String> = bad.iter().map(|r| format!("{} ({})", r.index, r.name)).collect();
+        let names: Vec<String> = bad
+            .iter()
+            .map(|r| format!("{} ({})", r.index, r.name))
+            .collect();
         bail!(
             "{} of {} tasks are not done: {}; {} lists them (run each again with `spikecube batch task {} --index N`)",
             bad.len(),

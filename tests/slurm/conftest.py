@@ -97,19 +97,33 @@ def plan(run, recordings):
     return run
 
 
-@pytest.fixture(scope="session")
-def slurm():
-    """The environment for Slurm's commands; fails (CI) or skips without a Slurm."""
+def _slurm_env():
+    """The environment for Slurm's commands, or why there is no Slurm."""
     if shutil.which("sbatch") is None:
-        need("Slurm (sbatch)", "install Debian's slurm-wlm and munge and start one with .ci/slurm up DIR")
+        return "Slurm (sbatch)", "install Debian's slurm-wlm and munge and start one with .ci/slurm up DIR"
     if not os.environ.get("SLURM_CONF"):
-        need("A running Slurm", "SLURM_CONF is not set (.ci/slurm up DIR prints the line to export)")
+        return "A running Slurm", "SLURM_CONF is not set (.ci/slurm up DIR prints the line to export)"
     r = subprocess.run(["sinfo", "-h", "-N", "-o", "%t %G"], capture_output=True, text=True)
     if r.returncode != 0 or "gpu:2" not in r.stdout:
-        need("A Slurm node with two GPUs", f"sinfo says: {r.stdout.strip()} {r.stderr.strip()}")
+        return "A Slurm node with two GPUs", f"sinfo says: {r.stdout.strip()} {r.stderr.strip()}"
     env = dict(os.environ)
     env["SPIKECUBE"] = str(Path(BIN).resolve())
     return env
+
+
+@pytest.fixture(scope="session")
+def slurm_found():
+    """[`_slurm_env`], looked up once; tests call `require_slurm` on it."""
+    return _slurm_env()
+
+
+def require_slurm(found):
+    """The environment for Slurm's commands. Without a Slurm the test fails
+    (CI=true) or is skipped: called in the test's body, so that it counts as a
+    failed test (a failing fixture would count as an error)."""
+    if isinstance(found, tuple):
+        need(*found)
+    return found
 
 
 def run_cmd(args, env, check=True):

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import (
     BIN, CONTRIB, FLAGS, NAMES, assert_same_outputs, cli, job_info, need, plan,
-    provenance, run_cmd, wait_jobs,
+    provenance, require_slurm, run_cmd, wait_jobs,
 )
 
 
@@ -32,7 +32,20 @@ def requeue(job, env):
     run_cmd(["scontrol", "update", f"jobid={job}", "StartTime=now"], env)
 
 
-def test_array_equals_plain_detect_and_collect_runs_after_it(recordings, reference, slurm, tmp_path):
+def wait_restarted(job, task, restarts, env, timeout=120):
+    """Waits until array task `job` (index `task`) has been restarted
+    `restarts` times and has ended again; returns its final state."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        info = job_info(job, env)[task]
+        if int(info["Restarts"]) >= restarts and info["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"):
+            return info["JobState"]
+        time.sleep(0.5)
+    raise AssertionError(f"{job} not restarted {restarts} times and ended after {timeout} s: {info}")
+
+
+def test_array_equals_plain_detect_and_collect_runs_after_it(slurm_found, recordings, reference, tmp_path):
+    slurm = require_slurm(slurm_found)
     run = plan(tmp_path / "run", recordings)
     out = run_cmd([CONTRIB / "slurm" / "submit", run], slurm).stdout.split()
     # "array <id> (3 tasks, logs in …) collect <id>"
@@ -64,7 +77,8 @@ def test_array_equals_plain_detect_and_collect_runs_after_it(recordings, referen
     assert all(r["job"].startswith(f"{array}_") and int(r["spikes"]) > 0 for r in rows), rows
 
 
-def test_cancelled_and_requeued_task_gives_the_same_bytes(recordings, reference, slurm, tmp_path):
+def test_cancelled_and_requeued_task_gives_the_same_bytes(slurm_found, recordings, reference, tmp_path):
+    slurm = require_slurm(slurm_found)
     run = plan(tmp_path / "run", recordings)
     env = dict(slurm, RAYON_NUM_THREADS="1")
     r = run_cmd(["sbatch", "--parsable", "--array=0-2", f"--output={run}/logs/%a.log",
@@ -85,6 +99,7 @@ def test_cancelled_and_requeued_task_gives_the_same_bytes(recordings, reference,
     assert state == "CANCELLED", f"task 1 ended {state} before it could be cancelled"
     assert not (out / NAMES[1]).exists(), "a cancelled task left an output"
     requeue(f"{array}_1", env)
+    assert wait_restarted(f"{array}_1", "1", 1, env) == "COMPLETED"
     wait_jobs([array], env)
     for t, info in job_info(array, env).items():
         assert info["JobState"] == "COMPLETED", (t, info["JobState"])
@@ -96,8 +111,9 @@ def test_cancelled_and_requeued_task_gives_the_same_bytes(recordings, reference,
     # Requeued again once complete: skipped, nothing rewritten.
     before = (out / NAMES[1] / "spikecube.json").stat().st_mtime_ns
     requeue(f"{array}_1", env)
-    wait_jobs([array], env)
-    assert "skipped" in (run / "logs" / "1.log").read_text().splitlines()[-1]
+    assert wait_restarted(f"{array}_1", "1", 2, env) == "COMPLETED"
+    log = (run / "logs" / "1.log").read_text()
+    assert "skipped" in log.splitlines()[-1], log[-2000:]
     assert (out / NAMES[1] / "spikecube.json").stat().st_mtime_ns == before
 
 
