@@ -18,7 +18,7 @@ settings given) and records, by wrapping the stage functions (their code is not 
   merge_out.npz       Wall (U, C, 6), clu (n,), is_ref (U,), st (n, 3), tF (n, 10, 6) after the
                       CCG-gated merges
   groups_{first,final}.npz   per clustering group (call order): n spikes, n features,
-                      kmeans++ initial labels and final labels (concatenated, with offsets)
+                      k-means++ initial labels and final labels (concatenated in call order)
   phy/                Kilosort4's Phy folder (save_to_phy), without ops.npy and the log
   meta.json           versions, counts, timings
 
@@ -53,7 +53,9 @@ def main():
     probe['n_chan'] = len(probe['chanMap'])
 
     torch.set_num_threads(int(arg('--threads', '2')))
-    from kilosort import run_kilosort as rk, clustering_qr as cq, template_matching as tm
+    import importlib
+    rk = importlib.import_module("kilosort.run_kilosort")
+    from kilosort import clustering_qr as cq, template_matching as tm
     import kilosort
 
     cap = {}
@@ -74,20 +76,14 @@ def main():
         return clu, Wall
     cq.run = run
 
-    f_km = cq.kmeans_plusplus
     f_cluster = cq.cluster
 
-    def kmeans_plusplus(*a, **k):
-        r = f_km(*a, **k)
-        groups[mode['m']].append({'init': r[0].cpu().numpy().astype(np.int32)})
-        return r
-    cq.kmeans_plusplus = kmeans_plusplus
-
     def cluster(Xd, *a, **k):
+        # returns (iclust, isub, M, iclust_init): the final and the k-means++ labels
         r = f_cluster(Xd, *a, **k)
-        g = groups[mode['m']]
-        if g and 'final' not in g[-1]:
-            g[-1].update(final=np.asarray(r[0]).astype(np.int32), n=int(Xd.shape[0]), d=int(Xd.shape[1]))
+        groups[mode['m']].append({'init': np.asarray(r[3].cpu() if hasattr(r[3], 'cpu') else r[3]).astype(np.int32),
+                                  'final': np.asarray(r[0].cpu() if hasattr(r[0], 'cpu') else r[0]).astype(np.int32),
+                                  'n': int(Xd.shape[0]), 'd': int(Xd.shape[1])})
         return r
     cq.cluster = cluster
 
