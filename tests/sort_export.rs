@@ -25,13 +25,14 @@ fn cases() -> Vec<PathBuf> {
     v
 }
 
+/// The probe each case was sorted with (tests/data/sort/README.md).
 fn probe_of(case: &Path) -> Probe {
-    for p in [case.join("probe.json"), case.parent().unwrap().join("probe32.json")] {
-        if p.is_file() {
-            return Probe::load(&p).unwrap();
-        }
-    }
-    panic!("no probe for {}", case.display());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let p = match case.file_name().and_then(|n| n.to_str()) {
+        Some("oe16") => root.join("data/probes/openephys_16ch_linear.json"),
+        _ => root.join("tests/data/sort/probe32.json"),
+    };
+    Probe::load(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
 fn load(case: &Path) -> KilosortArrays {

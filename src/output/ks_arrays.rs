@@ -184,6 +184,21 @@ impl Npz {
     }
 }
 
+/// The recording's files from the settings' `filename`: one path, or a list
+/// written as Python's `str` of a list (`['a.bin', 'b.bin']`).
+fn file_list(s: &str) -> Vec<PathBuf> {
+    let t = s.trim();
+    match t.strip_prefix('[').and_then(|t| t.strip_suffix(']')) {
+        Some(inner) => inner
+            .split(", ")
+            .map(|p| p.trim().trim_matches(|c| c == '\'' || c == '"'))
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from)
+            .collect(),
+        None => vec![PathBuf::from(t)],
+    }
+}
+
 fn to_usize<D: Dimension>(a: Array<i64, D>, what: &str) -> Result<Array<usize, D>> {
     if let Some(v) = a.iter().find(|&&v| v < 0) {
         bail!("{what} holds a negative index {v}");
@@ -211,12 +226,18 @@ pub fn load(dir: &Path) -> Result<KilosortArrays> {
     let ops = Npz::open(&dir.join("ops.npz"))?;
     let ext = Npz::open(&dir.join("extract_out.npz"))?;
     let fin = Npz::open(&dir.join("final_out.npz"))?;
-    let settings: serde_json::Value = serde_json::from_str(&ops.get_str("settings_json")?)
+    // Python's json writes inf and nan as bare words (`"tmax": Infinity`).
+    let text = ops
+        .get_str("settings_json")?
+        .replace(": -Infinity", ": null")
+        .replace(": Infinity", ": null")
+        .replace(": NaN", ": null");
+    let settings: serde_json::Value = serde_json::from_str(&text)
         .context("ops.npz: settings_json is not JSON")?;
     let num = |k: &str, d: f64| settings.get(k).and_then(|v| v.as_f64()).unwrap_or(d);
     let fs = ops.get::<f64, ndarray::Ix0>("fs").map(|a| a.into_scalar()).unwrap_or(num("fs", 30000.0));
     let filename = settings.get("filename").and_then(|v| v.as_str()).unwrap_or("no_path.bin");
-    let mut es = ExportSettings::new(fs, num("n_chan_bin", 0.0) as u64, vec![PathBuf::from(filename)]);
+    let mut es = ExportSettings::new(fs, num("n_chan_bin", 0.0) as u64, file_list(filename));
     es.imin = ((num("tmin", 0.0) * fs) as i64).max(0);
     es.duplicate_spike_ms = num("duplicate_spike_ms", 0.25);
     es.merge.thresholds.acg = num("acg_threshold", 0.2);

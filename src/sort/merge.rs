@@ -324,6 +324,12 @@ pub fn merge_ccg(
     settings: &MergeSettings,
 ) -> Result<Merged> {
     check_inputs(&wall, clu, &st, &tf, wpca, fs)?;
+    if !tf.is_standard_layout() {
+        tf = tf.as_standard_layout().into_owned();
+    }
+    if !wall.is_standard_layout() {
+        wall = wall.as_standard_layout().into_owned();
+    }
     let (nn, n_chan, npc) = wall.dim();
     let nt = wpca.ncols();
     let mut ns = vec![0i64; nn];
