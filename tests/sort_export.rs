@@ -21,7 +21,11 @@ fn cases() -> Vec<PathBuf> {
         .unwrap_or_default();
     v.retain(|p| p.join("merge_out.npz").is_file() && p.join("phy").is_dir());
     v.sort();
-    assert!(!v.is_empty(), "no Kilosort4 sort fixture under {}", root.display());
+    assert!(
+        !v.is_empty(),
+        "no Kilosort4 sort fixture under {}",
+        root.display()
+    );
     v
 }
 
@@ -154,8 +158,15 @@ fn compare(ours: &Path, theirs: &Path, strict_tf: bool) -> Vec<String> {
             Kind::F32(tol) => {
                 let (x, y) = (read::<f32>(&a), read::<f32>(&b));
                 let (abs, rel) = float_diff(&x, &y);
-                let tol = if name == "pc_features.npy" && strict_tf { 0.0 } else { tol };
-                assert!(rel <= tol, "{name}: max |Δ| {abs:e}, relative {rel:e} > {tol:e}");
+                let tol = if name == "pc_features.npy" && strict_tf {
+                    0.0
+                } else {
+                    tol
+                };
+                assert!(
+                    rel <= tol,
+                    "{name}: max |Δ| {abs:e}, relative {rel:e} > {tol:e}"
+                );
                 format!("{name}: max |Δ| {abs:.2e}, relative {rel:.2e} (≤ {tol:e})")
             }
         };
@@ -207,7 +218,14 @@ fn export(case: &Path, merged: bool) -> (tempfile::TempDir, PathBuf) {
             "export-phy",
         )
     } else {
-        phy::save_sorting(&out, r, &probe, &ks.settings, serde_json::json!({}), "export-phy")
+        phy::save_sorting(
+            &out,
+            r,
+            &probe,
+            &ks.settings,
+            serde_json::json!({}),
+            "export-phy",
+        )
     }
     .unwrap();
     println!("{summary:?}");

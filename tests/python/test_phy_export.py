@@ -90,7 +90,7 @@ def test_phylib_template_model(folder):
         np.testing.assert_array_equal(model.spike_samples, st)
         np.testing.assert_array_equal(model.spike_clusters, clu)
         assert model.traces is not None, "phylib did not open the raw file params.py names"
-        assert model.traces.shape == (n_samples, model.n_channels)
+        assert model.traces.shape[0] == n_samples
 
         # Waveforms from the raw file: phylib's window around each spike, at the channel map's columns.
         ids = np.unique(np.linspace(0, len(st) - 1, 20).astype(np.int64))
