@@ -21,17 +21,22 @@ fn cases() -> Vec<PathBuf> {
         .unwrap_or_default();
     v.retain(|p| p.join("merge_out.npz").is_file() && p.join("phy").is_dir());
     v.sort();
-    assert!(!v.is_empty(), "no Kilosort4 sort fixture under {}", root.display());
+    assert!(
+        !v.is_empty(),
+        "no Kilosort4 sort fixture under {}",
+        root.display()
+    );
     v
 }
 
+/// The probe each case was sorted with (tests/data/sort/README.md).
 fn probe_of(case: &Path) -> Probe {
-    for p in [case.join("probe.json"), case.parent().unwrap().join("probe32.json")] {
-        if p.is_file() {
-            return Probe::load(&p).unwrap();
-        }
-    }
-    panic!("no probe for {}", case.display());
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let p = match case.file_name().and_then(|n| n.to_str()) {
+        Some("oe16") => root.join("data/probes/openephys_16ch_linear.json"),
+        _ => root.join("tests/data/sort/probe32.json"),
+    };
+    Probe::load(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
 fn load(case: &Path) -> KilosortArrays {
@@ -153,8 +158,15 @@ fn compare(ours: &Path, theirs: &Path, strict_tf: bool) -> Vec<String> {
             Kind::F32(tol) => {
                 let (x, y) = (read::<f32>(&a), read::<f32>(&b));
                 let (abs, rel) = float_diff(&x, &y);
-                let tol = if name == "pc_features.npy" && strict_tf { 0.0 } else { tol };
-                assert!(rel <= tol, "{name}: max |Δ| {abs:e}, relative {rel:e} > {tol:e}");
+                let tol = if name == "pc_features.npy" && strict_tf {
+                    0.0
+                } else {
+                    tol
+                };
+                assert!(
+                    rel <= tol,
+                    "{name}: max |Δ| {abs:e}, relative {rel:e} > {tol:e}"
+                );
                 format!("{name}: max |Δ| {abs:.2e}, relative {rel:.2e} (≤ {tol:e})")
             }
         };
@@ -206,7 +218,14 @@ fn export(case: &Path, merged: bool) -> (tempfile::TempDir, PathBuf) {
             "export-phy",
         )
     } else {
-        phy::save_sorting(&out, r, &probe, &ks.settings, serde_json::json!({}), "export-phy")
+        phy::save_sorting(
+            &out,
+            r,
+            &probe,
+            &ks.settings,
+            serde_json::json!({}),
+            "export-phy",
+        )
     }
     .unwrap();
     println!("{summary:?}");

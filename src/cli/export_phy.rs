@@ -62,7 +62,14 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             "export-phy",
         )?
     } else {
-        phy::save_sorting(&args.out, ks.result, &probe, &settings, manifest, "export-phy")?
+        phy::save_sorting(
+            &args.out,
+            ks.result,
+            &probe,
+            &settings,
+            manifest,
+            "export-phy",
+        )?
     };
     if !quiet {
         say!(

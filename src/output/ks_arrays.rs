@@ -78,7 +78,8 @@ impl Npz {
     /// other than stored or deflate.
     pub fn open(path: &Path) -> Result<Npz> {
         let b = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let entries = Self::parse(&b).with_context(|| format!("{}: not a readable .npz file", path.display()))?;
+        let entries = Self::parse(&b)
+            .with_context(|| format!("{}: not a readable .npz file", path.display()))?;
         Ok(Npz {
             path: path.to_path_buf(),
             entries,
@@ -92,7 +93,10 @@ impl Npz {
             .context("no end of central directory")?;
         let mut count = u64::from(u16_at(b, eocd + 10)?);
         let mut cd = u64::from(u32_at(b, eocd + 16)?);
-        if (cd == 0xFFFF_FFFF || count == 0xFFFF) && eocd >= 20 && u32_at(b, eocd - 20)? == 0x0706_4b50 {
+        if (cd == 0xFFFF_FFFF || count == 0xFFFF)
+            && eocd >= 20
+            && u32_at(b, eocd - 20)? == 0x0706_4b50
+        {
             let z = u64_at(b, eocd - 12)? as usize;
             count = u64_at(b, z + 32)?;
             cd = u64_at(b, z + 48)?;
@@ -112,14 +116,17 @@ impl Npz {
                 u16_at(b, e + 32)? as usize,
             );
             let off = u64::from(u32_at(b, e + 42)?);
-            let name = String::from_utf8_lossy(b.get(e + 46..e + 46 + nlen).context("name")?).into_owned();
+            let name =
+                String::from_utf8_lossy(b.get(e + 46..e + 46 + nlen).context("name")?).into_owned();
             let (comp, off) = zip64_fields(b, e, comp, uncomp, off)?;
             let l = off as usize;
             if u32_at(b, l)? != 0x0403_4b50 {
                 bail!("bad local header for {name}");
             }
             let start = l + 30 + u16_at(b, l + 26)? as usize + u16_at(b, l + 28)? as usize;
-            let data = b.get(start..start + comp as usize).context("truncated member")?;
+            let data = b
+                .get(start..start + comp as usize)
+                .context("truncated member")?;
             let bytes = match method {
                 0 => data.to_vec(),
                 8 => {
@@ -150,8 +157,12 @@ impl Npz {
             .entries
             .get(name)
             .with_context(|| format!("{} has no array `{name}`", self.path.display()))?;
-        Array::<A, D>::read_npy(&bytes[..])
-            .with_context(|| format!("{}: array `{name}` has another dtype or rank", self.path.display()))
+        Array::<A, D>::read_npy(&bytes[..]).with_context(|| {
+            format!(
+                "{}: array `{name}` has another dtype or rank",
+                self.path.display()
+            )
+        })
     }
 
     /// A 0-d NumPy unicode string member (`<U…`, UTF-32LE), such as `settings_json`.
@@ -184,6 +195,21 @@ impl Npz {
     }
 }
 
+/// The recording's files from the settings' `filename`: one path, or a list
+/// written as Python's `str` of a list (`['a.bin', 'b.bin']`).
+fn file_list(s: &str) -> Vec<PathBuf> {
+    let t = s.trim();
+    match t.strip_prefix('[').and_then(|t| t.strip_suffix(']')) {
+        Some(inner) => inner
+            .split(", ")
+            .map(|p| p.trim().trim_matches(|c| c == '\'' || c == '"'))
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from)
+            .collect(),
+        None => vec![PathBuf::from(t)],
+    }
+}
+
 fn to_usize<D: Dimension>(a: Array<i64, D>, what: &str) -> Result<Array<usize, D>> {
     if let Some(v) = a.iter().find(|&&v| v < 0) {
         bail!("{what} holds a negative index {v}");
@@ -211,12 +237,24 @@ pub fn load(dir: &Path) -> Result<KilosortArrays> {
     let ops = Npz::open(&dir.join("ops.npz"))?;
     let ext = Npz::open(&dir.join("extract_out.npz"))?;
     let fin = Npz::open(&dir.join("final_out.npz"))?;
-    let settings: serde_json::Value = serde_json::from_str(&ops.get_str("settings_json")?)
-        .context("ops.npz: settings_json is not JSON")?;
+    // Python's json writes inf and nan as bare words (`"tmax": Infinity`).
+    let text = ops
+        .get_str("settings_json")?
+        .replace(": -Infinity", ": null")
+        .replace(": Infinity", ": null")
+        .replace(": NaN", ": null");
+    let settings: serde_json::Value =
+        serde_json::from_str(&text).context("ops.npz: settings_json is not JSON")?;
     let num = |k: &str, d: f64| settings.get(k).and_then(|v| v.as_f64()).unwrap_or(d);
-    let fs = ops.get::<f64, ndarray::Ix0>("fs").map(|a| a.into_scalar()).unwrap_or(num("fs", 30000.0));
-    let filename = settings.get("filename").and_then(|v| v.as_str()).unwrap_or("no_path.bin");
-    let mut es = ExportSettings::new(fs, num("n_chan_bin", 0.0) as u64, vec![PathBuf::from(filename)]);
+    let fs = ops
+        .get::<f64, ndarray::Ix0>("fs")
+        .map(|a| a.into_scalar())
+        .unwrap_or(num("fs", 30000.0));
+    let filename = settings
+        .get("filename")
+        .and_then(|v| v.as_str())
+        .unwrap_or("no_path.bin");
+    let mut es = ExportSettings::new(fs, num("n_chan_bin", 0.0) as u64, file_list(filename));
     es.imin = ((num("tmin", 0.0) * fs) as i64).max(0);
     es.duplicate_spike_ms = num("duplicate_spike_ms", 0.25);
     es.merge.thresholds.acg = num("acg_threshold", 0.2);
@@ -244,7 +282,11 @@ pub fn load(dir: &Path) -> Result<KilosortArrays> {
         };
         let clu: Vec<i32> = match m.get::<i32, ndarray::Ix1>("clu") {
             Ok(a) => a.to_vec(),
-            Err(_) => m.get::<i64, ndarray::Ix1>("clu")?.iter().map(|&v| v as i32).collect(),
+            Err(_) => m
+                .get::<i64, ndarray::Ix1>("clu")?
+                .iter()
+                .map(|&v| v as i32)
+                .collect(),
         };
         let wall: Array3<f32> = m.get("Wall")?;
         Some(Merged {

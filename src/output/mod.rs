@@ -45,9 +45,9 @@
 
 mod drift_map;
 pub mod folder;
+pub mod ks_arrays;
 pub mod npy_stream;
 pub mod params;
-pub mod ks_arrays;
 pub mod phy;
 pub mod plot;
 

@@ -142,9 +142,27 @@ pub fn save_sorting(
         wrot,
         sets,
     } = result;
-    let merged = merge_ccg(wall, &clu, st, tf, wpca.view(), settings.fs, &settings.merge)
-        .context("global merges")?;
-    write_phy(out, merged, wpca.view(), wrot.view(), &sets, probe, settings, manifest, command)
+    let merged = merge_ccg(
+        wall,
+        &clu,
+        st,
+        tf,
+        wpca.view(),
+        settings.fs,
+        &settings.merge,
+    )
+    .context("global merges")?;
+    write_phy(
+        out,
+        merged,
+        wpca.view(),
+        wrot.view(),
+        &sets,
+        probe,
+        settings,
+        manifest,
+        command,
+    )
 }
 
 fn npy<T: LeBytes>(dir: &Path, name: &str, descr: &str, shape: &[usize], v: &[T]) -> Result<()> {
@@ -164,7 +182,10 @@ pub fn params_text(settings: &ExportSettings) -> Result<String> {
         paths.push(py_str(&abs.to_string_lossy().replace('\\', "/")));
     }
     if settings.dtype.is_empty() || !settings.dtype.chars().all(|c| c.is_ascii_alphanumeric()) {
-        bail!("params.py: dtype `{}` is not a NumPy type name", settings.dtype);
+        bail!(
+            "params.py: dtype `{}` is not a NumPy type name",
+            settings.dtype
+        );
     }
     Ok(format!(
         "n_channels_dat = {}\noffset = 0\nsample_rate = {}\ndtype = {}\nhp_filtered = False\ndat_path = [{}]\n",
@@ -193,7 +214,10 @@ fn one_decimal(v: f64) -> String {
 fn write_probe_files(dir: &Path, probe: &Probe, wrot: ArrayView2<f32>) -> Result<()> {
     let c = probe.n_sites();
     if wrot.dim() != (c, c) {
-        bail!("the whitening matrix is {:?}, but the probe has {c} sites", wrot.dim());
+        bail!(
+            "the whitening matrix is {:?}, but the probe has {c} sites",
+            wrot.dim()
+        );
     }
     let map: Vec<i32> = probe.chan_map.iter().map(|&m| m as i32).collect();
     npy(dir, "channel_map.npy", "'<i4'", &[c], &map)?;
@@ -206,7 +230,13 @@ fn write_probe_files(dir: &Path, probe: &Probe, wrot: ArrayView2<f32>) -> Result
     npy(dir, "whitening_mat_dat.npy", "'<f4'", &[c, c], w)?;
     npy(dir, "whitening_mat.npy", "'<f4'", &[c, c], w)?;
     let inv = pp::whitening_inverse(wrot)?;
-    npy(dir, "whitening_mat_inv.npy", "'<f4'", &[c, c], inv.as_slice().expect("standard layout"))
+    npy(
+        dir,
+        "whitening_mat_inv.npy",
+        "'<f4'",
+        &[c, c],
+        inv.as_slice().expect("standard layout"),
+    )
 }
 
 /// Writes the Phy folder `out` from merged spikes (module docs), Kilosort4's
@@ -228,10 +258,21 @@ pub fn write_phy(
     manifest: serde_json::Value,
     command: &str,
 ) -> Result<PhySummary> {
-    let Merged { wall, clu, st, tf, n_merges, .. } = merged;
+    let Merged {
+        wall,
+        clu,
+        st,
+        tf,
+        n_merges,
+        ..
+    } = merged;
     let (u, c, _) = wall.dim();
     if c != probe.n_sites() {
-        bail!("the templates have {c} sites, but the probe {} has {}", probe.source.display(), probe.n_sites());
+        bail!(
+            "the templates have {c} sites, but the probe {} has {}",
+            probe.source.display(),
+            probe.n_sites()
+        );
     }
     let n = clu.len();
     let templates: Vec<usize> = st.column(1).iter().map(|&t| t as usize).collect();
@@ -240,7 +281,11 @@ pub fn write_phy(
     let dir = staged.path().to_path_buf();
     write_probe_files(&dir, probe, wrot)?;
 
-    let times: Vec<i64> = st.column(0).iter().map(|&t| t as i64 + settings.imin).collect();
+    let times: Vec<i64> = st
+        .column(0)
+        .iter()
+        .map(|&t| t as i64 + settings.imin)
+        .collect();
     let positions = pp::spike_positions(&templates, tf.view(), sets, &probe.xc, &probe.yc);
     let amps = pp::amplitudes(tf.view());
     let dt = pp::duplicate_spike_bins(settings.duplicate_spike_ms, settings.fs);
@@ -254,10 +299,19 @@ pub fn write_phy(
     npy(&dir, "spike_times.npy", "'<i8'", &[nk], &k_times)?;
     npy(&dir, "spike_templates.npy", "'<i4'", &[nk], &k_clu)?;
     npy(&dir, "spike_clusters.npy", "'<i4'", &[nk], &k_clu)?;
-    let k_pos: Vec<f32> = kept.iter().flat_map(|&i| [positions[[i, 0]], positions[[i, 1]]]).collect();
+    let k_pos: Vec<f32> = kept
+        .iter()
+        .flat_map(|&i| [positions[[i, 0]], positions[[i, 1]]])
+        .collect();
     npy(&dir, "spike_positions.npy", "'<f4'", &[nk, 2], &k_pos)?;
     let k_t32: Vec<i32> = k_tmpl.iter().map(|&t| t as i32).collect();
-    npy(&dir, "spike_detection_templates.npy", "'<i4'", &[nk], &k_t32)?;
+    npy(
+        &dir,
+        "spike_detection_templates.npy",
+        "'<i4'",
+        &[nk],
+        &k_t32,
+    )?;
     let k_amp: Vec<f32> = kept.iter().map(|&i| amps[i]).collect();
     npy(&dir, "amplitudes.npy", "'<f4'", &[nk], &k_amp)?;
     let keep_u8: Vec<u8> = keep.iter().map(|&k| u8::from(k)).collect();
@@ -267,15 +321,33 @@ pub fn write_phy(
     let sim32: Vec<f32> = sim.iter().map(|&v| v as f32).collect();
     npy(&dir, "similar_templates.npy", "'<f4'", &[u, u], &sim32)?;
     let tt = pp::templates_in_time(wall.view(), wpca);
-    npy(&dir, "templates.npy", "'<f4'", tt.shape(), tt.as_slice().expect("standard layout"))?;
+    npy(
+        &dir,
+        "templates.npy",
+        "'<f4'",
+        tt.shape(),
+        tt.as_slice().expect("standard layout"),
+    )?;
     let ind: Vec<i64> = (0..u).flat_map(|_| 0..c as i64).collect();
     npy(&dir, "templates_ind.npy", "'<i8'", &[u, c], &ind)?;
 
     let tf_k = tf.select(Axis(0), &kept);
     drop(tf);
     let (pcs, pc_ind) = pp::make_pc_features(&k_tmpl, &k_clu, tf_k, sets, u)?;
-    npy(&dir, "pc_features.npy", "'<f4'", pcs.shape(), pcs.as_slice().expect("standard layout"))?;
-    npy(&dir, "pc_feature_ind.npy", "'<u4'", pc_ind.shape(), pc_ind.as_slice().expect("standard layout"))?;
+    npy(
+        &dir,
+        "pc_features.npy",
+        "'<f4'",
+        pcs.shape(),
+        pcs.as_slice().expect("standard layout"),
+    )?;
+    npy(
+        &dir,
+        "pc_feature_ind.npy",
+        "'<u4'",
+        pc_ind.shape(),
+        pc_ind.as_slice().expect("standard layout"),
+    )?;
 
     // Refractoriness of the kept spikes: Kilosort4 sizes it by max(id) + 1.
     let n_ref = k_clu.iter().map(|&c| c as usize + 1).max().unwrap_or(0);
@@ -286,10 +358,24 @@ pub fn write_phy(
         let p = dir.join(name);
         std::fs::write(&p, text).with_context(|| format!("cannot write {}", p.display()))
     };
-    write("cluster_ContamPct.tsv", tsv("ContamPct", r12.iter().map(|&r| one_decimal(r * 100.0))))?;
+    write(
+        "cluster_ContamPct.tsv",
+        tsv("ContamPct", r12.iter().map(|&r| one_decimal(r * 100.0))),
+    )?;
     let amp_t = pp::template_amplitudes(wall.view());
-    write("cluster_Amplitude.tsv", tsv("Amplitude", amp_t.iter().map(|&a| one_decimal(f64::from(a)))))?;
-    let labels = tsv("KSLabel", is_ref.iter().map(|&r| if r { "good" } else { "mua" }.to_string()));
+    write(
+        "cluster_Amplitude.tsv",
+        tsv(
+            "Amplitude",
+            amp_t.iter().map(|&a| one_decimal(f64::from(a))),
+        ),
+    )?;
+    let labels = tsv(
+        "KSLabel",
+        is_ref
+            .iter()
+            .map(|&r| if r { "good" } else { "mua" }.to_string()),
+    );
     write("cluster_KSLabel.tsv", labels.clone())?;
     write("cluster_group.tsv", labels)?;
     write("params.py", params_text(settings)?)?;

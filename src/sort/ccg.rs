@@ -217,7 +217,12 @@ pub fn is_refractory(st_s: &[f64]) -> bool {
 ///
 /// Kilosort4 sizes its arrays by `max(clu) + 1`; callers pass that or the
 /// number of templates (they agree whenever the last cluster has spikes).
-pub fn refract(clu: &[i32], st_s: &[f64], n_clusters: usize, thr: Thresholds) -> (Vec<bool>, Vec<f64>) {
+pub fn refract(
+    clu: &[i32],
+    st_s: &[f64],
+    n_clusters: usize,
+    thr: Thresholds,
+) -> (Vec<bool>, Vec<f64>) {
     let mut members: Vec<Vec<f64>> = vec![Vec::new(); n_clusters];
     for (&c, &t) in clu.iter().zip(st_s) {
         if let Some(m) = usize::try_from(c).ok().and_then(|c| members.get_mut(c)) {
@@ -229,7 +234,9 @@ pub fn refract(clu: &[i32], st_s: &[f64], n_clusters: usize, thr: Thresholds) ->
         .map(|st| {
             let (lo, hi) = st
                 .iter()
-                .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &t| (a.min(t), b.max(t)));
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &t| {
+                    (a.min(t), b.max(t))
+                });
             if st.len() > 10 && hi - lo != 0.0 {
                 let r = check_ccg(st, None, thr);
                 (r.is_refractory, r.r12)
@@ -278,7 +285,9 @@ mod tests {
         let mut x: u64 = 12345;
         let mut st = Vec::new();
         for _ in 0..3000 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             st.push((x >> 11) as f64 / (1u64 << 53) as f64 * 100.0);
         }
         assert!(!is_refractory(&st));

@@ -90,7 +90,8 @@ impl Similarity {
         for (c, row) in w.outer_iter().enumerate() {
             if row.iter().any(|&v| v != 0.0) {
                 out.chans.push(c);
-                out.vals.extend(row.iter().map(|&v| f64::from(v) / (1e-6 + mu)));
+                out.vals
+                    .extend(row.iter().map(|&v| f64::from(v) / (1e-6 + mu)));
             }
         }
         out
@@ -290,7 +291,10 @@ fn check_inputs(
         bail!("merges: sample rate {fs} Hz must be positive");
     }
     if let Some(&c) = clu.iter().find(|&&c| c < 0 || c as usize >= u) {
-        bail!("merges: cluster label {c} outside 0…{} (Wall has {u} templates)", u as i64 - 1);
+        bail!(
+            "merges: cluster label {c} outside 0…{} (Wall has {u} templates)",
+            u as i64 - 1
+        );
     }
     if let Some(t) = st.column(0).iter().find(|t| !t.is_finite()) {
         bail!("merges: spike time {t} is not finite");
@@ -324,6 +328,12 @@ pub fn merge_ccg(
     settings: &MergeSettings,
 ) -> Result<Merged> {
     check_inputs(&wall, clu, &st, &tf, wpca, fs)?;
+    if !tf.is_standard_layout() {
+        tf = tf.as_standard_layout().into_owned();
+    }
+    if !wall.is_standard_layout() {
+        wall = wall.as_standard_layout().into_owned();
+    }
     let (nn, n_chan, npc) = wall.dim();
     let nt = wpca.ncols();
     let mut ns = vec![0i64; nn];
@@ -384,7 +394,10 @@ pub fn merge_ccg(
             roll_rows(wj.as_slice_mut().expect("Wall is contiguous"), &m, npc);
         }
         let total = (ns[kk] + ns[jj]) as f64;
-        let (a, b) = ((ns[kk] as f64 / total) as f32, (ns[jj] as f64 / total) as f32);
+        let (a, b) = (
+            (ns[kk] as f64 / total) as f32,
+            (ns[jj] as f64 / total) as f32,
+        );
         let wj = wall.index_axis(Axis(0), jj).to_owned();
         wall.index_axis_mut(Axis(0), kk)
             .zip_mut_with(&wj, |wk, &w| *wk = *wk * a + w * b);

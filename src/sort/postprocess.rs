@@ -254,15 +254,24 @@ pub fn make_pc_features(
     }
     let nc = tf.shape()[1];
     if sets.icc.nrows() != nc {
-        bail!("pc features: tF has nC = {nc} but iCC {} rows", sets.icc.nrows());
+        bail!(
+            "pc features: tF has nC = {nc} but iCC {} rows",
+            sets.icc.nrows()
+        );
     }
     let mut by_template: Vec<Vec<usize>> = vec![Vec::new(); sets.iu.len()];
     let mut cluster_templates: Vec<Vec<usize>> = vec![Vec::new(); n_clusters];
     for (s, (&t, &c)) in spike_templates.iter().zip(spike_clusters).enumerate() {
         by_template[t].push(s);
-        match usize::try_from(c).ok().and_then(|c| cluster_templates.get_mut(c)) {
+        match usize::try_from(c)
+            .ok()
+            .and_then(|c| cluster_templates.get_mut(c))
+        {
             Some(ts) => ts.push(t),
-            None => bail!("pc features: cluster {c} outside 0…{}", n_clusters as i64 - 1),
+            None => bail!(
+                "pc features: cluster {c} outside 0…{}",
+                n_clusters as i64 - 1
+            ),
         }
     }
     let mut ind = Array2::<u32>::zeros((n_clusters, nc));
@@ -344,8 +353,7 @@ mod tests {
         tf[[1, 0, 0]] = 9.0; // spike 1, template 1, site 2
         tf[[1, 1, 0]] = 3.0; // site 1
         tf[[2, 0, 0]] = 2.0; // spike 2, template 0 (cluster 1)
-        let (pcs, ind) =
-            make_pc_features(&[0, 1, 0], &[0, 0, 1], tf, &sets, 2).unwrap();
+        let (pcs, ind) = make_pc_features(&[0, 1, 0], &[0, 0, 1], tf, &sets, 2).unwrap();
         // Cluster 0 (templates 0, 1): union sites (0, 1, 2); mean (1/3, 8/3, 3) → sites 2, 1.
         // Cluster 1 (template 0): union (0, 1), mean over spikes 0 and 2 of the
         // (already regathered) features → written last for spikes 0 and 2.
@@ -374,7 +382,11 @@ mod tests {
         let p = spike_positions(&[0], tf.view(), &sets, &[0.0, 40.0], &[10.0, 30.0]);
         assert_eq!(p.row(0).to_vec(), vec![10.0, 15.0]);
         mask[[1, 0]] = false;
-        let sets = ChannelSets { icc_mask: mask, icc, iu: vec![0] };
+        let sets = ChannelSets {
+            icc_mask: mask,
+            icc,
+            iu: vec![0],
+        };
         let p = spike_positions(&[0], tf.view(), &sets, &[0.0, 40.0], &[10.0, 30.0]);
         assert_eq!(p.row(0).to_vec(), vec![0.0, 10.0]);
     }

@@ -35,6 +35,11 @@ def arg(name, default=None):
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
 
 
+# Every array is recorded as a copy: on the CPU, `.cpu().numpy()` and `np.asarray` share memory
+# with Kilosort4's own tensors and arrays, and `merging_function` changes Wall (rows zeroed and
+# averaged) and st (shifted times) in place after the final clustering has returned them.
+
+
 def main():
     rec, probe_path, n_chan_bin, fs, outdir = sys.argv[1:6]
     out = Path(outdir)
@@ -69,10 +74,10 @@ def main():
         mode['m'] = m
         clu, Wall = f_run(ops, st, tF, mode=m, **k)
         if m == 'spikes':
-            cap['first_in'] = dict(st0=np.asarray(st, np.float64), tF0=tF.cpu().numpy().astype(np.float32))
-            cap['first_out'] = dict(clu0=np.asarray(clu).astype(np.int32), Wall0=Wall.cpu().numpy())
+            cap['first_in'] = dict(st0=np.array(st, np.float64, copy=True), tF0=tF.cpu().numpy().astype(np.float32))
+            cap['first_out'] = dict(clu0=np.asarray(clu).astype(np.int32), Wall0=Wall.cpu().numpy().copy())
         else:
-            cap['final_out'] = dict(clu=np.asarray(clu).astype(np.int32), Wall=Wall.cpu().numpy())
+            cap['final_out'] = dict(clu=np.asarray(clu).astype(np.int32), Wall=Wall.cpu().numpy().copy())
         return clu, Wall
     cq.run = run
 
@@ -91,7 +96,7 @@ def main():
 
     def postprocess_templates(Wall, ops, clu, st, tF, device=None):
         W3 = f_post(Wall, ops, clu, st, tF, device=device)
-        cap['post_out'] = dict(Wall3=W3.cpu().numpy())
+        cap['post_out'] = dict(Wall3=W3.cpu().numpy().copy())
         return W3
     tm.postprocess_templates = postprocess_templates
 
@@ -99,7 +104,7 @@ def main():
 
     def extract(ops, bfile, U, device=None, progress_bar=None):
         st, tF, ops = f_extract(ops, bfile, U, device=device, progress_bar=progress_bar)
-        cap['extract_out'] = dict(st=np.asarray(st, np.float64), tF=tF.cpu().numpy().astype(np.float32),
+        cap['extract_out'] = dict(st=np.array(st, np.float64, copy=True), tF=tF.cpu().numpy().astype(np.float32),
                                   iCC=ops['iCC'].cpu().numpy(), iCC_mask=ops['iCC_mask'].cpu().numpy(),
                                   iU=ops['iU'].cpu().numpy())
         return st, tF, ops
