@@ -200,7 +200,7 @@ pub fn dtype_warning(path: &Path, opts: &OpenOptions) -> Option<String> {
     let (Some(n_ch), Some(fs)) = (opts.n_channels, opts.fs) else {
         return None;
     };
-    if n_ch == 0 || !(fs > 0.0) {
+    if n_ch == 0 || fs.is_nan() || fs <= 0.0 {
         return None;
     }
     let given = opts.dtype;

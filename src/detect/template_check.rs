@@ -196,11 +196,10 @@ mod tests {
         w.row_mut(1).assign(&unit(late));
         // Row 4: a bump at 20 and a larger trough at 51: a shift of the trough
         // to 20 would lose the bump (a third of the energy), so it is replaced.
-        let mut two = Array1::<f32>::zeros(61);
-        for t in 0..61 {
-            let d = t as f32 - 51.0;
-            two[t] = -(-(d * d) / 8.0).exp() + 0.7 * (-((t as f32 - 20.0).powi(2)) / 8.0).exp();
-        }
+        let two = Array1::from_shape_fn(61, |t| {
+            let t = t as f32;
+            -(-((t - 51.0).powi(2)) / 8.0).exp() + 0.7 * (-((t - 20.0).powi(2)) / 8.0).exp()
+        });
         let two = unit(two);
         w.row_mut(4).assign(&two);
         let mut kept = w.clone();
