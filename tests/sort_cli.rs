@@ -16,8 +16,20 @@ fn simulate(dir: &Path) -> PathBuf {
     let probe = common::data("sort/probe32.json");
     let out = dir.join("sim");
     let o = spikecube(&[
-        "simulate", "--probe", s(&probe), "--seconds", "30", "--n-units", "36", "--rate", "15",
-        "--seed", "7", "--out", s(&out), "-q",
+        "simulate",
+        "--probe",
+        s(&probe),
+        "--seconds",
+        "30",
+        "--n-units",
+        "36",
+        "--rate",
+        "15",
+        "--seed",
+        "7",
+        "--out",
+        s(&out),
+        "-q",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     out
@@ -35,7 +47,11 @@ fn sort(rec: &Path, out: &Path, threads: &str) {
         s(out),
         "-q",
     ]);
-    assert!(o.status.success(), "sort failed: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "sort failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 /// Fraction of the simulated unit's spikes that the best-matching sorted unit
@@ -43,7 +59,12 @@ fn sort(rec: &Path, out: &Path, threads: &str) {
 fn best_match(gt: &[i64], times: &[i64], clu: &[i32], n_units: usize) -> (f64, f64) {
     let mut best = (0.0, 0.0);
     for u in 0..n_units as i32 {
-        let t: Vec<i64> = times.iter().zip(clu).filter(|(_, c)| **c == u).map(|(t, _)| *t).collect();
+        let t: Vec<i64> = times
+            .iter()
+            .zip(clu)
+            .filter(|(_, c)| **c == u)
+            .map(|(t, _)| *t)
+            .collect();
         let mut hits = 0usize;
         let mut j = 0usize;
         for &g in gt {
@@ -71,35 +92,66 @@ fn sort_writes_a_phy_folder_that_finds_the_simulated_units() {
     let out = dir.path().join("sorted");
     sort(&rec, &out, "2");
     for f in [
-        "params.py", "spike_times.npy", "spike_clusters.npy", "spike_templates.npy",
-        "spike_detection_templates.npy", "amplitudes.npy", "templates.npy", "templates_ind.npy",
-        "similar_templates.npy", "pc_features.npy", "pc_feature_ind.npy", "whitening_mat.npy",
-        "whitening_mat_inv.npy", "channel_map.npy", "channel_positions.npy", "cluster_KSLabel.tsv",
-        "cluster_group.tsv", "cluster_ContamPct.tsv", "cluster_Amplitude.tsv", "spikecube.json",
+        "params.py",
+        "spike_times.npy",
+        "spike_clusters.npy",
+        "spike_templates.npy",
+        "spike_detection_templates.npy",
+        "amplitudes.npy",
+        "templates.npy",
+        "templates_ind.npy",
+        "similar_templates.npy",
+        "pc_features.npy",
+        "pc_feature_ind.npy",
+        "whitening_mat.npy",
+        "whitening_mat_inv.npy",
+        "channel_map.npy",
+        "channel_positions.npy",
+        "cluster_KSLabel.tsv",
+        "cluster_group.tsv",
+        "cluster_ContamPct.tsv",
+        "cluster_Amplitude.tsv",
+        "spikecube.json",
     ] {
         assert!(out.join(f).is_file(), "{f} missing");
     }
     let times: Array1<i64> = npy::read(&out.join("spike_times.npy")).unwrap();
     let clu: Array1<i32> = npy::read(&out.join("spike_clusters.npy")).unwrap();
     let n_units = clu.iter().copied().max().unwrap() as usize + 1;
-    assert!(times.windows(2).into_iter().all(|w| w[0] <= w[1]), "spike times not sorted");
+    assert!(
+        times.windows(2).into_iter().all(|w| w[0] <= w[1]),
+        "spike times not sorted"
+    );
     // Ground truth: float64 (n, 4) rows of (trough sample, unit x, unit y,
     // amplitude); a unit is one (x, y).
     let gt: Array2<f64> = npy::read(&rec.join("ground_truth.npy")).unwrap();
     let mut units: std::collections::BTreeMap<(u64, u64), Vec<i64>> = Default::default();
     for r in gt.rows() {
-        units.entry((r[1].to_bits(), r[2].to_bits())).or_default().push(r[0] as i64);
+        units
+            .entry((r[1].to_bits(), r[2].to_bits()))
+            .or_default()
+            .push(r[0] as i64);
     }
     let n_true = units.len();
     let mut well = 0;
     for g in units.values() {
-        let (r, p) = best_match(g, times.as_slice().unwrap(), clu.as_slice().unwrap(), n_units);
+        let (r, p) = best_match(
+            g,
+            times.as_slice().unwrap(),
+            clu.as_slice().unwrap(),
+            n_units,
+        );
         if r >= 0.8 && p >= 0.8 {
             well += 1;
         }
     }
-    eprintln!("{n_units} units; {well} of {n_true} simulated units found with recall and precision ≥ 0.8");
-    assert!(well * 10 >= n_true * 8, "only {well} of {n_true} simulated units well sorted");
+    eprintln!(
+        "{n_units} units; {well} of {n_true} simulated units found with recall and precision ≥ 0.8"
+    );
+    assert!(
+        well * 10 >= n_true * 8,
+        "only {well} of {n_true} simulated units well sorted"
+    );
 
     // The same folder with 1 thread.
     let out1 = dir.path().join("sorted1");
@@ -111,6 +163,10 @@ fn sort_writes_a_phy_folder_that_finds_the_simulated_units() {
         }
         let a = std::fs::read(out.join(&name)).unwrap();
         let b = std::fs::read(out1.join(&name)).unwrap();
-        assert!(a == b, "{} differs between 2 threads and 1", name.to_string_lossy());
+        assert!(
+            a == b,
+            "{} differs between 2 threads and 1",
+            name.to_string_lossy()
+        );
     }
 }

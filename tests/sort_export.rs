@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 
 use ndarray::{ArrayD, IxDyn};
 use spikecube::Probe;
-use spikecube::output::ks_arrays::{self, KilosortArrays};
-use spikecube::output::phy;
+use spikecube::sort::ks_arrays::{self, KilosortArrays};
 use spikecube::sort::merge::merge_ccg;
+use spikecube::sort::phy;
 
 /// Every fixture case: a folder under tests/data/sort with Kilosort4's merged arrays and Phy folder.
 fn cases() -> Vec<PathBuf> {

@@ -539,7 +539,6 @@ fn preprocess<'py>(
     }
 }
 
-
 fn detections_dict<'py>(
     py: Python<'py>,
     det: &spikecube::Detections,

@@ -8,8 +8,8 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use spikecube::Probe;
-use spikecube::output::ks_arrays;
-use spikecube::output::phy;
+use spikecube::sort::ks_arrays;
+use spikecube::sort::phy;
 
 /// Flags of `export-phy`.
 #[derive(Debug, clap::Args)]

@@ -56,7 +56,8 @@ impl SortArgs {
         s.matching.position_limit = self.position_limit;
         s.matching.nearest_chans = nearest_chans;
         s.clustering.cluster_downsampling = self.cluster_downsampling;
-        s.clustering.max_cluster_subset = (self.max_cluster_subset > 0).then_some(self.max_cluster_subset);
+        s.clustering.max_cluster_subset =
+            (self.max_cluster_subset > 0).then_some(self.max_cluster_subset);
         s.clustering.cluster_neighbors = self.cluster_neighbors;
         s.clustering.cluster_init_seed = self.cluster_init_seed;
         s.clustering.ks4_swarm_ccg_bug = self.ks4_swarm_ccg_bug;
@@ -86,7 +87,10 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             bar.set_position(p.done);
         }
         let rt = if p.seconds_done > 0.0 {
-            format!("  {}× realtime", speed(p.seconds_done / p.elapsed.max(1e-9)))
+            format!(
+                "  {}× realtime",
+                speed(p.seconds_done / p.elapsed.max(1e-9))
+            )
         } else {
             String::new()
         };
@@ -124,7 +128,11 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             speed(report.seconds / total.max(1e-9)),
             report.phy.path.display()
         );
-        let split: Vec<String> = report.timings.iter().map(|(k, v)| format!("{k} {v:.2} s")).collect();
+        let split: Vec<String> = report
+            .timings
+            .iter()
+            .map(|(k, v)| format!("{k} {v:.2} s"))
+            .collect();
         tell!("spikecube: {}", split.join(", "));
     }
     if !args.detect.json && !report.warnings.is_empty() {

@@ -388,23 +388,27 @@ pub fn check_search_range(hist: &Histogram, reg: &Registration, reference: usize
         g
     };
     let t = fingerprint(reference);
-    for b in 0..nbat {
-        if b == reference || hist.counts[b] == 0 {
-            continue;
-        }
-        let gb = fingerprint(b);
-        let s: Vec<(i32, f32)> = (-wide..=wide)
-            .map(|k| (k, score(gb.view(), t.view(), k)))
-            .collect();
-        let at0 = s[wide as usize].1;
-        let (lo, hi) = s.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |a, x| {
-            (a.0.min(x.1), a.1.max(x.1))
-        });
-        let best = s.iter().fold(s[0], |a, &x| if x.1 > a.1 { x } else { a });
-        if best.0.abs() > FINE_LAGS && best.1 - at0 > 0.1 * (hi - lo) {
-            out.missed.push((b, best.0));
-        }
-    }
+    // Batches are independent: scored on the thread pool, kept in batch order.
+    use rayon::prelude::*;
+    let missed: Vec<Option<(usize, i32)>> = (0..nbat)
+        .into_par_iter()
+        .map(|b| {
+            if b == reference || hist.counts[b] == 0 {
+                return None;
+            }
+            let gb = fingerprint(b);
+            let s: Vec<(i32, f32)> = (-wide..=wide)
+                .map(|k| (k, score(gb.view(), t.view(), k)))
+                .collect();
+            let at0 = s[wide as usize].1;
+            let (lo, hi) = s.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |a, x| {
+                (a.0.min(x.1), a.1.max(x.1))
+            });
+            let best = s.iter().fold(s[0], |a, &x| if x.1 > a.1 { x } else { a });
+            (best.0.abs() > FINE_LAGS && best.1 - at0 > 0.1 * (hi - lo)).then_some((b, best.0))
+        })
+        .collect();
+    out.missed = missed.into_iter().flatten().collect();
     out
 }
 

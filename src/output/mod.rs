@@ -45,10 +45,8 @@
 
 mod drift_map;
 pub mod folder;
-pub mod ks_arrays;
 pub mod npy_stream;
 pub mod params;
-pub mod phy;
 pub mod plot;
 
 use std::collections::BTreeMap;

@@ -113,7 +113,12 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let zeroed_before = pre.artifact_windows();
     let found =
         detect_pass::detect_pass(&job, &mut run, pass.as_mut(), &drift, &mut timer, progress)?;
-    pass_warnings(&job, &mut run, &drift, pre.artifact_windows() - zeroed_before);
+    pass_warnings(
+        &job,
+        &mut run,
+        &drift,
+        pre.artifact_windows() - zeroed_before,
+    );
     let results = outputs::Results {
         fitted,
         templates,
@@ -125,15 +130,24 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
 
 /// Warnings about the detection pass's outcome: windows zeroed whole by
 /// `--artifact-threshold`, and no spike at all in a recording of some length.
-fn pass_warnings(job: &DetectJob, run: &mut open::OpenRun, drift: &drift_pass::DriftStep, zeroed: u64) {
+fn pass_warnings(
+    job: &DetectJob,
+    run: &mut open::OpenRun,
+    drift: &drift_pass::DriftStep,
+    zeroed: u64,
+) {
     let fs = job.recording.fs();
     let (thr, bs) = (job.preprocess.artifact_threshold, job.preprocess.batch_size);
-    if let Some(w) = crate::checks::artifact_windows_warning(thr, zeroed, run.plan.n_windows, bs, fs) {
+    if let Some(w) =
+        crate::checks::artifact_windows_warning(thr, zeroed, run.plan.n_windows, bs, fs)
+    {
         run.warnings.push(w);
     }
     if drift.run.windows_to_detect() > 0
-        && let Some(w) =
-            crate::checks::zero_spikes_warning(run.writer.n_spikes(), job.recording.n_samples() as f64 / fs)
+        && let Some(w) = crate::checks::zero_spikes_warning(
+            run.writer.n_spikes(),
+            job.recording.n_samples() as f64 / fs,
+        )
     {
         run.warnings.push(w);
     }

@@ -7,7 +7,7 @@
 //!   → template post-processing  Wall3            (templates::postprocess_templates)
 //!   → learned-template matching st, tF           (matching::extract, every window again)
 //!   → final clustering          clu, Wall        (clustering::final_clustering)
-//!   → CCG-gated merges, duplicate removal, Phy folder (output::phy::save_sorting)
+//!   → CCG-gated merges, duplicate removal, Phy folder (sort::phy::save_sorting)
 //! ```
 //!
 //! The detection stage is `spikecube detect` itself: it writes its folder
@@ -27,13 +27,13 @@ use serde::{Deserialize, Serialize};
 use crate::detect::Geometry;
 use crate::drift::DriftMode;
 use crate::drift::correct::DriftCorrection;
-use crate::output::phy::{ExportSettings, PhySummary, SortResult, save_sorting};
 use crate::pipeline::{DetectJob, Report, run_detection};
 use crate::preprocess::Preprocessor;
 use crate::recording::{Recording, WindowPlan};
 use crate::sort::clustering::{ClusteringSettings, final_clustering, first_clustering};
 use crate::sort::matching::{MatchingSettings, MatchingSetup, match_window, preprocessed_window};
 use crate::sort::merge::MergeSettings;
+use crate::sort::phy::{ExportSettings, PhySummary, SortResult, save_sorting};
 use crate::sort::postprocess::ChannelSets;
 use crate::sort::templates::postprocess_templates;
 
@@ -167,7 +167,10 @@ fn work_folder(out: &Path) -> Result<PathBuf> {
     } else {
         parent
     };
-    Ok(parent.join(format!(".{name}.spikecube-detection-{}", std::process::id())))
+    Ok(parent.join(format!(
+        ".{name}.spikecube-detection-{}",
+        std::process::id()
+    )))
 }
 
 /// Runs the whole sort of `job` and publishes the Phy folder at `job.detect.out`.
@@ -198,14 +201,7 @@ fn sort_into(
     let rec: Arc<dyn Recording> = job.detect.recording.clone();
     let probe = job.detect.probe.clone();
     let detection_settings = job.detect.detection.clone();
-    let mut pre_settings = job.detect.preprocess.clone();
-    pre_settings.fs = rec.fs();
-    pre_settings.nt = detection_settings.nt;
-    // As the detection run does: a recording shorter than one batch is one window.
-    let n_rec = rec.n_samples();
-    if n_rec > 0 && n_rec < pre_settings.batch_size as u64 && n_rec >= pre_settings.nt as u64 {
-        pre_settings.batch_size = n_rec as usize;
-    }
+    let pre_settings = window_settings(&job.detect, rec.as_ref());
     let drift_settings = job.detect.drift.clone();
     let run_info = job.detect.run_info.clone();
     let s = job.sort.clone();
@@ -230,7 +226,10 @@ fn sort_into(
     })?;
     lap(&mut timings, "detection");
     if detection.summary.n_spikes == 0 {
-        bail!("no spike was detected in {}: nothing to sort", rec.describe());
+        bail!(
+            "no spike was detected in {}: nothing to sort",
+            rec.describe()
+        );
     }
     let det = read_detected(work).context("reading the detection stage's arrays")?;
     let geometry = Geometry::new(&probe, &detection_settings)?;
@@ -244,67 +243,41 @@ fn sort_into(
     };
 
     progress(stage("first clustering", 0));
-    let ic = geometry.i_c.mapv(|v| v as usize);
-    let first = first_clustering(
-        &det.centres,
-        det.tf0.view(),
-        ic.view(),
-        &geometry.xcup,
-        &geometry.ycup,
-        &probe.xc,
-        geometry.dmin,
-        probe.n_sites(),
-        &s.clustering,
-    )
-    .context("first clustering")?;
+    let first = first_stage(&det, &probe, &geometry, &s.clustering)?;
     lap(&mut timings, "first_clustering");
     let k0 = first.wall.dim().0;
 
     progress(stage("templates", k0));
-    let post = postprocess_templates(first.wall.view(), &first.clu, det.wpca.view(), det.wtemp.view())
-        .context("template post-processing")?;
+    let post = postprocess_templates(
+        first.wall.view(),
+        &first.clu,
+        det.wpca.view(),
+        det.wtemp.view(),
+    )
+    .context("template post-processing")?;
     lap(&mut timings, "templates");
     let k = post.wall3.dim().0;
 
-    let mut matching = s.matching.clone();
-    matching.nt = detection_settings.nt;
-    matching.batch_size = pre_settings.batch_size;
-    let setup = MatchingSetup::new(post.wall3.view(), det.wpca.view(), &probe.xc, &probe.yc, &matching)
-        .context("learned-template matching set-up")?;
-    let pre = Preprocessor::new(&pre_settings, det.wrot.clone())?;
-    let drift = match &det.dshift {
-        Some((dshift, yblk)) if !drift_settings.drift_only => Some(
-            DriftCorrection::new(&probe.xc, &probe.yc, dshift.clone(), yblk.clone(), drift_settings.sig_interp)?
-                .with_zero_outside(
-                    (drift_settings.mode != DriftMode::Kilosort && drift_settings.edge_margin.is_finite())
-                        .then_some(drift_settings.edge_margin),
-                ),
-        ),
-        _ => None,
-    };
-    let plan = WindowPlan::new(rec.n_samples(), pre_settings.batch_size as u64, pre_settings.nt as u64)?;
-    let n_windows = plan.n_windows;
-    let chan_map = probe.chan_map.clone();
-    let mut parts = Vec::with_capacity(n_windows as usize);
-    let mut n_found = 0usize;
-    for i in 0..n_windows {
-        let x = preprocessed_window(rec.as_ref(), &plan, &chan_map, &pre, drift.as_ref(), i)
-            .with_context(|| format!("matching: window {i}"))?;
-        let w = match_window(&setup, x.view()).with_context(|| format!("matching: window {i}"))?;
-        n_found += w.len();
-        parts.push(w);
-        progress(SortProgress {
-            stage: "matching",
-            done: i + 1,
-            total: n_windows,
-            seconds_done: ((i + 1) * plan.batch_size).min(plan.n_samples) as f64 / rec.fs(),
-            elapsed: t0.elapsed().as_secs_f64(),
-            units: k,
-        });
-    }
-    let _ = n_found;
-    let ex = crate::sort::matching::assemble(&setup, &parts);
-    drop(parts);
+    let ex = matching_pass(
+        rec.as_ref(),
+        &probe,
+        &pre_settings,
+        &drift_settings,
+        &det,
+        &post.wall3,
+        &s.matching,
+        detection_settings.nt,
+        &mut |done, total, seconds_done| {
+            progress(SortProgress {
+                stage: "matching",
+                done,
+                total,
+                seconds_done,
+                elapsed: t0.elapsed().as_secs_f64(),
+                units: k,
+            })
+        },
+    )?;
     lap(&mut timings, "matching");
     let n = ex.st.nrows();
     if n == 0 {
@@ -316,47 +289,21 @@ fn sort_into(
     }
 
     progress(stage("final clustering", k));
-    let st_template: Vec<u32> = ex.st.column(1).iter().map(|&v| v as u32).collect();
-    let times_s: Vec<f64> = ex.st.column(0).iter().map(|&v| v / rec.fs()).collect();
     let icc = ex.icc.mapv(|v| v as usize);
     let iu: Vec<usize> = ex.iu.iter().map(|&v| v as usize).collect();
-    let fin = final_clustering(
-        &st_template,
-        &times_s,
-        ex.tf.view(),
-        icc.view(),
-        &iu,
-        &probe.xc,
-        &probe.yc,
-        &geometry.ycup,
-        geometry.dmin,
-        &s.clustering,
-    )
-    .context("final clustering")?;
+    let fin = final_stage(&ex, &icc, &iu, &probe, &geometry, rec.fs(), &s.clustering)?;
     lap(&mut timings, "final_clustering");
     let u1 = fin.wall.dim().0;
 
     progress(stage("merges and export", u1));
-    let mut export = ExportSettings::new(rec.fs(), run_info.n_channels_dat, vec![run_info.dat_path.clone()]);
-    export.dtype = run_info.dtype.clone();
-    export.duplicate_spike_ms = s.duplicate_spike_ms;
-    export.merge = MergeSettings::default();
-    export.merge.thresholds.acg = s.acg_threshold;
-    export.merge.thresholds.ccg = s.ccg_threshold;
+    let export = export_settings(&run_info, rec.fs(), &s);
     let sets = ChannelSets {
         icc: icc.clone(),
         icc_mask: ex.icc_mask.clone(),
         iu: iu.clone(),
     };
     let mut warnings = detection.warnings.clone();
-    let manifest = serde_json::json!({
-        "settings": { "sort": s },
-        "counts": { "universal_spikes": det.tf0.len_of(Axis(0)), "first_clusters": k0,
-                    "learned_templates": k, "learned_spikes": n, "final_clusters": u1 },
-        "detection_warnings": detection.warnings,
-        "timings_s": timings.iter().map(|(k, v)| ((*k).to_string(), serde_json::json!(v)))
-            .collect::<serde_json::Map<_, _>>(),
-    });
+    let manifest = manifest(&s, &det, [k0, k, n, u1], &detection.warnings, &timings);
     let phy = save_sorting(
         &out,
         SortResult {
@@ -391,5 +338,166 @@ fn sort_into(
         u1,
         timings,
         warnings,
+    })
+}
+
+/// The learned-template matching over every window of `rec`, preprocessed as
+/// the detection's second pass was (same whitening, same drift correction).
+#[allow(clippy::too_many_arguments)]
+fn matching_pass(
+    rec: &dyn Recording,
+    probe: &crate::probe::Probe,
+    pre_settings: &crate::preprocess::PreprocessSettings,
+    drift_settings: &crate::drift::DriftSettings,
+    det: &Detected,
+    wall3: &Array3<f32>,
+    matching_settings: &MatchingSettings,
+    nt: usize,
+    progress: &mut dyn FnMut(u64, u64, f64),
+) -> Result<crate::sort::matching::Extracted> {
+    let mut matching = matching_settings.clone();
+    matching.nt = nt;
+    matching.batch_size = pre_settings.batch_size;
+    let setup = MatchingSetup::new(
+        wall3.view(),
+        det.wpca.view(),
+        &probe.xc,
+        &probe.yc,
+        &matching,
+    )
+    .context("learned-template matching set-up")?;
+    let pre = Preprocessor::new(pre_settings, det.wrot.clone())?;
+    let drift = match &det.dshift {
+        Some((dshift, yblk)) if !drift_settings.drift_only => Some(
+            DriftCorrection::new(
+                &probe.xc,
+                &probe.yc,
+                dshift.clone(),
+                yblk.clone(),
+                drift_settings.sig_interp,
+            )?
+            .with_zero_outside(
+                (drift_settings.mode != DriftMode::Kilosort
+                    && drift_settings.edge_margin.is_finite())
+                .then_some(drift_settings.edge_margin),
+            ),
+        ),
+        _ => None,
+    };
+    let plan = WindowPlan::new(
+        rec.n_samples(),
+        pre_settings.batch_size as u64,
+        pre_settings.nt as u64,
+    )?;
+    let n_windows = plan.n_windows;
+    let chan_map = probe.chan_map.clone();
+    let mut parts = Vec::with_capacity(n_windows as usize);
+    for i in 0..n_windows {
+        let x = preprocessed_window(rec, &plan, &chan_map, &pre, drift.as_ref(), i)
+            .with_context(|| format!("matching: window {i}"))?;
+        let w = match_window(&setup, x.view()).with_context(|| format!("matching: window {i}"))?;
+        parts.push(w);
+        progress(
+            i + 1,
+            n_windows,
+            ((i + 1) * plan.batch_size).min(plan.n_samples) as f64 / rec.fs(),
+        );
+    }
+    let ex = crate::sort::matching::assemble(&setup, &parts);
+    Ok(ex)
+}
+
+/// The merges' and the Phy folder's settings from the run and the sort settings.
+fn export_settings(run_info: &crate::output::RunInfo, fs: f64, s: &SortSettings) -> ExportSettings {
+    let mut export =
+        ExportSettings::new(fs, run_info.n_channels_dat, vec![run_info.dat_path.clone()]);
+    export.dtype = run_info.dtype.clone();
+    export.duplicate_spike_ms = s.duplicate_spike_ms;
+    export.merge = MergeSettings::default();
+    export.merge.thresholds.acg = s.acg_threshold;
+    export.merge.thresholds.ccg = s.ccg_threshold;
+    export
+}
+
+/// The first clustering of the universal spikes (by template centre).
+fn first_stage(
+    det: &Detected,
+    probe: &crate::probe::Probe,
+    geometry: &Geometry,
+    settings: &ClusteringSettings,
+) -> Result<crate::sort::clustering::Clustering> {
+    let ic = geometry.i_c.mapv(|v| v as usize);
+    Ok(first_clustering(
+        &det.centres,
+        det.tf0.view(),
+        ic.view(),
+        &geometry.xcup,
+        &geometry.ycup,
+        &probe.xc,
+        geometry.dmin,
+        probe.n_sites(),
+        settings,
+    )
+    .context("first clustering")?)
+}
+
+/// The final clustering of the matched spikes (by learned template), with
+/// their times in seconds for the refractory test.
+fn final_stage(
+    ex: &crate::sort::matching::Extracted,
+    icc: &Array2<usize>,
+    iu: &[usize],
+    probe: &crate::probe::Probe,
+    geometry: &Geometry,
+    fs: f64,
+    settings: &ClusteringSettings,
+) -> Result<crate::sort::clustering::Clustering> {
+    let st_template: Vec<u32> = ex.st.column(1).iter().map(|&v| v as u32).collect();
+    let times_s: Vec<f64> = ex.st.column(0).iter().map(|&v| v / fs).collect();
+    Ok(final_clustering(
+        &st_template,
+        &times_s,
+        ex.tf.view(),
+        icc.view(),
+        iu,
+        &probe.xc,
+        &probe.yc,
+        &geometry.ycup,
+        geometry.dmin,
+        settings,
+    )
+    .context("final clustering")?)
+}
+
+/// The preprocessing settings of the run's windows, as the detection run
+/// fixes them: `fs` and `nt` from the recording and the detection settings,
+/// and a recording shorter than one batch read as one window.
+fn window_settings(job: &DetectJob, rec: &dyn Recording) -> crate::preprocess::PreprocessSettings {
+    let mut pre = job.preprocess.clone();
+    pre.fs = rec.fs();
+    pre.nt = job.detection.nt;
+    let n = rec.n_samples();
+    if n > 0 && n < pre.batch_size as u64 && n >= pre.nt as u64 {
+        pre.batch_size = n as usize;
+    }
+    pre
+}
+
+/// The sort's part of `spikecube.json`: settings, counts (K0, K, n, U1) and
+/// the stages' times so far.
+fn manifest(
+    s: &SortSettings,
+    det: &Detected,
+    [k0, k, n, u1]: [usize; 4],
+    detection_warnings: &[String],
+    timings: &[(&'static str, f64)],
+) -> serde_json::Value {
+    serde_json::json!({
+        "settings": { "sort": s },
+        "stage_counts": { "universal_spikes": det.tf0.len_of(Axis(0)), "first_clusters": k0,
+                    "learned_templates": k, "learned_spikes": n, "final_clusters": u1 },
+        "detection_warnings": detection_warnings,
+        "timings_s": timings.iter().map(|(k, v)| ((*k).to_string(), serde_json::json!(v)))
+            .collect::<serde_json::Map<_, _>>(),
     })
 }

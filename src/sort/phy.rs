@@ -1,6 +1,6 @@
 //! The sort's Phy folder, as Kilosort4 4.1.7's `io.save_to_phy` writes it
 //! (`../shared/docs/sorting-spec.md` §3), published atomically through a
-//! [`StagedFolder`](super::folder::StagedFolder) with its `spikecube.json`.
+//! [`StagedFolder`](crate::output::folder::StagedFolder) with its `spikecube.json`.
 //!
 //! [`save_sorting`] takes the final clustering's result, runs the CCG-gated
 //! merges ([`crate::sort::merge::merge_ccg`]) and writes the folder
@@ -38,9 +38,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use ndarray::{Array2, Array3, ArrayView2, Axis};
 
-use super::folder::StagedFolder;
-use super::npy_stream::{LeBytes, write_all};
-use super::params::{py_float, py_str};
+use crate::output::folder::StagedFolder;
+use crate::output::npy_stream::{LeBytes, write_all};
+use crate::output::params::{py_float, py_str};
 use crate::probe::Probe;
 use crate::sort::ccg::{self, Thresholds};
 use crate::sort::merge::{MergeSettings, Merged, Similarity, merge_ccg};
@@ -349,38 +349,7 @@ pub fn write_phy(
         pc_ind.as_slice().expect("standard layout"),
     )?;
 
-    // Refractoriness of the kept spikes: Kilosort4 sizes it by max(id) + 1.
-    let n_ref = k_clu.iter().map(|&c| c as usize + 1).max().unwrap_or(0);
-    let secs: Vec<f64> = k_times.iter().map(|&t| t as f64 / settings.fs).collect();
-    let thr: Thresholds = settings.merge.thresholds;
-    let (is_ref, r12) = ccg::refract(&k_clu, &secs, n_ref, thr);
-    let write = |name: &str, text: String| -> Result<()> {
-        let p = dir.join(name);
-        std::fs::write(&p, text).with_context(|| format!("cannot write {}", p.display()))
-    };
-    write(
-        "cluster_ContamPct.tsv",
-        tsv("ContamPct", r12.iter().map(|&r| one_decimal(r * 100.0))),
-    )?;
-    let amp_t = pp::template_amplitudes(wall.view());
-    write(
-        "cluster_Amplitude.tsv",
-        tsv(
-            "Amplitude",
-            amp_t.iter().map(|&a| one_decimal(f64::from(a))),
-        ),
-    )?;
-    let labels = tsv(
-        "KSLabel",
-        is_ref
-            .iter()
-            .map(|&r| if r { "good" } else { "mua" }.to_string()),
-    );
-    write("cluster_KSLabel.tsv", labels.clone())?;
-    write("cluster_group.tsv", labels)?;
-    write("params.py", params_text(settings)?)?;
-
-    let n_good = is_ref.iter().filter(|&&r| r).count();
+    let n_good = write_cluster_tables(&dir, &k_clu, &k_times, wall.view(), settings)?;
     let mut manifest = match manifest {
         serde_json::Value::Object(m) => m,
         _ => serde_json::Map::new(),
@@ -400,6 +369,51 @@ pub fn write_phy(
         n_duplicates: n - nk,
         n_merges,
     })
+}
+
+/// The cluster tables (`cluster_ContamPct.tsv`, `cluster_Amplitude.tsv`,
+/// `cluster_KSLabel.tsv` and its copy `cluster_group.tsv`) and `params.py`;
+/// returns the number of `good` units.
+fn write_cluster_tables(
+    dir: &Path,
+    k_clu: &[i32],
+    k_times: &[i64],
+    wall: ndarray::ArrayView3<f32>,
+    settings: &ExportSettings,
+) -> Result<usize> {
+    // Refractoriness of the kept spikes: Kilosort4 sizes it by max(id) + 1.
+    let n_ref = k_clu.iter().map(|&c| c as usize + 1).max().unwrap_or(0);
+    let secs: Vec<f64> = k_times.iter().map(|&t| t as f64 / settings.fs).collect();
+    let thr: Thresholds = settings.merge.thresholds;
+    let (is_ref, r12) = ccg::refract(k_clu, &secs, n_ref, thr);
+    let write = |name: &str, text: String| -> Result<()> {
+        let p = dir.join(name);
+        std::fs::write(&p, text).with_context(|| format!("cannot write {}", p.display()))
+    };
+    write(
+        "cluster_ContamPct.tsv",
+        tsv("ContamPct", r12.iter().map(|&r| one_decimal(r * 100.0))),
+    )?;
+    let amp_t = pp::template_amplitudes(wall);
+    write(
+        "cluster_Amplitude.tsv",
+        tsv(
+            "Amplitude",
+            amp_t.iter().map(|&a| one_decimal(f64::from(a))),
+        ),
+    )?;
+    let labels = tsv(
+        "KSLabel",
+        is_ref
+            .iter()
+            .map(|&r| if r { "good" } else { "mua" }.to_string()),
+    );
+    write("cluster_KSLabel.tsv", labels.clone())?;
+    write("cluster_group.tsv", labels)?;
+    write("params.py", params_text(settings)?)?;
+
+    let n_good = is_ref.iter().filter(|&&r| r).count();
+    Ok(n_good)
 }
 
 #[cfg(test)]
