@@ -427,7 +427,7 @@ fn first_stage(
     settings: &ClusteringSettings,
 ) -> Result<crate::sort::clustering::Clustering> {
     let ic = geometry.i_c.mapv(|v| v as usize);
-    Ok(first_clustering(
+    first_clustering(
         &det.centres,
         det.tf0.view(),
         ic.view(),
@@ -438,7 +438,7 @@ fn first_stage(
         probe.n_sites(),
         settings,
     )
-    .context("first clustering")?)
+    .context("first clustering")
 }
 
 /// The final clustering of the matched spikes (by learned template), with
@@ -454,7 +454,7 @@ fn final_stage(
 ) -> Result<crate::sort::clustering::Clustering> {
     let st_template: Vec<u32> = ex.st.column(1).iter().map(|&v| v as u32).collect();
     let times_s: Vec<f64> = ex.st.column(0).iter().map(|&v| v / fs).collect();
-    Ok(final_clustering(
+    final_clustering(
         &st_template,
         &times_s,
         ex.tf.view(),
@@ -466,7 +466,7 @@ fn final_stage(
         geometry.dmin,
         settings,
     )
-    .context("final clustering")?)
+    .context("final clustering")
 }
 
 /// The preprocessing settings of the run's windows, as the detection run
