@@ -58,23 +58,11 @@ impl Similarity {
     /// `WtW` of a (npc, nt) temporal basis.
     pub fn new(wpca: ArrayView2<f32>) -> Self {
         let (npc, nt) = wpca.dim();
-        let nl = 2 * nt + 1;
-        let mut wtw = vec![0.0f64; npc * npc * nl];
-        for a in 0..npc {
-            for b in 0..npc {
-                for l in 0..nl {
-                    // t + nt − l in [0, nt).
-                    let mut acc = 0.0f64;
-                    for t in 0..nt {
-                        let u = t as i64 + nt as i64 - l as i64;
-                        if (0..nt as i64).contains(&u) {
-                            acc += f64::from(wpca[[a, u as usize]]) * f64::from(wpca[[b, t]]);
-                        }
-                    }
-                    wtw[(a * npc + b) * nl + l] = acc;
-                }
-            }
-        }
+        // (npc, npc, 2nt + 1) in standard order: index (a·npc + b)·(2nt + 1) + lag.
+        let wtw = crate::sort::templates::wtw_f64(wpca)
+            .iter()
+            .copied()
+            .collect();
         Similarity { npc, nt, wtw }
     }
 

@@ -48,9 +48,15 @@ fn shape_err(what: &'static str, message: String) -> TemplateError {
 /// template k's filter output at sample s + d by
 /// `−amp·Σ_{a,b} UtU[k, j, a, b]·WtW[a, b, nt + d]`.
 pub fn wtw(wpca: ArrayView2<f32>) -> Array3<f32> {
+    wtw_f64(wpca).mapv(|v| v as f32)
+}
+
+/// [`wtw`] before its rounding to float32 (each lag summed in float64 over
+/// ascending samples); the global merges' similarities use it as is.
+pub fn wtw_f64(wpca: ArrayView2<f32>) -> Array3<f64> {
     let (npc, nt) = wpca.dim();
     let nt_i = nt as i64;
-    let mut out = Array3::<f32>::zeros((npc, npc, 2 * nt + 1));
+    let mut out = Array3::<f64>::zeros((npc, npc, 2 * nt + 1));
     for a in 0..npc {
         for b in 0..npc {
             for l in 0..(2 * nt + 1) {
@@ -62,7 +68,7 @@ pub fn wtw(wpca: ArrayView2<f32>) -> Array3<f32> {
                         acc += f64::from(wpca[[a, i as usize]]) * f64::from(wpca[[b, j as usize]]);
                     }
                 }
-                out[[a, b, l]] = acc as f32;
+                out[[a, b, l]] = acc;
             }
         }
     }
