@@ -27,7 +27,14 @@ def summary(run):
 
 def requeue(job, env):
     """`scontrol requeue JOB`, then made eligible now: Slurm holds a requeued
-    job for about two minutes before it may start again."""
+    job for about two minutes before it may start again.
+
+    slurmd revokes a job's credential when the job is killed or ends, and
+    refuses to launch it again ("Job credential revoked", the task ends
+    FAILED) while the new start time is not later than the revocation, to the
+    second. A requeue within the second of the kill or end would hit that, so
+    it waits two seconds first (a person typing the command never does)."""
+    time.sleep(2)
     run_cmd(["scontrol", "requeue", job], env)
     run_cmd(["scontrol", "update", f"jobid={job}", "StartTime=now"], env)
 
@@ -39,6 +46,8 @@ def wait_restarted(job, task, restarts, env, timeout=120):
     while time.time() - t0 < timeout:
         info = job_info(job, env)[task]
         if int(info["Restarts"]) >= restarts and info["JobState"] in ("COMPLETED", "FAILED", "CANCELLED"):
+            if info["JobState"] != "COMPLETED":
+                print(f"{job} ended {info['JobState']}: Reason={info.get('Reason')} ExitCode={info.get('ExitCode')}")
             return info["JobState"]
         time.sleep(0.5)
     raise AssertionError(f"{job} not restarted {restarts} times and ended after {timeout} s: {info}")
