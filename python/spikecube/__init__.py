@@ -17,8 +17,14 @@ the GIL and stop on Ctrl-C with ``KeyboardInterrupt``, leaving no partial
 output; Rust's errors are raised as :class:`SpikecubeError` with the command
 line's text; the core's log lines go to the ``logging`` logger ``"spikecube"``.
 
+The whole sort, from a raw recording to a Phy folder (``spikecube sort``)::
+
+    s = spikecube.sort("run_g0_t0.imec0.ap.bin", out="sorted")
+    s.spike_times, s.spike_clusters   # int64 samples, int32 unit ids
+    s.labels                           # {unit id: "good" or "mua"}
+
 ``spikecube.spikeinterface`` adds the SpikeInterface peak-detection method
-``"spikecube"``.
+``"spikecube"`` and the sorter ``"spikecube"`` for ``run_sorter``.
 """
 
 from __future__ import annotations
@@ -40,14 +46,17 @@ __version__ = _native.__version__
 __all__ = [
     "Probe",
     "Result",
+    "Sorting",
     "SpikecubeError",
     "WindowResult",
     "backends",
     "detect",
     "detect_window",
     "load",
+    "load_sorting",
     "preprocess",
     "settings",
+    "sort",
 ]
 
 #: Samples from a spike's trough to its detection time (``times``): peaks in
@@ -470,7 +479,7 @@ def detect(
     KeyboardInterrupt
         Ctrl-C: the run stops and leaves no output folder.
     """
-    groups = _settings.split(settings)
+    groups = _settings.split(settings, _settings.DETECT_NAMES)
     paths = _paths(path_or_paths)
     probe_t = None if probe is None else Probe.of(probe)._tuple()
     cb, close = _progress(progress)
@@ -488,6 +497,7 @@ def detect(
             _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
             _settings.detection_json(groups["detection"]),
             _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
+            _settings.drift_json(groups["drift"]),
             os.fspath(target),
             backend,
             cb,
@@ -500,6 +510,238 @@ def detect(
         close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------
+# The sort
+
+
+@dataclass
+class Sorting:
+    """A finished ``spikecube sort`` Phy folder, loaded.
+
+    n spikes, u units. Unit ids are the values of ``spike_clusters``
+    (Kilosort4's cluster ids; ``spike_templates`` holds the same ids, as in
+    Kilosort4's own folders).
+
+    Attributes
+    ----------
+    spike_times : int64 (n,)
+        Samples from the recording's first sample (after ``tmin``).
+    spike_clusters : int32 (n,)
+        Unit of each spike.
+    amplitudes : float32 (n,)
+        Template-scaling amplitude of each spike.
+    spike_positions : float32 (n, 2)
+        x, y in µm.
+    templates : float32 (u, nt, n_sites)
+        Each unit's mean waveform in whitened units.
+    labels : dict
+        ``{unit id: "good" | "mua"}`` (``cluster_KSLabel.tsv``).
+    fs : float
+        Sampling rate, Hz.
+    info : dict
+        ``spikecube.json`` (settings, timings, warnings).
+    path : Path
+        The Phy folder: open it with ``phy template-gui path/params.py``.
+    """
+
+    spike_times: np.ndarray
+    spike_clusters: np.ndarray
+    amplitudes: np.ndarray
+    spike_positions: np.ndarray
+    templates: np.ndarray
+    labels: dict
+    fs: float
+    info: dict = field(repr=False)
+    path: Path | None = None
+
+    def __len__(self) -> int:
+        return int(self.spike_times.size)
+
+    @property
+    def unit_ids(self) -> np.ndarray:
+        """Sorted unit ids (int)."""
+        return np.unique(self.spike_clusters)
+
+    @property
+    def good_units(self) -> list[int]:
+        """Units labelled ``good`` (refractory: ACG's R12 below ``acg_threshold``)."""
+        return sorted(u for u, lab in self.labels.items() if lab == "good")
+
+    @property
+    def warnings(self) -> list[str]:
+        """The run's warnings (also logged)."""
+        return list(self.info.get("warnings", []))
+
+    def to_spikeinterface(self):
+        """The folder as a SpikeInterface sorting (``read_kilosort``)."""
+        from spikeinterface.extractors import read_kilosort
+
+        return read_kilosort(self.path)
+
+    def __repr__(self) -> str:
+        return f"Sorting({len(self.labels)} units, {len(self.good_units)} good, {len(self)} spikes, path={self.path})"
+
+
+def load_sorting(phy_dir: PathLike) -> Sorting:
+    """Loads a finished ``spikecube sort`` (or Kilosort4) Phy folder.
+
+    Raises ``FileNotFoundError`` naming a missing file.
+    """
+    d = Path(phy_dir)
+    arrays = {}
+    for key in ("spike_times", "spike_clusters", "amplitudes", "spike_positions", "templates"):
+        f = d / f"{key}.npy"
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: missing from the Phy folder")
+        arrays[key] = np.load(f)
+    labels = {}
+    tsv = d / "cluster_KSLabel.tsv"
+    if tsv.is_file():
+        for line in tsv.read_text().splitlines()[1:]:
+            if line.strip():
+                cid, lab = line.split("\t")[:2]
+                labels[int(cid)] = lab.strip()
+    info = {}
+    if (d / "spikecube.json").is_file():
+        info = json.loads((d / "spikecube.json").read_text())
+    return Sorting(
+        spike_times=arrays["spike_times"].astype(np.int64, copy=False).ravel(),
+        spike_clusters=arrays["spike_clusters"].astype(np.int32, copy=False).ravel(),
+        amplitudes=arrays["amplitudes"].ravel(),
+        spike_positions=arrays["spike_positions"],
+        templates=arrays["templates"],
+        labels=labels,
+        fs=_fs_from_params(d),
+        info=info,
+        path=d,
+    )
+
+
+_SORT_STAGES = ("detection", "first clustering", "templates", "matching", "final clustering", "merges and export")
+
+
+def _sort_progress(progress):
+    """(callback for the core, closer) for ``sort``'s ``progress``: True (a tqdm
+    bar per windowed stage when tqdm is installed), False/None, or a callable
+    taking a dict (``stage``, ``windows_done``, ``windows_total``,
+    ``seconds_done``, ``elapsed``, ``units``). Each new stage is also logged
+    (logger ``"spikecube"``, INFO)."""
+    import logging
+
+    log = logging.getLogger("spikecube")
+    state = {"stage": None}
+    user = progress if callable(progress) else None
+    tqdm = None
+    if progress and user is None:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            tqdm = None
+
+    def close_bar():
+        bar = state.pop("bar", None)
+        if bar is not None:
+            bar.close()
+
+    def cb(p):
+        if p["stage"] != state["stage"]:
+            state["stage"] = p["stage"]
+            close_bar()
+            units = f", {p['units']} units so far" if p["units"] else ""
+            log.info("sort: %s (%.1f s in%s)", p["stage"], p["elapsed"], units)
+        if user is not None:
+            user(p)
+        elif tqdm is not None and p["windows_total"]:
+            bar = state.get("bar")
+            if bar is None:
+                bar = state["bar"] = tqdm(total=p["windows_total"], unit=" window", desc=f"spikecube {p['stage']}")
+            bar.n = p["windows_done"]
+            bar.refresh()
+
+    return cb, close_bar
+
+
+def sort(
+    path_or_paths: Union[PathLike, Sequence[PathLike]],
+    probe=None,
+    *,
+    out: PathLike,
+    n_channels: int | None = None,
+    fs: float | None = None,
+    dtype=None,
+    offset: int = 0,
+    backend: str = "auto",
+    progress: Union[bool, Callable[[dict], None]] = True,
+    **settings,
+) -> Sorting:
+    """Sorts a recording into units: ``spikecube sort`` from Python.
+
+    Kilosort4's whole ``run_kilosort``: preprocessing, drift correction,
+    universal-template detection, first clustering, learned templates,
+    template matching, final clustering, CCG-gated merges, Phy folder.
+
+    Parameters
+    ----------
+    path_or_paths, probe, n_channels, fs, dtype, offset :
+        As :func:`detect`.
+    out : path
+        The Phy folder to write (required; it must not exist). It appears
+        only when complete (written as ``out.partial-PID``, then renamed).
+    backend : {"auto", "cpu", "cuda", "wgpu"}
+        Where detection runs.
+    progress : bool or callable
+        True: a tqdm bar per stage when tqdm is installed; a callable gets a
+        dict (``stage``, ``windows_done``, ``windows_total``,
+        ``seconds_done``, ``elapsed``, ``units``) between stages and after
+        each window of the windowed stages.
+    **settings
+        Kilosort4's settings by name: those of :func:`detect`, ``nblocks``,
+        and the sort's (``Th_learned``, ``max_peels``, ``cluster_init_seed``,
+        ``duplicate_spike_ms``, ``acg_threshold``, ``ccg_threshold``, ...;
+        :func:`settings` lists them with their defaults).
+
+    Returns
+    -------
+    Sorting
+        The Phy folder's spikes, units and labels.
+
+    Raises
+    ------
+    ValueError
+        An unknown setting name or back end.
+    SpikecubeError
+        Anything the command line reports as an error, with the same message.
+    KeyboardInterrupt
+        Ctrl-C: the run stops and leaves neither the Phy folder nor its
+        working folders.
+    """
+    groups = _settings.split(settings)
+    paths = _paths(path_or_paths)
+    probe_t = None if probe is None else Probe.of(probe)._tuple()
+    cb, close = _sort_progress(progress)
+    try:
+        _sync_log_level()
+        report = json.loads(
+            _native.sort(
+                paths,
+                probe_t,
+                _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
+                _settings.detection_json(groups["detection"]),
+                _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
+                _settings.drift_json(groups["drift"]),
+                _settings.sort_json(groups["sort"]),
+                os.fspath(out),
+                backend,
+                cb,
+            )
+        )
+    finally:
+        close()
+    s = load_sorting(report["out"])
+    s.info.setdefault("warnings", report.get("warnings", []))
+    return s
 
 
 @dataclass

@@ -47,10 +47,28 @@ SETTINGS: dict[str, tuple[str, object]] = {
     "exclude_channels": ("recording", ()),
     "mask_clipped": ("recording", True),
     "keep_boundary_duplicates": ("recording", False),
+    # drift correction (Kilosort4's datashift); 0 turns it off
+    "nblocks": ("drift", 1),
+    # the stages after detection (spikecube.sort only)
+    "Th_learned": ("sort", 8.0),
+    "max_peels": ("sort", 100),
+    "position_limit": ("sort", 100.0),
+    "cluster_downsampling": ("sort", 20),
+    "max_cluster_subset": ("sort", 25000),
+    "cluster_neighbors": ("sort", 10),
+    "cluster_init_seed": ("sort", 5),
+    "duplicate_spike_ms": ("sort", 0.25),
+    "acg_threshold": ("sort", 0.2),
+    "ccg_threshold": ("sort", 0.25),
+    # Kilosort4 4.1.5-4.1.7's check_CCG guard (README, "Where spikecube differs")
+    "ks4_swarm_ccg_bug": ("sort", False),
 }
 
+#: Every setting but the sort's: what ``detect`` takes.
+DETECT_NAMES: set[str] = {n for n, (g, _) in SETTINGS.items() if g != "sort"}
+
 # Spellings accepted besides Kilosort4's own.
-ALIASES = {"th_universal": "Th_universal", "do_car": "do_CAR"}
+ALIASES = {"th_universal": "Th_universal", "do_car": "do_CAR", "th_learned": "Th_learned"}
 
 
 def valid_names() -> list[str]:
@@ -63,7 +81,7 @@ def split(settings: dict, allowed: set[str] | None = None) -> dict[str, dict]:
 
     Raises ``ValueError`` naming an unknown setting and listing the valid ones.
     """
-    groups: dict[str, dict] = {"detection": {}, "preprocessing": {}, "recording": {}}
+    groups: dict[str, dict] = {"detection": {}, "preprocessing": {}, "recording": {}, "drift": {}, "sort": {}}
     for name, (group, default) in SETTINGS.items():
         if allowed is None or name in allowed:
             groups[group][name] = default
@@ -76,6 +94,17 @@ def split(settings: dict, allowed: set[str] | None = None) -> dict[str, dict]:
             )
         groups[SETTINGS[name][0]][name] = value
     return groups
+
+
+def drift_json(d: dict) -> str:
+    return json.dumps({"nblocks": int(d.get("nblocks", 1))})
+
+
+def sort_json(d: dict) -> str:
+    s = dict(d)
+    s["max_cluster_subset"] = None if not s["max_cluster_subset"] else int(s["max_cluster_subset"])
+    s["ks4_swarm_ccg_bug"] = bool(s["ks4_swarm_ccg_bug"])
+    return json.dumps(s)
 
 
 def detection_json(d: dict) -> str:

@@ -12,6 +12,13 @@ entry point; it registers its own methods the same way)::
 or, faster when the recording is a plain binary file,
 ``spikecube.spikeinterface.detect(rec)``.
 
+It also registers the sorter ``"spikecube"`` (:class:`SpikecubeSorter`, the
+whole ``spikecube sort``) for ``run_sorter``::
+
+    import spikecube.spikeinterface  # registers sorter "spikecube"
+    from spikeinterface.sorters import run_sorter
+    sorting = run_sorter("spikecube", rec, folder="sorted", Th_learned=8)
+
 Two paths, the same spikes (see README, "Python"):
 
 * **chunked** (``detect_peaks(..., method="spikecube")``): works on any
@@ -81,7 +88,7 @@ peak_dtype = np.dtype(
     ]
 )
 
-_NODE_SETTINGS = {k for k, (g, _) in _settings.SETTINGS.items()} - {
+_NODE_SETTINGS = {k for k, (g, _) in _settings.SETTINGS.items() if g not in ("sort", "drift")} - {
     "tmin",
     "tmax",
     "exclude_channels",
@@ -362,3 +369,131 @@ def detect(recording, *, out=None, backend="auto", progress=True, job_kwargs=Non
     peaks["center"] = r.centers
     peaks["detection_amplitude"] = r.amplitudes
     return peaks
+
+
+# ---------------------------------------------------------------------------
+# The sorter
+
+from spikeinterface.sorters import BaseSorter  # noqa: E402
+from spikeinterface.sorters import sorterlist as _sorterlist  # noqa: E402
+
+#: Settings a sorter run takes: Kilosort4's names, less the time range (give
+#: SpikeInterface a ``frame_slice``) and what the recording itself says.
+_SORTER_SETTINGS = [k for k in _settings.SETTINGS if k not in ("tmin", "tmax", "shift", "scale")]
+
+
+class SpikecubeSorter(BaseSorter):
+    """spikecube's whole sort (``spikecube sort``: Kilosort4 4.1.7's pipeline
+    in Rust) as a SpikeInterface sorter: ``run_sorter("spikecube", rec, ...)``.
+
+    A recording that is one binary file (``read_binary``, a saved recording,
+    ...) is read where it lies; any other is first written to
+    ``sorter_output/recording.dat`` in its own dtype (float32 when it has
+    none spikecube reads). The Phy folder is ``sorter_output/phy``, read
+    back with ``read_kilosort``; open it with ``phy template-gui
+    sorter_output/phy/params.py``. Parameters are Kilosort4's settings by
+    name (:func:`spikecube.settings`), plus ``backend`` and ``progress``.
+    """
+
+    sorter_name = "spikecube"
+    requires_locations = True
+    gpu_capability = "nvidia-optional"
+    requires_binary_data = False
+    compatible_with_parallel = {"loky": True, "multiprocessing": True, "threading": True}
+    handle_multi_segment = False
+
+    _default_params = dict(
+        {k: _settings.SETTINGS[k][1] for k in _SORTER_SETTINGS},
+        backend="auto",
+        progress=False,
+    )
+    _params_description = dict(
+        {k: f"Kilosort4's {k} (spikecube.settings() and README list them)" for k in _SORTER_SETTINGS},
+        backend="Where detection runs: auto, cpu, cuda or wgpu",
+        progress="Show a progress bar per stage (tqdm)",
+    )
+    sorter_description = (
+        "spikecube: Kilosort4 4.1.7's sort (drift correction, universal and learned templates, "
+        "graph clustering, CCG merges) in Rust, on CUDA, Vulkan or the CPU."
+    )
+    installation_mesg = "pip install spikecube (or build it with maturin from the spikecube repository)"
+
+    @classmethod
+    def is_installed(cls):
+        return True
+
+    @classmethod
+    def get_sorter_version(cls):
+        return spikecube.__version__
+
+    @classmethod
+    def _check_params(cls, recording, output_folder, params):
+        settings = {k: v for k, v in params.items() if k not in ("backend", "progress")}
+        _settings.split(settings)  # raises ValueError naming an unknown setting
+        return params
+
+    @classmethod
+    def _setup_recording(cls, recording, sorter_output_folder, params, verbose):
+        from pathlib import Path as _Path
+
+        out = _Path(sorter_output_folder)
+        binary = _binary_file(recording)
+        if binary is None:
+            from spikeinterface.core import write_binary_recording
+
+            dtype = np.dtype(recording.get_dtype())
+            if dtype.name not in ("int16", "uint16", "int32", "float32"):
+                dtype = np.dtype("float32")
+            path = out / "recording.dat"
+            write_binary_recording(recording, file_paths=[path], dtype=dtype)
+            binary = (str(path), dtype.name, recording.get_num_channels(), 0)
+        path, dtype, n_channels, offset = binary
+        probe = Probe.from_recording(recording)
+        job = {
+            "path": path,
+            "dtype": dtype,
+            "n_channels": n_channels,
+            "offset": offset,
+            "fs": float(recording.get_sampling_frequency()),
+            "probe": {"xc": probe.xc.tolist(), "yc": probe.yc.tolist(), "kcoords": probe.kcoords.tolist(),
+                      "chanMap": probe.chanMap.tolist(), "n_chan": int(probe.n_chan)},
+        }
+        import json as _json
+
+        (out / "spikecube_input.json").write_text(_json.dumps(job))
+
+    @classmethod
+    def _run_from_folder(cls, sorter_output_folder, params, verbose):
+        import json as _json
+        from pathlib import Path as _Path
+
+        out = _Path(sorter_output_folder)
+        job = _json.loads((out / "spikecube_input.json").read_text())
+        p = job["probe"]
+        probe = Probe(p["xc"], p["yc"], p["kcoords"], p["chanMap"], p["n_chan"], "SpikeInterface recording")
+        settings = {k: v for k, v in params.items() if k not in ("backend", "progress")}
+        spikecube.sort(
+            job["path"],
+            probe,
+            out=out / "phy",
+            n_channels=job["n_channels"],
+            fs=job["fs"],
+            dtype=job["dtype"],
+            offset=job["offset"],
+            backend=params.get("backend", "auto"),
+            progress=bool(params.get("progress", False)),
+            **settings,
+        )
+
+    @classmethod
+    def _get_result_from_folder(cls, sorter_output_folder):
+        from pathlib import Path as _Path
+
+        from spikeinterface.extractors import read_kilosort
+
+        return read_kilosort(_Path(sorter_output_folder) / "phy", keep_good_only=False)
+
+
+_sorterlist.sorter_dict[SpikecubeSorter.sorter_name] = SpikecubeSorter
+if SpikecubeSorter not in _sorterlist.sorter_full_list:
+    _sorterlist.sorter_full_list.append(SpikecubeSorter)

@@ -27,6 +27,7 @@ use spikecube::output::RunInfo;
 use spikecube::pipeline::{Checks, DetectJob, Progress};
 use spikecube::preprocess::{PreprocessSettings, Preprocessor};
 use spikecube::recording::{Dtype, OpenOptions, Opened, Recording};
+use spikecube::sort::run::{SortJob, SortProgress, SortSettings, run_sort};
 use spikecube::{Probe, checks};
 
 create_exception!(
@@ -343,17 +344,18 @@ struct Interrupted;
 /// hook's message): the run's output writer and window reader are dropped on
 /// the way, which removes the staged output folder and stops the reader.
 /// [`guarded`] catches it.
-fn reporter<'a>(
+fn reporter<'a, P: 'a>(
     interrupt: &'a Interrupt,
     callback: &'a Option<Py<PyAny>>,
-) -> impl FnMut(Progress) + 'a {
-    move |p: Progress| {
+    to_dict: for<'py> fn(Python<'py>, &P) -> PyResult<Bound<'py, PyDict>>,
+) -> impl FnMut(P) + 'a {
+    move |p: P| {
         interrupt.check_signals();
         if !interrupt.is_set()
             && let Some(cb) = callback
         {
             let r = Python::with_gil(|py| -> PyResult<()> {
-                cb.call1(py, (progress_dict(py, &p)?,))?;
+                cb.call1(py, (to_dict(py, &p)?,))?;
                 Ok(())
             });
             if let Err(e) = r {
@@ -376,6 +378,63 @@ fn guarded<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
     }
 }
 
+/// The detection run of `detect` and `sort`, as the command line builds it
+/// (learned templates, drift correction with `drift`), reading through an
+/// [`Interruptible`] recording.
+#[allow(clippy::too_many_arguments)]
+fn detect_job(
+    paths: &[PathBuf],
+    probe: Option<ProbeTuple>,
+    o: &RecordingOpts,
+    det: DetectionSettings,
+    pre: PreprocessSettings,
+    drift: DriftOpts,
+    out: PathBuf,
+    backend: Backend,
+    interrupt: &Interrupt,
+) -> anyhow::Result<DetectJob> {
+    let (opened, probe, checks) = open_recording(paths, probe, o)?;
+    let rec: Arc<dyn Recording> = Arc::new(Interruptible {
+        inner: opened.recording.clone(),
+        interrupt: interrupt.clone(),
+    });
+    let fs = rec.fs();
+    let run_info = RunInfo {
+        input_description: rec.describe(),
+        dat_path: spikecube::recording::raw_data_file(&paths[0]),
+        n_channels_dat: rec.n_channels() as u64,
+        dtype: o.dtype.clone().unwrap_or_else(|| "int16".into()),
+        offset: o.offset,
+        hp_filtered: false,
+        ..RunInfo::default()
+    };
+    let drift = spikecube::drift::DriftSettings {
+        nblocks: drift.nblocks,
+        ..Default::default()
+    };
+    Ok(DetectJob {
+        recording: rec,
+        probe,
+        detection: det,
+        preprocess: PreprocessSettings { fs, ..pre },
+        out,
+        run_info,
+        backend,
+        checks,
+        templates: spikecube::universal::TemplateSource::Learned(Default::default()),
+        drift,
+        device_preprocessing: true,
+        last_device_use: false,
+    })
+}
+
+/// Drift settings from Python (`nblocks`; the rest at Kilosort4's defaults).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DriftOpts {
+    nblocks: usize,
+}
+
 // ---------------------------------------------------------------------------
 // Functions
 
@@ -396,7 +455,7 @@ fn check_probe(probe: ProbeTuple) -> PyResult<ProbeTuple> {
 /// The whole `spikecube detect` run (see `spikecube.detect`). Returns the run's
 /// report as JSON text.
 #[pyfunction]
-#[pyo3(signature = (paths, probe, recording_opts, detection, preprocess, out, backend, progress=None))]
+#[pyo3(signature = (paths, probe, recording_opts, detection, preprocess, drift, out, backend, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn detect(
     py: Python<'_>,
@@ -405,6 +464,7 @@ fn detect(
     recording_opts: &str,
     detection: &str,
     preprocess: &str,
+    drift: &str,
     out: PathBuf,
     backend: &str,
     progress: Option<Py<PyAny>>,
@@ -412,40 +472,13 @@ fn detect(
     let o: RecordingOpts = settings_from(recording_opts, "recording")?;
     let det: DetectionSettings = settings_from(detection, "detection")?;
     let pre: PreprocessSettings = settings_from(preprocess, "preprocessing")?;
+    let drift: DriftOpts = settings_from(drift, "drift")?;
     let backend = backend_from(backend)?;
     let interrupt = Interrupt::default();
     let result = py.allow_threads(|| -> anyhow::Result<String> {
-        let (opened, probe, checks) = open_recording(&paths, probe, &o)?;
-        let rec: Arc<dyn Recording> = Arc::new(Interruptible {
-            inner: opened.recording.clone(),
-            interrupt: interrupt.clone(),
-        });
-        let fs = rec.fs();
-        let run_info = RunInfo {
-            input_description: rec.describe(),
-            dat_path: spikecube::recording::raw_data_file(&paths[0]),
-            n_channels_dat: rec.n_channels() as u64,
-            dtype: o.dtype.clone().unwrap_or_else(|| "int16".into()),
-            offset: o.offset,
-            hp_filtered: false,
-            ..RunInfo::default()
-        };
-        let job = DetectJob {
-            recording: rec,
-            probe,
-            detection: det,
-            preprocess: PreprocessSettings { fs, ..pre },
-            out,
-            run_info,
-            backend,
-            checks,
-            templates: spikecube::universal::TemplateSource::Learned(Default::default()),
-            drift: spikecube::drift::DriftSettings::default(),
-            device_preprocessing: true,
-            last_device_use: false,
-        };
+        let job = detect_job(&paths, probe, &o, det, pre, drift, out, backend, &interrupt)?;
         let report = guarded(|| {
-            spikecube::pipeline::run_detection(job, &mut reporter(&interrupt, &progress))
+            spikecube::pipeline::run_detection(job, &mut reporter(&interrupt, &progress, progress_dict))
         })?;
         if interrupt.is_set() {
             anyhow::bail!("interrupted");
@@ -460,6 +493,111 @@ fn detect(
             "boundary_duplicates_removed": report.boundary_duplicates_removed,
             "clipped_samples_masked": report.clipped_samples_masked,
             "scale_factor": report.scale_factor,
+            "warnings": report.warnings,
+        })
+        .to_string())
+    });
+    result.map_err(|e| interrupt.into_err(e))
+}
+
+/// The stages after detection from Python, with Kilosort4's names (every key
+/// given: the Python side fills in the defaults).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SortOpts {
+    #[serde(rename = "Th_learned")]
+    th_learned: f64,
+    max_peels: usize,
+    position_limit: f64,
+    cluster_downsampling: usize,
+    max_cluster_subset: Option<usize>,
+    cluster_neighbors: usize,
+    cluster_init_seed: u64,
+    duplicate_spike_ms: f64,
+    acg_threshold: f64,
+    ccg_threshold: f64,
+    ks4_swarm_ccg_bug: bool,
+}
+
+impl SortOpts {
+    fn settings(&self, nearest_chans: usize) -> SortSettings {
+        let mut s = SortSettings::kilosort();
+        s.matching.th_learned = self.th_learned;
+        s.matching.max_peels = self.max_peels;
+        s.matching.position_limit = self.position_limit;
+        s.matching.nearest_chans = nearest_chans;
+        s.clustering.cluster_downsampling = self.cluster_downsampling;
+        s.clustering.max_cluster_subset = self.max_cluster_subset.filter(|&n| n > 0);
+        s.clustering.cluster_neighbors = self.cluster_neighbors;
+        s.clustering.cluster_init_seed = self.cluster_init_seed;
+        s.clustering.ks4_swarm_ccg_bug = self.ks4_swarm_ccg_bug;
+        s.duplicate_spike_ms = self.duplicate_spike_ms;
+        s.acg_threshold = self.acg_threshold;
+        s.ccg_threshold = self.ccg_threshold;
+        s
+    }
+}
+
+fn sort_progress_dict<'py>(py: Python<'py>, p: &SortProgress) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("stage", p.stage)?;
+    d.set_item("windows_done", p.done)?;
+    d.set_item("windows_total", p.total)?;
+    d.set_item("seconds_done", p.seconds_done)?;
+    d.set_item("elapsed", p.elapsed)?;
+    d.set_item("units", p.units)?;
+    Ok(d)
+}
+
+/// The whole `spikecube sort` run (see `spikecube.sort`): detection, both
+/// clusterings, matching, merges and the Phy folder at `out`. Returns the
+/// run's report as JSON text.
+#[pyfunction]
+#[pyo3(signature = (paths, probe, recording_opts, detection, preprocess, drift, sort, out, backend, progress=None))]
+#[allow(clippy::too_many_arguments)]
+fn sort(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+    probe: Option<ProbeTuple>,
+    recording_opts: &str,
+    detection: &str,
+    preprocess: &str,
+    drift: &str,
+    sort: &str,
+    out: PathBuf,
+    backend: &str,
+    progress: Option<Py<PyAny>>,
+) -> PyResult<String> {
+    let o: RecordingOpts = settings_from(recording_opts, "recording")?;
+    let det: DetectionSettings = settings_from(detection, "detection")?;
+    let pre: PreprocessSettings = settings_from(preprocess, "preprocessing")?;
+    let drift: DriftOpts = settings_from(drift, "drift")?;
+    let sort: SortOpts = settings_from(sort, "sort")?;
+    let backend = backend_from(backend)?;
+    let interrupt = Interrupt::default();
+    let result = py.allow_threads(|| -> anyhow::Result<String> {
+        let nearest_chans = det.nearest_chans;
+        let detect = detect_job(&paths, probe, &o, det, pre, drift, out, backend, &interrupt)?;
+        let job = SortJob {
+            detect,
+            sort: sort.settings(nearest_chans),
+        };
+        let mut report_to = reporter(&interrupt, &progress, sort_progress_dict);
+        let report = guarded(|| run_sort(job, &mut report_to))?;
+        if interrupt.is_set() {
+            anyhow::bail!("interrupted");
+        }
+        let total: f64 = report.timings.iter().map(|t| t.1).sum();
+        Ok(serde_json::json!({
+            "out": report.phy.path,
+            "units": report.phy.n_units,
+            "good_units": report.phy.n_good,
+            "spikes": report.phy.n_spikes,
+            "seconds": report.seconds,
+            "wall_s": total,
+            "timings_s": report.timings.iter()
+                .map(|(k, v)| ((*k).to_string(), serde_json::json!(v)))
+                .collect::<serde_json::Map<_, _>>(),
             "warnings": report.warnings,
         })
         .to_string())
@@ -512,7 +650,7 @@ fn preprocess<'py>(
                 format,
                 &out,
                 &checks,
-                &mut reporter(&interrupt, &progress),
+                &mut reporter(&interrupt, &progress, progress_dict),
             )
         })?;
         if interrupt.is_set() {
@@ -858,6 +996,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_probe, m)?)?;
     m.add_function(wrap_pyfunction!(check_probe, m)?)?;
     m.add_function(wrap_pyfunction!(detect, m)?)?;
+    m.add_function(wrap_pyfunction!(sort, m)?)?;
     m.add_function(wrap_pyfunction!(preprocess, m)?)?;
     m.add_function(wrap_pyfunction!(detect_window, m)?)?;
     m.add_function(wrap_pyfunction!(fit_whitening, m)?)?;

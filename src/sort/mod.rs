@@ -12,4 +12,5 @@ pub mod merge;
 pub mod phy;
 pub mod postprocess;
 pub mod run;
+pub mod summary;
 pub mod templates;

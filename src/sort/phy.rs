@@ -32,6 +32,7 @@
 //! | `cluster_Amplitude.tsv` | text | | template L2 norm, one decimal |
 //! | `params.py` | text | | `n_channels_dat`, `offset = 0`, `sample_rate`, `dtype`, `hp_filtered = False`, `dat_path` (list of absolute paths) |
 //! | `spikecube.json` | JSON | | provenance (spikecube's own; Kilosort4 writes `ops.npy` instead) |
+//! | `units.png` | PNG | 2000 × 1000 | units on the probe, amplitude and firing rate by depth, ACGs of the 8 largest ([`crate::sort::summary`]; spikecube's own) |
 
 use std::path::{Path, PathBuf};
 
@@ -45,6 +46,7 @@ use crate::probe::Probe;
 use crate::sort::ccg::{self, Thresholds};
 use crate::sort::merge::{MergeSettings, Merged, Similarity, merge_ccg};
 use crate::sort::postprocess::{self as pp, ChannelSets};
+use crate::sort::summary::{UnitSummary, draw_units};
 
 /// The final clustering's result and what the matching fixed, as the export needs them.
 #[derive(Debug, Clone)]
@@ -82,6 +84,9 @@ pub struct ExportSettings {
     pub duplicate_spike_ms: f64,
     /// The global merges' settings (and the `good` label's thresholds).
     pub merge: MergeSettings,
+    /// Recording length, samples, for the firing rates of `units.png`
+    /// (0: up to the last spike).
+    pub n_samples: u64,
 }
 
 impl ExportSettings {
@@ -95,6 +100,7 @@ impl ExportSettings {
             imin: 0,
             duplicate_spike_ms: 0.25,
             merge: MergeSettings::default(),
+            n_samples: 0,
         }
     }
 }
@@ -349,7 +355,34 @@ pub fn write_phy(
         pc_ind.as_slice().expect("standard layout"),
     )?;
 
-    let n_good = write_cluster_tables(&dir, &k_clu, &k_times, wall.view(), settings)?;
+    let (good, amp_t) = write_cluster_tables(&dir, &k_clu, &k_times, wall.view(), settings)?;
+    let n_good = good.iter().filter(|&&g| g).count();
+    let k_xy: Vec<[f32; 2]> = kept
+        .iter()
+        .map(|&i| [positions[[i, 0]], positions[[i, 1]]])
+        .collect();
+    let seconds = if settings.n_samples > 0 {
+        settings.n_samples as f64 / settings.fs
+    } else {
+        k_times.last().map_or(0, |&t| t - settings.imin) as f64 / settings.fs
+    };
+    let summary = UnitSummary::new(
+        &k_clu,
+        &k_xy,
+        amp_t.iter().map(|&a| f64::from(a)).collect(),
+        good,
+        seconds,
+    );
+    let rel_times: Vec<i64> = k_times.iter().map(|&t| t - settings.imin).collect();
+    draw_units(
+        &dir.join("units.png"),
+        &summary,
+        &rel_times,
+        &k_clu,
+        settings.fs,
+        &probe.xc,
+        &probe.yc,
+    )?;
     let mut manifest = match manifest {
         serde_json::Value::Object(m) => m,
         _ => serde_json::Map::new(),
@@ -373,14 +406,14 @@ pub fn write_phy(
 
 /// The cluster tables (`cluster_ContamPct.tsv`, `cluster_Amplitude.tsv`,
 /// `cluster_KSLabel.tsv` and its copy `cluster_group.tsv`) and `params.py`;
-/// returns the number of `good` units.
+/// returns each unit's `good` label and template amplitude.
 fn write_cluster_tables(
     dir: &Path,
     k_clu: &[i32],
     k_times: &[i64],
     wall: ndarray::ArrayView3<f32>,
     settings: &ExportSettings,
-) -> Result<usize> {
+) -> Result<(Vec<bool>, Vec<f32>)> {
     // Refractoriness of the kept spikes: Kilosort4 sizes it by max(id) + 1.
     let n_ref = k_clu.iter().map(|&c| c as usize + 1).max().unwrap_or(0);
     let secs: Vec<f64> = k_times.iter().map(|&t| t as f64 / settings.fs).collect();
@@ -412,8 +445,7 @@ fn write_cluster_tables(
     write("cluster_group.tsv", labels)?;
     write("params.py", params_text(settings)?)?;
 
-    let n_good = is_ref.iter().filter(|&&r| r).count();
-    Ok(n_good)
+    Ok((is_ref, amp_t))
 }
 
 #[cfg(test)]

@@ -182,13 +182,21 @@ fn work_folder(out: &Path) -> Result<PathBuf> {
 /// folder is removed.
 pub fn run_sort(job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Result<SortReport> {
     let out = job.detect.out.clone();
-    let work = work_folder(&out)?;
-    let result = sort_into(job, &work, progress);
-    if work.exists() {
-        // Ours alone: made by this process under a name with its pid.
-        let _ = std::fs::remove_dir_all(&work);
+    let work = WorkFolder(work_folder(&out)?);
+    sort_into(job, &work.0, progress)
+}
+
+/// The detection stage's working folder, removed when the sort ends, also
+/// when it is stopped by an unwind (Python's Ctrl-C stops a run that way).
+struct WorkFolder(PathBuf);
+
+impl Drop for WorkFolder {
+    fn drop(&mut self) {
+        if self.0.exists() {
+            // Ours alone: made by this process under a name with its pid.
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
-    result
 }
 
 fn sort_into(
@@ -296,7 +304,8 @@ fn sort_into(
     let u1 = fin.wall.dim().0;
 
     progress(stage("merges and export", u1));
-    let export = export_settings(&run_info, rec.fs(), &s);
+    let mut export = export_settings(&run_info, rec.fs(), &s);
+    export.n_samples = rec.n_samples();
     let sets = ChannelSets {
         icc: icc.clone(),
         icc_mask: ex.icc_mask.clone(),

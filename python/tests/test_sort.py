@@ -1,0 +1,169 @@
+"""`spikecube.sort` and the SpikeInterface sorter against the command line's
+`spikecube sort` on a short 32-site simulation: the same Phy folder, units
+that SpikeInterface and the Sorting object both read, Ctrl-C leaving nothing.
+"""
+
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import spikecube
+from conftest import ROOT, cli
+
+PROBE32 = ROOT / "tests" / "data" / "sort" / "probe32.json"
+PHY_ARRAYS = ("spike_times.npy", "spike_clusters.npy", "amplitudes.npy", "templates.npy", "pc_features.npy")
+
+
+@pytest.fixture(scope="session")
+def sim32(tmp_path_factory):
+    """A 12-second 32-site simulation (12 units) and its ground truth."""
+    d = tmp_path_factory.mktemp("sim32")
+    cli("simulate", "--probe", PROBE32, "--seconds", "12", "--n-units", "12", "--rate", "12",
+        "--seed", "3", "--out", d / "sim", "-q")
+    return d / "sim"
+
+
+@pytest.fixture(scope="session")
+def sim32_bin(sim32):
+    return sim32 / "sim_g0_t0.imec0.ap.bin"
+
+
+@pytest.fixture(scope="session")
+def sorted_cli(sim32_bin, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sortcli") / "phy"
+    cli("sort", sim32_bin, "--backend", "cpu", "--out", out, "-q")
+    return out
+
+
+def same_phy_arrays(a, b):
+    for name in PHY_ARRAYS:
+        x, y = np.load(Path(a) / name), np.load(Path(b) / name)
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert np.array_equal(x, y), name
+
+
+def test_sort_equals_command_line(sim32_bin, sorted_cli, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="spikecube"):
+        s = spikecube.sort(sim32_bin, out=tmp_path / "phy", backend="cpu", progress=False)
+    same_phy_arrays(s.path, sorted_cli)
+    assert s.path == tmp_path / "phy"
+    assert len(s) == np.load(sorted_cli / "spike_times.npy").size > 0
+    assert s.spike_times.dtype == np.int64 and s.spike_clusters.dtype == np.int32
+    assert set(s.labels) == set(np.unique(s.spike_clusters).tolist())
+    assert set(s.labels.values()) <= {"good", "mua"} and s.good_units
+    assert s.fs == 30000.0
+    # Each stage is logged as it starts.
+    for stage in ("detection", "first clustering", "matching", "final clustering"):
+        assert any(f"sort: {stage}" in m for m in caplog.messages), caplog.messages
+    # Nothing but the Phy folder is left beside it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["phy"]
+
+
+def test_sort_settings_by_kilosort_names(sim32_bin, sorted_cli, tmp_path):
+    seen = []
+    s = spikecube.sort(sim32_bin, out=tmp_path / "phy", backend="cpu", progress=seen.append,
+                       Th_learned=9, cluster_init_seed=5, nblocks=1)
+    assert [p["stage"] for p in seen][0] == "detection"
+    assert {"first clustering", "matching", "final clustering", "merges and export"} <= {p["stage"] for p in seen}
+    assert all(p["windows_done"] <= p["windows_total"] for p in seen)
+    # A higher Th_learned keeps fewer learned-template spikes than the default.
+    assert 0 < len(s) < np.load(sorted_cli / "spike_times.npy").size
+    with pytest.raises(ValueError, match="unknown setting 'Th_learnt'.*Th_learned"):
+        spikecube.sort(sim32_bin, out=tmp_path / "x", Th_learnt=9)
+    # The sort's settings are not detect's.
+    with pytest.raises(ValueError, match="unknown setting 'max_peels'"):
+        spikecube.detect(sim32_bin, max_peels=10)
+    assert not (tmp_path / "x").exists()
+
+
+def test_sort_refuses_an_existing_folder_and_keeps_it(sim32_bin, tmp_path):
+    out = tmp_path / "phy"
+    out.mkdir()
+    (out / "mine.txt").write_text("a user's file")
+    with pytest.raises(spikecube.SpikecubeError, match="phy"):
+        spikecube.sort(sim32_bin, out=out, backend="cpu", progress=False)
+    assert (out / "mine.txt").read_text() == "a user's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["phy"]
+
+
+def test_ctrl_c_during_the_sort_leaves_nothing(sim32_bin, tmp_path):
+    out = tmp_path / "interrupted"
+
+    def interrupt(p):
+        # Past the detection stage: the working folder and its arrays exist.
+        if p["stage"] == "matching":
+            os.kill(os.getpid(), signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            spikecube.sort(sim32_bin, out=out, backend="cpu", progress=interrupt)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="session")
+def flat32(sim32_bin, tmp_path_factory):
+    """The simulation's 32 sites as a flat int16 file (the sync column dropped),
+    and the command line's sort of it."""
+    d = tmp_path_factory.mktemp("flat32")
+    raw = np.fromfile(sim32_bin, dtype=np.int16).reshape(-1, 33)
+    flat = d / "rec.bin"
+    np.ascontiguousarray(raw[:, :32]).tofile(flat)
+    out = d / "phy"
+    cli("sort", flat, "--n-channels", 32, "--fs", 30000, "--probe", PROBE32, "--backend", "cpu",
+        "--out", out, "-q")
+    return flat, out
+
+
+def si_recording(flat):
+    from probeinterface import Probe as PIProbe
+    from spikeinterface.core import read_binary
+
+    p = json.loads(PROBE32.read_text())
+    rec = read_binary(flat, sampling_frequency=30000.0, dtype="int16", num_channels=32)
+    probe = PIProbe(ndim=2, si_units="um")
+    probe.set_contacts(positions=np.c_[p["xc"], p["yc"]], shapes="circle", shape_params={"radius": 6})
+    probe.set_device_channel_indices(np.arange(32))
+    # In place from SpikeInterface 0.105; a new recording before.
+    new = rec.set_probe(probe)
+    return rec if new is None else new
+
+
+def test_spikeinterface_run_sorter(flat32, tmp_path):
+    pytest.importorskip("spikeinterface")
+    import spikecube.spikeinterface  # noqa: F401  registers the sorter
+    from spikeinterface.sorters import available_sorters, get_default_sorter_params, run_sorter
+
+    flat, cli_out = flat32
+    assert "spikecube" in available_sorters()
+    params = get_default_sorter_params("spikecube")
+    assert params["Th_learned"] == 8.0 and params["backend"] == "auto"
+
+    rec = si_recording(flat)
+    # A binary file goes to spikecube as it is: the command line's folder.
+    sorting = run_sorter("spikecube", rec, folder=tmp_path / "si", backend="cpu", verbose=False)
+    same_phy_arrays(tmp_path / "si" / "sorter_output" / "phy", cli_out)
+    assert not (tmp_path / "si" / "sorter_output" / "recording.dat").exists()
+    cli_clu = np.load(cli_out / "spike_clusters.npy")
+    assert sorted(sorting.unit_ids.tolist()) == sorted(np.unique(cli_clu).tolist())
+    assert sum(sorting.get_unit_spike_train(u).size for u in sorting.unit_ids) == cli_clu.size
+
+    # A recording that is not one binary file (here a lazy concatenation of
+    # it) is written to a binary file first: the same traces, the same sort.
+    from spikeinterface.core import concatenate_recordings
+
+    lazy = concatenate_recordings([rec])
+    assert not lazy.is_binary_compatible()
+    sorting2 = run_sorter("spikecube", lazy, folder=tmp_path / "si2", backend="cpu", verbose=False)
+    assert (tmp_path / "si2" / "sorter_output" / "recording.dat").exists()
+    same_phy_arrays(tmp_path / "si2" / "sorter_output" / "phy", cli_out)
+    assert sorted(sorting2.unit_ids.tolist()) == sorted(sorting.unit_ids.tolist())
+    with pytest.raises(Exception, match="Th_learnt"):
+        run_sorter("spikecube", rec, folder=tmp_path / "si3", Th_learnt=9, verbose=False)
