@@ -294,3 +294,120 @@ fn bad_plans_and_failed_tasks_are_named() {
     assert!(!run.join("logs/0.error").exists());
     ok(&spikecube(&["batch", "collect", s(&run)]));
 }
+
+#[test]
+fn sort_tasks_equal_plain_sort_and_are_skipped_when_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, probe) = recordings(dir.path());
+    // Long enough for both clusterings: 6 s, 8 units at 15 Hz.
+    let a = dir.path().join("a");
+    std::fs::remove_dir_all(&a).unwrap();
+    ok(&spikecube(&[
+        "simulate",
+        "-q",
+        "--probe",
+        s(&probe),
+        "--seconds",
+        "6",
+        "--n-units",
+        "8",
+        "--rate",
+        "15",
+        "--seed",
+        "2",
+        "--out",
+        s(&a),
+    ]));
+    let recs = [a.join("sim_g0_t0.imec0.ap.bin")];
+    // One recording: its task is named after the file alone.
+    const NAME: &str = "sim_g0_t0.imec0.ap";
+    let run = dir.path().join("run");
+    let mut a = vec!["batch", "plan", s(&recs[0]), "--out", s(&run)];
+    a.extend([
+        "--command",
+        "sort",
+        "--probe",
+        s(&probe),
+        "--backend",
+        "cpu",
+    ]);
+    ok(&spikecube(&a));
+    let manifest = std::fs::read_to_string(run.join("manifest.tsv")).unwrap();
+    assert!(
+        manifest.contains(&format!("\n0\tsort\t{}\t", NAME)),
+        "{manifest}"
+    );
+    // A sort flag is checked at plan time too; an unknown command is refused.
+    let bad = spikecube(&[
+        "batch",
+        "plan",
+        s(&recs[0]),
+        "--out",
+        s(&dir.path().join("r2")),
+        "--command",
+        "sort",
+        "--th-learnd",
+        "8",
+    ]);
+    assert!(
+        !bad.status.success() && text(&bad).contains("--th-learnd"),
+        "{}",
+        text(&bad)
+    );
+    let bad = spikecube(&[
+        "batch",
+        "plan",
+        s(&recs[0]),
+        "--out",
+        s(&dir.path().join("r3")),
+        "--command",
+        "cluster",
+    ]);
+    assert!(
+        !bad.status.success() && text(&bad).contains("detect, sort"),
+        "{}",
+        text(&bad)
+    );
+    assert!(!dir.path().join("r2").exists() && !dir.path().join("r3").exists());
+
+    ok(&spikecube(&[
+        "batch",
+        "task",
+        s(&run),
+        "--index",
+        "0",
+        "-q",
+    ]));
+    let reference = dir.path().join("ref");
+    let canon = std::fs::canonicalize(&recs[0]).unwrap();
+    let canon_probe = std::fs::canonicalize(&probe).unwrap();
+    ok(&spikecube(&[
+        "sort",
+        "-q",
+        s(&canon),
+        "--out",
+        s(&reference),
+        "--probe",
+        s(&canon_probe),
+        "--backend",
+        "cpu",
+    ]));
+    let out = run.join("out").join(NAME);
+    assert_eq!(files(&out), files(&reference));
+    let j = json(&out);
+    assert_eq!(j["command"], "sort");
+    assert_eq!(j["provenance"]["batch"]["name"], NAME);
+    assert!(j["input"]["duration_s"].as_f64().unwrap() > 0.9);
+    let before = std::fs::read(out.join("spikecube.json")).unwrap();
+    let o = spikecube(&["batch", "task", s(&run), "--index", "0"]);
+    ok(&o);
+    assert!(text(&o).contains("skipped"), "{}", text(&o));
+    assert_eq!(std::fs::read(out.join("spikecube.json")).unwrap(), before);
+    let o = spikecube(&["batch", "collect", s(&run)]);
+    ok(&o);
+    let summary = std::fs::read_to_string(run.join("summary.tsv")).unwrap();
+    let row = summary.lines().nth(1).unwrap();
+    let cols: Vec<&str> = row.split('\t').collect();
+    assert_eq!(&cols[..3], &["0", NAME, "ok"], "{summary}");
+    assert_eq!(cols[3], j["counts"]["n_spikes"].to_string(), "{summary}");
+}

@@ -5,7 +5,7 @@
 //! | column | holds |
 //! |---|---|
 //! | `index` | 0, 1, 2, … in line order (the Slurm array index) |
-//! | `command` | the subcommand the task runs (`detect`) |
+//! | `command` | the subcommand the task runs (`detect` or `sort`) |
 //! | `name` | the task's name; unique in the run |
 //! | `inputs` | the recording's file(s) or folder, absolute, joined by `|` |
 //! | `probe` | the probe file given to `--probe`, absolute; empty: the recording's metadata |
@@ -25,7 +25,7 @@ pub const COLUMNS: [&str; 7] = [
 ];
 
 /// Subcommands a task can run.
-pub const COMMANDS: [&str; 1] = ["detect"];
+pub const COMMANDS: [&str; 2] = ["detect", "sort"];
 
 /// One task: a subcommand run on one recording into `RUN/<out>`.
 #[derive(Debug, Clone, PartialEq, Eq)]

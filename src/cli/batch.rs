@@ -16,11 +16,12 @@ use spikecube::batch::{self, State, Task, Written};
 pub enum Args {
     /// Write RUN/manifest.tsv: one task per recording (written once).
     ///
-    /// Usage: spikecube batch plan INPUTS… --out RUN [detect flags…]
+    /// Usage: spikecube batch plan INPUTS… --out RUN [--command detect|sort] [flags…]
     ///
     /// The recordings are the arguments before the first flag; every flag but
-    /// --out goes to each task's `spikecube detect` (--probe included), and is
-    /// checked now. Tasks write RUN/out/<name>/.
+    /// --out and --command goes to each task's `spikecube detect` (the
+    /// default) or `spikecube sort` (--probe included), and is checked now.
+    /// Tasks write RUN/out/<name>/ (a sort's Phy folder).
     #[command(disable_help_flag = true)]
     Plan {
         /// INPUTS… --out RUN [detect flags…]
@@ -65,6 +66,7 @@ struct LineCli {
 #[allow(clippy::large_enum_variant)]
 enum LineCommand {
     Detect(super::detect::Args),
+    Sort(super::sort::Args),
 }
 
 /// Parses a task's command line; a bad flag is an error naming the task.
@@ -102,8 +104,9 @@ fn plan(mut args: Vec<OsString>, quiet: bool) -> Result<ExitCode> {
         say!("{help}");
         return Ok(ExitCode::SUCCESS);
     }
+    let command = take_command(&mut args)?;
     let split = batch::split_args(&args)?;
-    let manifest = batch::manifest_for("detect", &split)?;
+    let manifest = batch::manifest_for(&command, &split)?;
     // Every line's flags are checked now, not when the tasks run.
     for line in &manifest.lines {
         let argv = line.argv(&split.run);
@@ -139,6 +142,42 @@ fn plan(mut args: Vec<OsString>, quiet: bool) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Takes `--command NAME` (or `--command=NAME`) out of the plan's arguments:
+/// the subcommand every task runs, `detect` when not given.
+fn take_command(args: &mut Vec<OsString>) -> Result<String> {
+    let mut command = None;
+    let mut i = 0;
+    while i < args.len() {
+        let a = args[i].to_string_lossy().into_owned();
+        let value = if a == "--command" {
+            let Some(v) = args.get(i + 1) else {
+                bail!("--command needs a value: detect or sort");
+            };
+            let v = v.to_string_lossy().into_owned();
+            args.drain(i..i + 2);
+            v
+        } else if let Some(v) = a.strip_prefix("--command=") {
+            let v = v.to_string();
+            args.remove(i);
+            v
+        } else {
+            i += 1;
+            continue;
+        };
+        if command.replace(value).is_some() {
+            bail!("--command is given twice");
+        }
+    }
+    let command = command.unwrap_or_else(|| "detect".into());
+    if !batch::manifest::COMMANDS.contains(&command.as_str()) {
+        bail!(
+            "--command {command}: a task runs one of {}",
+            batch::manifest::COMMANDS.join(", ")
+        );
+    }
+    Ok(command)
+}
+
 fn task(run: PathBuf, index: usize, quiet: bool) -> Result<ExitCode> {
     let task = Task::load(&run, index)?;
     let what = format!("task {index} ({})", task.line.name);
@@ -167,6 +206,9 @@ fn task(run: PathBuf, index: usize, quiet: bool) -> Result<ExitCode> {
     let result = match parse_line(task.argv(), &what) {
         Ok(LineCommand::Detect(args)) => {
             super::detect::run_task(args, quiet, Some(task.provenance.clone()))
+        }
+        Ok(LineCommand::Sort(args)) => {
+            super::sort::run_task(args, quiet, Some(task.provenance.clone()))
         }
         Err(e) => Err(e),
     };

@@ -78,7 +78,17 @@ pub struct Args {
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
-    let detect = super::detect::build_job(&args.detect, quiet, "sort", None)?;
+    run_task(args, quiet, None)
+}
+
+/// `sort`, as line `task` of a `spikecube batch` run when given (recorded in
+/// spikecube.json's provenance).
+pub fn run_task(
+    args: Args,
+    quiet: bool,
+    task: Option<spikecube::provenance::Task>,
+) -> Result<ExitCode> {
+    let detect = super::detect::build_job(&args.detect, quiet, "sort", task)?;
     let sort = args.sort.settings(detect.detection.nearest_chans);
     let bar = progress_bar(quiet);
     let report = run_sort(SortJob { detect, sort }, &mut |p| {

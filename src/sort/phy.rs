@@ -390,7 +390,8 @@ pub fn write_phy(
     manifest.insert(
         "counts".into(),
         serde_json::json!({
-            "units": u, "good": n_good, "spikes": nk, "duplicates": n - nk, "merges": n_merges,
+            "units": u, "good": n_good, "spikes": nk, "n_spikes": nk, "duplicates": n - nk,
+            "merges": n_merges,
         }),
     );
     let path = staged.publish(serde_json::Value::Object(manifest))?;

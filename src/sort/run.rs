@@ -240,6 +240,7 @@ fn sort_into(
         );
     }
     let det = read_detected(work).context("reading the detection stage's arrays")?;
+    let det_json = read_manifest(work)?;
     let geometry = Geometry::new(&probe, &detection_settings)?;
     let stage = |name: &'static str, units: usize| SortProgress {
         stage: name,
@@ -312,7 +313,14 @@ fn sort_into(
         iu: iu.clone(),
     };
     let mut warnings = detection.warnings.clone();
-    let manifest = manifest(&s, &det, [k0, k, n, u1], &detection.warnings, &timings);
+    let manifest = manifest(
+        &s,
+        &det,
+        &det_json,
+        [k0, k, n, u1],
+        &detection.warnings,
+        &timings,
+    );
     let phy = save_sorting(
         &out,
         SortResult {
@@ -497,16 +505,34 @@ fn window_settings(job: &DetectJob, rec: &dyn Recording) -> crate::preprocess::P
 fn manifest(
     s: &SortSettings,
     det: &Detected,
+    det_json: &serde_json::Value,
     [k0, k, n, u1]: [usize; 4],
     detection_warnings: &[String],
     timings: &[(&'static str, f64)],
 ) -> serde_json::Value {
     serde_json::json!({
-        "settings": { "sort": s },
+        "program": "spikecube",
+        "version": env!("CARGO_PKG_VERSION"),
+        "versions": det_json["versions"],
+        "input": det_json["input"],
+        "provenance": det_json["provenance"],
+        "settings": { "detection": det_json["settings"], "sort": s },
+        "detection": { "counts": det_json["counts"], "timings_s": det_json["timings_s"] },
         "stage_counts": { "universal_spikes": det.tf0.len_of(Axis(0)), "first_clusters": k0,
                     "learned_templates": k, "learned_spikes": n, "final_clusters": u1 },
         "detection_warnings": detection_warnings,
+        "warnings": detection_warnings,
         "timings_s": timings.iter().map(|(k, v)| ((*k).to_string(), serde_json::json!(v)))
+            .chain([("total".to_string(), serde_json::json!(timings.iter().map(|t| t.1).sum::<f64>()))])
             .collect::<serde_json::Map<_, _>>(),
     })
+}
+
+/// The detection stage's `spikecube.json` (its input, versions, provenance
+/// and settings go into the sort's).
+fn read_manifest(work: &Path) -> Result<serde_json::Value> {
+    let p = work.join(crate::output::folder::MANIFEST);
+    let text =
+        std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} does not read", p.display()))
 }

@@ -161,9 +161,7 @@ pub fn draw_units(
             times.len(),
             s.seconds
         );
-        let root = root
-            .titled(&title, (plot::FONT, 30))
-            .map_err(&err)?;
+        let root = root.titled(&title, (plot::FONT, 30)).map_err(&err)?;
         let (left, right) = root.split_horizontally(1150);
         let panels = left.split_evenly((1, 3));
         let style = |c: &mut ChartBuilder<'_, '_, BitMapBackend<'_>>| {
@@ -199,7 +197,11 @@ pub fn draw_units(
         }))
         .map_err(&err)?;
         ch.draw_series(order.iter().map(|&k| {
-            Circle::new((s.x[k], s.y[k]), radius(k), colour(s.good[k]).mix(0.6).filled())
+            Circle::new(
+                (s.x[k], s.y[k]),
+                radius(k),
+                colour(s.good[k]).mix(0.6).filled(),
+            )
         }))
         .map_err(&err)?;
 
@@ -222,7 +224,11 @@ pub fn draw_units(
             .draw()
             .map_err(&err)?;
         ch.draw_series(order.iter().map(|&k| {
-            Circle::new((s.amplitude[k], s.y[k]), 5, colour(s.good[k]).mix(0.7).filled())
+            Circle::new(
+                (s.amplitude[k], s.y[k]),
+                5,
+                colour(s.good[k]).mix(0.7).filled(),
+            )
         }))
         .map_err(&err)?;
 
@@ -244,9 +250,12 @@ pub fn draw_units(
             .y_label_formatter(&plot::tick_text)
             .draw()
             .map_err(&err)?;
-        ch.draw_series(order.iter().filter(|&&k| rates[k] > 0.0).map(|&k| {
-            Circle::new((rates[k], s.y[k]), 5, colour(s.good[k]).mix(0.7).filled())
-        }))
+        ch.draw_series(
+            order
+                .iter()
+                .filter(|&&k| rates[k] > 0.0)
+                .map(|&k| Circle::new((rates[k], s.y[k]), 5, colour(s.good[k]).mix(0.7).filled())),
+        )
         .map_err(&err)?;
 
         // 4. Autocorrelograms of the largest units.
@@ -312,7 +321,10 @@ fn draw_acgs(
         .map_err(&err)?;
         ch.draw_series(counts.iter().enumerate().map(|(b, &n)| {
             let lo = b as f64 - HALF_MS as f64;
-            Rectangle::new([(lo, 0.0), (lo + 1.0, f64::from(n))], colour(s.good[k]).filled())
+            Rectangle::new(
+                [(lo, 0.0), (lo + 1.0, f64::from(n))],
+                colour(s.good[k]).filled(),
+            )
         }))
         .map_err(&err)?;
     }
@@ -355,7 +367,13 @@ mod tests {
     fn medians_and_rates() {
         let clu = [0, 1, 0, 0];
         let pos = [[0.0, 10.0], [5.0, 50.0], [2.0, 30.0], [4.0, 20.0]];
-        let s = UnitSummary::new(&clu, &pos, vec![10.0, 5.0, 1.0], vec![true, false, false], 2.0);
+        let s = UnitSummary::new(
+            &clu,
+            &pos,
+            vec![10.0, 5.0, 1.0],
+            vec![true, false, false],
+            2.0,
+        );
         assert_eq!(s.n_spikes, vec![3, 1, 0]);
         assert_eq!((s.x[0], s.y[0]), (2.0, 20.0));
         assert!(s.x[2].is_nan());
