@@ -58,8 +58,17 @@ fn opto(dir: &Path, probe: Option<&Path>, seconds: f64, seed: u64) -> Opto {
     let secs = seconds.to_string();
     let seed_s = seed.to_string();
     let mut args = vec![
-        "simulate", "--seconds", &secs, "--n-units", "12", "--rate", "8", "--seed", &seed_s,
-        "--out", s(&sim),
+        "simulate",
+        "--seconds",
+        &secs,
+        "--n-units",
+        "12",
+        "--rate",
+        "8",
+        "--seed",
+        &seed_s,
+        "--out",
+        s(&sim),
     ];
     if let Some(p) = probe {
         args.extend(["--probe", s(p)]);
@@ -78,7 +87,9 @@ fn opto(dir: &Path, probe: Option<&Path>, seconds: f64, seed: u64) -> Opto {
         .collect();
     let n = x.len() / n_file;
     let mut rng = Rng(seed * 7 + 3);
-    let amp: Vec<f32> = (0..n_ap).map(|_| 300.0 + 1200.0 * rng.uniform() as f32).collect();
+    let amp: Vec<f32> = (0..n_ap)
+        .map(|_| 300.0 + 1200.0 * rng.uniform() as f32)
+        .collect();
     let mut edges = Vec::new();
     let mut on = (0.1 * fs) as usize;
     while on + (0.03 * fs) as usize <= n {
@@ -99,7 +110,10 @@ fn opto(dir: &Path, probe: Option<&Path>, seconds: f64, seed: u64) -> Opto {
     let out: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
     std::fs::write(&bin, out).unwrap();
     let times_file = dir.join("light_times.txt");
-    let text: String = edges.iter().map(|&e| format!("{}\n", e as f64 / fs)).collect();
+    let text: String = edges
+        .iter()
+        .map(|&e| format!("{}\n", e as f64 / fs))
+        .collect();
     std::fs::write(&times_file, format!("# light edges, s\n{text}")).unwrap();
     Opto {
         bin,
@@ -119,7 +133,15 @@ struct Found {
 
 fn detect(o: &Opto, out: &Path, extra: &[&str]) -> Found {
     let mut args = vec![
-        "detect", s(&o.bin), "--out", s(out), "-q", "--batch-size", "30000", "--nblocks", "0",
+        "detect",
+        s(&o.bin),
+        "--out",
+        s(out),
+        "-q",
+        "--batch-size",
+        "30000",
+        "--nblocks",
+        "0",
     ];
     args.extend_from_slice(extra);
     ok(&spikecube(&args));
@@ -145,7 +167,10 @@ fn is_true(f: &Found, i: usize, truth: &Array2<f64>) -> bool {
 
 /// Distance in samples from `t` to the nearest edge.
 fn to_edge(edges: &[usize], t: f64) -> f64 {
-    edges.iter().map(|&e| (t - e as f64).abs()).fold(f64::MAX, f64::min)
+    edges
+        .iter()
+        .map(|&e| (t - e as f64).abs())
+        .fold(f64::MAX, f64::min)
 }
 
 /// Detections within 3 ms of an edge that match no true spike (light-locked false spikes).
@@ -169,8 +194,8 @@ fn kept_away(f: &Found, o: &Opto) -> (usize, usize) {
         .filter(|r| {
             (0..f.t.len()).any(|i| {
                 let dt = (f.t[i] - 10) as f64 - r[0];
-                let d2 = (f.pos[[i, 0]] as f64 - r[1]).powi(2)
-                    + (f.pos[[i, 1]] as f64 - r[2]).powi(2);
+                let d2 =
+                    (f.pos[[i, 0]] as f64 - r[1]).powi(2) + (f.pos[[i, 1]] as f64 - r[2]).powi(2);
                 dt.abs() <= 15.0 && d2 <= 2500.0
             })
         })
@@ -205,7 +230,10 @@ fn light_artifacts_are_counted_and_blanked() {
             .unwrap_or_else(|| panic!("{layout:?}: no transient warning in {w:?}"));
         let n_edges = o.edges.len();
         assert!(tw.starts_with(&format!("{n_edges} transient(s)")), "{tw}");
-        assert!(tw.contains(&format!("{:.4}", o.edges[0] as f64 / o.fs)), "{tw}");
+        assert!(
+            tw.contains(&format!("{:.4}", o.edges[0] as f64 / o.fs)),
+            "{tw}"
+        );
         assert!(tw.contains("--blank-transients true"), "{tw}");
         let rec = &plain.json["settings"]["checks"]["transients"];
         assert_eq!(rec["count"].as_u64(), Some(n_edges as u64), "{rec}");
@@ -224,7 +252,10 @@ fn light_artifacts_are_counted_and_blanked() {
             "{layout:?}: {n_edges} edges, {} detections, {false_plain} light-locked false, {kept_plain}/{away} true spikes away from the light",
             plain.t.len()
         );
-        assert!(false_plain >= n_edges / 2, "{false_plain} light-locked of {n_edges} edges");
+        assert!(
+            false_plain >= n_edges / 2,
+            "{false_plain} light-locked of {n_edges} edges"
+        );
 
         let times_flag = ["--backend", "cpu", "--artifact-times", s(&o.times_file)];
         let given = detect(&o, &dir.path().join("given"), &times_flag);
@@ -240,15 +271,26 @@ fn light_artifacts_are_counted_and_blanked() {
                 "{layout:?} {name}: {} detections, {false_n} light-locked false, {kept}/{away} true spikes away from the light",
                 f.t.len()
             );
-            assert!(false_n * 50 <= n_edges, "{name}: {false_n} light-locked of {n_edges}");
-            assert!(kept * 100 >= away * 95, "{name}: {kept} of {away} kept");
-            assert!(kept + away / 50 >= kept_plain, "{name}: {kept} vs {kept_plain} without");
+            assert!(
+                false_n * 50 <= n_edges,
+                "{name}: {false_n} light-locked of {n_edges}"
+            );
+            // The simulation's own recall is about 0.9 (tests/detect.rs asks
+            // 0.8); blanking must lose at most 2 % of it away from the light.
+            assert!(kept * 100 >= away * 85, "{name}: {kept} of {away} kept");
+            assert!(
+                kept + away / 50 >= kept_plain,
+                "{name}: {kept} vs {kept_plain} without"
+            );
         }
         let b = &found.json["settings"]["checks"]["transients"]["blanking"];
         assert_eq!(b["around_transients"].as_bool(), Some(true), "{b}");
         let b = &given.json["settings"]["checks"]["transients"]["blanking"];
         assert_eq!(b["events_given"].as_u64(), Some(n_edges as u64), "{b}");
-        assert_eq!((b["samples_before"].as_u64(), b["samples_after"].as_u64()), (Some(15), Some(60)));
+        assert_eq!(
+            (b["samples_before"].as_u64(), b["samples_after"].as_u64()),
+            (Some(15), Some(60))
+        );
     }
 }
 
@@ -261,8 +303,17 @@ fn bad_artifact_times_are_named() {
     let o = opto(dir.path(), Some(&probe), 1.0, 5);
     let run = |extra: &[&str], out: &str| {
         let mut args = vec![
-            "detect", s(&o.bin), "--out", out, "-q", "--backend", "cpu", "--nblocks", "0",
-            "--templates-from-data", "false",
+            "detect",
+            s(&o.bin),
+            "--out",
+            out,
+            "-q",
+            "--backend",
+            "cpu",
+            "--nblocks",
+            "0",
+            "--templates-from-data",
+            "false",
         ];
         args.extend_from_slice(extra);
         spikecube(&args)
@@ -272,22 +323,87 @@ fn bad_artifact_times_are_named() {
     std::fs::write(&bad, "0.1\n0.2s\n").unwrap();
     let e = run(&["--artifact-times", s(&bad)], s(&out));
     let msg = String::from_utf8_lossy(&e.stderr);
-    assert!(!e.status.success() && msg.contains("bad.csv") && msg.contains("line 2") && msg.contains("0.2s"), "{msg}");
+    assert!(
+        !e.status.success()
+            && msg.contains("bad.csv")
+            && msg.contains("line 2")
+            && msg.contains("0.2s"),
+        "{msg}"
+    );
     let ms = dir.path().join("ms.txt");
     std::fs::write(&ms, "100\n350\n").unwrap();
     let e = run(&["--artifact-times", s(&ms)], s(&out));
     let msg = String::from_utf8_lossy(&e.stderr);
-    assert!(!e.status.success() && msg.contains("ms.txt") && msg.contains("2 of 2") && msg.contains("milliseconds"), "{msg}");
+    assert!(
+        !e.status.success()
+            && msg.contains("ms.txt")
+            && msg.contains("2 of 2")
+            && msg.contains("milliseconds"),
+        "{msg}"
+    );
     let e = run(&["--artifact-window", "0.5"], s(&out));
     let msg = String::from_utf8_lossy(&e.stderr);
-    assert!(!e.status.success() && msg.contains("MS_BEFORE,MS_AFTER"), "{msg}");
+    assert!(
+        !e.status.success() && msg.contains("MS_BEFORE,MS_AFTER"),
+        "{msg}"
+    );
     assert!(!out.exists());
     let some = dir.path().join("some.txt");
     std::fs::write(&some, "0.1 0.35 7.5").unwrap();
     let r = run(&["--artifact-times", s(&some)], s(&out));
     ok(&r);
     let json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("spikecube.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(out.join("spikecube.json")).unwrap())
+            .unwrap();
     let w = json["warnings"].to_string();
-    assert!(w.contains("some.txt: 1 of 3 times are outside") && w.contains("7.5"), "{w}");
+    assert!(
+        w.contains("some.txt: 1 of 3 times are outside") && w.contains("7.5"),
+        "{w}"
+    );
+}
+
+/// The GPU back end (wgpu; lavapipe in CI) finds the same transients in its
+/// int16 windows as the CPU in its f32 ones, and with blanking (which
+/// preprocesses on the host for every back end) writes the same spikes.
+#[cfg(feature = "wgpu")]
+#[test]
+fn blanking_gives_the_same_spikes_on_cpu_and_wgpu() {
+    assert!(
+        !spikecube::backend::probe_wgpu().is_empty(),
+        "no Vulkan adapter: install a Vulkan driver (CI: apt-get install mesa-vulkan-drivers libvulkan1)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let probe = write_probe(dir.path(), 32, 2);
+    let o = opto(dir.path(), Some(&probe), 2.0, 23);
+    let blank = [
+        "--artifact-times",
+        s(&o.times_file),
+        "--blank-transients",
+        "true",
+    ];
+    for (name, extra) in [("plain", &[][..]), ("blanked", &blank[..])] {
+        let mut found = Vec::new();
+        for b in ["cpu", "wgpu"] {
+            let mut args = vec!["--backend", b, "--templates-from-data", "false"];
+            args.extend_from_slice(extra);
+            found.push(detect(&o, &dir.path().join(format!("{name}_{b}")), &args));
+        }
+        let (c, g) = (&found[0], &found[1]);
+        let tr = |f: &Found| f.json["settings"]["checks"]["transients"].clone();
+        assert_eq!(tr(c)["count"], tr(g)["count"], "{name}");
+        assert_eq!(tr(c)["times_s"], tr(g)["times_s"], "{name}");
+        assert_eq!(
+            tr(c)["count"].as_u64(),
+            Some(o.edges.len() as u64),
+            "{name}"
+        );
+        if name == "blanked" {
+            assert_eq!(c.t, g.t, "{name}: spike times differ between cpu and wgpu");
+            assert_eq!(light_locked(g, &o), 0, "{name}");
+            assert_eq!(
+                g.json["settings"]["preprocessing_on"].as_str(),
+                Some("host")
+            );
+        }
+    }
 }

@@ -30,7 +30,7 @@ pub const TRANSIENT_FRACTION: f64 = 0.5;
 pub const TRANSIENT_MIN_SITES: usize = 8;
 
 /// Every how many samples of a row enter its noise estimate.
-pub const NOISE_STRIDE: usize = 8;
+pub const NOISE_STRIDE: usize = 16;
 
 /// Columns per parallel piece of the column counts.
 const PIECE: usize = 4096;
@@ -76,9 +76,9 @@ pub fn find_transients<T: RawSample>(
                     continue;
                 }
                 let x = row(r);
-                for (k, c) in count.iter_mut().enumerate() {
-                    let d = x[lo + k].to_f32() - x[lo + k - 1].to_f32();
-                    *c += u32::from(d.abs() > t);
+                let (cur, prev) = (&x[lo..hi], &x[lo - 1..hi - 1]);
+                for ((c, &a), &b) in count.iter_mut().zip(cur).zip(prev) {
+                    *c += u32::from((a.to_f32() - b.to_f32()).abs() > t);
                 }
             }
             (0..count.len())

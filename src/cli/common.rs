@@ -317,7 +317,10 @@ impl CheckArgs {
             if inside.is_empty() {
                 anyhow::bail!(
                     "{}",
-                    w.unwrap_or_else(|| format!("--artifact-times {}: no time inside the recording", path.display()))
+                    w.unwrap_or_else(|| format!(
+                        "--artifact-times {}: no time inside the recording",
+                        path.display()
+                    ))
                 );
             }
             warnings.extend(w);

@@ -83,11 +83,12 @@ pub(crate) fn detect_pass(
     let gap = checks::transients::transient_gap(fs);
     let mut transients = Vec::new();
     let transients_ref = &mut transients;
-    let prepare = move |w: &mut crate::recording::Window| -> Result<(checks::WindowHealth, Vec<i64>)> {
-        let cols = checks::WindowColumns::of(&plan, w.index);
-        let health = checks::precheck_window(w, &cols, min_run, mask_clipped).1;
-        Ok((health, window_transients(w, plan.nt as usize, gap)))
-    };
+    let prepare =
+        move |w: &mut crate::recording::Window| -> Result<(checks::WindowHealth, Vec<i64>)> {
+            let cols = checks::WindowColumns::of(&plan, w.index);
+            let health = checks::precheck_window(w, &cols, min_run, mask_clipped).1;
+            Ok((health, window_transients(w, plan.nt as usize, gap)))
+        };
     let merge = move |_: &mut crate::recording::Window,
                       (h, t): (checks::WindowHealth, Vec<i64>)|
           -> Result<()> {

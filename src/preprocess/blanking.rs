@@ -151,10 +151,14 @@ pub fn read_event_times(path: &Path) -> Result<EventTimes> {
     } else {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("--artifact-times: cannot read {}", path.display()))?;
-        parse_times_text(&text).map_err(|e| anyhow::anyhow!("--artifact-times {}: {e}", path.display()))?
+        parse_times_text(&text)
+            .map_err(|e| anyhow::anyhow!("--artifact-times {}: {e}", path.display()))?
     };
     if seconds.is_empty() {
-        bail!("--artifact-times {}: the file holds no times", path.display());
+        bail!(
+            "--artifact-times {}: the file holds no times",
+            path.display()
+        );
     }
     if let Some((i, t)) = seconds.iter().enumerate().find(|(_, t)| !t.is_finite()) {
         bail!(
@@ -279,10 +283,16 @@ mod tests {
         assert_eq!(b.ranges(&raw, 0), vec![(95, 125)]);
         // Window from absolute 990: event 1000 at column 10 → 0..30.
         assert_eq!(b.ranges(&raw, 990), vec![(0, 30)]);
-        // Event 5000 just past the window's end (column 205 − 10 ≥ 200): none.
-        assert!(b.ranges(&raw, 4795).is_empty());
-        assert_eq!(b.ranges(&raw, 4800), vec![(190, 200)]);
-        assert_eq!(merge_ranges(vec![(5, 9), (1, 3), (3, 4), (8, 12)]), vec![(1, 4), (5, 12)]);
+        // Event 5000 at column 210: its stretch starts at the window's end.
+        assert!(b.ranges(&raw, 4790).is_empty());
+        assert_eq!(b.ranges(&raw, 4791), vec![(199, 200)]);
+        // Event 105's stretch ends where a window from 125 starts.
+        assert!(b.ranges(&raw, 125).is_empty());
+        assert_eq!(b.ranges(&raw, 124), vec![(0, 1)]);
+        assert_eq!(
+            merge_ranges(vec![(5, 9), (1, 3), (3, 4), (8, 12)]),
+            vec![(1, 4), (5, 12)]
+        );
         let mut x = Array2::<f32>::ones((2, 10));
         assert_eq!(zero_columns(&mut x, &[(2, 4), (8, 20)]), 4);
         assert_eq!(x.sum(), 12.0);
@@ -292,7 +302,10 @@ mod tests {
 
     #[test]
     fn times_from_text_and_npy() {
-        assert_eq!(parse_times_text("0.5\n1.5\n\n2\n").unwrap(), vec![0.5, 1.5, 2.0]);
+        assert_eq!(
+            parse_times_text("0.5\n1.5\n\n2\n").unwrap(),
+            vec![0.5, 1.5, 2.0]
+        );
         assert_eq!(parse_times_text("0.5, 1.5 2").unwrap(), vec![0.5, 1.5, 2.0]);
         assert_eq!(
             parse_times_text("time_s,kind\n0.5,on # first\n0.7,off\n").unwrap(),
@@ -318,7 +331,10 @@ mod tests {
         let (s, w) = event_samples(&t, Path::new("light.csv"), 1000.0, 0, 3000);
         assert_eq!(s, vec![500, 2500]);
         let w = w.unwrap();
-        assert!(w.contains("light.csv") && w.contains("1 of 3") && w.contains("1500"), "{w}");
+        assert!(
+            w.contains("light.csv") && w.contains("1 of 3") && w.contains("1500"),
+            "{w}"
+        );
         assert!(w.contains("milliseconds"), "{w}");
     }
 }

@@ -280,7 +280,11 @@ impl Preprocessor {
     ///
     /// # Errors
     /// As [`Preprocessor::apply`].
-    pub fn apply_at(&self, window: &mut Array2<f32>, first_sample: i64) -> Result<(), PreprocessError> {
+    pub fn apply_at(
+        &self,
+        window: &mut Array2<f32>,
+        first_sample: i64,
+    ) -> Result<(), PreprocessError> {
         let ranges = self.blank_ranges(window, first_sample);
         self.apply(window)?;
         zero_columns(window, &ranges);
