@@ -360,6 +360,23 @@ fn bad_artifact_times_are_named() {
         w.contains("some.txt: 1 of 3 times are outside") && w.contains("7.5"),
         "{w}"
     );
+    // The sort's matching pass does not blank: the sort refuses the flags.
+    let sorted = dir.path().join("sorted");
+    let e = spikecube(&[
+        "sort",
+        s(&o.bin),
+        "--out",
+        s(&sorted),
+        "-q",
+        "--blank-transients",
+        "true",
+    ]);
+    let msg = String::from_utf8_lossy(&e.stderr);
+    assert!(
+        !e.status.success() && msg.contains("`spikecube detect` only"),
+        "{msg}"
+    );
+    assert!(!sorted.exists());
 }
 
 /// The GPU back end (wgpu; lavapipe in CI) finds the same transients in its
