@@ -424,3 +424,44 @@ fn blanking_gives_the_same_spikes_on_cpu_and_wgpu() {
         }
     }
 }
+
+/// `spikecube preprocess --artifact-times` writes `temp_wh.dat` with every
+/// site zero over the window around each event, and only there.
+#[test]
+fn preprocess_writes_the_blanked_stretches_as_zeros() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = write_probe(dir.path(), 16, 2);
+    let o = opto(dir.path(), Some(&probe), 1.0, 9);
+    let out = dir.path().join("pre");
+    ok(&spikecube(&[
+        "preprocess",
+        s(&o.bin),
+        "--out",
+        s(&out),
+        "-q",
+        "--float32",
+        "--batch-size",
+        "15000",
+        "--artifact-times",
+        s(&o.times_file),
+        "--artifact-window",
+        "1,3",
+    ]));
+    let bytes = std::fs::read(out.join("temp_wh.dat")).unwrap();
+    let v: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let n_sites = 16;
+    let n = v.len() / n_sites;
+    let (before, after) = (30usize, 90usize);
+    let blanked = |t: usize| o.edges.iter().any(|&e| t + before >= e && t < e + after);
+    for t in 0..n {
+        let row = &v[t * n_sites..(t + 1) * n_sites];
+        if blanked(t) {
+            assert!(row.iter().all(|&x| x == 0.0), "sample {t}: {row:?}");
+        } else {
+            assert!(row.iter().any(|&x| x != 0.0), "sample {t} zeroed");
+        }
+    }
+}
