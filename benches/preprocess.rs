@@ -3,7 +3,8 @@
 //! synthetic two-column probe (32 µm apart, 20 µm rows), local whitening over
 //! 32 sites. Reports the median over N runs of each stage and of the whole
 //! chain, in ms per window and × realtime at 30 kHz (60 000 samples = 2 s),
-//! and the whitening fit's per-window product `X·Xᵀ` (plain and fast).
+//! the whitening fit's per-window product `X·Xᵀ` (plain and fast), and the
+//! check for transients common to most channels on the raw window.
 //!
 //! Usage: `cargo bench --bench preprocess [-- RUNS]` (default 7 runs).
 
@@ -121,6 +122,22 @@ fn main() {
     let cov_fast = time_runs(runs, || {
         accumulate_covariance(&mut cc_fast, central).expect("covariance")
     });
+    // The check for transients common to most channels, on the raw window
+    // as the reading thread sees it: f32 (CPU pass) and int16 (GPU pass).
+    let gap = spikecube::checks::transients::transient_gap(settings.fs);
+    let find = spikecube::checks::transients::find_transients::<f32>;
+    let raw_slice = raw.as_slice().expect("standard layout");
+    let transients_f32 = time_runs(runs, || {
+        std::hint::black_box(find(raw_slice, (N_SITES, n, n), gap));
+    });
+    let raw16: Vec<i16> = raw_slice.iter().map(|&v| v as i16).collect();
+    let transients_i16 = time_runs(runs, || {
+        std::hint::black_box(spikecube::checks::transients::find_transients(
+            &raw16,
+            (N_SITES, n, n),
+            gap,
+        ));
+    });
     let same = cc
         .iter()
         .zip(&cc_fast)
@@ -137,6 +154,8 @@ fn main() {
     report("high-pass (FFT, f32)", hp_ms);
     report("whitening W·X", white);
     report("CAR + HP + whitening", (all - copy).max(0.0));
+    report("transients check (f32)", transients_f32);
+    report("transients check (int16)", transients_i16);
     report("fit: X·Xᵀ plain (faer)", cov_plain);
     report("fit: X·Xᵀ fast (same bits)", cov_fast);
     println!(

@@ -21,6 +21,7 @@ mod noisy;
 mod outcome;
 pub use noisy::{NOISY_SD_RATIO, noisy_channels, noisy_channels_warning};
 mod scan;
+pub mod transients;
 pub use outcome::{ZERO_SPIKES_MIN_SECONDS, artifact_windows_warning, zero_spikes_warning};
 pub use scan::{HASH_PIECE, RowFacts, RowScan, ScanColumns};
 

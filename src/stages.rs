@@ -385,8 +385,9 @@ struct HostStager {
 struct HostStaged;
 
 /// Preprocesses one window in place as [`HostPass`] does: `pre`'s steps,
-/// with the window's drift-corrected whitening when `drift` is on; stage
-/// name `preprocess` (and its parts).
+/// with the window's drift-corrected whitening when `drift` is on, then
+/// `pre`'s blanking of stimulus artifacts; stage name `preprocess` (and its
+/// parts).
 fn host_preprocess(
     pre: &Preprocessor,
     drift: Option<&dyn WindowWhitening>,
@@ -394,6 +395,8 @@ fn host_preprocess(
     times: &mut StageTimes,
 ) -> Result<()> {
     let t0 = Instant::now();
+    // Stimulus artifacts' stretches, found in the raw values, zeroed at the end.
+    let blank = pre.blank_ranges(&w.data, w.first_sample);
     // With drift correction, G_b = M_b·W in place of W.
     let res = match drift {
         Some(d) => d.preprocess(pre, w.index, &mut w.data),
@@ -409,6 +412,7 @@ fn host_preprocess(
             w.index, w.own_start
         )
     })?;
+    crate::preprocess::zero_columns(&mut w.data, &blank);
     times.lap("preprocess", t0);
     Ok(())
 }

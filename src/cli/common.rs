@@ -256,4 +256,88 @@ pub struct CheckArgs {
     /// Kilosort4 does (default: keep the larger).
     #[arg(long)]
     pub keep_boundary_duplicates: bool,
+    /// Stimulus / light artifact times, seconds from the start of the file: a
+    /// text or CSV file (one time per line or its first column; a header line
+    /// is skipped) or a .npy array. The preprocessed data of every site are
+    /// set to zero over --artifact-window around each (Kilosort4 has no such step).
+    #[arg(long, value_name = "FILE")]
+    pub artifact_times: Option<PathBuf>,
+    /// Stretch set to zero around each artifact: milliseconds before and after
+    /// it (a transient's first and last sample).
+    #[arg(long, value_name = "MS_BEFORE,MS_AFTER", default_value = "0.5,2", value_parser = parse_window)]
+    pub artifact_window: (f64, f64),
+    /// Also zero the preprocessed data around transients common to most
+    /// channels (found in every run and warned about either way).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub blank_transients: bool,
+}
+
+fn parse_window(s: &str) -> Result<(f64, f64), String> {
+    let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+    let ms = |p: &str| {
+        p.parse::<f64>()
+            .ok()
+            .filter(|v| v.is_finite() && *v >= 0.0)
+            .ok_or_else(|| format!("{p:?} is not a non-negative number of milliseconds"))
+    };
+    match parts.as_slice() {
+        [b, a] => {
+            let (b, a) = (ms(b)?, ms(a)?);
+            if b + a > 0.0 {
+                Ok((b, a))
+            } else {
+                Err("both sides are 0: nothing would be blanked".into())
+            }
+        }
+        _ => Err(format!(
+            "{s:?}: give MS_BEFORE,MS_AFTER, e.g. 0.5,2 (milliseconds before and after each event)"
+        )),
+    }
+}
+
+impl CheckArgs {
+    /// The blanking these flags ask for on `rec` (`None`: none), with a
+    /// warning about event times outside the recording, or about
+    /// `--artifact-window` given alone, added to `warnings`.
+    ///
+    /// # Errors
+    /// A times file that cannot be read or parsed, or holds no time inside the
+    /// recording.
+    pub fn blanking(
+        &self,
+        rec: &dyn spikecube::recording::Recording,
+        warnings: &mut Vec<String>,
+    ) -> Result<Option<std::sync::Arc<spikecube::preprocess::Blanking>>> {
+        use spikecube::preprocess::blanking::{event_samples, read_event_times};
+        let mut events = Vec::new();
+        if let Some(path) = &self.artifact_times {
+            let times = read_event_times(path)?;
+            let (inside, w) =
+                event_samples(&times, path, rec.fs(), rec.first_sample(), rec.n_samples());
+            if inside.is_empty() {
+                anyhow::bail!(
+                    "{}",
+                    w.unwrap_or_else(|| format!(
+                        "--artifact-times {}: no time inside the recording",
+                        path.display()
+                    ))
+                );
+            }
+            warnings.extend(w);
+            events = inside;
+        }
+        if self.artifact_times.is_none() && !self.blank_transients {
+            if self.artifact_window != spikecube::preprocess::DEFAULT_ARTIFACT_WINDOW_MS {
+                warnings.push("--artifact-window was given without --artifact-times or --blank-transients true: nothing is blanked".into());
+            }
+            return Ok(None);
+        }
+        let b = spikecube::preprocess::Blanking::new(
+            events,
+            self.artifact_window,
+            rec.fs(),
+            self.blank_transients,
+        )?;
+        Ok(Some(std::sync::Arc::new(b)))
+    }
 }

@@ -33,8 +33,9 @@ pub struct Args {
 }
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
-    let (opened, probe, checks) = open_input(&args.rec, &args.checks, &args.recording)?;
+    let (opened, probe, mut checks) = open_input(&args.rec, &args.checks, &args.recording)?;
     let rec = opened.recording.clone();
+    checks.blanking = args.checks.blanking(rec.as_ref(), &mut checks.warnings)?;
     let settings = args.pre.settings(rec.fs());
     let bar = progress_bar(quiet);
     let format = if args.float32 {

@@ -30,6 +30,16 @@ pub(crate) struct PassDetections {
     pub seconds_done: f64,
     /// The channel check over every window of the pass.
     pub health: ChannelHealth,
+    /// Transients common to most channels ([`checks::transients`]): the
+    /// absolute sample of each one's start, in order.
+    pub transients: Vec<i64>,
+}
+
+impl PassDetections {
+    /// [`PassDetections::transients`] in seconds (absolute, the file's clock).
+    pub fn transient_seconds(&self, fs: f64) -> Vec<f64> {
+        self.transients.iter().map(|&t| t as f64 / fs).collect()
+    }
 }
 
 /// Runs the detection pass over every window (none with `--drift-only`,
@@ -70,12 +80,20 @@ pub(crate) fn detect_pass(
     let health_ref = &mut health;
     // The checks' work on the reading threads; only adding each window's
     // channel facts to the run's is in window order.
-    let prepare = move |w: &mut crate::recording::Window| -> Result<checks::WindowHealth> {
-        let cols = checks::WindowColumns::of(&plan, w.index);
-        Ok(checks::precheck_window(w, &cols, min_run, mask_clipped).1)
-    };
-    let merge = move |_: &mut crate::recording::Window, h: checks::WindowHealth| -> Result<()> {
+    let gap = checks::transients::transient_gap(fs);
+    let mut transients = Vec::new();
+    let transients_ref = &mut transients;
+    let prepare =
+        move |w: &mut crate::recording::Window| -> Result<(checks::WindowHealth, Vec<i64>)> {
+            let cols = checks::WindowColumns::of(&plan, w.index);
+            let health = checks::precheck_window(w, &cols, min_run, mask_clipped).1;
+            Ok((health, window_transients(w, plan.nt as usize, gap)))
+        };
+    let merge = move |_: &mut crate::recording::Window,
+                      (h, t): (checks::WindowHealth, Vec<i64>)|
+          -> Result<()> {
         health_ref.merge(&h);
+        transients_ref.extend(t);
         Ok(())
     };
     // `--drift-only`: the first pass's spikes are the output; no second pass.
@@ -111,7 +129,27 @@ pub(crate) fn detect_pass(
         duplicates: out.duplicates,
         seconds_done,
         health,
+        transients,
     })
+}
+
+/// The transients common to most channels that start in window `w`'s own
+/// samples ([`checks::transients::find_transients`] on the values as read,
+/// int16 or f32), as absolute samples.
+fn window_transients(w: &crate::recording::Window, nt: usize, gap: usize) -> Vec<i64> {
+    use checks::transients::{find_transients, own_events};
+    let events = match &w.raw16 {
+        Some(raw) => find_transients(raw.values(), (raw.n_rows, raw.n_cols, raw.stride), gap),
+        None => match w.data.as_slice() {
+            Some(v) => find_transients(v, (w.data.nrows(), w.data.ncols(), w.data.ncols()), gap),
+            None => {
+                let d = w.data.as_standard_layout();
+                let v = d.as_slice().expect("standard layout");
+                find_transients(v, (d.nrows(), d.ncols(), d.ncols()), gap)
+            }
+        },
+    };
+    own_events(&events, w.first_sample, nt, w.own_len as usize)
 }
 
 /// The per-window stages' busy seconds, their wall time and overlap, and the

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 
 use super::job::DetectJob;
 use super::open::OpenRun;
-use super::templates::read_masked;
+use super::templates::{read_masked, window_first_sample};
 use crate::drift::{DriftRun, FirstPass};
 use crate::preprocess::Preprocessor;
 use crate::stages::WindowPass;
@@ -99,9 +99,11 @@ fn relearn(
         job.detection.nt0min(),
         |i| {
             let mut w = read_masked(job, &plan, i)?;
+            let blank = pre.blank_ranges(&w, window_first_sample(job, &plan, i));
             drift.preprocess(pre, i, &mut w).with_context(|| {
                 format!("preprocessing window {i} (drift-corrected) for learning templates")
             })?;
+            crate::preprocess::zero_columns(&mut w, &blank);
             Ok(w)
         },
     )?;

@@ -68,6 +68,12 @@ pub struct Checks {
     /// The recording is a flat binary file: check that its channel count
     /// looks right ([`crate::checks::channel_count_warning`], BR-26).
     pub check_channel_count: bool,
+    /// Stimulus-artifact blanking (`--artifact-times`, `--blank-transients`):
+    /// stretches of the preprocessed data set to zero
+    /// ([`crate::preprocess::Blanking`]); `None` (the default) blanks nothing.
+    /// Transients common to most channels are looked for and warned about
+    /// either way ([`crate::checks::transients`]).
+    pub blanking: Option<Arc<crate::preprocess::Blanking>>,
 }
 
 impl Default for Checks {
@@ -78,6 +84,7 @@ impl Default for Checks {
             mask_clipped: true,
             remove_boundary_duplicates: true,
             check_channel_count: false,
+            blanking: None,
         }
     }
 }

@@ -104,7 +104,8 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let fitted = timer.time("whitening_fit", |t| {
         fit::fit_run(&job, &mut run, &mut device, t)
     })?;
-    let pre = Preprocessor::new(&job.preprocess, fitted.whitening.clone())?;
+    let pre = Preprocessor::new(&job.preprocess, fitted.whitening.clone())?
+        .with_blanking(job.checks.blanking.clone());
     let templates = timer.time("templates", |_| {
         templates::choose_templates(&job, &mut run, &pre, &mut device)
     })?;
@@ -117,6 +118,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
         &job,
         &mut run,
         &drift,
+        &found,
         pre.artifact_windows() - zeroed_before,
     );
     let results = outputs::Results {
@@ -129,11 +131,13 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
 }
 
 /// Warnings about the detection pass's outcome: windows zeroed whole by
-/// `--artifact-threshold`, and no spike at all in a recording of some length.
+/// `--artifact-threshold`, transients common to most channels (stimulus
+/// artifacts), and no spike at all in a recording of some length.
 fn pass_warnings(
     job: &DetectJob,
     run: &mut open::OpenRun,
     drift: &drift_pass::DriftStep,
+    found: &detect_pass::PassDetections,
     zeroed: u64,
 ) {
     let fs = job.recording.fs();
@@ -141,6 +145,13 @@ fn pass_warnings(
     if let Some(w) =
         crate::checks::artifact_windows_warning(thr, zeroed, run.plan.n_windows, bs, fs)
     {
+        run.warnings.push(w);
+    }
+    if let Some(w) = crate::checks::transients::transients_warning(
+        &found.transient_seconds(fs),
+        job.probe.n_sites(),
+        job.checks.blanking.as_ref().is_some_and(|b| b.transients),
+    ) {
         run.warnings.push(w);
     }
     if drift.run.windows_to_detect() > 0

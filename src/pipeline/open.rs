@@ -159,6 +159,7 @@ pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opene
         mask_clipped: req.mask_clipped,
         remove_boundary_duplicates: !req.keep_boundary_duplicates,
         check_channel_count: !structured,
+        blanking: None,
     };
     Ok((opened, probe, checks))
 }

@@ -94,6 +94,7 @@ pub(crate) fn write_outputs(
             "remove_boundary_duplicates": checks.remove_boundary_duplicates,
             "boundary_duplicates_removed": found.duplicates,
             "channel_findings": found.health.findings(),
+            "transients": transients_record(&found, checks, rec.fs()),
         },
     });
     info.warnings = run.warnings.0.clone();
@@ -137,4 +138,38 @@ fn record_versions(info: &mut RunInfo, back_end: &BackEnd) {
     v.insert("backend".into(), chosen.backend.clone());
     v.insert("device".into(), chosen.device.clone());
     v.insert("backend_reason".into(), chosen.reason.clone());
+}
+
+/// Times of transients recorded in `spikecube.json` at most.
+const TRANSIENT_TIMES_KEPT: usize = 1000;
+
+/// `spikecube.json`'s `checks.transients`: the transients common to most
+/// channels (count, the first [`TRANSIENT_TIMES_KEPT`] start times in
+/// seconds) and what was blanked (given events, the window, whether around
+/// transients).
+fn transients_record(
+    found: &PassDetections,
+    checks: &super::job::Checks,
+    fs: f64,
+) -> serde_json::Value {
+    let times: Vec<f64> = found
+        .transient_seconds(fs)
+        .into_iter()
+        .take(TRANSIENT_TIMES_KEPT)
+        .collect();
+    let blanking = checks.blanking.as_ref().map(|b| {
+        serde_json::json!({
+            "events_given": b.events.len(),
+            "samples_before": b.before,
+            "samples_after": b.after,
+            "ms_before": b.before as f64 * 1e3 / fs,
+            "ms_after": b.after as f64 * 1e3 / fs,
+            "around_transients": b.transients,
+        })
+    });
+    serde_json::json!({
+        "count": found.transients.len(),
+        "times_s": times,
+        "blanking": blanking,
+    })
 }

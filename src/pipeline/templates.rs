@@ -34,7 +34,7 @@ pub(crate) fn choose_templates(
         job.detection.nt0min(),
         |i| {
             let mut w = read_masked(job, &plan, i)?;
-            pre.apply(&mut w)
+            pre.apply_at(&mut w, window_first_sample(job, &plan, i))
                 .with_context(|| format!("preprocessing window {i} for learning templates"))?;
             Ok(w)
         },
@@ -62,4 +62,9 @@ pub(crate) fn read_masked(job: &DetectJob, plan: &WindowPlan, i: u64) -> Result<
         checks::mask_stuck_runs(&mut w, cols.lo, cols.hi, cols.pad_repeats, min_run);
     }
     Ok(w)
+}
+
+/// Absolute sample of column 0 of window `i` (as [`crate::recording::Window::first_sample`]).
+pub(crate) fn window_first_sample(job: &DetectJob, plan: &WindowPlan, i: u64) -> i64 {
+    (job.recording.first_sample() + plan.window_start(i)) as i64 - plan.nt as i64
 }

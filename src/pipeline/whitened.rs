@@ -53,7 +53,8 @@ pub struct PreprocessReport {
 /// `checks` apply as in [`run_detection`](super::run_detection): a recording shorter than one batch is
 /// one window of its own length, stuck stretches are masked
 /// (`checks.mask_clipped`), data far from int16 scale are rescaled
-/// (`checks.auto_scale`), and the layout warnings are logged and returned
+/// (`checks.auto_scale`), the stretches of `checks.blanking` (stimulus
+/// artifacts) are zeroed, and the layout warnings are logged and returned
 /// ([`PreprocessReport::warnings`]). [`Checks::kilosort`] gives Kilosort4's output.
 ///
 /// # Errors
@@ -112,7 +113,8 @@ pub fn write_whitened(
             warnings.push(w);
         }
         let whiten_mat = fitted.whitening;
-        let pre = Preprocessor::new(&settings, whiten_mat.clone())?;
+        let pre = Preprocessor::new(&settings, whiten_mat.clone())?
+            .with_blanking(checks.blanking.clone());
         for (done, window) in
             WindowLoader::all(recording.clone(), plan, chan_map.clone())?.enumerate()
         {
@@ -121,7 +123,7 @@ pub fn write_whitened(
                 let cols = checks::WindowColumns::of(&plan, win.index);
                 checks::mask_stuck_runs(&mut win.data, cols.lo, cols.hi, cols.pad_repeats, min_run);
             }
-            pre.apply(&mut win.data)?;
+            pre.apply_at(&mut win.data, win.first_sample)?;
             let own = win.own_len as usize;
             bytes.clear();
             for t in nt..nt + own {

@@ -25,12 +25,14 @@
 //! per-batch matrix onto W), `shift`/`scale`, `tmin`/`tmax`, dtype conversion
 //! and padding, which belong to the reader.
 
+pub mod blanking;
 mod car;
 mod covariance;
 mod highpass;
 mod highpass_iir;
 mod whitening;
 
+pub use blanking::{Blanking, DEFAULT_ARTIFACT_WINDOW_MS, zero_columns};
 pub use car::{
     channel_medians, common_reference, invert_sign, remove_channel_means, subtract_channel_median,
 };
@@ -180,6 +182,8 @@ pub struct Preprocessor {
     whitening: Whitening,
     /// Windows this preprocessor and its clones zeroed at `artifact_threshold`.
     artifact_windows: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Stretches zeroed after preprocessing (stimulus artifacts), if any.
+    blanking: Option<std::sync::Arc<Blanking>>,
 }
 
 impl Preprocessor {
@@ -220,6 +224,7 @@ impl Preprocessor {
             iir: highpass_iir::iir_for_kernel(settings.fs, settings.highpass_cutoff, kernel, n)?,
             whitening,
             artifact_windows: Default::default(),
+            blanking: None,
         })
     }
 
@@ -243,6 +248,47 @@ impl Preprocessor {
     {
         let w = fit_whitening(n_windows, read_raw_window, probe, settings)?;
         Ok(Preprocessor::new(settings, w)?)
+    }
+
+    /// This preprocessor with stretches to blank after preprocessing
+    /// ([`Blanking`]; `None`: none). A preprocessor that blanks has no device
+    /// form ([`Preprocessor::device_form`]): every back end detects in the
+    /// same host-preprocessed, blanked windows.
+    pub fn with_blanking(mut self, blanking: Option<std::sync::Arc<Blanking>>) -> Self {
+        self.blanking = blanking;
+        self
+    }
+
+    /// The blanking, if any.
+    pub fn blanking(&self) -> Option<&Blanking> {
+        self.blanking.as_deref()
+    }
+
+    /// The column ranges `[start, end)` of raw window `raw` (C × N, column 0
+    /// at absolute sample `first_sample`, as read) to zero once it is
+    /// preprocessed ([`Blanking::ranges`]); empty without blanking. Found
+    /// before preprocessing because transients are found in the raw values.
+    pub fn blank_ranges(&self, raw: &Array2<f32>, first_sample: i64) -> Vec<(usize, usize)> {
+        match &self.blanking {
+            Some(b) => b.ranges(raw, first_sample),
+            None => Vec::new(),
+        }
+    }
+
+    /// [`Preprocessor::apply`] on a window whose column 0 is absolute sample
+    /// `first_sample`, then the blanking's stretches zeroed.
+    ///
+    /// # Errors
+    /// As [`Preprocessor::apply`].
+    pub fn apply_at(
+        &self,
+        window: &mut Array2<f32>,
+        first_sample: i64,
+    ) -> Result<(), PreprocessError> {
+        let ranges = self.blank_ranges(window, first_sample);
+        self.apply(window)?;
+        zero_columns(window, &ranges);
+        Ok(())
     }
 
     /// Window shape (C sites, N samples) this preprocessor expects.
@@ -386,9 +432,10 @@ pub struct DevicePreprocessing {
 impl Preprocessor {
     /// This preprocessor's constants for the device, with the high-pass taps above
     /// `floor` × the peak ([`DEVICE_TAP_FLOOR`] by default). `None` when a step has
-    /// no device version: Kilosort4's artifact check (`artifact_threshold`).
+    /// no device version: Kilosort4's artifact check (`artifact_threshold`),
+    /// or the blanking of stimulus artifacts ([`Preprocessor::with_blanking`]).
     pub fn device_form(&self, floor: f32) -> Option<DevicePreprocessing> {
-        if self.artifact_threshold.is_some_and(|t| t.is_finite()) {
+        if self.artifact_threshold.is_some_and(|t| t.is_finite()) || self.blanking.is_some() {
             return None;
         }
         let taps = self.highpass.taps();

@@ -1,0 +1,340 @@
+//! Blanking of stimulus artifacts: the preprocessed (whitened) data of every
+//! site are set to zero over a short stretch around each event, given as
+//! times (`--artifact-times`) or found as transients common to most channels
+//! ([`crate::checks::transients`], `--blank-transients`). Sample-level: a
+//! stretch of `before + after` samples per event, never a whole window
+//! (Kilosort4's only tool, `artifact_threshold`, zeroes whole batches).
+//!
+//! The stretches are found from the raw window and its place in the
+//! recording, and zeroed after the whole preprocessing (CAR, high-pass,
+//! whitening), so the filters' response to the artifact inside the stretch
+//! goes too. [`crate::preprocess::Preprocessor`] carries a [`Blanking`]; a run
+//! that blanks preprocesses on the host for every back end, so that all of
+//! them detect in the same blanked windows.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use ndarray::Array2;
+
+use crate::checks::transients::find_transients;
+
+/// Default stretch blanked around each event: 0.5 ms before, 2 ms after.
+pub const DEFAULT_ARTIFACT_WINDOW_MS: (f64, f64) = (0.5, 2.0);
+
+/// What a run blanks: stretches around given event samples and, when
+/// `transients`, around the transients found in each raw window.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Blanking {
+    /// Event samples, absolute (file) indices, increasing, no repeats.
+    pub events: Vec<u64>,
+    /// Samples blanked before each event (and before a transient's first column).
+    pub before: usize,
+    /// Samples blanked from each event on (and after a transient's last column).
+    pub after: usize,
+    /// Also blank around the transients found in each raw window.
+    pub transients: bool,
+    /// Transient columns closer than this join one event ([`crate::checks::transients::transient_gap`]).
+    pub gap: usize,
+}
+
+impl Blanking {
+    /// A blanking of `window_ms` = (ms before, ms after) at `fs` Hz around
+    /// `events` (absolute samples, any order) and, when `transients`, around
+    /// detected transients.
+    ///
+    /// # Errors
+    /// When a side of the window is negative or not finite, or both are 0.
+    pub fn new(events: Vec<u64>, window_ms: (f64, f64), fs: f64, transients: bool) -> Result<Self> {
+        let (b, a) = window_ms;
+        if !(b.is_finite() && a.is_finite() && b >= 0.0 && a >= 0.0 && b + a > 0.0) {
+            bail!(
+                "--artifact-window {b},{a}: give two non-negative milliseconds, before and after each event, not both 0"
+            );
+        }
+        let mut events = events;
+        events.sort_unstable();
+        events.dedup();
+        Ok(Blanking {
+            events,
+            before: (b * 1e-3 * fs).round() as usize,
+            after: (a * 1e-3 * fs).round() as usize,
+            transients,
+            gap: crate::checks::transients::transient_gap(fs),
+        })
+    }
+
+    /// The column ranges `[start, end)` of a raw window (C × N, column 0 at
+    /// absolute sample `first_sample`) to zero after preprocessing, in
+    /// order and not overlapping.
+    pub fn ranges(&self, raw: &Array2<f32>, first_sample: i64) -> Vec<(usize, usize)> {
+        let n = raw.ncols() as i64;
+        let (before, after) = (self.before as i64, self.after as i64);
+        let mut out = Vec::new();
+        let lo = self
+            .events
+            .partition_point(|&e| (e as i64) + after <= first_sample);
+        for &e in &self.events[lo..] {
+            let c = e as i64 - first_sample;
+            if c - before >= n {
+                break;
+            }
+            out.push(((c - before).max(0) as usize, (c + after).min(n) as usize));
+        }
+        if self.transients {
+            let std;
+            let values = match raw.as_slice() {
+                Some(v) => v,
+                None => {
+                    std = raw.as_standard_layout().into_owned();
+                    std.as_slice().expect("standard layout")
+                }
+            };
+            let shape = (raw.nrows(), raw.ncols(), raw.ncols());
+            for (a, b) in find_transients(values, shape, self.gap) {
+                out.push((
+                    a.saturating_sub(self.before),
+                    (b + self.after).min(raw.ncols()),
+                ));
+            }
+        }
+        merge_ranges(out)
+    }
+}
+
+/// Sorts and merges overlapping or touching ranges.
+fn merge_ranges(mut r: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
+    r.retain(|&(a, b)| b > a);
+    r.sort_unstable();
+    let mut out: Vec<(usize, usize)> = Vec::with_capacity(r.len());
+    for (a, b) in r {
+        match out.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out
+}
+
+/// Sets columns `ranges` of every row of `x` to zero; returns how many columns.
+pub fn zero_columns(x: &mut Array2<f32>, ranges: &[(usize, usize)]) -> usize {
+    let n = x.ncols();
+    let mut zeroed = 0;
+    for &(a, b) in ranges {
+        let (a, b) = (a.min(n), b.min(n));
+        x.slice_mut(ndarray::s![.., a..b]).fill(0.0);
+        zeroed += b - a;
+    }
+    zeroed
+}
+
+/// Event times read from a file, seconds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventTimes {
+    /// The times as read, seconds, in file order.
+    pub seconds: Vec<f64>,
+}
+
+/// Reads event times (seconds) from `path`: a `.npy` array (1-D, or 2-D
+/// whose first column is taken; float64, float32, int64 or int32), or text:
+/// numbers separated by commas, semicolons, tabs or spaces, `#` starting a
+/// comment, a first line that is not a number taken as a header. Text of one
+/// line gives all its numbers; text of several lines gives the first number
+/// of each (a CSV's first column).
+///
+/// # Errors
+/// When the file cannot be read, holds something that is not a number (named
+/// with its line), a time that is not finite, or no time at all.
+pub fn read_event_times(path: &Path) -> Result<EventTimes> {
+    let seconds = if path.extension().is_some_and(|e| e == "npy") {
+        read_npy_times(path)?
+    } else {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("--artifact-times: cannot read {}", path.display()))?;
+        parse_times_text(&text)
+            .map_err(|e| anyhow::anyhow!("--artifact-times {}: {e}", path.display()))?
+    };
+    if seconds.is_empty() {
+        bail!(
+            "--artifact-times {}: the file holds no times",
+            path.display()
+        );
+    }
+    if let Some((i, t)) = seconds.iter().enumerate().find(|(_, t)| !t.is_finite()) {
+        bail!(
+            "--artifact-times {}: time {} of {} is {t}; every time must be a finite number of seconds",
+            path.display(),
+            i + 1,
+            seconds.len()
+        );
+    }
+    Ok(EventTimes { seconds })
+}
+
+#[allow(clippy::unnecessary_cast)] // the macro's `as f64` also runs on f64
+fn read_npy_times(path: &Path) -> Result<Vec<f64>> {
+    use ndarray::Axis;
+    macro_rules! try_as {
+        ($t:ty) => {
+            if let Ok(a) = crate::npy::read::<$t, ndarray::Ix1>(path) {
+                return Ok(a.iter().map(|&v| v as f64).collect());
+            }
+            if let Ok(a) = crate::npy::read::<$t, ndarray::Ix2>(path) {
+                return Ok(a.index_axis(Axis(1), 0).iter().map(|&v| v as f64).collect());
+            }
+        };
+    }
+    try_as!(f64);
+    try_as!(f32);
+    try_as!(i64);
+    try_as!(i32);
+    bail!(
+        "--artifact-times {}: not a 1-D or 2-D .npy array of float64, float32, int64 or int32 (times in seconds)",
+        path.display()
+    )
+}
+
+/// Parses the text form of [`read_event_times`].
+fn parse_times_text(text: &str) -> std::result::Result<Vec<f64>, String> {
+    let lines: Vec<(usize, Vec<&str>)> = text
+        .lines()
+        .enumerate()
+        .map(|(i, l)| {
+            let l = l.split('#').next().unwrap_or("");
+            let fields = l
+                .split(|c: char| c == ',' || c == ';' || c.is_whitespace())
+                .filter(|f| !f.is_empty())
+                .collect::<Vec<_>>();
+            (i + 1, fields)
+        })
+        .filter(|(_, f)| !f.is_empty())
+        .collect();
+    let mut data = &lines[..];
+    if let Some((_, first)) = data.first()
+        && first[0].parse::<f64>().is_err()
+    {
+        data = &data[1..]; // a header
+    }
+    let field = |line: usize, f: &str| {
+        f.parse::<f64>()
+            .map_err(|_| format!("line {line}: {f:?} is not a number of seconds"))
+    };
+    if data.len() == 1 {
+        let (line, fields) = &data[0];
+        return fields.iter().map(|f| field(*line, f)).collect();
+    }
+    data.iter().map(|(line, f)| field(*line, f[0])).collect()
+}
+
+/// The given times as absolute samples of a recording whose sample 0 is
+/// absolute sample `first` and which holds `n_samples` samples at `fs`:
+/// `round(t·fs)`, those inside it; and a warning about those outside (their
+/// count, the first few, the recording's range, and a hint when the times
+/// look like milliseconds or samples), or `None`.
+pub fn event_samples(
+    times: &EventTimes,
+    path: &Path,
+    fs: f64,
+    first: u64,
+    n_samples: u64,
+) -> (Vec<u64>, Option<String>) {
+    let (lo, hi) = (first as f64 / fs, (first + n_samples) as f64 / fs);
+    let mut inside = Vec::new();
+    let mut outside = Vec::new();
+    for &t in &times.seconds {
+        let s = (t * fs).round();
+        if s >= first as f64 && s < (first + n_samples) as f64 {
+            inside.push(s as u64);
+        } else {
+            outside.push(t);
+        }
+    }
+    if outside.is_empty() {
+        return (inside, None);
+    }
+    let few: Vec<String> = outside.iter().take(5).map(|t| format!("{t}")).collect();
+    let more = if outside.len() > 5 { ", …" } else { "" };
+    let max = times.seconds.iter().copied().fold(f64::MIN, f64::max);
+    let hint = if max >= hi && max / 1000.0 < hi {
+        " (they look like milliseconds or samples: the file must hold seconds)"
+    } else {
+        ""
+    };
+    let w = format!(
+        "--artifact-times {}: {} of {} times are outside the recording ({lo:.3}–{hi:.3} s) and were ignored: {}{more}{hint}",
+        path.display(),
+        outside.len(),
+        times.seconds.len(),
+        few.join(", ")
+    );
+    (inside, Some(w))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_cover_events_and_clip_to_the_window() {
+        let b = Blanking::new(vec![1000, 105, 5000], (1.0, 2.0), 10_000.0, false).unwrap();
+        assert_eq!((b.before, b.after), (10, 20));
+        let raw = Array2::<f32>::zeros((4, 200));
+        // Window from absolute 0: event 105 → 95..125.
+        assert_eq!(b.ranges(&raw, 0), vec![(95, 125)]);
+        // Window from absolute 990: event 1000 at column 10 → 0..30.
+        assert_eq!(b.ranges(&raw, 990), vec![(0, 30)]);
+        // Event 5000 at column 210: its stretch starts at the window's end.
+        assert!(b.ranges(&raw, 4790).is_empty());
+        assert_eq!(b.ranges(&raw, 4791), vec![(199, 200)]);
+        // Event 105's stretch ends where a window from 125 starts.
+        assert!(b.ranges(&raw, 125).is_empty());
+        assert_eq!(b.ranges(&raw, 124), vec![(0, 1)]);
+        assert_eq!(
+            merge_ranges(vec![(5, 9), (1, 3), (3, 4), (8, 12)]),
+            vec![(1, 4), (5, 12)]
+        );
+        let mut x = Array2::<f32>::ones((2, 10));
+        assert_eq!(zero_columns(&mut x, &[(2, 4), (8, 20)]), 4);
+        assert_eq!(x.sum(), 12.0);
+        assert!(Blanking::new(vec![], (-1.0, 2.0), 1e4, false).is_err());
+        assert!(Blanking::new(vec![], (0.0, 0.0), 1e4, false).is_err());
+    }
+
+    #[test]
+    fn times_from_text_and_npy() {
+        assert_eq!(
+            parse_times_text("0.5\n1.5\n\n2\n").unwrap(),
+            vec![0.5, 1.5, 2.0]
+        );
+        assert_eq!(parse_times_text("0.5, 1.5 2").unwrap(), vec![0.5, 1.5, 2.0]);
+        assert_eq!(
+            parse_times_text("time_s,kind\n0.5,on # first\n0.7,off\n").unwrap(),
+            vec![0.5, 0.7]
+        );
+        let e = parse_times_text("0.5\nabc\n").unwrap_err();
+        assert!(e.contains("line 2") && e.contains("abc"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.npy");
+        crate::npy::write(&p, &ndarray::arr1(&[0.25f32, 1.0])).unwrap();
+        assert_eq!(read_event_times(&p).unwrap().seconds, vec![0.25, 1.0]);
+        let p = dir.path().join("empty.txt");
+        std::fs::write(&p, "# nothing\n").unwrap();
+        let e = read_event_times(&p).unwrap_err().to_string();
+        assert!(e.contains("empty.txt") && e.contains("no times"), "{e}");
+    }
+
+    #[test]
+    fn times_outside_are_named() {
+        let t = EventTimes {
+            seconds: vec![0.5, 1500.0, 2.5],
+        };
+        let (s, w) = event_samples(&t, Path::new("light.csv"), 1000.0, 0, 3000);
+        assert_eq!(s, vec![500, 2500]);
+        let w = w.unwrap();
+        assert!(
+            w.contains("light.csv") && w.contains("1 of 3") && w.contains("1500"),
+            "{w}"
+        );
+        assert!(w.contains("milliseconds"), "{w}");
+    }
+}
