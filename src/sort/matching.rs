@@ -61,6 +61,9 @@ use rayon::prelude::*;
 
 use super::templates::{support, wtw};
 
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub mod gpu;
+
 /// Samples per tile of the filter product.
 pub const TILE: usize = 1024;
 
@@ -120,6 +123,14 @@ pub enum MatchError {
         /// Which array.
         what: &'static str,
         /// What is wrong, with the numbers.
+        message: String,
+    },
+    /// The GPU failed (a device error or a read back that did not complete).
+    #[error("matching on {device}: {message}")]
+    Device {
+        /// The device's name.
+        device: String,
+        /// What failed.
         message: String,
     },
 }
