@@ -61,6 +61,7 @@ use rayon::prelude::*;
 
 use super::templates::{support, wtw};
 
+pub mod backend;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 pub mod gpu;
 

@@ -31,7 +31,9 @@ use crate::pipeline::{DetectJob, Report, run_detection};
 use crate::preprocess::Preprocessor;
 use crate::recording::{Recording, WindowPlan};
 use crate::sort::clustering::{ClusteringSettings, final_clustering, first_clustering};
-use crate::sort::matching::{MatchingSettings, MatchingSetup, match_window, preprocessed_window};
+use crate::backend::Backend;
+use crate::sort::matching::backend::Matcher;
+use crate::sort::matching::{MatchingSettings, MatchingSetup, preprocessed_window};
 use crate::sort::merge::MergeSettings;
 use crate::sort::phy::{ExportSettings, PhySummary, SortResult, save_sorting};
 use crate::sort::postprocess::ChannelSets;
@@ -180,7 +182,10 @@ fn work_folder(out: &Path) -> Result<PathBuf> {
 /// (named), or the output folder cannot be written. On error nothing is left
 /// at the output folder (a previous result there is kept) and the working
 /// folder is removed.
-pub fn run_sort(job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Result<SortReport> {
+pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Result<SortReport> {
+    // The matching may use the device again after detection: its context
+    // must outlive the detection pass.
+    job.detect.last_device_use = false;
     let out = job.detect.out.clone();
     let work = work_folder(&out)?;
     let result = sort_into(job, &work, progress);
@@ -198,6 +203,7 @@ fn sort_into(
 ) -> Result<SortReport> {
     let t0 = Instant::now();
     let out = std::mem::replace(&mut job.detect.out, work.to_path_buf());
+    let backend = job.detect.backend;
     let rec: Arc<dyn Recording> = job.detect.recording.clone();
     let probe = job.detect.probe.clone();
     let detection_settings = job.detect.detection.clone();
@@ -246,7 +252,6 @@ fn sort_into(
     let first = first_stage(&det, &probe, &geometry, &s.clustering)?;
     lap(&mut timings, "first_clustering");
     let k0 = first.wall.dim().0;
-
     progress(stage("templates", k0));
     let post = postprocess_templates(
         first.wall.view(),
@@ -258,7 +263,7 @@ fn sort_into(
     lap(&mut timings, "templates");
     let k = post.wall3.dim().0;
 
-    let ex = matching_pass(
+    let (ex, matching_warnings) = matching_pass(
         rec.as_ref(),
         &probe,
         &pre_settings,
@@ -267,6 +272,7 @@ fn sort_into(
         &post.wall3,
         &s.matching,
         detection_settings.nt,
+        backend,
         &mut |done, total, seconds_done| {
             progress(SortProgress {
                 stage: "matching",
@@ -302,7 +308,7 @@ fn sort_into(
         icc_mask: ex.icc_mask.clone(),
         iu: iu.clone(),
     };
-    let mut warnings = detection.warnings.clone();
+    let mut warnings = [detection.warnings.clone(), matching_warnings].concat();
     let manifest = manifest(&s, &det, [k0, k, n, u1], &detection.warnings, &timings);
     let phy = save_sorting(
         &out,
@@ -342,7 +348,10 @@ fn sort_into(
 }
 
 /// The learned-template matching over every window of `rec`, preprocessed as
-/// the detection's second pass was (same whitening, same drift correction).
+/// the detection's second pass was (same whitening, same drift correction),
+/// on `backend` ([`Matcher`]), with the warnings of choosing it. A reader thread preprocesses window i + 1 while
+/// window i is matched (one window ahead); the windows and their order are
+/// the same as read one by one, so the results are too.
 #[allow(clippy::too_many_arguments)]
 fn matching_pass(
     rec: &dyn Recording,
@@ -353,19 +362,31 @@ fn matching_pass(
     wall3: &Array3<f32>,
     matching_settings: &MatchingSettings,
     nt: usize,
+    backend: Backend,
     progress: &mut dyn FnMut(u64, u64, f64),
-) -> Result<crate::sort::matching::Extracted> {
+) -> Result<(crate::sort::matching::Extracted, Vec<String>)> {
+    let mut warnings = Vec::new();
     let mut matching = matching_settings.clone();
     matching.nt = nt;
     matching.batch_size = pre_settings.batch_size;
-    let setup = MatchingSetup::new(
-        wall3.view(),
-        det.wpca.view(),
-        &probe.xc,
-        &probe.yc,
-        &matching,
-    )
-    .context("learned-template matching set-up")?;
+    let setup = Arc::new(
+        MatchingSetup::new(
+            wall3.view(),
+            det.wpca.view(),
+            &probe.xc,
+            &probe.yc,
+            &matching,
+        )
+        .context("learned-template matching set-up")?,
+    );
+    let (mut matcher, chosen) = Matcher::open(backend, setup.clone(), &mut warnings)
+        .context("learned-template matching back end")?;
+    tracing::info!(
+        "learned-template matching on {} ({}): {}",
+        chosen.backend,
+        chosen.device,
+        chosen.reason
+    );
     let pre = Preprocessor::new(pre_settings, det.wrot.clone())?;
     let drift = match &det.dshift {
         Some((dshift, yblk)) if !drift_settings.drift_only => Some(
@@ -392,19 +413,36 @@ fn matching_pass(
     let n_windows = plan.n_windows;
     let chan_map = probe.chan_map.clone();
     let mut parts = Vec::with_capacity(n_windows as usize);
-    for i in 0..n_windows {
-        let x = preprocessed_window(rec, &plan, &chan_map, &pre, drift.as_ref(), i)
-            .with_context(|| format!("matching: window {i}"))?;
-        let w = match_window(&setup, x.view()).with_context(|| format!("matching: window {i}"))?;
-        parts.push(w);
-        progress(
-            i + 1,
-            n_windows,
-            ((i + 1) * plan.batch_size).min(plan.n_samples) as f64 / rec.fs(),
-        );
-    }
-    let ex = crate::sort::matching::assemble(&setup, &parts);
-    Ok(ex)
+    std::thread::scope(|scope| -> Result<()> {
+        let (tx, rx) = crossbeam_channel::bounded::<Result<Array2<f32>>>(1);
+        let (plan, chan_map, pre, drift) = (&plan, &chan_map, &pre, drift.as_ref());
+        scope.spawn(move || {
+            for i in 0..n_windows {
+                let x = preprocessed_window(rec, plan, chan_map, pre, drift, i)
+                    .with_context(|| format!("matching: window {i}"));
+                let failed = x.is_err();
+                if tx.send(x).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        for i in 0..n_windows {
+            let x = rx
+                .recv()
+                .with_context(|| format!("matching: window {i} was not read"))??;
+            let w = matcher
+                .match_window(x.view())
+                .with_context(|| format!("matching: window {i}"))?;
+            parts.push(w);
+            progress(
+                i + 1,
+                n_windows,
+                ((i + 1) * plan.batch_size).min(plan.n_samples) as f64 / rec.fs(),
+            );
+        }
+        Ok(())
+    })?;
+    Ok((crate::sort::matching::assemble(&setup, &parts), warnings))
 }
 
 /// The merges' and the Phy folder's settings from the run and the sort settings.
