@@ -70,8 +70,14 @@ fn run<R: Runtime>(device: &R::Device, name: &str, ks: &[usize], check: bool) {
         let (u, x) = case(k, n_c, nt, nt_win);
         let t0 = Instant::now();
         let setup = Arc::new(
-            MatchingSetup::new(u.view(), wpca.view(), &xc, &yc, &MatchingSettings::default())
-                .expect("set-up"),
+            MatchingSetup::new(
+                u.view(),
+                wpca.view(),
+                &xc,
+                &yc,
+                &MatchingSettings::default(),
+            )
+            .expect("set-up"),
         );
         let t_setup = t0.elapsed().as_secs_f64();
         for every in [1usize, 4, 16, 100] {
@@ -131,15 +137,19 @@ fn main() {
         .iter()
         .position(|a| a == "--backend")
         .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| if cfg!(feature = "cuda") { "cuda" } else { "wgpu" }.into());
+        .unwrap_or_else(|| {
+            if cfg!(feature = "cuda") {
+                "cuda"
+            } else {
+                "wgpu"
+            }
+            .into()
+        });
     match backend.as_str() {
         #[cfg(feature = "cuda")]
-        "cuda" => run::<cubecl::cuda::CudaRuntime>(
-            &cubecl::cuda::CudaDevice::new(0),
-            "cuda",
-            &ks,
-            check,
-        ),
+        "cuda" => {
+            run::<cubecl::cuda::CudaRuntime>(&cubecl::cuda::CudaDevice::new(0), "cuda", &ks, check)
+        }
         #[cfg(feature = "wgpu")]
         "wgpu" => run::<cubecl::wgpu::WgpuRuntime>(
             &cubecl::wgpu::WgpuDevice::DefaultDevice,

@@ -132,7 +132,11 @@ fn check_unit<R: Runtime>(device: &R::Device) {
             for (i, x) in u.x.axis_iter(Axis(0)).enumerate() {
                 let cpu = match_window(&setup, x).unwrap();
                 let gpu = m.match_window(x).unwrap();
-                same(&format!("unit window {i} (budget {budget}, every {every})"), &cpu, &gpu);
+                same(
+                    &format!("unit window {i} (budget {budget}, every {every})"),
+                    &cpu,
+                    &gpu,
+                );
                 let again = m.match_window(x).unwrap();
                 assert_eq!(gpu, again, "unit window {i}: second run");
             }

@@ -24,6 +24,7 @@ use anyhow::{Context, Result, bail};
 use ndarray::{Array1, Array2, Array3, Axis};
 use serde::{Deserialize, Serialize};
 
+use crate::backend::Backend;
 use crate::detect::Geometry;
 use crate::drift::DriftMode;
 use crate::drift::correct::DriftCorrection;
@@ -31,7 +32,6 @@ use crate::pipeline::{DetectJob, Report, run_detection};
 use crate::preprocess::Preprocessor;
 use crate::recording::{Recording, WindowPlan};
 use crate::sort::clustering::{ClusteringSettings, final_clustering, first_clustering};
-use crate::backend::Backend;
 use crate::sort::matching::backend::Matcher;
 use crate::sort::matching::{MatchingSettings, MatchingSetup, preprocessed_window};
 use crate::sort::merge::MergeSettings;

@@ -58,6 +58,10 @@ impl Matcher {
         }
     }
 
+    #[cfg_attr(
+        not(any(feature = "cuda", feature = "wgpu")),
+        allow(unused_variables, clippy::unnecessary_wraps)
+    )]
     fn device(chosen: &Chosen, setup: Arc<MatchingSetup>) -> Result<Matcher, MatchError> {
         match chosen.backend.as_str() {
             #[cfg(feature = "cuda")]

@@ -190,8 +190,10 @@ impl<R: Runtime> GpuMatcher<R> {
         let client = R::client(device);
         let (k, npc, n_c) = setup.u.dim();
         let nt = setup.settings.nt;
-        let up_f = |v: &[f32]| client.create_from_slice(bytes_f32(if v.is_empty() { &[0.0] } else { v }));
-        let up_u = |v: &[u32]| client.create_from_slice(bytes_u32(if v.is_empty() { &[0] } else { v }));
+        let up_f =
+            |v: &[f32]| client.create_from_slice(bytes_f32(if v.is_empty() { &[0.0] } else { v }));
+        let up_u =
+            |v: &[u32]| client.create_from_slice(bytes_u32(if v.is_empty() { &[0] } else { v }));
         let mut used = vec![false; n_c];
         for s in &setup.support {
             for &c in s {
@@ -235,7 +237,13 @@ impl<R: Runtime> GpuMatcher<R> {
             n_used: sites.len(),
             sites: up_u(&sites),
             nm: up_f(&setup.nm),
-            wpca: up_f(setup.wpca.as_standard_layout().as_slice().expect("standard")),
+            wpca: up_f(
+                setup
+                    .wpca
+                    .as_standard_layout()
+                    .as_slice()
+                    .expect("standard"),
+            ),
             wtw: up_f(&wtw),
             n_blk_entries: blk_slot.len(),
             blk_off: up_u(&blk_off),
@@ -454,7 +462,8 @@ impl<R: Runtime> GpuMatcher<R> {
                 nt,
             );
         }
-        let part = |h: &Handle, used: usize, cap: usize| h.clone().offset_end(((cap - used) * 4) as u64);
+        let part =
+            |h: &Handle, used: usize, cap: usize| h.clone().offset_end(((cap - used) * 4) as u64);
         let data = self.client.read(vec![
             part(&w.col, count, w.cap),
             part(&w.tmpl, count, w.cap),

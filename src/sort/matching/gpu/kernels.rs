@@ -230,7 +230,16 @@ pub(crate) fn best_sparse_kernel(
         let t0 = col[base + r] as usize - nt as usize;
         let mut d = UNIT_POS_X as usize;
         while d < nl {
-            best_at(b, nm, cfmax, imax, t0 + d, n as usize, k as usize, nt as usize);
+            best_at(
+                b,
+                nm,
+                cfmax,
+                imax,
+                t0 + d,
+                n as usize,
+                k as usize,
+                nt as usize,
+            );
             d += CUBE_DIM_X as usize;
         }
         r += CUBE_COUNT_X as usize;
@@ -308,6 +317,8 @@ pub(crate) fn flags_kernel(
 /// so far) and the peel's bookkeeping: base, count, peels = peel + 1; stops
 /// when the peel found nothing or the spikes would pass `cap` (overflow).
 #[cube(launch_unchecked)]
+// Written out: the kernel language has no `div_ceil`.
+#[allow(clippy::manual_div_ceil)]
 pub(crate) fn offsets_kernel(
     bcount: &Array<u32>,
     boff: &mut Array<u32>,
@@ -361,6 +372,8 @@ pub(crate) fn offsets_kernel(
 /// unit per sample).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
+// Nested ifs: flags[t] must not be read for t ≥ n.
+#[allow(clippy::collapsible_if)]
 pub(crate) fn write_kernel(
     flags: &Array<u32>,
     lrank: &Array<u32>,
