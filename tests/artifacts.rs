@@ -360,23 +360,53 @@ fn bad_artifact_times_are_named() {
         w.contains("some.txt: 1 of 3 times are outside") && w.contains("7.5"),
         "{w}"
     );
-    // The sort's matching pass does not blank: the sort refuses the flags.
+}
+
+/// `spikecube sort --artifact-times`: the learned-template matching reads the
+/// windows again and blanks them as the detection did, so the Phy folder
+/// holds no light-locked false spikes either.
+#[test]
+fn the_sort_blanks_as_the_detection_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = write_probe(dir.path(), 32, 2);
+    let o = opto(dir.path(), Some(&probe), 6.0, 5);
     let sorted = dir.path().join("sorted");
-    let e = spikecube(&[
+    ok(&spikecube(&[
         "sort",
         s(&o.bin),
         "--out",
         s(&sorted),
         "-q",
-        "--blank-transients",
-        "true",
-    ]);
-    let msg = String::from_utf8_lossy(&e.stderr);
-    assert!(
-        !e.status.success() && msg.contains("`spikecube detect` only"),
-        "{msg}"
+        "--backend",
+        "cpu",
+        "--batch-size",
+        "30000",
+        "--nblocks",
+        "0",
+        "--artifact-times",
+        s(&o.times_file),
+    ]));
+    // Phy's spike times are troughs; `is_true` takes detection times (trough + 10).
+    let t: Array1<i64> = npy::read(&sorted.join("spike_times.npy")).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(sorted.join("spikecube.json")).unwrap())
+            .unwrap();
+    let f = Found {
+        t: t.iter().map(|&v| v + 10).collect(),
+        pos: npy::read(&sorted.join("spike_positions.npy")).unwrap(),
+        json,
+    };
+    let n_edges = o.edges.len();
+    let false_n = light_locked(&f, &o);
+    let (kept, away) = kept_away(&f, &o);
+    eprintln!(
+        "sort --artifact-times: {} spikes, {false_n} light-locked false of {n_edges} edges, {kept}/{away} true spikes away from the light",
+        f.t.len()
     );
-    assert!(!sorted.exists());
+    assert!(false_n * 50 <= n_edges, "{false_n} light-locked of {n_edges}");
+    assert!(kept * 100 >= away * 70, "{kept} of {away} kept");
+    let b = &f.json["settings"]["detection"]["checks"]["transients"]["blanking"];
+    assert_eq!(b["events_given"].as_u64(), Some(n_edges as u64), "{b}");
 }
 
 /// The GPU back end (wgpu; lavapipe in CI) finds the same transients in its

@@ -100,11 +100,6 @@ pub(super) fn build_job(
         ));
     }
     checks.blanking = args.checks.blanking(rec.as_ref(), &mut checks.warnings)?;
-    if command == "sort" && checks.blanking.is_some() {
-        anyhow::bail!(
-            "--artifact-times and --blank-transients are applied by `spikecube detect` only: the sort's learned-template matching does not blank yet and would find the artifacts again; run `detect` with them"
-        );
-    }
     let out = match &args.out {
         Some(o) => o.clone(),
         None => {

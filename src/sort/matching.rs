@@ -61,6 +61,10 @@ use rayon::prelude::*;
 
 use super::templates::{support, wtw};
 
+pub mod backend;
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub mod gpu;
+
 /// Samples per tile of the filter product.
 pub const TILE: usize = 1024;
 
@@ -120,6 +124,14 @@ pub enum MatchError {
         /// Which array.
         what: &'static str,
         /// What is wrong, with the numbers.
+        message: String,
+    },
+    /// The GPU failed (a device error or a read back that did not complete).
+    #[error("matching on {device}: {message}")]
+    Device {
+        /// The device's name.
+        device: String,
+        /// What failed.
         message: String,
     },
 }
@@ -914,6 +926,10 @@ pub fn preprocessed_window(
 ) -> anyhow::Result<Array2<f32>> {
     let mut x = Array2::<f32>::zeros((chan_map.len(), plan.window_len()));
     crate::recording::read_window(rec, plan, i, chan_map, &mut x)?;
+    // The preprocessor's blanking (`--artifact-times`, `--blank-transients`)
+    // finds its stretches in the raw window, column 0 at this absolute sample.
+    let first = (rec.first_sample() + plan.window_start(i)) as i64 - plan.nt as i64;
+    let blank = pre.blank_ranges(&x, first);
     match drift {
         None => pre.apply(&mut x)?,
         Some(d) => {
@@ -921,5 +937,6 @@ pub fn preprocessed_window(
             d.window_whitening(i, pre.whitening())?.apply(&mut x)?;
         }
     }
+    crate::preprocess::zero_columns(&mut x, &blank);
     Ok(x)
 }

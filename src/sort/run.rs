@@ -24,6 +24,7 @@ use anyhow::{Context, Result, bail};
 use ndarray::{Array1, Array2, Array3, Axis};
 use serde::{Deserialize, Serialize};
 
+use crate::backend::Backend;
 use crate::detect::Geometry;
 use crate::drift::DriftMode;
 use crate::drift::correct::DriftCorrection;
@@ -31,7 +32,8 @@ use crate::pipeline::{DetectJob, Report, run_detection};
 use crate::preprocess::Preprocessor;
 use crate::recording::{Recording, WindowPlan};
 use crate::sort::clustering::{ClusteringSettings, final_clustering, first_clustering};
-use crate::sort::matching::{MatchingSettings, MatchingSetup, match_window, preprocessed_window};
+use crate::sort::matching::backend::Matcher;
+use crate::sort::matching::{MatchingSettings, MatchingSetup, preprocessed_window};
 use crate::sort::merge::MergeSettings;
 use crate::sort::phy::{ExportSettings, PhySummary, SortResult, save_sorting};
 use crate::sort::postprocess::ChannelSets;
@@ -180,7 +182,10 @@ fn work_folder(out: &Path) -> Result<PathBuf> {
 /// (named), or the output folder cannot be written. On error nothing is left
 /// at the output folder (a previous result there is kept) and the working
 /// folder is removed.
-pub fn run_sort(job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Result<SortReport> {
+pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Result<SortReport> {
+    // The matching may use the device again after detection: its context
+    // must outlive the detection pass.
+    job.detect.last_device_use = false;
     let out = job.detect.out.clone();
     let work = WorkFolder(work_folder(&out)?);
     sort_into(job, &work.0, progress)
@@ -206,11 +211,13 @@ fn sort_into(
 ) -> Result<SortReport> {
     let t0 = Instant::now();
     let out = std::mem::replace(&mut job.detect.out, work.to_path_buf());
+    let backend = job.detect.backend;
     let rec: Arc<dyn Recording> = job.detect.recording.clone();
     let probe = job.detect.probe.clone();
     let detection_settings = job.detect.detection.clone();
     let pre_settings = window_settings(&job.detect, rec.as_ref());
     let drift_settings = job.detect.drift.clone();
+    let blanking = job.detect.checks.blanking.clone();
     let run_info = job.detect.run_info.clone();
     let s = job.sort.clone();
     let mut timings: Vec<(&'static str, f64)> = Vec::new();
@@ -255,7 +262,6 @@ fn sort_into(
     let first = first_stage(&det, &probe, &geometry, &s.clustering)?;
     lap(&mut timings, "first_clustering");
     let k0 = first.wall.dim().0;
-
     progress(stage("templates", k0));
     let post = postprocess_templates(
         first.wall.view(),
@@ -267,7 +273,7 @@ fn sort_into(
     lap(&mut timings, "templates");
     let k = post.wall3.dim().0;
 
-    let ex = matching_pass(
+    let (ex, matching_warnings) = matching_pass(
         rec.as_ref(),
         &probe,
         &pre_settings,
@@ -276,6 +282,8 @@ fn sort_into(
         &post.wall3,
         &s.matching,
         detection_settings.nt,
+        backend,
+        blanking,
         &mut |done, total, seconds_done| {
             progress(SortProgress {
                 stage: "matching",
@@ -312,13 +320,13 @@ fn sort_into(
         icc_mask: ex.icc_mask.clone(),
         iu: iu.clone(),
     };
-    let mut warnings = detection.warnings.clone();
+    let mut warnings = [detection.warnings.clone(), matching_warnings].concat();
     let manifest = manifest(
         &s,
         &det,
         &det_json,
         [k0, k, n, u1],
-        &detection.warnings,
+        [&detection.warnings, &warnings],
         &timings,
     );
     let phy = save_sorting(
@@ -359,7 +367,10 @@ fn sort_into(
 }
 
 /// The learned-template matching over every window of `rec`, preprocessed as
-/// the detection's second pass was (same whitening, same drift correction).
+/// the detection's second pass was (same whitening, same drift correction),
+/// on `backend` ([`Matcher`]), with the warnings of choosing it. A reader thread preprocesses window i + 1 while
+/// window i is matched (one window ahead); the windows and their order are
+/// the same as read one by one, so the results are too.
 #[allow(clippy::too_many_arguments)]
 fn matching_pass(
     rec: &dyn Recording,
@@ -370,20 +381,34 @@ fn matching_pass(
     wall3: &Array3<f32>,
     matching_settings: &MatchingSettings,
     nt: usize,
+    backend: Backend,
+    blanking: Option<Arc<crate::preprocess::Blanking>>,
     progress: &mut dyn FnMut(u64, u64, f64),
-) -> Result<crate::sort::matching::Extracted> {
+) -> Result<(crate::sort::matching::Extracted, Vec<String>)> {
+    let mut warnings = Vec::new();
     let mut matching = matching_settings.clone();
     matching.nt = nt;
     matching.batch_size = pre_settings.batch_size;
-    let setup = MatchingSetup::new(
-        wall3.view(),
-        det.wpca.view(),
-        &probe.xc,
-        &probe.yc,
-        &matching,
-    )
-    .context("learned-template matching set-up")?;
-    let pre = Preprocessor::new(pre_settings, det.wrot.clone())?;
+    let setup = Arc::new(
+        MatchingSetup::new(
+            wall3.view(),
+            det.wpca.view(),
+            &probe.xc,
+            &probe.yc,
+            &matching,
+        )
+        .context("learned-template matching set-up")?,
+    );
+    let (mut matcher, chosen) = Matcher::open(backend, setup.clone(), &mut warnings)
+        .context("learned-template matching back end")?;
+    tracing::info!(
+        "learned-template matching on {} ({}): {}",
+        chosen.backend,
+        chosen.device,
+        chosen.reason
+    );
+    // Blanked as the detection pass blanked the same windows.
+    let pre = Preprocessor::new(pre_settings, det.wrot.clone())?.with_blanking(blanking);
     let drift = match &det.dshift {
         Some((dshift, yblk)) if !drift_settings.drift_only => Some(
             DriftCorrection::new(
@@ -409,19 +434,36 @@ fn matching_pass(
     let n_windows = plan.n_windows;
     let chan_map = probe.chan_map.clone();
     let mut parts = Vec::with_capacity(n_windows as usize);
-    for i in 0..n_windows {
-        let x = preprocessed_window(rec, &plan, &chan_map, &pre, drift.as_ref(), i)
-            .with_context(|| format!("matching: window {i}"))?;
-        let w = match_window(&setup, x.view()).with_context(|| format!("matching: window {i}"))?;
-        parts.push(w);
-        progress(
-            i + 1,
-            n_windows,
-            ((i + 1) * plan.batch_size).min(plan.n_samples) as f64 / rec.fs(),
-        );
-    }
-    let ex = crate::sort::matching::assemble(&setup, &parts);
-    Ok(ex)
+    std::thread::scope(|scope| -> Result<()> {
+        let (tx, rx) = crossbeam_channel::bounded::<Result<Array2<f32>>>(1);
+        let (plan, chan_map, pre, drift) = (&plan, &chan_map, &pre, drift.as_ref());
+        scope.spawn(move || {
+            for i in 0..n_windows {
+                let x = preprocessed_window(rec, plan, chan_map, pre, drift, i)
+                    .with_context(|| format!("matching: window {i}"));
+                let failed = x.is_err();
+                if tx.send(x).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        for i in 0..n_windows {
+            let x = rx
+                .recv()
+                .with_context(|| format!("matching: window {i} was not read"))??;
+            let w = matcher
+                .match_window(x.view())
+                .with_context(|| format!("matching: window {i}"))?;
+            parts.push(w);
+            progress(
+                i + 1,
+                n_windows,
+                ((i + 1) * plan.batch_size).min(plan.n_samples) as f64 / rec.fs(),
+            );
+        }
+        Ok(())
+    })?;
+    Ok((crate::sort::matching::assemble(&setup, &parts), warnings))
 }
 
 /// The merges' and the Phy folder's settings from the run and the sort settings.
@@ -507,7 +549,7 @@ fn manifest(
     det: &Detected,
     det_json: &serde_json::Value,
     [k0, k, n, u1]: [usize; 4],
-    detection_warnings: &[String],
+    [detection_warnings, warnings]: [&[String]; 2],
     timings: &[(&'static str, f64)],
 ) -> serde_json::Value {
     serde_json::json!({
@@ -521,7 +563,7 @@ fn manifest(
         "stage_counts": { "universal_spikes": det.tf0.len_of(Axis(0)), "first_clusters": k0,
                     "learned_templates": k, "learned_spikes": n, "final_clusters": u1 },
         "detection_warnings": detection_warnings,
-        "warnings": detection_warnings,
+        "warnings": warnings,
         "timings_s": timings.iter().map(|(k, v)| ((*k).to_string(), serde_json::json!(v)))
             .chain([("total".to_string(), serde_json::json!(timings.iter().map(|t| t.1).sum::<f64>()))])
             .collect::<serde_json::Map<_, _>>(),

@@ -1,0 +1,103 @@
+//! The matching pass on the chosen back end: [`Matcher`] wraps the CPU twin
+//! ([`super::match_window`]) or a [`GpuMatcher`](super::gpu::GpuMatcher) on
+//! CUDA or wgpu behind one `match_window`, chosen as detection chooses
+//! ([`crate::backend::choose`]).
+
+use std::sync::Arc;
+
+use ndarray::ArrayView2;
+
+use super::{MatchError, MatchingSetup, WindowSpikes};
+use crate::backend::{Backend, Chosen};
+
+/// Learned-template matching on one back end.
+#[derive(Debug)]
+pub enum Matcher {
+    /// The CPU reference (rayon).
+    Cpu(Arc<MatchingSetup>),
+    /// CUDA through CubeCL.
+    #[cfg(feature = "cuda")]
+    Cuda(Box<super::gpu::GpuMatcher<cubecl::cuda::CudaRuntime>>),
+    /// wgpu through CubeCL.
+    #[cfg(feature = "wgpu")]
+    Wgpu(Box<super::gpu::GpuMatcher<cubecl::wgpu::WgpuRuntime>>),
+}
+
+impl Matcher {
+    /// The matcher for `backend` (`--backend`): `cpu` the CPU twin; `cuda`
+    /// and `wgpu` that device or an error; `auto` the device
+    /// [`crate::backend::choose`] finds, else the CPU (with a warning in the
+    /// returned list when a GPU was found but could not be used).
+    ///
+    /// # Errors
+    /// [`MatchError::Device`] when an explicitly requested GPU back end is not
+    /// in this build or finds no device.
+    pub fn open(
+        backend: Backend,
+        setup: Arc<MatchingSetup>,
+        warnings: &mut Vec<String>,
+    ) -> Result<(Matcher, Chosen), MatchError> {
+        let chosen = crate::backend::choose(backend).map_err(|e| MatchError::Device {
+            device: format!("{backend:?}").to_lowercase(),
+            message: e.to_string(),
+        })?;
+        match Self::device(&chosen, setup.clone()) {
+            Ok(m) => Ok((m, chosen)),
+            Err(e) if backend == Backend::Auto => {
+                warnings.push(format!(
+                    "learned-template matching: {} could not be used ({e}); matching on the CPU",
+                    chosen.device
+                ));
+                let cpu = crate::backend::choose(Backend::Cpu).map_err(|e| MatchError::Device {
+                    device: "cpu".into(),
+                    message: e.to_string(),
+                })?;
+                Ok((Matcher::Cpu(setup), cpu))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    #[cfg_attr(
+        not(any(feature = "cuda", feature = "wgpu")),
+        allow(unused_variables, clippy::unnecessary_wraps)
+    )]
+    fn device(chosen: &Chosen, setup: Arc<MatchingSetup>) -> Result<Matcher, MatchError> {
+        match chosen.backend.as_str() {
+            #[cfg(feature = "cuda")]
+            "cuda" => Ok(Matcher::Cuda(Box::new(super::gpu::GpuMatcher::new(
+                &cubecl::cuda::CudaDevice::new(0),
+                chosen.device.clone(),
+                setup,
+                Default::default(),
+            )?))),
+            #[cfg(feature = "wgpu")]
+            "wgpu" => Ok(Matcher::Wgpu(Box::new(super::gpu::GpuMatcher::new(
+                &cubecl::wgpu::WgpuDevice::DefaultDevice,
+                chosen.device.clone(),
+                setup,
+                Default::default(),
+            )?))),
+            _ => Ok(Matcher::Cpu(setup)),
+        }
+    }
+
+    /// Whether the matching runs on a GPU.
+    pub fn is_gpu(&self) -> bool {
+        !matches!(self, Matcher::Cpu(_))
+    }
+
+    /// [`super::match_window`] on this back end.
+    ///
+    /// # Errors
+    /// As [`super::match_window`]; [`MatchError::Device`] when the GPU fails.
+    pub fn match_window(&mut self, x: ArrayView2<f32>) -> Result<WindowSpikes, MatchError> {
+        match self {
+            Matcher::Cpu(s) => super::match_window(s, x),
+            #[cfg(feature = "cuda")]
+            Matcher::Cuda(m) => m.match_window(x),
+            #[cfg(feature = "wgpu")]
+            Matcher::Wgpu(m) => m.match_window(x),
+        }
+    }
+}

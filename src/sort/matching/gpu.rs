@@ -1,0 +1,657 @@
+//! Learned-template matching on the GPU through CubeCL (CUDA or wgpu): the
+//! device twin of [`match_window`](super::match_window), Kilosort4 4.1.7's
+//! `run_matching` + `extract`'s features (`shared/docs/sorting-spec.md` §2.5).
+//!
+//! A [`GpuMatcher`] uploads once what [`MatchingSetup`] holds: the templates
+//! (block-sparse, see below), ‖U‖², the waveforms on each template's support
+//! sites, the partner lists with their cross-correlations `ctc` (or their
+//! `UtU` when the set-up did not precompute `ctc`), wPCA, `iCC` and `iU`.
+//! Per window: one upload of X (C × NT), then on the device
+//!
+//! 1. F = wPCA ⋆ X on the sites some template uses ([`kernels::filter_kernel`]);
+//! 2. B = U·F, K × NT, a tiled product of [`kernels::KB`] templates ×
+//!    [`kernels::TT`] samples per cube over the union of the block's sites
+//!    ([`kernels::product_kernel`]);
+//! 3. the best template and Cf per sample ([`kernels::best_dense_kernel`]);
+//! 4. per peel, with no host round trip: peak flags and their in-order
+//!    compaction (block scans, [`kernels::flags_kernel`],
+//!    [`kernels::offsets_kernel`], [`kernels::write_kernel`]), subtraction of
+//!    the even-ranked then the odd-ranked spikes from B and the residual
+//!    ([`kernels::subtract_kernel`]), Cf again around them
+//!    ([`kernels::best_sparse_kernel`]). A device state (spike count, stop
+//!    flag, peels) lets later peels do nothing once a peel finds no spike; the
+//!    host reads it every [`GpuMatchOptions::peels_per_check`] peels and stops
+//!    launching;
+//! 5. the features of every spike from the final residual
+//!    ([`kernels::features_kernel`]), then one download.
+//!
+//! Spikes: the same (sample, template) as the CPU, in the same order (peel by
+//! peel, ascending sample). Ordering is by integer scans, and no sum uses
+//! atomics, so a back end gives the same bytes on every run.
+//!
+//! Floats: every sum runs in the CPU's order, but GPU compilers fuse
+//! `a + w·x` into multiply-adds, and tF's sums are float32 here (float64
+//! rounded once on the CPU; wgpu has no float64). Tested (tests/matching_gpu.rs):
+//! √Cf and amp within 1e-5 relative, tF within 1e-4·max(|tF|, 1); measured on
+//! lavapipe: amp and √Cf bit-identical to the CPU's, tF within 2e-6 (unit
+//! case and a sim32 window); a whole `spikecube sort` of the 30-s sim32
+//! recording gave the same spike times, templates and clusters as the CPU. A spike can differ only where that rounding moves a
+//! comparison (a Cf within rounding of `Th_learned`², or two maxima within
+//! rounding of each other), as between the CPU and Kilosort4. Two spikes of
+//! one half-peel with overlapping ranges (two exactly equal Cf maxima within
+//! nt) are both subtracted here; the CPU lets the later one's write win.
+//!
+//! Capacity: at most `max_peels`·(NT/(nt + 1) + 1) spikes per window (a peel's
+//! spikes are more than nt apart unless Cf values tie exactly); a window that
+//! would pass it is matched again on the CPU, with a warning.
+//!
+//! Device memory (float32): B K·NT, F C_used·npc·NT, X C·NT, Cf and flags a
+//! few NT; the pair arrays are the set-up's: `ctc` (2nt + 1 floats per pair
+//! that shares a site, only when they fit `ctc_budget_bytes`, 512 MiB by
+//! default) else `UtU` (npc² floats per pair: at most K²·144 B = 576 MB at
+//! K = 2 000). At K = 2 000, C = 384, NT = 60 122: 481 + 554 + 92 + ≤ 576 MB
+//! + outputs (≤ 30 MB) ≈ 1.8 GB, below 3 GB.
+
+pub mod kernels;
+
+use std::sync::Arc;
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use ndarray::ArrayView2;
+
+use super::{MatchError, MatchingSetup, WindowSpikes};
+use kernels::{KB, S_LEN, S_OVERFLOW, S_PEELS, S_STOP, S_TOTAL, TT, UNITS};
+
+/// How the peels are driven.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuMatchOptions {
+    /// Peels launched between two reads of the device state (1 reads after
+    /// every peel; `max_peels` launches them all and reads once). The
+    /// results do not depend on it. Default 4.
+    pub peels_per_check: usize,
+}
+
+impl Default for GpuMatchOptions {
+    fn default() -> Self {
+        GpuMatchOptions { peels_per_check: 4 }
+    }
+}
+
+/// Per-window device buffers for windows of `n` samples.
+struct WindowBuffers {
+    n: usize,
+    cap: usize,
+    f: Handle,
+    b: Handle,
+    cfmax: Handle,
+    imax: Handle,
+    flags: Handle,
+    lrank: Handle,
+    bcount: Handle,
+    boff: Handle,
+    col: Handle,
+    tmpl: Handle,
+    amp: Handle,
+    cf: Handle,
+    tf: Handle,
+}
+
+/// Learned-template matching on one GPU for one [`MatchingSetup`] (generic
+/// over the CubeCL runtime). Same [`WindowSpikes`] as [`super::match_window`].
+pub struct GpuMatcher<R: Runtime> {
+    client: ComputeClient<R>,
+    device_name: String,
+    setup: Arc<MatchingSetup>,
+    options: GpuMatchOptions,
+    /// Used sites (ascending; F's rows are slot-major).
+    sites: Handle,
+    n_used: usize,
+    nm: Handle,
+    wpca: Handle,
+    wtw: Handle,
+    blk_off: Handle,
+    blk_slot: Handle,
+    blk_u: Handle,
+    n_blk_entries: usize,
+    pk_off: Handle,
+    pk_k: Handle,
+    pairs: Handle,
+    pairs_len: usize,
+    n_pairs: usize,
+    sup_off: Handle,
+    sup_site: Handle,
+    wave: Handle,
+    n_sup: usize,
+    u_all: Handle,
+    icc: Handle,
+    iu: Handle,
+    window: Option<WindowBuffers>,
+}
+
+impl<R: Runtime> std::fmt::Debug for GpuMatcher<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuMatcher")
+            .field("device", &self.device_name)
+            .field("templates", &self.setup.n_templates())
+            .finish()
+    }
+}
+
+fn bytes_f32(v: &[f32]) -> &[u8] {
+    f32::as_bytes(v)
+}
+fn bytes_u32(v: &[u32]) -> &[u8] {
+    u32::as_bytes(v)
+}
+
+/// The block-sparse template matrix: per block of [`KB`] templates, the
+/// union of their sites' slots (ascending) and, per entry, KB × npc
+/// coefficients (zero for templates without that site or past K).
+fn template_blocks(setup: &MatchingSetup, slot: &[usize]) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+    let (k, npc, _) = setup.u.dim();
+    let nb = k.div_ceil(KB);
+    let mut off = vec![0u32];
+    let mut slots = Vec::new();
+    let mut vals = Vec::new();
+    for blk in 0..nb {
+        let mut sites: Vec<u32> = (blk * KB..((blk + 1) * KB).min(k))
+            .flat_map(|j| setup.support[j].iter().copied())
+            .collect();
+        sites.sort_unstable();
+        sites.dedup();
+        for &c in &sites {
+            slots.push(slot[c as usize] as u32);
+            for r in 0..KB {
+                let j = blk * KB + r;
+                for p in 0..npc {
+                    vals.push(if j < k {
+                        setup.u[[j, p, c as usize]]
+                    } else {
+                        0.0
+                    });
+                }
+            }
+        }
+        off.push(slots.len() as u32);
+    }
+    (off, slots, vals)
+}
+
+impl<R: Runtime> GpuMatcher<R> {
+    /// Uploads `setup`'s arrays to `device` (`device_name` names it in errors).
+    ///
+    /// # Errors
+    /// None today; kept fallible for device allocation failures.
+    pub fn new(
+        device: &R::Device,
+        device_name: String,
+        setup: Arc<MatchingSetup>,
+        options: GpuMatchOptions,
+    ) -> Result<Self, MatchError> {
+        let client = R::client(device);
+        let (k, npc, n_c) = setup.u.dim();
+        let nt = setup.settings.nt;
+        let up_f =
+            |v: &[f32]| client.create_from_slice(bytes_f32(if v.is_empty() { &[0.0] } else { v }));
+        let up_u =
+            |v: &[u32]| client.create_from_slice(bytes_u32(if v.is_empty() { &[0] } else { v }));
+        let mut used = vec![false; n_c];
+        for s in &setup.support {
+            for &c in s {
+                used[c as usize] = true;
+            }
+        }
+        let sites: Vec<u32> = (0..n_c as u32).filter(|&c| used[c as usize]).collect();
+        let mut slot = vec![usize::MAX; n_c];
+        for (i, &c) in sites.iter().enumerate() {
+            slot[c as usize] = i;
+        }
+        let (blk_off, blk_slot, blk_u) = template_blocks(&setup, &slot);
+        let mut pk_off = vec![0u32];
+        let mut pk_k = Vec::new();
+        let mut pairs = Vec::new();
+        let precomputed = setup.ctc_precomputed();
+        for p in &setup.partners {
+            pk_k.extend_from_slice(&p.k);
+            pk_off.push(pk_k.len() as u32);
+            match (&p.ctc, precomputed) {
+                (Some(c), true) => pairs.extend_from_slice(c),
+                _ => pairs.extend_from_slice(&p.utu),
+            }
+        }
+        let mut sup_off = vec![0u32];
+        let mut sup_site = Vec::new();
+        let mut wave = Vec::new();
+        for j in 0..k {
+            sup_site.extend_from_slice(&setup.support[j]);
+            sup_off.push(sup_site.len() as u32);
+            wave.extend_from_slice(&setup.wave[j]);
+        }
+        debug_assert_eq!(wave.len(), sup_site.len() * nt);
+        let wtw: Vec<f32> = {
+            // WtW is npc × npc × (2nt + 1); the kernel reads [a·npc + b][d].
+            setup.wtw.iter().copied().collect()
+        };
+        let m = GpuMatcher {
+            device_name,
+            options,
+            n_used: sites.len(),
+            sites: up_u(&sites),
+            nm: up_f(&setup.nm),
+            wpca: up_f(
+                setup
+                    .wpca
+                    .as_standard_layout()
+                    .as_slice()
+                    .expect("standard"),
+            ),
+            wtw: up_f(&wtw),
+            n_blk_entries: blk_slot.len(),
+            blk_off: up_u(&blk_off),
+            blk_slot: up_u(&blk_slot),
+            blk_u: up_f(&blk_u),
+            n_pairs: pk_k.len(),
+            pairs_len: pairs.len(),
+            pk_off: up_u(&pk_off),
+            pk_k: up_u(&pk_k),
+            pairs: up_f(&pairs),
+            n_sup: sup_site.len(),
+            sup_off: up_u(&sup_off),
+            sup_site: up_u(&sup_site),
+            wave: up_f(&wave),
+            u_all: up_f(setup.u.as_standard_layout().as_slice().expect("standard")),
+            icc: up_u(setup.icc.as_standard_layout().as_slice().expect("standard")),
+            iu: up_u(&setup.iu),
+            window: None,
+            setup,
+            client,
+        };
+        debug_assert!(npc * npc * (2 * nt + 1) == m.setup.wtw.len());
+        Ok(m)
+    }
+
+    /// The set-up this matcher was made from.
+    pub fn setup(&self) -> &Arc<MatchingSetup> {
+        &self.setup
+    }
+
+    /// The device's name.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// Bytes of device memory held: the set-up's arrays plus the window's.
+    pub fn device_bytes(&self) -> usize {
+        let h = |x: &Handle| x.size() as usize;
+        let fixed = [
+            &self.sites,
+            &self.nm,
+            &self.wpca,
+            &self.wtw,
+            &self.blk_off,
+            &self.blk_slot,
+            &self.blk_u,
+            &self.pk_off,
+            &self.pk_k,
+            &self.pairs,
+            &self.sup_off,
+            &self.sup_site,
+            &self.wave,
+            &self.u_all,
+            &self.icc,
+            &self.iu,
+        ]
+        .into_iter()
+        .map(h)
+        .sum::<usize>();
+        let win = self.window.as_ref().map_or(0, |w| {
+            [
+                &w.f, &w.b, &w.cfmax, &w.imax, &w.flags, &w.lrank, &w.bcount, &w.boff, &w.col,
+                &w.tmpl, &w.amp, &w.cf, &w.tf,
+            ]
+            .into_iter()
+            .map(h)
+            .sum::<usize>()
+        });
+        fixed + win
+    }
+
+    fn device_err(&self, message: String) -> MatchError {
+        MatchError::Device {
+            device: self.device_name.clone(),
+            message,
+        }
+    }
+
+    fn buffers(&mut self, n: usize) {
+        if self.window.as_ref().is_some_and(|w| w.n == n) {
+            return;
+        }
+        let s = &self.setup.settings;
+        let (k, npc, _) = self.setup.u.dim();
+        let nc = self.setup.icc.nrows();
+        let cap = s.max_peels * (n / (s.nt + 1) + 1);
+        let nb = n.div_ceil(UNITS);
+        let c = &self.client;
+        let f = |len: usize| c.empty(len.max(1) * 4);
+        self.window = Some(WindowBuffers {
+            n,
+            cap,
+            f: f(self.n_used * npc * n),
+            b: f(k * n),
+            cfmax: f(n),
+            imax: f(n),
+            flags: f(n),
+            lrank: f(n),
+            bcount: f(nb),
+            boff: f(nb),
+            col: f(cap),
+            tmpl: f(cap),
+            amp: f(cap),
+            cf: f(cap),
+            tf: f(cap * nc * npc),
+        });
+    }
+
+    /// [`super::match_window`] on the device: the same checks, the same spikes.
+    ///
+    /// # Errors
+    /// [`MatchError::Shape`] as the CPU's; [`MatchError::Device`] when a read
+    /// back fails.
+    pub fn match_window(&mut self, x: ArrayView2<f32>) -> Result<WindowSpikes, MatchError> {
+        let (_, _, n_c) = self.setup.u.dim();
+        let nt = self.setup.settings.nt;
+        let n = x.ncols();
+        if x.nrows() != n_c || n <= 2 * nt {
+            return Err(super::shape_err(
+                "window",
+                format!(
+                    "is {} × {n}; expected {n_c} sites and more than {} samples",
+                    x.nrows(),
+                    2 * nt
+                ),
+            ));
+        }
+        self.buffers(n);
+        let xs = x.as_standard_layout();
+        let xres = self
+            .client
+            .create_from_slice(bytes_f32(xs.as_slice().expect("standard layout")));
+        let state = self.client.create_from_slice(bytes_u32(&[0u32; S_LEN]));
+        self.launch_product(&xres, n);
+        self.launch_best_dense(n);
+        let max_peels = self.setup.settings.max_peels;
+        let every = self.options.peels_per_check.max(1);
+        let mut st = [0u32; S_LEN];
+        let mut peel = 0;
+        while peel < max_peels {
+            let end = (peel + every).min(max_peels);
+            for p in peel..end {
+                self.launch_peel(&xres, &state, n, p);
+            }
+            peel = end;
+            st = self.read_state(&state)?;
+            if st[S_STOP] != 0 {
+                break;
+            }
+        }
+        if st[S_OVERFLOW] != 0 {
+            tracing::warn!(
+                "GPU matching: more than {} spikes in one window of {n} samples (exactly tied Cf maxima?); this window is matched on the CPU",
+                self.window.as_ref().map_or(0, |w| w.cap)
+            );
+            return super::match_window(&self.setup, x);
+        }
+        let count = st[S_TOTAL] as usize;
+        let peels = st[S_PEELS] as usize;
+        self.download(&xres, n, count, peels)
+    }
+
+    fn read_state(&self, state: &Handle) -> Result<[u32; S_LEN], MatchError> {
+        let out = self.client.read(vec![state.clone()]);
+        let v = u32::from_bytes(&out[0]);
+        let mut st = [0u32; S_LEN];
+        if v.len() < S_LEN {
+            return Err(self.device_err(format!("state read back {} words", v.len())));
+        }
+        st.copy_from_slice(&v[..S_LEN]);
+        Ok(st)
+    }
+
+    /// Launches the features and reads the spikes back (the one download).
+    fn download(
+        &mut self,
+        xres: &Handle,
+        n: usize,
+        count: usize,
+        peels: usize,
+    ) -> Result<WindowSpikes, MatchError> {
+        let mut out = WindowSpikes {
+            peels,
+            ..WindowSpikes::default()
+        };
+        if count == 0 {
+            return Ok(out);
+        }
+        let (_, npc, n_c) = self.setup.u.dim();
+        let nc = self.setup.icc.nrows();
+        let nt = self.setup.settings.nt;
+        let w = self.window.as_ref().expect("allocated");
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let total = count * nc * npc;
+        // SAFETY: spikes lie in nt ≤ col < n − nt, so col ± nt/2 is inside the
+        // window; sites and templates index the uploaded arrays' lengths.
+        unsafe {
+            kernels::features_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(total.div_ceil(UNITS) as u32, 1, 1),
+                CubeDim::new_1d(UNITS as u32),
+                arr(xres, n_c * n),
+                arr(&self.wpca, npc * nt),
+                arr(&self.u_all, self.setup.u.len()),
+                arr(&self.icc, self.setup.icc.len()),
+                arr(&self.iu, self.setup.iu.len()),
+                arr(&w.col, w.cap),
+                arr(&w.tmpl, w.cap),
+                arr(&w.amp, w.cap),
+                arr(&w.tf, w.cap * nc * npc),
+                n as u32,
+                count as u32,
+                n_c as u32,
+                nc,
+                npc,
+                nt,
+            );
+        }
+        let part =
+            |h: &Handle, used: usize, cap: usize| h.clone().offset_end(((cap - used) * 4) as u64);
+        let data = self.client.read(vec![
+            part(&w.col, count, w.cap),
+            part(&w.tmpl, count, w.cap),
+            part(&w.amp, count, w.cap),
+            part(&w.cf, count, w.cap),
+            part(&w.tf, total, w.cap * nc * npc),
+        ]);
+        let col = u32::from_bytes(&data[0]);
+        let tmpl = u32::from_bytes(&data[1]);
+        let amp = f32::from_bytes(&data[2]);
+        let cf = f32::from_bytes(&data[3]);
+        let tf = f32::from_bytes(&data[4]);
+        if col.len() < count || tf.len() < total {
+            return Err(self.device_err(format!(
+                "read back {} of {count} spikes",
+                col.len().min(tf.len() / (nc * npc))
+            )));
+        }
+        out.col = col[..count].to_vec();
+        out.template = tmpl[..count].to_vec();
+        out.amp = amp[..count].to_vec();
+        out.th_amp = cf[..count].iter().map(|v| v.sqrt()).collect();
+        out.tf = tf[..total].to_vec();
+        Ok(out)
+    }
+
+    fn launch_product(&self, xres: &Handle, n: usize) {
+        let (k, npc, n_c) = self.setup.u.dim();
+        let nt = self.setup.settings.nt;
+        let w = self.window.as_ref().expect("allocated");
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let nb = k.div_ceil(KB);
+        if self.n_used == 0 {
+            return;
+        }
+        // SAFETY: the filter reads X inside 0..n (zero padding) and writes F's
+        // n_used·npc rows; the product reads the block lists built for them.
+        unsafe {
+            kernels::filter_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(n.div_ceil(UNITS) as u32, self.n_used as u32, 1),
+                CubeDim::new_1d(UNITS as u32),
+                arr(xres, n_c * n),
+                arr(&self.wpca, npc * nt),
+                arr(&self.sites, self.n_used),
+                arr(&w.f, self.n_used * npc * n),
+                n as u32,
+                npc,
+                nt,
+            );
+            kernels::product_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(n.div_ceil(TT) as u32, nb as u32, 1),
+                CubeDim::new_1d(UNITS as u32),
+                arr(&w.f, self.n_used * npc * n),
+                arr(&self.blk_off, nb + 1),
+                arr(&self.blk_slot, self.n_blk_entries.max(1)),
+                arr(&self.blk_u, (self.n_blk_entries * KB * npc).max(1)),
+                arr(&w.b, k * n),
+                n as u32,
+                k as u32,
+                npc,
+            );
+        }
+    }
+
+    fn launch_best_dense(&self, n: usize) {
+        let k = self.setup.u.dim().0;
+        let w = self.window.as_ref().expect("allocated");
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        // SAFETY: one unit per sample below n; B is K × n.
+        unsafe {
+            kernels::best_dense_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(n.div_ceil(UNITS) as u32, 1, 1),
+                CubeDim::new_1d(UNITS as u32),
+                arr(&w.b, k * n),
+                arr(&self.nm, k),
+                arr(&w.cfmax, n),
+                arr(&w.imax, n),
+                n as u32,
+                k as u32,
+                self.setup.settings.nt as u32,
+            );
+        }
+    }
+
+    /// One peel's launches (peaks, compaction, both halves' subtraction, Cf
+    /// again around the spikes); they do nothing once the state says stop.
+    fn launch_peel(&self, xres: &Handle, state: &Handle, n: usize, peel: usize) {
+        let (k, npc, n_c) = self.setup.u.dim();
+        let s = &self.setup.settings;
+        let nt = s.nt;
+        let nl = 2 * nt + 1;
+        let w = self.window.as_ref().expect("allocated");
+        let nb = n.div_ceil(UNITS);
+        let th2 = (s.th_learned * s.th_learned) as f32;
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let per_peel = (n / (nt + 1) + 1).min(4096);
+        let precomputed = self.setup.ctc_precomputed();
+        // SAFETY: flags and ranks cover 0..n; spikes lie in nt ≤ col < n − nt,
+        // so every range col ± nt (B) and col ± nt/2 (X) is inside the window;
+        // spike indices stay below cap (the offsets kernel stops before).
+        unsafe {
+            kernels::flags_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(nb as u32, 1, 1),
+                CubeDim::new_1d(UNITS as u32),
+                arr(&w.cfmax, n),
+                arr(state, S_LEN),
+                arr(&w.flags, n),
+                arr(&w.lrank, n),
+                arr(&w.bcount, nb),
+                n as u32,
+                nt as u32,
+                th2,
+            );
+            kernels::offsets_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(UNITS as u32),
+                arr(&w.bcount, nb),
+                arr(&w.boff, nb),
+                arr(state, S_LEN),
+                nb as u32,
+                peel as u32,
+                w.cap as u32,
+            );
+            kernels::write_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(nb as u32, 1, 1),
+                CubeDim::new_1d(UNITS as u32),
+                arr(&w.flags, n),
+                arr(&w.lrank, n),
+                arr(&w.boff, nb),
+                arr(&w.cfmax, n),
+                arr(&w.imax, n),
+                arr(&w.b, k * n),
+                arr(&self.nm, k),
+                arr(state, S_LEN),
+                arr(&w.col, w.cap),
+                arr(&w.tmpl, w.cap),
+                arr(&w.amp, w.cap),
+                arr(&w.cf, w.cap),
+                n as u32,
+                w.cap as u32,
+            );
+            for parity in 0..2u32 {
+                kernels::subtract_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(per_peel.div_ceil(2) as u32, 1, 1),
+                    CubeDim::new_1d(UNITS as u32),
+                    arr(state, S_LEN),
+                    arr(&w.col, w.cap),
+                    arr(&w.tmpl, w.cap),
+                    arr(&w.amp, w.cap),
+                    arr(&self.pk_off, k + 1),
+                    arr(&self.pk_k, self.n_pairs.max(1)),
+                    arr(&self.pairs, self.pairs_len.max(1)),
+                    arr(&self.wtw, npc * npc * nl),
+                    arr(&self.sup_off, k + 1),
+                    arr(&self.sup_site, self.n_sup.max(1)),
+                    arr(&self.wave, (self.n_sup * nt).max(1)),
+                    arr(&w.b, k * n),
+                    arr(xres, n_c * n),
+                    n as u32,
+                    parity,
+                    nt,
+                    npc,
+                    precomputed,
+                );
+            }
+            kernels::best_sparse_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(per_peel as u32, 1, 1),
+                CubeDim::new_1d(128),
+                arr(&w.b, k * n),
+                arr(&self.nm, k),
+                arr(state, S_LEN),
+                arr(&w.col, w.cap),
+                arr(&w.cfmax, n),
+                arr(&w.imax, n),
+                n as u32,
+                k as u32,
+                nt as u32,
+            );
+        }
+    }
+}

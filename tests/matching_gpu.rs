@@ -1,0 +1,271 @@
+//! The GPU learned-template matching against its CPU twin
+//! (`spikecube::sort::matching::match_window`, itself checked against
+//! Kilosort4 in tests/matching.rs), on wgpu (Mesa lavapipe in CI) and, when
+//! asked for, CUDA (`#[ignore]`d: `cargo test --release --test matching_gpu
+//! -- --include-ignored` on a machine with an NVIDIA GPU).
+//!
+//! What must agree: every spike's window column and template, in the same
+//! order, and the peel count, exactly; amp and √Cf within 1e-5 relative; tF
+//! within 1e-4·max(|tF|, 1) (GPU compilers fuse multiply-adds, and the
+//! device sums tF in float32 where the CPU uses float64 rounded once).
+//! Within a back end: the same bytes on two runs.
+#![cfg(any(feature = "cuda", feature = "wgpu"))]
+
+mod common;
+
+use std::fs::File;
+use std::sync::Arc;
+
+use common::data;
+use cubecl::Runtime;
+use ndarray::{Array1, Array2, Array3, ArrayD, ArrayView2, Axis, Ix1, Ix2, Ix3};
+use ndarray_npy::NpzReader;
+use spikecube::sort::matching::gpu::{GpuMatchOptions, GpuMatcher};
+use spikecube::sort::matching::{MatchingSettings, MatchingSetup, WindowSpikes, match_window};
+
+const REL: f32 = 1e-5;
+const TF_TOL: f32 = 1e-4;
+
+fn get<A: ndarray_npy::ReadableElement, D: ndarray::Dimension>(
+    z: &mut NpzReader<File>,
+    name: &str,
+) -> ndarray::Array<A, D> {
+    z.by_name(name).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+struct Unit {
+    wpca: Array2<f32>,
+    xc: Array1<f32>,
+    yc: Array1<f32>,
+    wall3: Array3<f32>,
+    x: Array3<f32>,
+    icc: Array2<i64>,
+    batch_size: usize,
+}
+
+fn load_unit() -> Unit {
+    let mut z = NpzReader::new(File::open(data("matching/unit.npz")).unwrap()).unwrap();
+    let bs: ArrayD<i64> = get(&mut z, "batch_size");
+    Unit {
+        wpca: get::<f32, Ix2>(&mut z, "wPCA"),
+        xc: get::<f32, Ix1>(&mut z, "xc"),
+        yc: get::<f32, Ix1>(&mut z, "yc"),
+        wall3: get::<f32, Ix3>(&mut z, "Wall3"),
+        x: get::<f32, Ix3>(&mut z, "X"),
+        icc: get::<i64, Ix2>(&mut z, "iCC"),
+        batch_size: bs.iter().next().copied().unwrap() as usize,
+    }
+}
+
+fn unit_setup(u: &Unit, ctc_budget_bytes: usize) -> Arc<MatchingSetup> {
+    let settings = MatchingSettings {
+        batch_size: u.batch_size,
+        ctc_budget_bytes,
+        ..MatchingSettings::default()
+    };
+    Arc::new(
+        MatchingSetup::new(
+            u.wall3.view(),
+            u.wpca.view(),
+            u.xc.as_slice().unwrap(),
+            u.yc.as_slice().unwrap(),
+            &settings,
+        )
+        .unwrap()
+        .with_icc(u.icc.mapv(|v| v as u32))
+        .unwrap(),
+    )
+}
+
+fn same(label: &str, cpu: &WindowSpikes, gpu: &WindowSpikes) {
+    assert_eq!(cpu.len(), gpu.len(), "{label}: spike count");
+    assert_eq!(cpu.col, gpu.col, "{label}: columns");
+    assert_eq!(cpu.template, gpu.template, "{label}: templates");
+    assert_eq!(cpu.peels, gpu.peels, "{label}: peels");
+    let rel = |what: &str, a: &[f32], b: &[f32]| {
+        let mut worst = 0f32;
+        for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+            let d = (x - y).abs() / x.abs().max(1e-30);
+            worst = worst.max(d);
+            assert!(d <= REL, "{label} {what}[{i}]: CPU {x} vs GPU {y}");
+        }
+        worst
+    };
+    let wa = rel("amp", &cpu.amp, &gpu.amp);
+    let wt = rel("th_amp", &cpu.th_amp, &gpu.th_amp);
+    let mut wf = 0f32;
+    for (i, (&x, &y)) in cpu.tf.iter().zip(&gpu.tf).enumerate() {
+        let d = (x - y).abs() / x.abs().max(1.0);
+        wf = wf.max(d);
+        assert!(d <= TF_TOL, "{label} tF[{i}]: CPU {x} vs GPU {y}");
+    }
+    eprintln!(
+        "{label}: {} spikes, {} peels; max rel amp {wa:e}, √Cf {wt:e}, tF {wf:e}",
+        cpu.len(),
+        cpu.peels
+    );
+}
+
+fn matcher<R: Runtime>(
+    device: &R::Device,
+    setup: &Arc<MatchingSetup>,
+    peels_per_check: usize,
+) -> GpuMatcher<R> {
+    GpuMatcher::<R>::new(
+        device,
+        "test device".into(),
+        setup.clone(),
+        GpuMatchOptions { peels_per_check },
+    )
+    .unwrap()
+}
+
+/// Every window of the unit case (precomputed ctc and UtU-only set-ups, one
+/// and all peels per state read) equals the CPU; two runs give the same bytes.
+fn check_unit<R: Runtime>(device: &R::Device) {
+    let u = load_unit();
+    for budget in [512usize << 20, 0] {
+        let setup = unit_setup(&u, budget);
+        assert_eq!(setup.ctc_precomputed(), budget > 0);
+        for every in [1usize, 4, 100] {
+            let mut m = matcher::<R>(device, &setup, every);
+            for (i, x) in u.x.axis_iter(Axis(0)).enumerate() {
+                let cpu = match_window(&setup, x).unwrap();
+                let gpu = m.match_window(x).unwrap();
+                same(
+                    &format!("unit window {i} (budget {budget}, every {every})"),
+                    &cpu,
+                    &gpu,
+                );
+                let again = m.match_window(x).unwrap();
+                assert_eq!(gpu, again, "unit window {i}: second run");
+            }
+        }
+    }
+}
+
+/// The sim32 recording's templates (Kilosort4's Wall3) on the first 20 000
+/// samples of its first window, preprocessed with Kilosort4's Wrot.
+fn check_sim32<R: Runtime>(device: &R::Device) {
+    let dir = data("sort/sim32");
+    let open = |f: &str| NpzReader::new(File::open(dir.join(f)).unwrap()).unwrap();
+    let mut ops = open("ops.npz");
+    let wpca: Array2<f32> = get(&mut ops, "wPCA");
+    let wrot: Array2<f32> = get(&mut ops, "Wrot");
+    let xc: Array1<f32> = get(&mut ops, "xc");
+    let yc: Array1<f32> = get(&mut ops, "yc");
+    let icc: Array2<i64> = get(&mut ops, "iCC");
+    let wall3: Array3<f32> = get(&mut open("post_out.npz"), "Wall3");
+    let x = sim32_window(wrot);
+    let setup = Arc::new(
+        MatchingSetup::new(
+            wall3.view(),
+            wpca.view(),
+            xc.as_slice().unwrap(),
+            yc.as_slice().unwrap(),
+            &MatchingSettings::default(),
+        )
+        .unwrap()
+        .with_icc(icc.mapv(|v| v as u32))
+        .unwrap(),
+    );
+    let x: ArrayView2<f32> = x.slice(ndarray::s![.., ..20_000]);
+    let cpu = match_window(&setup, x).unwrap();
+    assert!(cpu.len() > 100, "sim32: only {} spikes", cpu.len());
+    let mut m = matcher::<R>(device, &setup, 4);
+    let gpu = m.match_window(x).unwrap();
+    same("sim32 window 0", &cpu, &gpu);
+    assert_eq!(gpu, m.match_window(x).unwrap(), "sim32: second run");
+}
+
+/// Window 0 of the sim32 recording, made again from its seed
+/// (`tests/data/sort/README.md`).
+fn sim32_window(wrot: Array2<f32>) -> Array2<f32> {
+    use spikecube::preprocess::{PreprocessSettings, Preprocessor};
+    use spikecube::recording::{Dtype, Format, OpenOptions, WindowPlan, open};
+    use spikecube::simulate::{SimConfig, simulate};
+    let probe = spikecube::Probe::load(&data("sort/probe32.json")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = SimConfig {
+        seconds: 30.0,
+        n_units: 36,
+        rate_hz: 15.0,
+        seed: 7,
+        ..SimConfig::default()
+    };
+    let sum = simulate(&probe, &cfg, &dir.path().join("sim")).unwrap();
+    let opened = open(
+        &sum.bin_path,
+        &OpenOptions {
+            format: Format::Binary,
+            n_channels: Some(33),
+            fs: Some(30_000.0),
+            dtype: Dtype::Int16,
+            ..OpenOptions::default()
+        },
+    )
+    .unwrap();
+    let settings = PreprocessSettings {
+        fs: 30_000.0,
+        ..PreprocessSettings::default()
+    };
+    let pre = Preprocessor::new(&settings, wrot).unwrap();
+    let rec = opened.recording;
+    let plan = WindowPlan::new(
+        rec.n_samples(),
+        settings.batch_size as u64,
+        settings.nt as u64,
+    )
+    .unwrap();
+    spikecube::sort::matching::preprocessed_window(
+        rec.as_ref(),
+        &plan,
+        &probe.chan_map,
+        &pre,
+        None,
+        0,
+    )
+    .unwrap()
+}
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+    use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
+
+    fn device() -> WgpuDevice {
+        assert!(
+            !spikecube::backend::probe_wgpu().is_empty(),
+            "no Vulkan adapter: install a Vulkan driver (CI: apt-get install mesa-vulkan-drivers libvulkan1)"
+        );
+        WgpuDevice::DefaultDevice
+    }
+
+    #[test]
+    fn unit_case_equals_cpu() {
+        check_unit::<WgpuRuntime>(&device());
+    }
+
+    #[test]
+    fn sim32_window_equals_cpu() {
+        check_sim32::<WgpuRuntime>(&device());
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn unit_case_equals_cpu() {
+        check_unit::<CudaRuntime>(&CudaDevice::new(0));
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn sim32_window_equals_cpu() {
+        check_sim32::<CudaRuntime>(&CudaDevice::new(0));
+    }
+}
