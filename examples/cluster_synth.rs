@@ -271,7 +271,7 @@ fn final_data(u: &Units, sp: &[(u32, f64)], seed: u64) -> Data {
         .for_each(|(i, ((row, t), &(k, _)))| {
             let mut rng = ChaCha8Rng::seed_from_u64(!seed ^ (i as u64).wrapping_mul(0x9E37));
             let k = k as usize;
-            let second = k % 5 == 0 && uniform(&mut rng) < 0.3;
+            let second = k.is_multiple_of(5) && uniform(&mut rng) < 0.3;
             let tt = if second { nu + k / 5 } else { k };
             *t = tt as u32;
             let ch: Vec<usize> = (0..NC).map(|r| chans[[r, tt]]).collect();

@@ -130,12 +130,10 @@ const ASSIGN_ROWS: usize = 8;
 /// [`ASSIGN_ROWS`] rows at a time.
 fn assign_block(x: &[f32], c: &[f32], cn: f32, v0: &mut [f32], lab: &mut [u32], j: u32) {
     let dim = c.len();
-    for (b, (xs, (v, l))) in x
+    for (xs, (v, l)) in x
         .chunks(ASSIGN_ROWS * dim)
         .zip(v0.chunks_mut(ASSIGN_ROWS).zip(lab.chunks_mut(ASSIGN_ROWS)))
-        .enumerate()
     {
-        let _ = b;
         let mut acc = [0f32; ASSIGN_ROWS];
         if v.len() == ASSIGN_ROWS {
             let r: [&[f32]; ASSIGN_ROWS] = std::array::from_fn(|i| &xs[i * dim..(i + 1) * dim]);
@@ -344,7 +342,8 @@ mod tests {
     }
 
     /// The seeding computed literally: every spike against every candidate,
-    /// one dot product at a time, no bounds.
+    /// one dot product at a time.
+    #[allow(clippy::needless_range_loop)]
     fn literal(xd: &[f32], dim: usize, n_clusters: usize, seed: u64) -> Vec<u32> {
         let n = xd.len() / dim;
         let rows = |i: usize| &xd[i * dim..(i + 1) * dim];
@@ -389,7 +388,7 @@ mod tests {
     }
 
     #[test]
-    fn skipping_by_bounds_changes_no_label() {
+    fn tiled_seeding_equals_literal_seeding() {
         // Blobs of different sizes and spreads, some points repeated, in a
         // dimension that is and one that is not a multiple of the tiles.
         for (dim, n, blobs) in [(84usize, 5000usize, 30usize), (7, 2500, 12)] {
