@@ -110,53 +110,88 @@ pub fn kmeans_plusplus(xd: &[f32], dim: usize, n_clusters: usize, seed: u64) -> 
         let best = best_candidate(xd, dim, &cand, &vexp0);
         let c = rows(cand[best]);
         let cn = dot(c, c);
-        for i in 0..n {
-            let g = 2.0 * dot(rows(i), c) - cn;
-            if g > vexp0[i] {
-                vexp0[i] = g;
-                iclust[i] = j as u32;
-            }
-        }
+        vexp0
+            .par_chunks_mut(SPIKE_BLOCK)
+            .zip(iclust.par_chunks_mut(SPIKE_BLOCK))
+            .enumerate()
+            .for_each(|(b, (v0, lab))| {
+                let x = &xd[b * SPIKE_BLOCK * dim..(b * SPIKE_BLOCK + v0.len()) * dim];
+                assign_block(x, c, cn, v0, lab, j as u32);
+            });
     }
     iclust
 }
 
+/// Rows interleaved in [`assign_block`] (independent sums, so they overlap).
+const ASSIGN_ROWS: usize = 8;
+
+/// Gives label `j` to every row of `x` (rows of `c.len()`) whose gain
+/// 2x·c − `cn` beats its `v0`, and raises `v0` to it; x·c in feature order,
+/// [`ASSIGN_ROWS`] rows at a time.
+fn assign_block(x: &[f32], c: &[f32], cn: f32, v0: &mut [f32], lab: &mut [u32], j: u32) {
+    let dim = c.len();
+    for (xs, (v, l)) in x
+        .chunks(ASSIGN_ROWS * dim)
+        .zip(v0.chunks_mut(ASSIGN_ROWS).zip(lab.chunks_mut(ASSIGN_ROWS)))
+    {
+        let mut acc = [0f32; ASSIGN_ROWS];
+        if v.len() == ASSIGN_ROWS {
+            let r: [&[f32]; ASSIGN_ROWS] = std::array::from_fn(|i| &xs[i * dim..(i + 1) * dim]);
+            for (k, &ck) in c.iter().enumerate() {
+                for i in 0..ASSIGN_ROWS {
+                    acc[i] += r[i][k] * ck;
+                }
+            }
+        } else {
+            for (i, a) in acc.iter_mut().enumerate().take(v.len()) {
+                *a = dot(&xs[i * dim..(i + 1) * dim], c);
+            }
+        }
+        for i in 0..v.len() {
+            let g = 2.0 * acc[i] - cn;
+            if g > v[i] {
+                v[i] = g;
+                l[i] = j;
+            }
+        }
+    }
+}
+
+/// Candidates per register tile of the gain kernel (one 16-lane vector).
+const TILE_C: usize = 16;
+/// Spikes per register tile of the gain kernel.
+const TILE_S: usize = 6;
+
 /// The position (in `cand`) of the candidate with the largest summed positive
 /// gain Σ relu(2x·c − ‖c‖² − v0); the first on ties.
+///
+/// Each x·c is summed in float32 in feature order (multiply, then add; no
+/// fused multiply-add), [`TILE_S`] spikes × [`TILE_C`] candidates at a time so
+/// that the sums stay in registers; each candidate's positive gains are added
+/// in float64 in spike order within blocks of [`SPIKE_BLOCK`] spikes, and the
+/// blocks' totals in block order. The tiling changes no operation or order,
+/// so the bits are those of one spike and one candidate at a time.
 fn best_candidate(xd: &[f32], dim: usize, cand: &[usize], vexp0: &[f32]) -> usize {
     let nc = cand.len();
-    // Candidates transposed (dim × nc) so that one spike's gains are a run of
-    // multiply-adds along the candidates.
-    let mut ct = vec![0f32; dim * nc];
-    let mut cn = vec![0f32; nc];
+    let ncp = nc.div_ceil(TILE_C) * TILE_C;
+    // Candidates transposed (dim × ncp, zero-padded): one feature of
+    // TILE_C candidates is one contiguous run.
+    let mut ct = vec![0f32; dim * ncp];
+    let mut cn = vec![0f32; ncp];
     for (c, &s) in cand.iter().enumerate() {
         let row = &xd[s * dim..(s + 1) * dim];
         cn[c] = dot(row, row);
         for k in 0..dim {
-            ct[k * nc + c] = row[k];
+            ct[k * ncp + c] = row[k];
         }
     }
     let partial: Vec<Vec<f64>> = xd
         .par_chunks(SPIKE_BLOCK * dim)
         .zip(vexp0.par_chunks(SPIKE_BLOCK))
         .map(|(block, v0)| {
-            let mut sum = vec![0f64; nc];
-            let mut acc = vec![0f32; nc];
-            for (x, &e) in block.chunks_exact(dim).zip(v0) {
-                acc.iter_mut().for_each(|a| *a = 0.0);
-                for (k, &xk) in x.iter().enumerate() {
-                    let crow = &ct[k * nc..(k + 1) * nc];
-                    for (a, &cv) in acc.iter_mut().zip(crow) {
-                        *a += xk * cv;
-                    }
-                }
-                for c in 0..nc {
-                    let d = 2.0 * acc[c] - cn[c] - e;
-                    if d > 0.0 {
-                        sum[c] += f64::from(d);
-                    }
-                }
-            }
+            let mut sum = vec![0f64; ncp];
+            block_gains(block, v0, &ct, &cn, dim, &mut sum);
+            sum.truncate(nc);
             sum
         })
         .collect();
@@ -173,6 +208,114 @@ fn best_candidate(xd: &[f32], dim: usize, cand: &[usize], vexp0: &[f32]) -> usiz
         }
     }
     best
+}
+
+/// Adds, for each candidate column of `ct` (dim × ncp), the positive gains
+/// 2x·c − ‖c‖² − v0 of the spikes of `block` (rows of `dim`) to `sum` (ncp),
+/// in spike order. Compiled for AVX-512 and AVX2 too and chosen at run time:
+/// the same operations on more lanes, the same bits.
+fn block_gains(block: &[f32], v0: &[f32], ct: &[f32], cn: &[f32], dim: usize, sum: &mut [f64]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f")]
+        fn avx512(b: &[f32], v0: &[f32], ct: &[f32], cn: &[f32], dim: usize, s: &mut [f64]) {
+            block_gains_impl(b, v0, ct, cn, dim, s)
+        }
+        #[target_feature(enable = "avx2")]
+        fn avx2(b: &[f32], v0: &[f32], ct: &[f32], cn: &[f32], dim: usize, s: &mut [f64]) {
+            block_gains_impl(b, v0, ct, cn, dim, s)
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            unsafe { avx512(block, v0, ct, cn, dim, sum) };
+            return;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            unsafe { avx2(block, v0, ct, cn, dim, sum) };
+            return;
+        }
+    }
+    block_gains_impl(block, v0, ct, cn, dim, sum)
+}
+
+#[inline(always)]
+fn block_gains_impl(
+    block: &[f32],
+    v0: &[f32],
+    ct: &[f32],
+    cn: &[f32],
+    dim: usize,
+    sum: &mut [f64],
+) {
+    let ncp = cn.len();
+    let ns = v0.len();
+    let mut acc = [[0f32; TILE_C]; TILE_S];
+    let mut s0 = 0;
+    while s0 < ns {
+        let rows = (ns - s0).min(TILE_S);
+        for c0 in (0..ncp).step_by(TILE_C) {
+            if rows == TILE_S {
+                tile_full(&block[s0 * dim..], ct, ncp, c0, dim, &mut acc);
+            } else {
+                for r in 0..rows {
+                    tile_row(&block[(s0 + r) * dim..], ct, ncp, c0, dim, &mut acc[r]);
+                }
+            }
+            for (r, a) in acc.iter().enumerate().take(rows) {
+                let e = v0[s0 + r];
+                let cnr = &cn[c0..c0 + TILE_C];
+                let sr = &mut sum[c0..c0 + TILE_C];
+                for l in 0..TILE_C {
+                    let d = 2.0 * a[l] - cnr[l] - e;
+                    // Adding +0 leaves a sum of positive terms unchanged.
+                    sr[l] += if d > 0.0 { f64::from(d) } else { 0.0 };
+                }
+            }
+        }
+        s0 += rows;
+    }
+}
+
+/// x·c for TILE_S consecutive rows of `x` and the TILE_C candidates from
+/// column `c0` of `ct`, each summed in feature order.
+#[inline(always)]
+fn tile_full(
+    x: &[f32],
+    ct: &[f32],
+    ncp: usize,
+    c0: usize,
+    dim: usize,
+    acc: &mut [[f32; TILE_C]; TILE_S],
+) {
+    let x = &x[..TILE_S * dim];
+    let mut a = [[0f32; TILE_C]; TILE_S];
+    for k in 0..dim {
+        let crow: &[f32; TILE_C] = ct[k * ncp + c0..k * ncp + c0 + TILE_C]
+            .try_into()
+            .expect("tile width");
+        for r in 0..TILE_S {
+            let xk = x[r * dim + k];
+            for l in 0..TILE_C {
+                a[r][l] += xk * crow[l];
+            }
+        }
+    }
+    *acc = a;
+}
+
+/// As [`tile_full`] for one row.
+#[inline(always)]
+fn tile_row(x: &[f32], ct: &[f32], ncp: usize, c0: usize, dim: usize, acc: &mut [f32; TILE_C]) {
+    let mut a = [0f32; TILE_C];
+    for k in 0..dim {
+        let xk = x[k];
+        let crow = &ct[k * ncp + c0..k * ncp + c0 + TILE_C];
+        for l in 0..TILE_C {
+            a[l] += xk * crow[l];
+        }
+    }
+    *acc = a;
 }
 
 #[cfg(test)]
@@ -196,6 +339,92 @@ mod tests {
         }
         assert!(lab[0] != lab[1] && lab[1] != lab[2] && lab[0] != lab[2]);
         assert_eq!(lab, kmeans_plusplus(&xd, 2, 3, 5));
+    }
+
+    /// The seeding computed literally: every spike against every candidate,
+    /// one dot product at a time.
+    #[allow(clippy::needless_range_loop)]
+    fn literal(xd: &[f32], dim: usize, n_clusters: usize, seed: u64) -> Vec<u32> {
+        let n = xd.len() / dim;
+        let rows = |i: usize| &xd[i * dim..(i + 1) * dim];
+        let vtot: Vec<f32> = (0..n).map(|i| dot(rows(i), rows(i))).collect();
+        let mut v0 = vec![0f32; n];
+        let mut lab = vec![0u32; n];
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        for j in 0..n_clusters {
+            let v2: Vec<f32> = vtot
+                .iter()
+                .zip(&v0)
+                .map(|(&t, &e)| (t - e).max(0.0))
+                .collect();
+            let cand = draw_without_replacement(&v2, N_CANDIDATES, &mut rng);
+            if cand.is_empty() {
+                break;
+            }
+            let mut total = vec![0f64; cand.len()];
+            for b0 in (0..n).step_by(SPIKE_BLOCK) {
+                let mut sum = vec![0f64; cand.len()];
+                for i in b0..(b0 + SPIKE_BLOCK).min(n) {
+                    for (s, &c) in sum.iter_mut().zip(&cand) {
+                        let d = 2.0 * dot(rows(i), rows(c)) - dot(rows(c), rows(c)) - v0[i];
+                        if d > 0.0 {
+                            *s += f64::from(d);
+                        }
+                    }
+                }
+                total.iter_mut().zip(&sum).for_each(|(t, s)| *t += s);
+            }
+            let best = (1..cand.len()).fold(0, |b, c| if total[c] > total[b] { c } else { b });
+            let c = rows(cand[best]);
+            for i in 0..n {
+                let g = 2.0 * dot(rows(i), c) - dot(c, c);
+                if g > v0[i] {
+                    v0[i] = g;
+                    lab[i] = j as u32;
+                }
+            }
+        }
+        lab
+    }
+
+    #[test]
+    fn tiled_seeding_equals_literal_seeding() {
+        // Blobs of different sizes and spreads, some points repeated, in a
+        // dimension that is and one that is not a multiple of the tiles.
+        for (dim, n, blobs) in [(84usize, 5000usize, 30usize), (7, 2500, 12)] {
+            let mut x = 99u64;
+            let mut next = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 11) as f32 / (1u64 << 53) as f32 - 0.5
+            };
+            let centres: Vec<Vec<f32>> = (0..blobs)
+                .map(|b| {
+                    (0..dim)
+                        .map(|_| next() * 20.0 * (1 + b % 3) as f32)
+                        .collect()
+                })
+                .collect();
+            let mut xd = Vec::with_capacity(n * dim);
+            for i in 0..n {
+                if i % 97 == 5 {
+                    let prev = xd[(i - 1) * dim..i * dim].to_vec();
+                    xd.extend(prev);
+                    continue;
+                }
+                let c = &centres[(i * 7) % blobs];
+                let spread = 0.5 + (i % 5) as f32;
+                xd.extend(c.iter().map(|&v| v + spread * next()));
+            }
+            for seed in [1, 5] {
+                assert_eq!(
+                    kmeans_plusplus(&xd, dim, 60, seed),
+                    literal(&xd, dim, 60, seed),
+                    "dim {dim}, seed {seed}"
+                );
+            }
+        }
     }
 
     #[test]
