@@ -403,7 +403,10 @@ fn the_sort_blanks_as_the_detection_does() {
         "sort --artifact-times: {} spikes, {false_n} light-locked false of {n_edges} edges, {kept}/{away} true spikes away from the light",
         f.t.len()
     );
-    assert!(false_n * 50 <= n_edges, "{false_n} light-locked of {n_edges}");
+    assert!(
+        false_n * 50 <= n_edges,
+        "{false_n} light-locked of {n_edges}"
+    );
     assert!(kept * 100 >= away * 70, "{kept} of {away} kept");
     let b = &f.json["settings"]["detection"]["checks"]["transients"]["blanking"];
     assert_eq!(b["events_given"].as_u64(), Some(n_edges as u64), "{b}");

@@ -82,6 +82,8 @@ impl Default for GpuMatchOptions {
 struct WindowBuffers {
     n: usize,
     cap: usize,
+    /// The window X, then its residual (C × N), refilled every window.
+    x: Handle,
     f: Handle,
     b: Handle,
     cfmax: Handle,
@@ -335,9 +337,11 @@ impl<R: Runtime> GpuMatcher<R> {
         let nb = n.div_ceil(UNITS);
         let c = &self.client;
         let f = |len: usize| c.empty(len.max(1) * 4);
+        let n_c = self.setup.u.dim().2;
         self.window = Some(WindowBuffers {
             n,
             cap,
+            x: f(n_c * n),
             f: f(self.n_used * npc * n),
             b: f(k * n),
             cfmax: f(n),
@@ -374,10 +378,7 @@ impl<R: Runtime> GpuMatcher<R> {
             ));
         }
         self.buffers(n);
-        let xs = x.as_standard_layout();
-        let xres = self
-            .client
-            .create_from_slice(bytes_f32(xs.as_slice().expect("standard layout")));
+        let xres = self.upload(x);
         let state = self.client.create_from_slice(bytes_u32(&[0u32; S_LEN]));
         self.launch_product(&xres, n);
         self.launch_best_dense(n);
@@ -406,6 +407,37 @@ impl<R: Runtime> GpuMatcher<R> {
         let count = st[S_TOTAL] as usize;
         let peels = st[S_PEELS] as usize;
         self.download(&xres, n, count, peels)
+    }
+
+    /// Copies window `x` into the persistent window buffer. CubeCL 0.10's
+    /// `create_from_slice` stages its input on the host: a whole 92 MB
+    /// window that way took about 0.2 s on the H200 machine, against a few ms
+    /// of kernels, so the window goes in pieces of
+    /// [`crate::detect::gpu::upload::CHUNK`] floats (whose staging memory the
+    /// pools reuse), each copied into place by a kernel, as detection's
+    /// upload does.
+    fn upload(&self, x: ArrayView2<f32>) -> Handle {
+        let xs = x.as_standard_layout();
+        let xs = xs.as_slice().expect("standard layout");
+        let dst = self.window.as_ref().expect("allocated").x.clone();
+        let chunk = crate::detect::gpu::upload::CHUNK;
+        for (i, part) in xs.chunks(chunk).enumerate() {
+            let src = self.client.create_from_slice(bytes_f32(part));
+            // SAFETY: the kernel writes dst[offset + j] for j < len = part.len(),
+            // and offset + len ≤ xs.len(), the buffer's length.
+            unsafe {
+                crate::detect::gpu::upload::copy_chunk_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(part.len().div_ceil(256) as u32, 1, 1),
+                    CubeDim::new_1d(256),
+                    ArrayArg::from_raw_parts(src, part.len()),
+                    ArrayArg::from_raw_parts(dst.clone(), xs.len()),
+                    (i * chunk) as u32,
+                    part.len() as u32,
+                );
+            }
+        }
+        dst
     }
 
     fn read_state(&self, state: &Handle) -> Result<[u32; S_LEN], MatchError> {
