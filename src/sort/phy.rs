@@ -361,28 +361,7 @@ pub fn write_phy(
         .iter()
         .map(|&i| [positions[[i, 0]], positions[[i, 1]]])
         .collect();
-    let seconds = if settings.n_samples > 0 {
-        settings.n_samples as f64 / settings.fs
-    } else {
-        k_times.last().map_or(0, |&t| t - settings.imin) as f64 / settings.fs
-    };
-    let summary = UnitSummary::new(
-        &k_clu,
-        &k_xy,
-        amp_t.iter().map(|&a| f64::from(a)).collect(),
-        good,
-        seconds,
-    );
-    let rel_times: Vec<i64> = k_times.iter().map(|&t| t - settings.imin).collect();
-    draw_units(
-        &dir.join("units.png"),
-        &summary,
-        &rel_times,
-        &k_clu,
-        settings.fs,
-        &probe.xc,
-        &probe.yc,
-    )?;
+    units_png(&dir, &k_clu, &k_times, &k_xy, good, &amp_t, settings, probe)?;
     let mut manifest = match manifest {
         serde_json::Value::Object(m) => m,
         _ => serde_json::Map::new(),
@@ -403,6 +382,43 @@ pub fn write_phy(
         n_duplicates: n - nk,
         n_merges,
     })
+}
+
+/// `units.png` ([`crate::sort::summary`]) from the kept spikes (unit, time in
+/// samples with `imin`, position in µm) and each unit's label and amplitude.
+#[allow(clippy::too_many_arguments)]
+fn units_png(
+    dir: &Path,
+    k_clu: &[i32],
+    k_times: &[i64],
+    k_xy: &[[f32; 2]],
+    good: Vec<bool>,
+    amp_t: &[f32],
+    settings: &ExportSettings,
+    probe: &Probe,
+) -> Result<()> {
+    let seconds = if settings.n_samples > 0 {
+        settings.n_samples as f64 / settings.fs
+    } else {
+        k_times.last().map_or(0, |&t| t - settings.imin) as f64 / settings.fs
+    };
+    let summary = UnitSummary::new(
+        k_clu,
+        k_xy,
+        amp_t.iter().map(|&a| f64::from(a)).collect(),
+        good,
+        seconds,
+    );
+    let rel_times: Vec<i64> = k_times.iter().map(|&t| t - settings.imin).collect();
+    draw_units(
+        &dir.join("units.png"),
+        &summary,
+        &rel_times,
+        k_clu,
+        settings.fs,
+        &probe.xc,
+        &probe.yc,
+    )
 }
 
 /// The cluster tables (`cluster_ContamPct.tsv`, `cluster_Amplitude.tsv`,

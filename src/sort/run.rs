@@ -315,11 +315,6 @@ fn sort_into(
     progress(stage("merges and export", u1));
     let mut export = export_settings(&run_info, rec.fs(), &s);
     export.n_samples = rec.n_samples();
-    let sets = ChannelSets {
-        icc: icc.clone(),
-        icc_mask: ex.icc_mask.clone(),
-        iu: iu.clone(),
-    };
     let mut warnings = [detection.warnings.clone(), matching_warnings].concat();
     let manifest = manifest(
         &s,
@@ -329,22 +324,9 @@ fn sort_into(
         [&detection.warnings, &warnings],
         &timings,
     );
-    let phy = save_sorting(
-        &out,
-        SortResult {
-            st: ex.st,
-            tf: ex.tf,
-            clu: fin.clu,
-            wall: fin.wall,
-            wpca: det.wpca,
-            wrot: det.wrot,
-            sets,
-        },
-        &probe,
-        &export,
-        manifest,
-        "sort",
-    )?;
+    let n0 = det.tf0.len_of(Axis(0));
+    let result = sort_result(ex, fin, det, icc, iu);
+    let phy = save_sorting(&out, result, &probe, &export, manifest, "sort")?;
     lap(&mut timings, "merges_export");
     if phy.n_good == 0 {
         warnings.push(format!(
@@ -356,7 +338,7 @@ fn sort_into(
         phy,
         seconds: detection.seconds,
         detection,
-        n0: det.tf0.len_of(Axis(0)),
+        n0,
         k0,
         k,
         n,
@@ -364,6 +346,29 @@ fn sort_into(
         timings,
         warnings,
     })
+}
+
+/// The matching's and the final clustering's arrays as the Phy writer takes them.
+fn sort_result(
+    ex: crate::sort::matching::Extracted,
+    fin: crate::sort::clustering::Clustering,
+    det: Detected,
+    icc: Array2<usize>,
+    iu: Vec<usize>,
+) -> SortResult {
+    SortResult {
+        st: ex.st,
+        tf: ex.tf,
+        clu: fin.clu,
+        wall: fin.wall,
+        wpca: det.wpca,
+        wrot: det.wrot,
+        sets: ChannelSets {
+            icc,
+            icc_mask: ex.icc_mask,
+            iu,
+        },
+    }
 }
 
 /// The learned-template matching over every window of `rec`, preprocessed as
