@@ -478,7 +478,10 @@ fn detect(
     let result = py.allow_threads(|| -> anyhow::Result<String> {
         let job = detect_job(&paths, probe, &o, det, pre, drift, out, backend, &interrupt)?;
         let report = guarded(|| {
-            spikecube::pipeline::run_detection(job, &mut reporter(&interrupt, &progress, progress_dict))
+            spikecube::pipeline::run_detection(
+                job,
+                &mut reporter(&interrupt, &progress, progress_dict),
+            )
         })?;
         if interrupt.is_set() {
             anyhow::bail!("interrupted");
