@@ -170,3 +170,48 @@ fn sort_writes_a_phy_folder_that_finds_the_simulated_units() {
         );
     }
 }
+
+/// An `--out` that cannot take the Phy folder (another subcommand's result, a
+/// user's file inside) is refused before any data is read: no detection
+/// warning is printed and nothing is written beside it.
+#[test]
+fn an_unusable_output_folder_is_refused_before_detection() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = dir.path().join("sim");
+    let o = spikecube(&[
+        "simulate",
+        "--seconds",
+        "2",
+        "--n-units",
+        "4",
+        "--out",
+        s(&rec),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let bin = rec.join("sim_g0_t0.imec0.ap.bin");
+    let mine = dir.path().join("mine");
+    std::fs::create_dir(&mine).unwrap();
+    std::fs::write(mine.join("notes.txt"), "a user's notes").unwrap();
+    let o = spikecube(&["sort", s(&bin), "--out", s(&mine), "--backend", "cpu"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("notes.txt") && err.contains("nothing was changed"),
+        "{err}"
+    );
+    // The detection stage never started: it logs its windows and back end first.
+    assert!(
+        !err.contains("windows of") && !err.contains("detection on"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(mine.join("notes.txt")).unwrap(),
+        "a user's notes"
+    );
+    let names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+}

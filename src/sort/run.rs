@@ -187,6 +187,9 @@ pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Res
     // must outlive the detection pass.
     job.detect.last_device_use = false;
     let out = job.detect.out.clone();
+    // An output folder that cannot take the Phy folder fails now, not after
+    // the detection stage (the same check runs again when it is published).
+    crate::output::folder::check_target(&out, "sort")?;
     let work = WorkFolder(work_folder(&out)?);
     sort_into(job, &work.0, progress)
 }
