@@ -102,7 +102,8 @@ def drift_json(d: dict) -> str:
 
 def sort_json(d: dict) -> str:
     s = dict(d)
-    s["max_cluster_subset"] = None if not s["max_cluster_subset"] else int(s["max_cluster_subset"])
+    # 0 (or None): no limit, as the command line's --max-cluster-subset 0.
+    s["max_cluster_subset"] = int(s["max_cluster_subset"] or 0)
     s["ks4_swarm_ccg_bug"] = bool(s["ks4_swarm_ccg_bug"])
     return json.dumps(s)
 

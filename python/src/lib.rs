@@ -27,7 +27,7 @@ use spikecube::output::RunInfo;
 use spikecube::pipeline::{Checks, DetectJob, Progress};
 use spikecube::preprocess::{PreprocessSettings, Preprocessor};
 use spikecube::recording::{Dtype, OpenOptions, Opened, Recording};
-use spikecube::sort::run::{SortJob, SortProgress, SortSettings, run_sort};
+use spikecube::sort::run::{SortFlags, SortJob, SortProgress, run_sort};
 use spikecube::{Probe, checks};
 
 create_exception!(
@@ -503,44 +503,6 @@ fn detect(
     result.map_err(|e| interrupt.into_err(e))
 }
 
-/// The stages after detection from Python, with Kilosort4's names (every key
-/// given: the Python side fills in the defaults).
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SortOpts {
-    #[serde(rename = "Th_learned")]
-    th_learned: f64,
-    max_peels: usize,
-    position_limit: f64,
-    cluster_downsampling: usize,
-    max_cluster_subset: Option<usize>,
-    cluster_neighbors: usize,
-    cluster_init_seed: u64,
-    duplicate_spike_ms: f64,
-    acg_threshold: f64,
-    ccg_threshold: f64,
-    ks4_swarm_ccg_bug: bool,
-}
-
-impl SortOpts {
-    fn settings(&self, nearest_chans: usize) -> SortSettings {
-        let mut s = SortSettings::kilosort();
-        s.matching.th_learned = self.th_learned;
-        s.matching.max_peels = self.max_peels;
-        s.matching.position_limit = self.position_limit;
-        s.matching.nearest_chans = nearest_chans;
-        s.clustering.cluster_downsampling = self.cluster_downsampling;
-        s.clustering.max_cluster_subset = self.max_cluster_subset.filter(|&n| n > 0);
-        s.clustering.cluster_neighbors = self.cluster_neighbors;
-        s.clustering.cluster_init_seed = self.cluster_init_seed;
-        s.clustering.ks4_swarm_ccg_bug = self.ks4_swarm_ccg_bug;
-        s.duplicate_spike_ms = self.duplicate_spike_ms;
-        s.acg_threshold = self.acg_threshold;
-        s.ccg_threshold = self.ccg_threshold;
-        s
-    }
-}
-
 fn sort_progress_dict<'py>(py: Python<'py>, p: &SortProgress) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("stage", p.stage)?;
@@ -575,7 +537,7 @@ fn sort(
     let det: DetectionSettings = settings_from(detection, "detection")?;
     let pre: PreprocessSettings = settings_from(preprocess, "preprocessing")?;
     let drift: DriftOpts = settings_from(drift, "drift")?;
-    let sort: SortOpts = settings_from(sort, "sort")?;
+    let sort: SortFlags = settings_from(sort, "sort")?;
     let backend = backend_from(backend)?;
     let interrupt = Interrupt::default();
     let result = py.allow_threads(|| -> anyhow::Result<String> {

@@ -69,6 +69,73 @@ impl SortSettings {
     }
 }
 
+/// The settings of the stages after detection as a user gives them:
+/// `spikecube sort`'s flags (`--th-learned`, …) and, with Kilosort4's names
+/// (`Th_learned`, `max_peels`, …; every key given), the Python package's.
+/// [`SortFlags::settings`] turns them into [`SortSettings`].
+#[derive(Debug, Clone, clap::Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SortFlags {
+    /// `Th_learned`: a learned-template spike needs relu(B)²/‖U‖² above its square.
+    #[arg(long, default_value_t = 8.0)]
+    #[serde(rename = "Th_learned")]
+    pub th_learned: f64,
+    /// `max_peels`: rounds of the matching pursuit per window.
+    #[arg(long, default_value_t = 100)]
+    pub max_peels: usize,
+    /// `position_limit`, µm: sites within this of a spike's site count for its position.
+    #[arg(long, default_value_t = 100.0)]
+    pub position_limit: f64,
+    /// `cluster_downsampling`: every N-th spike of a group is a landmark of the neighbour graph.
+    #[arg(long, default_value_t = 20)]
+    pub cluster_downsampling: usize,
+    /// `max_cluster_subset`: at most this many landmarks per group (0: no limit).
+    #[arg(long, default_value_t = 25_000)]
+    pub max_cluster_subset: usize,
+    /// `cluster_neighbors`: neighbours (landmarks) per spike in the graph.
+    #[arg(long, default_value_t = 10)]
+    pub cluster_neighbors: usize,
+    /// `cluster_init_seed`: seed of the clusters' seeding, used afresh in every group.
+    #[arg(long, default_value_t = 5)]
+    pub cluster_init_seed: u64,
+    /// `duplicate_spike_ms`: spikes of one unit closer than this are duplicates, ms.
+    #[arg(long, default_value_t = 0.25)]
+    pub duplicate_spike_ms: f64,
+    /// `acg_threshold`: a unit is `good` when its autocorrelogram's R12 is below it.
+    #[arg(long, default_value_t = 0.2)]
+    pub acg_threshold: f64,
+    /// `ccg_threshold`: two units merge when their cross-correlogram's R12 is below it.
+    #[arg(long, default_value_t = 0.25)]
+    pub ccg_threshold: f64,
+    /// Reproduce Kilosort4 4.1.5–4.1.7's `swarmsplitter.check_CCG` guard, which
+    /// switches the refractory test inside the final clustering's tree off
+    /// (Kilosort issue #1042). Off by default: spikecube runs the intended test.
+    #[arg(long)]
+    pub ks4_swarm_ccg_bug: bool,
+}
+
+impl SortFlags {
+    /// The sort's settings: Kilosort4's defaults with these values, and
+    /// `nearest_chans` (the detection's) for the matching's features.
+    pub fn settings(&self, nearest_chans: usize) -> SortSettings {
+        let mut s = SortSettings::kilosort();
+        s.matching.th_learned = self.th_learned;
+        s.matching.max_peels = self.max_peels;
+        s.matching.position_limit = self.position_limit;
+        s.matching.nearest_chans = nearest_chans;
+        s.clustering.cluster_downsampling = self.cluster_downsampling;
+        s.clustering.max_cluster_subset =
+            (self.max_cluster_subset > 0).then_some(self.max_cluster_subset);
+        s.clustering.cluster_neighbors = self.cluster_neighbors;
+        s.clustering.cluster_init_seed = self.cluster_init_seed;
+        s.clustering.ks4_swarm_ccg_bug = self.ks4_swarm_ccg_bug;
+        s.duplicate_spike_ms = self.duplicate_spike_ms;
+        s.acg_threshold = self.acg_threshold;
+        s.ccg_threshold = self.ccg_threshold;
+        s
+    }
+}
+
 /// One sort: the detection run (whose `out` is the sort's output folder) and
 /// the settings of the later stages.
 pub struct SortJob {
