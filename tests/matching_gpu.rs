@@ -178,10 +178,108 @@ fn check_sim32<R: Runtime>(device: &R::Device) {
     assert_eq!(gpu, m.match_window(x).unwrap(), "sim32: second run");
 }
 
+/// The sim32 recording's window 0 sent raw to the device, preprocessed there
+/// by a [`GpuDetector`] and matched there without a copy through the host
+/// (`GpuMatcher::match_device`, as `spikecube sort` runs on a GPU): the same
+/// bytes as matching the device's preprocessed window after a round trip
+/// through the host, the device's buffer left as it was, and the same spikes
+/// as the CPU matching the CPU's preprocessed window.
+fn check_sim32_device_fed<R: Runtime>(device: &R::Device) {
+    use spikecube::detect::gpu::{GpuDetector, GpuOptions, Packer};
+    use spikecube::detect::{DetectionSettings, Geometry, UniversalTemplates};
+    use spikecube::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
+    let dir = data("sort/sim32");
+    let open = |f: &str| NpzReader::new(File::open(dir.join(f)).unwrap()).unwrap();
+    let mut ops = open("ops.npz");
+    let wpca: Array2<f32> = get(&mut ops, "wPCA");
+    let wrot: Array2<f32> = get(&mut ops, "Wrot");
+    let icc: Array2<i64> = get(&mut ops, "iCC");
+    let wall3: Array3<f32> = get(&mut open("post_out.npz"), "Wall3");
+    let probe = spikecube::Probe::load(&data("sort/probe32.json")).unwrap();
+    let raw = sim32_raw_window();
+    let settings = PreprocessSettings {
+        fs: 30_000.0,
+        ..PreprocessSettings::default()
+    };
+    let pre = Preprocessor::new(&settings, wrot).unwrap();
+    let mut host_x = raw.clone();
+    pre.apply(&mut host_x).unwrap();
+    let setup = Arc::new(
+        MatchingSetup::new(
+            wall3.view(),
+            wpca.view(),
+            &probe.xc,
+            &probe.yc,
+            &MatchingSettings::default(),
+        )
+        .unwrap()
+        .with_icc(icc.mapv(|v| v as u32))
+        .unwrap(),
+    );
+    let s = DetectionSettings::default();
+    let g = Geometry::new(&probe, &s).unwrap();
+    let mut det = GpuDetector::<R>::new(
+        device,
+        "test device".into(),
+        g,
+        UniversalTemplates::builtin(),
+        s,
+        GpuOptions::default(),
+    )
+    .unwrap();
+    det.set_preprocessing(&pre.device_form(DEVICE_TAP_FLOOR).unwrap())
+        .unwrap();
+    let packer = Packer::default();
+    let n = raw.ncols();
+    let x_dev = det
+        .preprocess_to_device(packer.pack(raw.view()), &probe.yc)
+        .unwrap();
+    let mut m = matcher::<R>(device, &setup, 4);
+    let fed = m.match_device(&x_dev, n).unwrap();
+    assert!(fed.len() > 300, "sim32: only {} spikes", fed.len());
+    // The device's window, read back and matched from the host.
+    let pre_dev = det
+        .preprocess_only(packer.pack(raw.view()), &probe.yc)
+        .unwrap();
+    let pre_dev = Array2::from_shape_vec((raw.nrows(), n), pre_dev).unwrap();
+    let round_trip = m.match_window(pre_dev.view()).unwrap();
+    assert_eq!(
+        fed, round_trip,
+        "sim32: device-fed against the host round trip"
+    );
+    let x_dev = det
+        .preprocess_to_device(packer.pack(raw.view()), &probe.yc)
+        .unwrap();
+    assert_eq!(fed, m.match_device(&x_dev, n).unwrap(), "sim32: second run");
+    assert_eq!(
+        fed,
+        m.match_device(&x_dev, n).unwrap(),
+        "sim32: the buffer was left as it was"
+    );
+    let cpu = match_window(&setup, host_x.view()).unwrap();
+    same("sim32 window 0, device-fed", &cpu, &fed);
+}
+
 /// Window 0 of the sim32 recording, made again from its seed
 /// (`tests/data/sort/README.md`).
 fn sim32_window(wrot: Array2<f32>) -> Array2<f32> {
     use spikecube::preprocess::{PreprocessSettings, Preprocessor};
+    let mut x = sim32_raw_window();
+    let settings = PreprocessSettings {
+        fs: 30_000.0,
+        ..PreprocessSettings::default()
+    };
+    Preprocessor::new(&settings, wrot)
+        .unwrap()
+        .apply(&mut x)
+        .unwrap();
+    x
+}
+
+/// Window 0 of the sim32 recording as read (sites × (batch_size + 2·nt)),
+/// made again from its seed (`tests/data/sort/README.md`).
+fn sim32_raw_window() -> Array2<f32> {
+    use spikecube::preprocess::PreprocessSettings;
     use spikecube::recording::{Dtype, Format, OpenOptions, WindowPlan, open};
     use spikecube::simulate::{SimConfig, simulate};
     let probe = spikecube::Probe::load(&data("sort/probe32.json")).unwrap();
@@ -205,11 +303,7 @@ fn sim32_window(wrot: Array2<f32>) -> Array2<f32> {
         },
     )
     .unwrap();
-    let settings = PreprocessSettings {
-        fs: 30_000.0,
-        ..PreprocessSettings::default()
-    };
-    let pre = Preprocessor::new(&settings, wrot).unwrap();
+    let settings = PreprocessSettings::default();
     let rec = opened.recording;
     let plan = WindowPlan::new(
         rec.n_samples(),
@@ -217,15 +311,9 @@ fn sim32_window(wrot: Array2<f32>) -> Array2<f32> {
         settings.nt as u64,
     )
     .unwrap();
-    spikecube::sort::matching::preprocessed_window(
-        rec.as_ref(),
-        &plan,
-        &probe.chan_map,
-        &pre,
-        None,
-        0,
-    )
-    .unwrap()
+    let mut x = Array2::zeros((probe.chan_map.len(), plan.window_len()));
+    spikecube::recording::read_window(rec.as_ref(), &plan, 0, &probe.chan_map, &mut x).unwrap();
+    x
 }
 
 #[cfg(feature = "wgpu")]
@@ -250,6 +338,11 @@ mod wgpu {
     fn sim32_window_equals_cpu() {
         check_sim32::<WgpuRuntime>(&device());
     }
+
+    #[test]
+    fn sim32_window_preprocessed_on_the_device_equals_cpu() {
+        check_sim32_device_fed::<WgpuRuntime>(&device());
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -267,5 +360,11 @@ mod cuda {
     #[ignore = "needs an NVIDIA GPU"]
     fn sim32_window_equals_cpu() {
         check_sim32::<CudaRuntime>(&CudaDevice::new(0));
+    }
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU"]
+    fn sim32_window_preprocessed_on_the_device_equals_cpu() {
+        check_sim32_device_fed::<CudaRuntime>(&CudaDevice::new(0));
     }
 }

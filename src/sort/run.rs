@@ -288,6 +288,7 @@ fn sort_into(
     let pre_settings = window_settings(&job.detect, rec.as_ref());
     let drift_settings = job.detect.drift.clone();
     let blanking = job.detect.checks.blanking.clone();
+    let device_preprocessing = job.detect.device_preprocessing;
     let run_info = job.detect.run_info.clone();
     let s = job.sort.clone();
     let mut timings: Vec<(&'static str, f64)> = Vec::new();
@@ -343,28 +344,30 @@ fn sort_into(
     lap(&mut timings, "templates");
     let k = post.wall3.dim().0;
 
-    let (ex, matching_warnings) = matching_pass(
-        rec.as_ref(),
-        &probe,
-        &pre_settings,
-        &drift_settings,
-        &det,
-        &post.wall3,
-        &s.matching,
-        detection_settings.nt,
+    let input = MatchingInput {
+        rec: rec.as_ref(),
+        probe: &probe,
+        geometry: &geometry,
+        detection: &detection_settings,
+        pre_settings: &pre_settings,
+        drift_settings: &drift_settings,
+        det: &det,
+        wall3: &post.wall3,
+        settings: &s.matching,
         backend,
+        device_preprocessing,
         blanking,
-        &mut |done, total, seconds_done| {
-            progress(SortProgress {
-                stage: "matching",
-                done,
-                total,
-                seconds_done,
-                elapsed: t0.elapsed().as_secs_f64(),
-                units: k,
-            })
-        },
-    )?;
+    };
+    let (ex, matching_warnings) = matching_pass(&input, &mut |done, total, seconds_done| {
+        progress(SortProgress {
+            stage: "matching",
+            done,
+            total,
+            seconds_done,
+            elapsed: t0.elapsed().as_secs_f64(),
+            units: k,
+        })
+    })?;
     lap(&mut timings, "matching");
     let n = ex.st.nrows();
     if n == 0 {
@@ -441,40 +444,52 @@ fn sort_result(
     }
 }
 
-/// The learned-template matching over every window of `rec`, preprocessed as
-/// the detection's second pass was (same whitening, same drift correction),
-/// on `backend` ([`Matcher`]), with the warnings of choosing it. A reader thread preprocesses window i + 1 while
-/// window i is matched (one window ahead); the windows and their order are
-/// the same as read one by one, so the results are too.
-#[allow(clippy::too_many_arguments)]
-fn matching_pass(
-    rec: &dyn Recording,
-    probe: &crate::probe::Probe,
-    pre_settings: &crate::preprocess::PreprocessSettings,
-    drift_settings: &crate::drift::DriftSettings,
-    det: &Detected,
-    wall3: &Array3<f32>,
-    matching_settings: &MatchingSettings,
-    nt: usize,
+/// What the matching pass needs of the run: the recording and its probe, the
+/// detection's settings and arrays (whitening, drift), the templates.
+struct MatchingInput<'a> {
+    rec: &'a dyn Recording,
+    probe: &'a crate::probe::Probe,
+    geometry: &'a Geometry,
+    detection: &'a crate::detect::DetectionSettings,
+    pre_settings: &'a crate::preprocess::PreprocessSettings,
+    drift_settings: &'a crate::drift::DriftSettings,
+    det: &'a Detected,
+    wall3: &'a Array3<f32>,
+    settings: &'a MatchingSettings,
     backend: Backend,
+    /// Whether the detection preprocessed on its device (`--preprocess-on`).
+    device_preprocessing: bool,
     blanking: Option<Arc<crate::preprocess::Blanking>>,
+}
+
+/// The learned-template matching over every window of the recording,
+/// preprocessed as the detection's second pass was (same whitening, same
+/// drift correction), on the input's back end ([`Matcher`]), with the
+/// warnings of choosing it. On a GPU that preprocessed the detection's
+/// windows, the raw windows go to the device and are preprocessed and
+/// matched there ([`Matcher::match_raw`]); otherwise each window is
+/// preprocessed on the host and handed to the matcher. Either way a reader
+/// thread prepares window i + 1 while window i is matched, and the windows
+/// and their order are the same as read one by one, so the results are too.
+fn matching_pass(
+    input: &MatchingInput,
     progress: &mut dyn FnMut(u64, u64, f64),
 ) -> Result<(crate::sort::matching::Extracted, Vec<String>)> {
     let mut warnings = Vec::new();
-    let mut matching = matching_settings.clone();
-    matching.nt = nt;
-    matching.batch_size = pre_settings.batch_size;
+    let mut matching = input.settings.clone();
+    matching.nt = input.detection.nt;
+    matching.batch_size = input.pre_settings.batch_size;
     let setup = Arc::new(
         MatchingSetup::new(
-            wall3.view(),
-            det.wpca.view(),
-            &probe.xc,
-            &probe.yc,
+            input.wall3.view(),
+            input.det.wpca.view(),
+            &input.probe.xc,
+            &input.probe.yc,
             &matching,
         )
         .context("learned-template matching set-up")?,
     );
-    let (mut matcher, chosen) = Matcher::open(backend, setup.clone(), &mut warnings)
+    let (mut matcher, chosen) = Matcher::open(input.backend, setup.clone(), &mut warnings)
         .context("learned-template matching back end")?;
     tracing::info!(
         "learned-template matching on {} ({}): {}",
@@ -483,35 +498,81 @@ fn matching_pass(
         chosen.reason
     );
     // Blanked as the detection pass blanked the same windows.
-    let pre = Preprocessor::new(pre_settings, det.wrot.clone())?.with_blanking(blanking);
-    let drift = match &det.dshift {
-        Some((dshift, yblk)) if !drift_settings.drift_only => Some(
+    let pre = Preprocessor::new(input.pre_settings, input.det.wrot.clone())?
+        .with_blanking(input.blanking.clone());
+    let drift = match &input.det.dshift {
+        Some((dshift, yblk)) if !input.drift_settings.drift_only => Some(
             DriftCorrection::new(
-                &probe.xc,
-                &probe.yc,
+                &input.probe.xc,
+                &input.probe.yc,
                 dshift.clone(),
                 yblk.clone(),
-                drift_settings.sig_interp,
+                input.drift_settings.sig_interp,
             )?
             .with_zero_outside(
-                (drift_settings.mode != DriftMode::Kilosort
-                    && drift_settings.edge_margin.is_finite())
-                .then_some(drift_settings.edge_margin),
+                (input.drift_settings.mode != DriftMode::Kilosort
+                    && input.drift_settings.edge_margin.is_finite())
+                .then_some(input.drift_settings.edge_margin),
             ),
         ),
         _ => None,
     };
     let plan = WindowPlan::new(
-        rec.n_samples(),
-        pre_settings.batch_size as u64,
-        pre_settings.nt as u64,
+        input.rec.n_samples(),
+        input.pre_settings.batch_size as u64,
+        input.pre_settings.nt as u64,
     )?;
+    let mut parts = Vec::with_capacity(plan.n_windows as usize);
+    let mut done = |i: u64| {
+        progress(
+            i + 1,
+            plan.n_windows,
+            ((i + 1) * plan.batch_size).min(plan.n_samples) as f64 / input.rec.fs(),
+        )
+    };
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if let Some(feed) = device_feed(input, &chosen, &pre, &matcher)? {
+        tracing::info!("learned-template matching: windows preprocessed on the device");
+        device_fed(
+            input,
+            &plan,
+            &pre,
+            drift.as_ref(),
+            feed,
+            &mut matcher,
+            &mut parts,
+            &mut done,
+        )?;
+        return Ok((crate::sort::matching::assemble(&setup, &parts), warnings));
+    }
+    host_fed(
+        input,
+        &plan,
+        &pre,
+        drift.as_ref(),
+        &mut matcher,
+        &mut parts,
+        &mut done,
+    )?;
+    Ok((crate::sort::matching::assemble(&setup, &parts), warnings))
+}
+
+/// The matching pass with each window preprocessed on the host (reader
+/// thread) and matched by `matcher`.
+fn host_fed(
+    input: &MatchingInput,
+    plan: &WindowPlan,
+    pre: &Preprocessor,
+    drift: Option<&DriftCorrection>,
+    matcher: &mut Matcher,
+    parts: &mut Vec<crate::sort::matching::WindowSpikes>,
+    done: &mut dyn FnMut(u64),
+) -> Result<()> {
     let n_windows = plan.n_windows;
-    let chan_map = probe.chan_map.clone();
-    let mut parts = Vec::with_capacity(n_windows as usize);
+    let rec = input.rec;
+    let chan_map = &input.probe.chan_map;
     std::thread::scope(|scope| -> Result<()> {
         let (tx, rx) = crossbeam_channel::bounded::<Result<Array2<f32>>>(1);
-        let (plan, chan_map, pre, drift) = (&plan, &chan_map, &pre, drift.as_ref());
         scope.spawn(move || {
             for i in 0..n_windows {
                 let x = preprocessed_window(rec, plan, chan_map, pre, drift, i)
@@ -530,15 +591,116 @@ fn matching_pass(
                 .match_window(x.view())
                 .with_context(|| format!("matching: window {i}"))?;
             parts.push(w);
-            progress(
-                i + 1,
-                n_windows,
-                ((i + 1) * plan.batch_size).min(plan.n_samples) as f64 / rec.fs(),
-            );
+            done(i);
         }
         Ok(())
-    })?;
-    Ok((crate::sort::matching::assemble(&setup, &parts), warnings))
+    })
+}
+
+/// The preprocessing on the matcher's GPU: a detector there with the
+/// detection's preprocessing, and its packer of raw windows; `None` when the
+/// detection preprocessed on the host (`--preprocess-on host`), a blanking
+/// is set (it runs on the host), the matcher is on the CPU, or the
+/// preprocessing has no device form. `SPIKECUBE_MATCH_FEED=host` keeps the
+/// host's preprocessing, for comparing the two.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn device_feed(
+    input: &MatchingInput,
+    chosen: &crate::backend::Chosen,
+    pre: &Preprocessor,
+    matcher: &Matcher,
+) -> Result<Option<(crate::backend::Detector, crate::detect::gpu::Packer)>> {
+    if !matcher.is_gpu()
+        || !input.device_preprocessing
+        || input.blanking.is_some()
+        || std::env::var("SPIKECUBE_MATCH_FEED").as_deref() == Ok("host")
+    {
+        return Ok(None);
+    }
+    let mut feed = crate::backend::Detector::new(
+        chosen,
+        input.geometry.clone(),
+        crate::detect::UniversalTemplates::builtin(),
+        input.detection.clone(),
+    )
+    .context("device preprocessing for the matching")?;
+    if !matcher.shares_device_with(&feed) || !feed.set_preprocessing(pre)? {
+        return Ok(None);
+    }
+    Ok(feed.packer().map(|packer| (feed, packer)))
+}
+
+/// The matching pass with each raw window sent to the device as read (int16
+/// values when the file holds them), preprocessed there with the window's
+/// drift-corrected whitening and matched there ([`Matcher::match_raw`]).
+/// The reader thread reads and packs the next window and makes its
+/// whitening matrix.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+#[allow(clippy::too_many_arguments)]
+fn device_fed(
+    input: &MatchingInput,
+    plan: &WindowPlan,
+    pre: &Preprocessor,
+    drift: Option<&DriftCorrection>,
+    (mut feed, packer): (crate::backend::Detector, crate::detect::gpu::Packer),
+    matcher: &mut Matcher,
+    parts: &mut Vec<crate::sort::matching::WindowSpikes>,
+    done: &mut dyn FnMut(u64),
+) -> Result<()> {
+    type Csr = (Vec<u32>, Vec<u32>, Vec<f32>);
+    let n_windows = plan.n_windows;
+    let rec = input.rec;
+    let chan_map = &input.probe.chan_map;
+    let yc = &input.probe.yc;
+    std::thread::scope(|scope| -> Result<()> {
+        let (tx, rx) =
+            crossbeam_channel::bounded::<Result<(crate::detect::gpu::RawWindow, Option<Csr>)>>(2);
+        let reader_packer = packer.clone();
+        scope.spawn(move || {
+            let alloc_packer = reader_packer.clone();
+            let mut raw16: Option<crate::stages::Raw16Alloc> =
+                Some(Box::new(move |n| Box::new(alloc_packer.raw16_buffer(n))));
+            let mut data = Array2::<f32>::zeros((0, 0));
+            for i in 0..n_windows {
+                let item = (|| -> Result<_> {
+                    let r16 =
+                        crate::stages::read_any(rec, plan, i, chan_map, &mut data, &mut raw16)?;
+                    let mut w = crate::recording::Window::of(
+                        rec.first_sample(),
+                        plan,
+                        i,
+                        std::mem::replace(&mut data, Array2::zeros((0, 0))),
+                        r16,
+                    );
+                    let raw = reader_packer.raw_window(&mut w);
+                    let csr = match drift {
+                        Some(d) => Some(d.window_whitening(i, pre.whitening())?.csr()),
+                        None => None,
+                    };
+                    Ok((raw, csr))
+                })()
+                .with_context(|| format!("matching: window {i}"));
+                let failed = item.is_err();
+                if tx.send(item).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        for i in 0..n_windows {
+            let (raw, csr) = rx
+                .recv()
+                .with_context(|| format!("matching: window {i} was not read"))??;
+            if let Some((start, cols, vals)) = &csr {
+                feed.set_whitening(start, cols, vals)?;
+            }
+            let w = matcher
+                .match_raw(&mut feed, raw, yc)
+                .with_context(|| format!("matching: window {i} on the device"))?;
+            parts.push(w);
+            done(i);
+        }
+        Ok(())
+    })
 }
 
 /// The merges' and the Phy folder's settings from the run and the sort settings.

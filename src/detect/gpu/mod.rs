@@ -1100,6 +1100,23 @@ impl<R: Runtime> GpuDetector<R> {
         self.preprocess_stage(raw, yc, 4)
     }
 
+    /// Preprocesses `raw` on the device (the four kernels, with the whitening
+    /// set last) and returns the device buffer holding the whitened window,
+    /// C × N f32 row-major, without reading it back: for another stage on
+    /// the same device (the learned-template matching) to work on. The
+    /// buffer is this detector's and is overwritten by its next window.
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect_raw`].
+    pub fn preprocess_to_device(
+        &mut self,
+        raw: RawWindow,
+        yc: &[f32],
+    ) -> Result<Handle, DetectError> {
+        self.upload_raw(raw, yc, false, 4)?;
+        Ok(self.window.as_ref().expect("allocated").x.clone())
+    }
+
     /// The window after the first `stages` of the four preprocessing kernels
     /// (1: nothing yet in X; 2: means removed and median CAR; 3: high-pass; 4:
     /// whitening), C × N row-major: for finding where a device departs from the CPU.

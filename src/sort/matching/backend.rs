@@ -100,4 +100,49 @@ impl Matcher {
             Matcher::Wgpu(m) => m.match_window(x),
         }
     }
+    /// Whether [`Matcher::match_raw`] can take its windows preprocessed on
+    /// `feed`'s device: both on the same GPU back end.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn shares_device_with(&self, feed: &crate::backend::Detector) -> bool {
+        use crate::backend::Detector;
+        match (self, feed) {
+            #[cfg(feature = "cuda")]
+            (Matcher::Cuda(_), Detector::Cuda(_)) => true,
+            #[cfg(feature = "wgpu")]
+            (Matcher::Wgpu(_), Detector::Wgpu(_)) => true,
+            _ => false,
+        }
+    }
+
+    /// Preprocesses the raw window `raw` on `feed`'s device (its
+    /// preprocessing and whitening as set) and matches it there, with no
+    /// copy of the window through the host: the same spikes as
+    /// [`Matcher::match_window`] on the window preprocessed on the device.
+    ///
+    /// # Errors
+    /// When the two are not on one device ([`Matcher::shares_device_with`]),
+    /// the preprocessing fails, or as [`Matcher::match_window`].
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn match_raw(
+        &mut self,
+        feed: &mut crate::backend::Detector,
+        raw: crate::detect::gpu::RawWindow,
+        yc: &[f32],
+    ) -> anyhow::Result<WindowSpikes> {
+        use crate::backend::Detector;
+        let n = raw.n_t;
+        match (self, feed) {
+            #[cfg(feature = "cuda")]
+            (Matcher::Cuda(m), Detector::Cuda(d)) => {
+                let x = d.preprocess_to_device(raw, yc)?;
+                Ok(m.match_device(&x, n)?)
+            }
+            #[cfg(feature = "wgpu")]
+            (Matcher::Wgpu(m), Detector::Wgpu(d)) => {
+                let x = d.preprocess_to_device(raw, yc)?;
+                Ok(m.match_device(&x, n)?)
+            }
+            _ => anyhow::bail!("the matcher and the preprocessing are not on one device"),
+        }
+    }
 }

@@ -379,6 +379,56 @@ impl<R: Runtime> GpuMatcher<R> {
         }
         self.buffers(n);
         let xres = self.upload(x);
+        self.run(xres, n, || Ok(x.to_owned()))
+    }
+
+    /// [`GpuMatcher::match_window`] on a window already on this matcher's
+    /// device: `x` holds the preprocessed window, `n_c` × `n` f32 row-major
+    /// (e.g. [`crate::detect::gpu::GpuDetector::preprocess_to_device`]'s
+    /// buffer, on the same device). The window is copied on the device into
+    /// the matcher's own buffer, so `x` is left as it was.
+    ///
+    /// # Errors
+    /// [`MatchError::Shape`] when `n` is not above 2·nt; [`MatchError::Device`]
+    /// when a read back fails.
+    pub fn match_device(&mut self, x: &Handle, n: usize) -> Result<WindowSpikes, MatchError> {
+        let (_, _, n_c) = self.setup.u.dim();
+        let nt = self.setup.settings.nt;
+        if n <= 2 * nt {
+            return Err(super::shape_err(
+                "window",
+                format!("has {n} samples; expected more than {}", 2 * nt),
+            ));
+        }
+        self.buffers(n);
+        let xres = self.copy_on_device(x, n_c * n);
+        let client = self.client.clone();
+        let device = self.device_name.clone();
+        self.run(xres, n, move || {
+            let out = client.read(vec![x.clone()]);
+            let v = f32::from_bytes(&out[0]);
+            if v.len() < n_c * n {
+                return Err(MatchError::Device {
+                    device,
+                    message: format!("window read back {} of {} values", v.len(), n_c * n),
+                });
+            }
+            Ok(
+                ndarray::Array2::from_shape_vec((n_c, n), v[..n_c * n].to_vec())
+                    .expect("length checked"),
+            )
+        })
+    }
+
+    /// The peels and the features of the window in `xres` (the matcher's
+    /// window buffer, `n` samples); `host_x` gives the window on the host
+    /// for the CPU's rerun when the device's spike capacity overflows.
+    fn run(
+        &mut self,
+        xres: Handle,
+        n: usize,
+        host_x: impl FnOnce() -> Result<ndarray::Array2<f32>, MatchError>,
+    ) -> Result<WindowSpikes, MatchError> {
         let state = self.client.create_from_slice(bytes_u32(&[0u32; S_LEN]));
         self.launch_product(&xres, n);
         self.launch_best_dense(n);
@@ -402,7 +452,7 @@ impl<R: Runtime> GpuMatcher<R> {
                 "GPU matching: more than {} spikes in one window of {n} samples (exactly tied Cf maxima?); this window is matched on the CPU",
                 self.window.as_ref().map_or(0, |w| w.cap)
             );
-            return super::match_window(&self.setup, x);
+            return super::match_window(&self.setup, host_x()?.view());
         }
         let count = st[S_TOTAL] as usize;
         let peels = st[S_PEELS] as usize;
@@ -434,6 +484,33 @@ impl<R: Runtime> GpuMatcher<R> {
                     ArrayArg::from_raw_parts(dst.clone(), xs.len()),
                     (i * chunk) as u32,
                     part.len() as u32,
+                );
+            }
+        }
+        dst
+    }
+
+    /// Copies the `len` floats of device buffer `src` into the persistent
+    /// window buffer, in [`crate::detect::gpu::upload::CHUNK`]-float pieces
+    /// (a launch's cube count stays within every back end's limit).
+    fn copy_on_device(&self, src: &Handle, len: usize) -> Handle {
+        let dst = self.window.as_ref().expect("allocated").x.clone();
+        let chunk = crate::detect::gpu::upload::CHUNK;
+        for start in (0..len).step_by(chunk) {
+            let part = chunk.min(len - start);
+            let piece = src.clone().offset_start((start * 4) as u64);
+            // SAFETY: the kernel reads piece[j] (= src[start + j]) and writes
+            // dst[start + j] for j < part, and start + part ≤ len, which both
+            // buffers hold.
+            unsafe {
+                crate::detect::gpu::upload::copy_chunk_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(part.div_ceil(256) as u32, 1, 1),
+                    CubeDim::new_1d(256),
+                    ArrayArg::from_raw_parts(piece, part),
+                    ArrayArg::from_raw_parts(dst.clone(), len),
+                    start as u32,
+                    part as u32,
                 );
             }
         }
