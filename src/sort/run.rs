@@ -656,13 +656,15 @@ fn device_fed(
         let (tx, rx) =
             crossbeam_channel::bounded::<Result<(crate::detect::gpu::RawWindow, Option<Csr>)>>(2);
         let reader_packer = packer.clone();
-        scope.spawn(move || {
+        let reader = scope.spawn(move || {
+            let (mut read_s, mut whiten_s) = (0f64, 0f64);
             let alloc_packer = reader_packer.clone();
             let mut raw16: Option<crate::stages::Raw16Alloc> =
                 Some(Box::new(move |n| Box::new(alloc_packer.raw16_buffer(n))));
             let mut data = Array2::<f32>::zeros((0, 0));
             for i in 0..n_windows {
                 let item = (|| -> Result<_> {
+                    let t0 = Instant::now();
                     let r16 =
                         crate::stages::read_any(rec, plan, i, chan_map, &mut data, &mut raw16)?;
                     let mut w = crate::recording::Window::of(
@@ -673,10 +675,13 @@ fn device_fed(
                         r16,
                     );
                     let raw = reader_packer.raw_window(&mut w);
+                    let t1 = Instant::now();
                     let csr = match drift {
                         Some(d) => Some(d.window_whitening(i, pre.whitening())?.csr()),
                         None => None,
                     };
+                    read_s += t1.duration_since(t0).as_secs_f64();
+                    whiten_s += t1.elapsed().as_secs_f64();
                     Ok((raw, csr))
                 })()
                 .with_context(|| format!("matching: window {i}"));
@@ -685,20 +690,32 @@ fn device_fed(
                     break;
                 }
             }
+            (read_s, whiten_s)
         });
+        // Seconds waiting for the reader, and on the device (preprocessing,
+        // matching, the download), for the log: which side bounds the pass.
+        let (mut waited, mut on_device) = (0f64, 0f64);
         for i in 0..n_windows {
+            let t0 = Instant::now();
             let (raw, csr) = rx
                 .recv()
                 .with_context(|| format!("matching: window {i} was not read"))??;
+            let t1 = Instant::now();
             if let Some((start, cols, vals)) = &csr {
                 feed.set_whitening(start, cols, vals)?;
             }
             let w = matcher
                 .match_raw(&mut feed, raw, yc)
                 .with_context(|| format!("matching: window {i} on the device"))?;
+            waited += t1.duration_since(t0).as_secs_f64();
+            on_device += t1.elapsed().as_secs_f64();
             parts.push(w);
             done(i);
         }
+        let (read_s, whiten_s) = reader.join().unwrap_or_default();
+        tracing::info!(
+            "matching pass: {n_windows} windows, {on_device:.2} s on the device, {waited:.2} s waiting for the reader (its reading {read_s:.2} s, drift-corrected whitening {whiten_s:.2} s)"
+        );
         Ok(())
     })
 }
