@@ -178,3 +178,44 @@ fn nonsense_batch_size_and_scale_are_refused() {
         assert!(!out.exists(), "no output after {extra:?}");
     }
 }
+
+/// Under -q a warning is printed once: as it happens, and not again in the
+/// closing list (which, without -q, repeats every warning of the run).
+#[test]
+fn quiet_prints_each_warning_once() {
+    let w = tempfile::tempdir().unwrap();
+    let sim = w.path().join("sim");
+    let o = spikecube(&[
+        "simulate",
+        "-q",
+        "--seconds",
+        "4.2",
+        "--n-units",
+        "6",
+        "--seed",
+        "3",
+        "--out",
+        s(&sim),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let bin = sim.join("sim_g0_t0.imec0.ap.bin");
+    // Too few isolated peaks to learn templates from: a warning per pass.
+    let needle = "isolated single-channel peaks";
+    for (quiet, out, live_and_listed) in [(true, "q", 1), (false, "v", 2)] {
+        let out = w.path().join(out);
+        let mut args = vec!["detect", s(&bin), "--out", s(&out), "--backend", "cpu"];
+        if quiet {
+            args.insert(1, "-q");
+        }
+        let o = spikecube(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{err}");
+        let first = err
+            .lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no warning about {needle}: {err}"));
+        let text = &first[first.find("only").expect("the warning's text")..];
+        let times = err.lines().filter(|l| l.ends_with(text)).count();
+        assert_eq!(times, live_and_listed, "quiet {quiet}: {err}");
+    }
+}

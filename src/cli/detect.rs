@@ -207,10 +207,12 @@ pub fn run_task(
             );
         }
     }
-    if !args.json && !report.warnings.is_empty() {
-        // Warnings are not progress: repeated here even with -q.
-        tell!("spikecube: {} warning(s):", report.warnings.len());
-        for w in &report.warnings {
+    // Warnings are not progress: listed again at the end, and under -q those
+    // not already shown as they happened.
+    let listed = super::shown::to_list(&report.warnings, quiet);
+    if !args.json && !listed.is_empty() {
+        tell!("spikecube: {} warning(s):", listed.len());
+        for w in listed {
             tell!("  warning: {w}");
         }
     }

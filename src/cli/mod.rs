@@ -27,6 +27,7 @@ mod export_phy;
 mod info;
 mod preprocess;
 mod probe;
+mod shown;
 mod signals;
 mod simulate;
 mod sort;
@@ -93,20 +94,27 @@ pub fn run() -> anyhow::Result<ExitCode> {
     let env_filter = tracing_subscriber::EnvFilter::try_from_env("SPIKECUBE_LOG")
         .or_else(|_| tracing_subscriber::EnvFilter::try_from_default_env());
     let show_target = cli.verbose || env_filter.is_ok();
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(env_filter.unwrap_or_else(|_| {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    let _ = tracing_subscriber::registry()
+        .with(env_filter.unwrap_or_else(|_| {
             // The GPU libraries' own info lines (adapter dumps) are for debugging.
             tracing_subscriber::EnvFilter::new(format!(
                 "{level},cubecl_wgpu=warn,cubecl_cuda=warn,cubecl_runtime=warn,wgpu_core=warn,wgpu_hal=warn,naga=warn"
             ))
         }))
-        .with_writer(std::io::stderr)
-        // A closed standard error (`… 2>&1 | head`) is not an error to report
-        // (tracing-subscriber would report it with a panicking eprintln).
-        .log_internal_errors(false)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(show_target)
-        .without_time()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                // A closed standard error (`… 2>&1 | head`) is not an error to
+                // report (tracing-subscriber would report it with a panicking
+                // eprintln).
+                .log_internal_errors(false)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_target(show_target)
+                .without_time(),
+        )
+        .with(shown::WarningsShown)
         .try_init();
     match cli.command {
         Command::Detect(args) => detect::run(args, cli.quiet),

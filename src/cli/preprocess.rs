@@ -75,10 +75,12 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
             args.out.join("temp_wh.dat").display()
         );
     }
-    if !report.warnings.is_empty() {
-        // Warnings are not progress: repeated here even with -q.
-        tell!("spikecube: {} warning(s):", report.warnings.len());
-        for w in &report.warnings {
+    // Warnings are not progress: listed again at the end, and under -q those
+    // not already shown as they happened.
+    let listed = super::shown::to_list(&report.warnings, quiet);
+    if !listed.is_empty() {
+        tell!("spikecube: {} warning(s):", listed.len());
+        for w in listed {
             tell!("  warning: {w}");
         }
     }

@@ -85,9 +85,12 @@ pub fn run_task(
             .collect();
         tell!("spikecube: {}", split.join(", "));
     }
-    if !args.detect.json && !report.warnings.is_empty() {
-        tell!("spikecube: {} warning(s):", report.warnings.len());
-        for w in &report.warnings {
+    // Warnings are not progress: listed again at the end, and under -q those
+    // not already shown as they happened.
+    let listed = super::shown::to_list(&report.warnings, quiet);
+    if !args.detect.json && !listed.is_empty() {
+        tell!("spikecube: {} warning(s):", listed.len());
+        for w in listed {
             tell!("  warning: {w}");
         }
     }
