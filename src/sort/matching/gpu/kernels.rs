@@ -80,11 +80,17 @@ pub(crate) fn filter_kernel(
     }
 }
 
+/// Sites of a block's union staged in shared memory at once by
+/// [`product_kernel`] (fewer barriers; the summation order is unchanged).
+pub const SLOTS_PER_STAGE: usize = 8;
+
 /// B\[k·n + t\] = Σ_{slot ∈ block's union, p} U\[k, p, slot\]·F\[slot, p, t\]: a
 /// tiled product of [`KB`] templates × [`TT`] samples per cube over the union
 /// of the block's sites (ascending; zeros where a template has no
 /// coefficient, which add exact zeros). Cube (t-tile, k-block), 256 units of
-/// 4 templates × 4 samples each.
+/// 4 templates × 4 samples each; [`SLOTS_PER_STAGE`] sites' coefficients and
+/// F rows are staged in shared memory between two barriers, and every sum
+/// still runs over the sites in ascending order, then over the PCs.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn product_kernel(
@@ -97,8 +103,8 @@ pub(crate) fn product_kernel(
     k: u32,
     #[comptime] npc: usize,
 ) {
-    let mut su = SharedMemory::<f32>::new(comptime!(KB * npc));
-    let mut sf = SharedMemory::<f32>::new(comptime!(npc * TT));
+    let mut su = SharedMemory::<f32>::new(comptime!(SLOTS_PER_STAGE * KB * npc));
+    let mut sf = SharedMemory::<f32>::new(comptime!(SLOTS_PER_STAGE * npc * TT));
     let blk = CUBE_POS_Y as usize;
     let t0 = CUBE_POS_X as usize * TT;
     let n = n as usize;
@@ -112,15 +118,24 @@ pub(crate) fn product_kernel(
     }
     let e0 = blk_off[blk] as usize;
     let e1 = blk_off[blk + 1] as usize;
-    for e in e0..e1 {
-        let slot = blk_slot[e] as usize;
-        if u < comptime!(KB * npc) {
-            su[u] = blk_u[e * comptime!(KB * npc) + u];
+    let mut e = e0;
+    while e < e1 {
+        let mut cnt = e1 - e;
+        if cnt > SLOTS_PER_STAGE {
+            cnt = SLOTS_PER_STAGE;
         }
         let mut i = u;
-        while i < comptime!(npc * TT) {
-            let p = i / TT;
-            let c = i % TT;
+        while i < cnt * comptime!(KB * npc) {
+            su[i] = blk_u[e * comptime!(KB * npc) + i];
+            i += UNITS;
+        }
+        i = u;
+        while i < cnt * comptime!(npc * TT) {
+            let s = i / comptime!(npc * TT);
+            let r = i % comptime!(npc * TT);
+            let p = r / TT;
+            let c = r % TT;
+            let slot = blk_slot[e + s] as usize;
             let t = t0 + c;
             let mut v = 0.0f32;
             if t < n {
@@ -130,18 +145,23 @@ pub(crate) fn product_kernel(
             i += UNITS;
         }
         sync_cube();
-        #[unroll]
-        for p in 0..npc {
+        for s in 0..cnt {
+            let ub = s * comptime!(KB * npc);
+            let fb = s * comptime!(npc * TT);
             #[unroll]
-            for r in 0..4usize {
-                let uv = su[(kr * 4usize + r) * npc + p];
+            for p in 0..npc {
                 #[unroll]
-                for m in 0..4usize {
-                    acc[r * 4usize + m] += uv * sf[p * TT + tc + 32usize * m];
+                for r in 0..4usize {
+                    let uv = su[ub + (kr * 4usize + r) * npc + p];
+                    #[unroll]
+                    for m in 0..4usize {
+                        acc[r * 4usize + m] += uv * sf[fb + p * TT + tc + 32usize * m];
+                    }
                 }
             }
         }
         sync_cube();
+        e += cnt;
     }
     let k = k as usize;
     #[unroll]
