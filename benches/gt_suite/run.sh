@@ -34,7 +34,7 @@
 # line each), timings.tsv (recording, step, seconds, exit status: 124 = out
 # of budget) and gt_results.tar.gz (per recording: meta.json, the sorters'
 # reports and Kilosort4's log, the spike trains of the truth and of each
-# sorting in compact npz form, score.py --pack).
+# sorting in compact npz form, score.py --pack, and si_drift's true motion).
 set -uo pipefail
 
 # The whole script is one function, read completely before it runs: an edit
@@ -103,6 +103,7 @@ main() {
         fs=$("$py" "$util" field "$rdir/meta.json" fs)
         mkdir -p "$work/pack/$rec" "$work/ks4/$rec" "$work/sc/$rec"
         cp "$rdir/meta.json" "$work/pack/$rec/meta.json"
+        cp "$rdir/drift_truth.npz" "$work/pack/$rec/drift_truth.npz" 2>/dev/null
         specs=()
         for s in ${sorters//,/ }; do
             case $s in
