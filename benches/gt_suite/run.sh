@@ -93,12 +93,18 @@ main() {
     echo "spikecube: $sc ($("$sc" --version 2>&1))"
     step setup imports "$py" "$util" versions || return 1
 
-    local rec rdir nchan fs s specs
+    # Each recording's scoring runs in the background while the next
+    # recording is made (both on the CPU; the sorts, which are timed for
+    # comparison, never overlap anything).
+    local rec rdir nchan fs s specs scoring="" scored_dirs=()
     for rec in ${recs//,/ }; do
         rdir="$work/rec/$rec"
         rm -rf "$rdir" "$work/ks4/$rec" "$work/sc/$rec" "$work/pack/$rec"
         step "$rec" make "$py" "$here/make_recordings.py" "$work/rec" "$rec" --seconds "$seconds" \
-            --n-units "$units" --n-channels "$channels" --n-jobs "$jobs" --spikecube "$sc" || continue
+            --n-units "$units" --n-channels "$channels" --n-jobs "$jobs" --spikecube "$sc"
+        local made=$?
+        finish_scoring
+        [ $made = 0 ] || continue
         nchan=$("$py" "$util" field "$rdir/meta.json" n_chan_bin)
         fs=$("$py" "$util" field "$rdir/meta.json" fs)
         mkdir -p "$work/pack/$rec" "$work/ks4/$rec" "$work/sc/$rec"
@@ -124,17 +130,30 @@ main() {
                 *) echo "unknown sorter $s" ;;
             esac
         done
-        step "$rec" score "$py" "$here/score.py" "$rdir" "$out/scores.json" --pack "$work/pack" "${specs[@]}"
-        # Free the disk: the recording and the sorter folders are not returned
-        # (gt.npz, meta.json and Kilosort4's spikes.npz stay).
-        rm -rf "$rdir/rec.bin" "$rdir/spikecube_sim" "$work/ks4/$rec/out" "$work/sc/$rec/out"
+        # Free the disk: the recording is not returned; the sorter folders go
+        # once scored (gt.npz, meta.json and Kilosort4's spikes.npz stay).
+        rm -rf "$rdir/rec.bin" "$rdir/spikecube_sim"
+        step "$rec" score "$py" "$here/score.py" "$rdir" "$out/scores.json" --pack "$work/pack" "${specs[@]}" &
+        scoring=$!
+        scored_dirs=("$work/ks4/$rec/out" "$work/sc/$rec/out")
     done
+    finish_scoring
 
     "$py" "$util" summary "$out/scores.json" "$out/summary.txt"
     cp "$TIMINGS" "$work/pack/timings.tsv"
     tar -C "$work/pack" -czf "$out/gt_results.tar.gz" .
     ls -l "$out"
     echo "gt suite done in $(secs $(( $(now_ms) - T_START ))) s"
+}
+
+# Waits for the background scoring (main's $scoring), then removes the
+# sorter folders it read (main's $scored_dirs).
+finish_scoring() {
+    if [ -n "$scoring" ]; then
+        wait "$scoring"
+        scoring=""
+        rm -rf "${scored_dirs[@]}"
+    fi
 }
 
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
