@@ -14,6 +14,9 @@
 //! * `ground_truth.npy`: float64 (n, 4), one row per spike sorted by time:
 //!   sample of the trough, unit x (µm), unit y (µm), trough amplitude at the
 //!   unit's position (counts, negative);
+//! * `ground_truth_units.npy`: int32 (n,), the unit (0 … `n_units` − 1, the
+//!   order of [`SimSummary::units`]) of each row of `ground_truth.npy`, for
+//!   scoring sorters (e.g. SpikeInterface's `compare_sorter_to_ground_truth`);
 //! * `probe.json`: the probe in Kilosort's JSON format, with `n_chan` = the
 //!   file's channel count (sync included);
 //! * with a [`DriftModel`] (`simulate --drift`) also `drift_truth.npy`: float64
@@ -901,7 +904,7 @@ impl<'a> Scene<'a> {
         })
     }
 
-    /// Writes `ground_truth.npy` and, with a drift model, the drift truth
+    /// Writes `ground_truth.npy`, `ground_truth_units.npy` and, with a drift model, the drift truth
     /// (`drift_truth.npy`, `drift_truth_times.npy`, `drift_truth_depths.npy`)
     /// into `dir`.
     fn write_truth(&self, dir: &Path) -> Result<()> {
@@ -914,6 +917,8 @@ impl<'a> Scene<'a> {
             gt[[k, 3]] = unit.amplitude as f64;
         }
         crate::npy::write(&dir.join("ground_truth.npy"), &gt)?;
+        let units: ndarray::Array1<i32> = self.spikes.iter().map(|&(_, u)| u as i32).collect();
+        crate::npy::write(&dir.join("ground_truth_units.npy"), &units)?;
         let Some(d) = &self.cfg.drift else {
             return Ok(());
         };

@@ -120,6 +120,42 @@ fn spikes_are_visible_in_the_data() {
 }
 
 #[test]
+fn ground_truth_units_name_each_spikes_unit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = cfg(5);
+    let s = simulate(&probe32(), &c, tmp.path()).unwrap();
+    let gt: Array2<f64> = spikecube::npy::read(&tmp.path().join("ground_truth.npy")).unwrap();
+    let units: ndarray::Array1<i32> =
+        spikecube::npy::read(&tmp.path().join("ground_truth_units.npy")).unwrap();
+    assert_eq!(units.len(), gt.nrows());
+    assert_eq!(s.units.len(), c.n_units);
+    let mut last = vec![None::<f64>; c.n_units];
+    for (r, &u) in units.iter().enumerate() {
+        assert!((0..c.n_units as i32).contains(&u), "unit {u} at row {r}");
+        let unit = &s.units[u as usize];
+        // Without drift, each row's position and amplitude are its unit's.
+        assert_eq!(gt[[r, 1]], unit.x as f64, "row {r}");
+        assert_eq!(gt[[r, 2]], unit.y as f64, "row {r}");
+        assert_eq!(gt[[r, 3]], unit.amplitude as f64, "row {r}");
+        // Spikes of one unit respect its refractory period.
+        if let Some(prev) = last[u as usize] {
+            assert!(
+                gt[[r, 0]] - prev >= c.refractory_s * c.fs - 1.0,
+                "unit {u} at row {r}"
+            );
+        }
+        last[u as usize] = Some(gt[[r, 0]]);
+    }
+    // 8 units at 10 Hz for 4 s: every unit fires.
+    assert!(last.iter().all(Option::is_some));
+    let manifest = std::fs::read_to_string(tmp.path().join("spikecube.json")).unwrap();
+    assert!(
+        manifest.contains("\"ground_truth_units.npy\""),
+        "{manifest}"
+    );
+}
+
+#[test]
 fn the_same_seed_gives_the_same_file() {
     let tmp = tempfile::tempdir().unwrap();
     let (a, b, c) = (

@@ -19,7 +19,7 @@ pub struct Args {
     #[arg(long)]
     seconds: f64,
     /// Output folder (created if missing): sim_g0_t0.imec0.ap.bin/.meta,
-    /// ground_truth.npy, probe.json.
+    /// ground_truth.npy, ground_truth_units.npy, probe.json.
     #[arg(long)]
     out: PathBuf,
     /// Sample rate, Hz.
