@@ -86,6 +86,33 @@ fn draw_without_replacement(w: &[f32], ntry: usize, rng: &mut ChaCha8Rng) -> Vec
     chosen
 }
 
+/// A spike whose gain from a candidate beat its v0: (spike index, gain
+/// t = 2x·c − ‖c‖² in float32, computed as in [`block_gains`]).
+type Gain = (u32, f32);
+
+/// Most memoised gains kept per spike of the group (see [`Memo`]): a bound
+/// on the memo's memory, 8 bytes a gain.
+const MEMO_GAINS_PER_SPIKE: usize = 64;
+
+/// The gains of every candidate computed so far in one group, kept for when
+/// it is drawn again (a spike far from every seed is drawn at many steps).
+///
+/// For candidate spike c, `lists[c]` holds, in ascending spike order, the
+/// spikes whose gain t exceeded their v0 when last checked, with t (which
+/// never changes). Every other spike's t was ≤ its v0 then, and v0 never
+/// decreases, so it stays ≤ v0: its d = fl(t − v0) is ≤ 0 (rounding is
+/// monotone) and adds exactly +0 to the candidate's sum, and it would not
+/// take the candidate's label. A memoised candidate therefore gets the same
+/// sums and labels from its list alone, with no dot product.
+struct Memo {
+    lists: Vec<Option<Vec<Gain>>>,
+    /// Gains held in all lists.
+    held: usize,
+    /// Most gains held ([`MEMO_GAINS_PER_SPIKE`] per spike); a list that
+    /// would pass it is not kept (its candidate is recomputed if drawn again).
+    cap: usize,
+}
+
 /// Initial labels (0‥`n_clusters`) of the `xd.len() / dim` spikes of one group
 /// (rows of `xd`, float32), by Kilosort4's greedy k-means++ seeding with our
 /// own generator seeded with `seed`.
@@ -96,6 +123,11 @@ pub fn kmeans_plusplus(xd: &[f32], dim: usize, n_clusters: usize, seed: u64) -> 
     let mut vexp0 = vec![0f32; n];
     let mut iclust = vec![0u32; n];
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut memo = Memo {
+        lists: (0..n).map(|_| None).collect(),
+        held: 0,
+        cap: n.saturating_mul(MEMO_GAINS_PER_SPIKE),
+    };
     for j in 0..n_clusters {
         let v2: Vec<f32> = vtot
             .iter()
@@ -107,54 +139,14 @@ pub fn kmeans_plusplus(xd: &[f32], dim: usize, n_clusters: usize, seed: u64) -> 
             // Every spike is explained exactly: no candidate can gain.
             break;
         }
-        let best = best_candidate(xd, dim, &cand, &vexp0);
-        let c = rows(cand[best]);
-        let cn = dot(c, c);
-        vexp0
-            .par_chunks_mut(SPIKE_BLOCK)
-            .zip(iclust.par_chunks_mut(SPIKE_BLOCK))
-            .enumerate()
-            .for_each(|(b, (v0, lab))| {
-                let x = &xd[b * SPIKE_BLOCK * dim..(b * SPIKE_BLOCK + v0.len()) * dim];
-                assign_block(x, c, cn, v0, lab, j as u32);
-            });
+        // The spikes whose gain from the kept candidate beats their v0 (its
+        // gain 2x·c − ‖c‖² > v0) take its label and that gain as their v0.
+        for (i, t) in best_candidate(xd, dim, &cand, &vexp0, &mut memo) {
+            vexp0[i as usize] = t;
+            iclust[i as usize] = j as u32;
+        }
     }
     iclust
-}
-
-/// Rows interleaved in [`assign_block`] (independent sums, so they overlap).
-const ASSIGN_ROWS: usize = 8;
-
-/// Gives label `j` to every row of `x` (rows of `c.len()`) whose gain
-/// 2x·c − `cn` beats its `v0`, and raises `v0` to it; x·c in feature order,
-/// [`ASSIGN_ROWS`] rows at a time.
-fn assign_block(x: &[f32], c: &[f32], cn: f32, v0: &mut [f32], lab: &mut [u32], j: u32) {
-    let dim = c.len();
-    for (xs, (v, l)) in x
-        .chunks(ASSIGN_ROWS * dim)
-        .zip(v0.chunks_mut(ASSIGN_ROWS).zip(lab.chunks_mut(ASSIGN_ROWS)))
-    {
-        let mut acc = [0f32; ASSIGN_ROWS];
-        if v.len() == ASSIGN_ROWS {
-            let r: [&[f32]; ASSIGN_ROWS] = std::array::from_fn(|i| &xs[i * dim..(i + 1) * dim]);
-            for (k, &ck) in c.iter().enumerate() {
-                for i in 0..ASSIGN_ROWS {
-                    acc[i] += r[i][k] * ck;
-                }
-            }
-        } else {
-            for (i, a) in acc.iter_mut().enumerate().take(v.len()) {
-                *a = dot(&xs[i * dim..(i + 1) * dim], c);
-            }
-        }
-        for i in 0..v.len() {
-            let g = 2.0 * acc[i] - cn;
-            if g > v[i] {
-                v[i] = g;
-                l[i] = j;
-            }
-        }
-    }
 }
 
 /// Candidates per register tile of the gain kernel (one 16-lane vector).
@@ -162,43 +154,43 @@ const TILE_C: usize = 16;
 /// Spikes per register tile of the gain kernel.
 const TILE_S: usize = 6;
 
-/// The position (in `cand`) of the candidate with the largest summed positive
-/// gain Σ relu(2x·c − ‖c‖² − v0); the first on ties.
+/// The candidate (of `cand`) with the largest summed positive gain
+/// Σ relu(2x·c − ‖c‖² − v0), the first on ties; returns the spikes whose gain
+/// from it beats their v0 (ascending), with those gains.
 ///
 /// Each x·c is summed in float32 in feature order (multiply, then add; no
-/// fused multiply-add), [`TILE_S`] spikes × [`TILE_C`] candidates at a time so
-/// that the sums stay in registers; each candidate's positive gains are added
-/// in float64 in spike order within blocks of [`SPIKE_BLOCK`] spikes, and the
-/// blocks' totals in block order. The tiling changes no operation or order,
-/// so the bits are those of one spike and one candidate at a time.
-fn best_candidate(xd: &[f32], dim: usize, cand: &[usize], vexp0: &[f32]) -> usize {
+/// fused multiply-add); each candidate's positive gains are added in float64
+/// in spike order within blocks of [`SPIKE_BLOCK`] spikes, and the blocks'
+/// totals in block order. Candidates seen before at this group's earlier steps
+/// are summed from their [`Memo`] lists, the others by [`block_gains`]; both
+/// give the bits of one spike and one candidate at a time.
+fn best_candidate(
+    xd: &[f32],
+    dim: usize,
+    cand: &[usize],
+    vexp0: &[f32],
+    memo: &mut Memo,
+) -> Vec<Gain> {
     let nc = cand.len();
-    let ncp = nc.div_ceil(TILE_C) * TILE_C;
-    // Candidates transposed (dim × ncp, zero-padded): one feature of
-    // TILE_C candidates is one contiguous run.
-    let mut ct = vec![0f32; dim * ncp];
-    let mut cn = vec![0f32; ncp];
-    for (c, &s) in cand.iter().enumerate() {
-        let row = &xd[s * dim..(s + 1) * dim];
-        cn[c] = dot(row, row);
-        for k in 0..dim {
-            ct[k * ncp + c] = row[k];
-        }
-    }
-    let partial: Vec<Vec<f64>> = xd
-        .par_chunks(SPIKE_BLOCK * dim)
-        .zip(vexp0.par_chunks(SPIKE_BLOCK))
-        .map(|(block, v0)| {
-            let mut sum = vec![0f64; ncp];
-            block_gains(block, v0, &ct, &cn, dim, &mut sum);
-            sum.truncate(nc);
-            sum
-        })
-        .collect();
     let mut total = vec![0f64; nc];
-    for p in &partial {
-        for (t, v) in total.iter_mut().zip(p) {
-            *t += v;
+    let mut lists: Vec<Option<Vec<Gain>>> = cand.iter().map(|&s| memo.lists[s].take()).collect();
+    for l in lists.iter().flatten() {
+        memo.held -= l.len();
+    }
+    let fresh: Vec<usize> = (0..nc).filter(|&c| lists[c].is_none()).collect();
+    total
+        .par_iter_mut()
+        .zip(lists.par_iter_mut())
+        .for_each(|(t, l)| {
+            if let Some(l) = l {
+                *t = recheck(l, vexp0);
+            }
+        });
+    if !fresh.is_empty() {
+        let (sums, gains) = fresh_gains(xd, dim, cand, &fresh, vexp0);
+        for ((&c, s), g) in fresh.iter().zip(sums).zip(gains) {
+            total[c] = s;
+            lists[c] = Some(g);
         }
     }
     let mut best = 0;
@@ -207,46 +199,165 @@ fn best_candidate(xd: &[f32], dim: usize, cand: &[usize], vexp0: &[f32]) -> usiz
             best = c;
         }
     }
-    best
+    let won = lists[best].take().unwrap_or_default();
+    for (&s, l) in cand.iter().zip(lists) {
+        let l = l.unwrap_or_default();
+        if memo.held + l.len() <= memo.cap {
+            memo.held += l.len();
+            memo.lists[s] = Some(l);
+        }
+    }
+    won
 }
+
+/// The summed positive gains Σ relu(t − v0) of one memoised candidate (float64,
+/// in spike order within blocks of [`SPIKE_BLOCK`], blocks in order, as
+/// [`block_gains`] sums them: the spikes left out add +0), dropping from
+/// `list` the spikes whose t no longer beats v0.
+fn recheck(list: &mut Vec<Gain>, v0: &[f32]) -> f64 {
+    let mut total = 0f64;
+    let mut block_sum = 0f64;
+    let mut block = 0;
+    list.retain(|&(i, t)| {
+        let i = i as usize;
+        if i / SPIKE_BLOCK != block {
+            total += block_sum;
+            block_sum = 0.0;
+            block = i / SPIKE_BLOCK;
+        }
+        let e = v0[i];
+        let d = t - e;
+        if d > 0.0 {
+            block_sum += f64::from(d);
+        }
+        t > e
+    });
+    total + block_sum
+}
+
+/// The summed positive gains of the candidates `cand[fresh]` (float64, in
+/// spike order within blocks of [`SPIKE_BLOCK`], blocks in order) and, for
+/// each, the spikes (ascending) whose gain t beats their v0, with t.
+fn fresh_gains(
+    xd: &[f32],
+    dim: usize,
+    cand: &[usize],
+    fresh: &[usize],
+    vexp0: &[f32],
+) -> (Vec<f64>, Vec<Vec<Gain>>) {
+    let nf = fresh.len();
+    let ncp = nf.div_ceil(TILE_C) * TILE_C;
+    // Candidates transposed (dim × ncp, zero-padded): one feature of
+    // TILE_C candidates is one contiguous run.
+    let mut ct = vec![0f32; dim * ncp];
+    let mut cn = vec![0f32; ncp];
+    for (c, &f) in fresh.iter().enumerate() {
+        let row = &xd[cand[f] * dim..(cand[f] + 1) * dim];
+        cn[c] = dot(row, row);
+        for k in 0..dim {
+            ct[k * ncp + c] = row[k];
+        }
+    }
+    let partial: Vec<(Vec<f64>, Vec<BlockGain>)> = xd
+        .par_chunks(SPIKE_BLOCK * dim)
+        .zip(vexp0.par_chunks(SPIKE_BLOCK))
+        .map(|(block, v0)| {
+            let mut sum = vec![0f64; ncp];
+            let mut gains = Vec::new();
+            block_gains(block, v0, &ct, &cn, dim, nf, &mut sum, &mut gains);
+            (sum, gains)
+        })
+        .collect();
+    let mut total = vec![0f64; nf];
+    let mut lists: Vec<Vec<Gain>> = vec![Vec::new(); nf];
+    for (b, (sum, gains)) in partial.into_iter().enumerate() {
+        for (t, v) in total.iter_mut().zip(&sum) {
+            *t += v;
+        }
+        let base = b * SPIKE_BLOCK;
+        for (c, s, t) in gains {
+            lists[usize::from(c)].push(((base + s as usize) as u32, t));
+        }
+    }
+    (total, lists)
+}
+
+/// A gain that beats v0 within one block: (candidate column, spike in the
+/// block, t).
+type BlockGain = (u16, u32, f32);
 
 /// Adds, for each candidate column of `ct` (dim × ncp), the positive gains
 /// 2x·c − ‖c‖² − v0 of the spikes of `block` (rows of `dim`) to `sum` (ncp),
-/// in spike order. Compiled for AVX-512 and AVX2 too and chosen at run time:
-/// the same operations on more lanes, the same bits.
-fn block_gains(block: &[f32], v0: &[f32], ct: &[f32], cn: &[f32], dim: usize, sum: &mut [f64]) {
+/// in spike order, and pushes to `gains` each spike whose gain
+/// t = 2x·c − ‖c‖² beats its v0, for the first `live` columns (each column's
+/// spikes in ascending order). Compiled for AVX-512 and AVX2 too and chosen at
+/// run time: the same operations on more lanes, the same bits.
+#[allow(clippy::too_many_arguments)]
+fn block_gains(
+    block: &[f32],
+    v0: &[f32],
+    ct: &[f32],
+    cn: &[f32],
+    dim: usize,
+    live: usize,
+    sum: &mut [f64],
+    gains: &mut Vec<BlockGain>,
+) {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f")]
-        fn avx512(b: &[f32], v0: &[f32], ct: &[f32], cn: &[f32], dim: usize, s: &mut [f64]) {
-            block_gains_impl(b, v0, ct, cn, dim, s)
+        #[allow(clippy::too_many_arguments)]
+        fn avx512(
+            b: &[f32],
+            v0: &[f32],
+            ct: &[f32],
+            cn: &[f32],
+            dim: usize,
+            live: usize,
+            s: &mut [f64],
+            g: &mut Vec<BlockGain>,
+        ) {
+            block_gains_impl(b, v0, ct, cn, dim, live, s, g)
         }
         #[target_feature(enable = "avx2")]
-        fn avx2(b: &[f32], v0: &[f32], ct: &[f32], cn: &[f32], dim: usize, s: &mut [f64]) {
-            block_gains_impl(b, v0, ct, cn, dim, s)
+        #[allow(clippy::too_many_arguments)]
+        fn avx2(
+            b: &[f32],
+            v0: &[f32],
+            ct: &[f32],
+            cn: &[f32],
+            dim: usize,
+            live: usize,
+            s: &mut [f64],
+            g: &mut Vec<BlockGain>,
+        ) {
+            block_gains_impl(b, v0, ct, cn, dim, live, s, g)
         }
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F, checked just above.
-            unsafe { avx512(block, v0, ct, cn, dim, sum) };
+            unsafe { avx512(block, v0, ct, cn, dim, live, sum, gains) };
             return;
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
-            unsafe { avx2(block, v0, ct, cn, dim, sum) };
+            unsafe { avx2(block, v0, ct, cn, dim, live, sum, gains) };
             return;
         }
     }
-    block_gains_impl(block, v0, ct, cn, dim, sum)
+    block_gains_impl(block, v0, ct, cn, dim, live, sum, gains)
 }
 
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn block_gains_impl(
     block: &[f32],
     v0: &[f32],
     ct: &[f32],
     cn: &[f32],
     dim: usize,
+    live: usize,
     sum: &mut [f64],
+    gains: &mut Vec<BlockGain>,
 ) {
     let ncp = cn.len();
     let ns = v0.len();
@@ -262,14 +373,31 @@ fn block_gains_impl(
                     tile_row(&block[(s0 + r) * dim..], ct, ncp, c0, dim, &mut acc[r]);
                 }
             }
+            // Lanes past the last live column are padding.
+            let live_lanes = live.saturating_sub(c0).min(TILE_C);
+            let live_mask = if live_lanes == TILE_C {
+                u32::MAX
+            } else {
+                (1u32 << live_lanes) - 1
+            };
             for (r, a) in acc.iter().enumerate().take(rows) {
                 let e = v0[s0 + r];
                 let cnr = &cn[c0..c0 + TILE_C];
                 let sr = &mut sum[c0..c0 + TILE_C];
+                let mut t = [0f32; TILE_C];
+                let mut beats = 0u32;
                 for l in 0..TILE_C {
-                    let d = 2.0 * a[l] - cnr[l] - e;
+                    t[l] = 2.0 * a[l] - cnr[l];
+                    let d = t[l] - e;
                     // Adding +0 leaves a sum of positive terms unchanged.
                     sr[l] += if d > 0.0 { f64::from(d) } else { 0.0 };
+                    beats |= u32::from(t[l] > e) << l;
+                }
+                beats &= live_mask;
+                while beats != 0 {
+                    let l = beats.trailing_zeros() as usize;
+                    beats &= beats - 1;
+                    gains.push(((c0 + l) as u16, (s0 + r) as u32, t[l]));
                 }
             }
         }
