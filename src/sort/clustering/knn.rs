@@ -54,28 +54,6 @@ fn linspace_round(last: usize, num: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Squared Euclidean distance in float32, summed in 8 interleaved partial sums
-/// combined in a fixed order.
-#[inline]
-pub(crate) fn sq_dist(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let ca = a.chunks_exact(8);
-    let cb = b.chunks_exact(8);
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            let d = x[l] - y[l];
-            acc[l] += d * d;
-        }
-    }
-    let mut tail = 0f32;
-    for (x, y) in ra.iter().zip(rb) {
-        let d = x - y;
-        tail += d * d;
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
 /// The k nearest landmarks of one query, kept sorted by (distance, index).
 struct TopK {
     dist: Vec<f32>,
@@ -90,6 +68,12 @@ impl TopK {
             idx: Vec::with_capacity(k + 1),
             k,
         }
+    }
+
+    /// The distance a landmark must beat to enter, once k are held.
+    #[inline]
+    fn bar(&self) -> Option<f32> {
+        (self.dist.len() == self.k).then(|| self.dist[self.k - 1])
     }
 
     /// Offers landmark `j`; landmarks arrive in increasing index, so a tie
@@ -109,9 +93,22 @@ impl TopK {
     }
 }
 
+/// Landmarks per register tile of the distance kernel (one 16-lane vector).
+const TILE_L: usize = 16;
+/// Queries per register tile of the distance kernel.
+const TILE_Q: usize = 6;
+/// Interleaved partial sums of a squared distance.
+const PARTS: usize = 8;
+
 /// For each row of `xd` (n × `dim`, float32), the indices (into `landmarks`) of
 /// its `k` nearest landmarks, nearest first; (n × k) row-major. `k` must not
 /// exceed the number of landmarks.
+///
+/// Each squared distance Σ(x − y)² is summed in float32 in a fixed order:
+/// [`PARTS`] interleaved partial sums (feature f in sum f mod 8, over the whole
+/// chunks of 8 features), combined as ((s0 + s4) + (s1 + s5)) + ((s2 + s6) +
+/// (s3 + s7)), plus the sum of the remaining features in order; computed
+/// [`TILE_Q`] queries × [`TILE_L`] landmarks at a time.
 pub fn knn(xd: &[f32], dim: usize, landmarks: &[usize], k: usize) -> Vec<u32> {
     let n = xd.len() / dim.max(1);
     assert!(
@@ -119,10 +116,17 @@ pub fn knn(xd: &[f32], dim: usize, landmarks: &[usize], k: usize) -> Vec<u32> {
         "k = {k} > {} landmarks",
         landmarks.len()
     );
-    let mut lm = Vec::with_capacity(landmarks.len() * dim);
-    for &s in landmarks {
-        lm.extend_from_slice(&xd[s * dim..(s + 1) * dim]);
+    let nl = landmarks.len();
+    // Landmarks by tiles of TILE_L, each tile feature-major (dim × TILE_L,
+    // zero-padded): one feature of a tile's landmarks is one run.
+    let mut lt = vec![0f32; nl.div_ceil(TILE_L) * TILE_L * dim];
+    for (j, &s) in landmarks.iter().enumerate() {
+        let tile = &mut lt[(j / TILE_L) * dim * TILE_L..];
+        for (f, &v) in xd[s * dim..(s + 1) * dim].iter().enumerate() {
+            tile[f * TILE_L + j % TILE_L] = v;
+        }
     }
+    let zero = vec![0f32; dim];
     let mut kn = vec![0u32; n * k];
     kn.par_chunks_mut(QUERY_BLOCK * k)
         .enumerate()
@@ -130,12 +134,35 @@ pub fn knn(xd: &[f32], dim: usize, landmarks: &[usize], k: usize) -> Vec<u32> {
             let q0 = b * QUERY_BLOCK;
             let nq = out.len() / k;
             let mut tops: Vec<TopK> = (0..nq).map(|_| TopK::new(k)).collect();
-            for l0 in (0..landmarks.len()).step_by(LANDMARK_BLOCK) {
-                let l1 = (l0 + LANDMARK_BLOCK).min(landmarks.len());
-                for (q, top) in tops.iter_mut().enumerate() {
-                    let x = &xd[(q0 + q) * dim..(q0 + q + 1) * dim];
-                    for j in l0..l1 {
-                        top.offer(sq_dist(x, &lm[j * dim..(j + 1) * dim]), j as u32);
+            for l0 in (0..nl).step_by(LANDMARK_BLOCK) {
+                let l1 = (l0 + LANDMARK_BLOCK).min(nl);
+                for (g, group) in tops.chunks_mut(TILE_Q).enumerate() {
+                    let first = q0 + g * TILE_Q;
+                    // Rows past the queries read zeros (their results unused).
+                    let x: [&[f32]; TILE_Q] = std::array::from_fn(|r| {
+                        xd.get((first + r) * dim..(first + r + 1) * dim)
+                            .filter(|_| r < group.len())
+                            .unwrap_or(&zero)
+                    });
+                    for t in l0 / TILE_L..l1.div_ceil(TILE_L) {
+                        let d = tile_dists(&x, &lt[t * dim * TILE_L..(t + 1) * dim * TILE_L]);
+                        let lanes = (nl - t * TILE_L).min(TILE_L);
+                        for (top, d) in group.iter_mut().zip(&d) {
+                            // Only the lanes under the bar can enter (offer
+                            // checks again as the bar moves), in index order.
+                            let mut offered = match top.bar() {
+                                Some(bar) => d
+                                    .iter()
+                                    .enumerate()
+                                    .fold(0u32, |m, (l, &v)| m | (u32::from(v < bar) << l)),
+                                None => u32::MAX,
+                            } & ((1u32 << lanes) - 1);
+                            while offered != 0 {
+                                let l = offered.trailing_zeros() as usize;
+                                offered &= offered - 1;
+                                top.offer(d[l], (t * TILE_L + l) as u32);
+                            }
+                        }
                     }
                 }
             }
@@ -144,6 +171,104 @@ pub fn knn(xd: &[f32], dim: usize, landmarks: &[usize], k: usize) -> Vec<u32> {
             }
         });
     kn
+}
+
+/// The squared distances (in the order [`knn`] describes) of [`TILE_Q`] rows
+/// `x` (dim features each) and the [`TILE_L`] landmarks of one tile `lt`
+/// (dim × TILE_L, feature-major). Compiled for AVX-512 and AVX2 too and
+/// chosen at run time: the same operations on more lanes, the same bits.
+fn tile_dists(x: &[&[f32]; TILE_Q], lt: &[f32]) -> [[f32; TILE_L]; TILE_Q] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f")]
+        fn avx512(x: &[&[f32]; TILE_Q], lt: &[f32]) -> [[f32; TILE_L]; TILE_Q] {
+            tile_dists_impl(x, lt)
+        }
+        #[target_feature(enable = "avx2")]
+        fn avx2(x: &[&[f32]; TILE_Q], lt: &[f32]) -> [[f32; TILE_L]; TILE_Q] {
+            tile_dists_impl(x, lt)
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { avx512(x, lt) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            return unsafe { avx2(x, lt) };
+        }
+    }
+    tile_dists_impl(x, lt)
+}
+
+#[inline(always)]
+fn tile_dists_impl(x: &[&[f32]; TILE_Q], lt: &[f32]) -> [[f32; TILE_L]; TILE_Q] {
+    let dim = x[0].len();
+    let full = dim / PARTS;
+    // part[p][q]: partial sum p (features p, p + PARTS, … of the full
+    // chunks), one at a time so that only TILE_Q accumulators are live.
+    let mut part = [[[0f32; TILE_L]; TILE_Q]; PARTS];
+    for (p, acc) in part.iter_mut().enumerate() {
+        *acc = sq_sums(x, lt, p, PARTS, full);
+    }
+    let tail = sq_sums(x, lt, full * PARTS, 1, dim - full * PARTS);
+    let mut d = [[0f32; TILE_L]; TILE_Q];
+    for q in 0..TILE_Q {
+        for l in 0..TILE_L {
+            let a = |p: usize| part[p][q][l];
+            d[q][l] =
+                ((a(0) + a(4)) + (a(1) + a(5))) + ((a(2) + a(6)) + (a(3) + a(7))) + tail[q][l];
+        }
+    }
+    d
+}
+
+/// Σ (x − y)² over the features `start`, `start + step`, … (`count` of them)
+/// of each row of `x` and each landmark of the tile `lt`, in that order, from
+/// 0, in float32.
+#[inline(always)]
+fn sq_sums(
+    x: &[&[f32]; TILE_Q],
+    lt: &[f32],
+    start: usize,
+    step: usize,
+    count: usize,
+) -> [[f32; TILE_L]; TILE_Q] {
+    let [mut a0, mut a1, mut a2, mut a3, mut a4, mut a5] = [[0f32; TILE_L]; TILE_Q];
+    let [x0, x1, x2, x3, x4, x5] = *x;
+    fn every(r: &[f32], start: usize, step: usize, count: usize) -> impl Iterator<Item = &f32> {
+        r[start.min(r.len())..].iter().step_by(step).take(count)
+    }
+    let feats = |r| every(r, start, step, count);
+    let ys = lt[(start * TILE_L).min(lt.len())..]
+        .chunks_exact(TILE_L)
+        .step_by(step)
+        .take(count);
+    let rows = feats(x0)
+        .zip(feats(x1))
+        .zip(feats(x2))
+        .zip(feats(x3))
+        .zip(feats(x4))
+        .zip(feats(x5));
+    for ((((((&v0, &v1), &v2), &v3), &v4), &v5), y) in rows.zip(ys) {
+        let y: &[f32; TILE_L] = y.try_into().expect("tile width");
+        add_sq(&mut a0, v0, y);
+        add_sq(&mut a1, v1, y);
+        add_sq(&mut a2, v2, y);
+        add_sq(&mut a3, v3, y);
+        add_sq(&mut a4, v4, y);
+        add_sq(&mut a5, v5, y);
+    }
+    [a0, a1, a2, a3, a4, a5]
+}
+
+/// a += (x − y)² lane by lane (y − x squares to the same bits: rounding is
+/// symmetric).
+#[inline(always)]
+fn add_sq(a: &mut [f32; TILE_L], x: f32, y: &[f32; TILE_L]) {
+    for (a, &y) in a.iter_mut().zip(y) {
+        let d = y - x;
+        *a += d * d;
+    }
 }
 
 #[cfg(test)]
@@ -156,6 +281,81 @@ mod tests {
         assert_eq!(landmarks(6, 1, Some(3)), vec![1, 3, 4]);
         assert_eq!(landmarks(100, 20, Some(25_000)), vec![0, 20, 40, 60, 80]);
         assert_eq!(landmarks(101, 20, None), vec![0, 20, 40, 60, 80, 100]);
+    }
+
+    /// Squared Euclidean distance in float32, one pair at a time, in the
+    /// order [`knn`] describes.
+    fn sq_dist(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [0f32; 8];
+        let ca = a.chunks_exact(8);
+        let cb = b.chunks_exact(8);
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for l in 0..8 {
+                let d = x[l] - y[l];
+                acc[l] += d * d;
+            }
+        }
+        let mut tail = 0f32;
+        for (x, y) in ra.iter().zip(rb) {
+            let d = x - y;
+            tail += d * d;
+        }
+        ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+    }
+
+    /// The k nearest landmarks found one query and one landmark at a time.
+    fn literal(xd: &[f32], dim: usize, landmarks: &[usize], k: usize) -> Vec<u32> {
+        let mut kn = Vec::new();
+        for x in xd.chunks_exact(dim) {
+            let mut top = TopK::new(k);
+            for (j, &s) in landmarks.iter().enumerate() {
+                top.offer(sq_dist(x, &xd[s * dim..(s + 1) * dim]), j as u32);
+            }
+            kn.extend(top.idx);
+        }
+        kn
+    }
+
+    #[test]
+    fn tiled_knn_equals_literal_knn() {
+        // Dimensions under, at and over the 8 partial sums, with and without
+        // a tail; landmark counts not multiples of the tiles; query blocks
+        // not multiples of the query tile. Integer features make many exact
+        // ties (the lower index must win), the others random distances.
+        let mut x = 5u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f32 / (1u64 << 53) as f32 - 0.5
+        };
+        for (dim, n, integer) in [
+            (1usize, 700usize, true),
+            (7, 1300, false),
+            (8, 900, true),
+            (13, 2000, false),
+            (84, 3100, false),
+            (84, 1000, true),
+        ] {
+            let xd: Vec<f32> = (0..n * dim)
+                .map(|_| {
+                    if integer {
+                        (next() * 6.0).round()
+                    } else {
+                        next() * 30.0
+                    }
+                })
+                .collect();
+            for (skip, k) in [(20, 10), (3, 17)] {
+                let lm = landmarks(n, skip, Some(600));
+                assert_eq!(
+                    knn(&xd, dim, &lm, k),
+                    literal(&xd, dim, &lm, k),
+                    "dim {dim}, skip {skip}"
+                );
+            }
+        }
     }
 
     #[test]
