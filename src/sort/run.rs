@@ -449,6 +449,8 @@ fn sort_result(
 struct MatchingInput<'a> {
     rec: &'a dyn Recording,
     probe: &'a crate::probe::Probe,
+    /// For the device's preprocessing (a GPU build).
+    #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
     geometry: &'a Geometry,
     detection: &'a crate::detect::DetectionSettings,
     pre_settings: &'a crate::preprocess::PreprocessSettings,
@@ -458,6 +460,7 @@ struct MatchingInput<'a> {
     settings: &'a MatchingSettings,
     backend: Backend,
     /// Whether the detection preprocessed on its device (`--preprocess-on`).
+    #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
     device_preprocessing: bool,
     blanking: Option<Arc<crate::preprocess::Blanking>>,
 }
