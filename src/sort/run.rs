@@ -658,10 +658,9 @@ fn device_fed(
     std::thread::scope(|scope| -> Result<()> {
         let (tx, rx) =
             crossbeam_channel::bounded::<Result<(crate::detect::gpu::RawWindow, Option<Csr>)>>(2);
-        let reader_packer = packer.clone();
         let reader = scope.spawn(move || {
             let (mut read_s, mut whiten_s) = (0f64, 0f64);
-            let alloc_packer = reader_packer.clone();
+            let alloc_packer = packer.clone();
             let mut raw16: Option<crate::stages::Raw16Alloc> =
                 Some(Box::new(move |n| Box::new(alloc_packer.raw16_buffer(n))));
             let mut data = Array2::<f32>::zeros((0, 0));
@@ -677,7 +676,7 @@ fn device_fed(
                         std::mem::replace(&mut data, Array2::zeros((0, 0))),
                         r16,
                     );
-                    let raw = reader_packer.raw_window(&mut w);
+                    let raw = packer.raw_window(&mut w);
                     let t1 = Instant::now();
                     let csr = match drift {
                         Some(d) => Some(d.window_whitening(i, pre.whitening())?.csr()),
