@@ -129,6 +129,78 @@ pub struct GpuMatcher<R: Runtime> {
     icc: Handle,
     iu: Handle,
     window: Option<WindowBuffers>,
+    /// Per-phase device times, when `SPIKECUBE_MATCH_PROFILE` is set.
+    profile: Option<Box<PhaseTimes>>,
+}
+
+/// Device seconds of each phase of the matching, summed over windows: a
+/// diagnostic (`SPIKECUBE_MATCH_PROFILE=1`), which syncs the device after
+/// every phase and so makes the pass slower; logged when the matcher is dropped.
+#[derive(Debug)]
+struct PhaseTimes {
+    windows: usize,
+    peels: usize,
+    state_reads: usize,
+    /// Since the previous window's end: the host's hand-over and the
+    /// preprocessing of this window on the device (when fed from it).
+    before: f64,
+    copy: f64,
+    filter: f64,
+    product: f64,
+    best_dense: f64,
+    peels_s: f64,
+    features: f64,
+    download: f64,
+    clock: std::time::Instant,
+}
+
+impl PhaseTimes {
+    fn new() -> Self {
+        PhaseTimes {
+            windows: 0,
+            peels: 0,
+            state_reads: 0,
+            before: 0.0,
+            copy: 0.0,
+            filter: 0.0,
+            product: 0.0,
+            best_dense: 0.0,
+            peels_s: 0.0,
+            features: 0.0,
+            download: 0.0,
+            clock: std::time::Instant::now(),
+        }
+    }
+
+    /// Seconds since the last lap.
+    fn lap(&mut self) -> f64 {
+        let now = std::time::Instant::now();
+        let d = now.duration_since(self.clock).as_secs_f64();
+        self.clock = now;
+        d
+    }
+}
+
+impl<R: Runtime> Drop for GpuMatcher<R> {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            let ms = |v: f64| 1e3 * v / p.windows.max(1) as f64;
+            tracing::info!(
+                "matching profile ({} windows, {} peels, {} state reads), ms a window: before {:.2}, copy {:.2}, filter {:.2}, product {:.2}, best {:.2}, peels {:.2}, features {:.2}, download {:.2}",
+                p.windows,
+                p.peels,
+                p.state_reads,
+                ms(p.before),
+                ms(p.copy),
+                ms(p.filter),
+                ms(p.product),
+                ms(p.best_dense),
+                ms(p.peels_s),
+                ms(p.features),
+                ms(p.download)
+            );
+        }
+    }
 }
 
 impl<R: Runtime> std::fmt::Debug for GpuMatcher<R> {
@@ -266,6 +338,9 @@ impl<R: Runtime> GpuMatcher<R> {
             icc: up_u(setup.icc.as_standard_layout().as_slice().expect("standard")),
             iu: up_u(&setup.iu),
             window: None,
+            profile: std::env::var_os("SPIKECUBE_MATCH_PROFILE")
+                .is_some()
+                .then(|| Box::new(PhaseTimes::new())),
             setup,
             client,
         };
@@ -317,6 +392,16 @@ impl<R: Runtime> GpuMatcher<R> {
             .sum::<usize>()
         });
         fixed + win
+    }
+
+    /// With profiling on: waits for the device and returns the seconds since
+    /// the last lap (0 otherwise).
+    fn lap(&mut self) -> f64 {
+        if self.profile.is_none() {
+            return 0.0;
+        }
+        let _ = cubecl::future::block_on(self.client.sync());
+        self.profile.as_mut().map_or(0.0, |p| p.lap())
     }
 
     fn device_err(&self, message: String) -> MatchError {
@@ -401,7 +486,13 @@ impl<R: Runtime> GpuMatcher<R> {
             ));
         }
         self.buffers(n);
+        let before = self.lap();
         let xres = self.copy_on_device(x, n_c * n);
+        let copy = self.lap();
+        if let Some(p) = self.profile.as_mut() {
+            p.before += before;
+            p.copy += copy;
+        }
         let client = self.client.clone();
         let device = self.device_name.clone();
         self.run(xres, n, move || {
@@ -430,8 +521,14 @@ impl<R: Runtime> GpuMatcher<R> {
         host_x: impl FnOnce() -> Result<ndarray::Array2<f32>, MatchError>,
     ) -> Result<WindowSpikes, MatchError> {
         let state = self.client.create_from_slice(bytes_u32(&[0u32; S_LEN]));
-        self.launch_product(&xres, n);
+        self.lap();
+        self.launch_filter(&xres, n);
+        let filter = self.lap();
+        self.launch_product(n);
+        let product = self.lap();
         self.launch_best_dense(n);
+        let best = self.lap();
+        let mut reads = 0;
         let max_peels = self.setup.settings.max_peels;
         let every = self.options.peels_per_check.max(1);
         let mut st = [0u32; S_LEN];
@@ -443,6 +540,7 @@ impl<R: Runtime> GpuMatcher<R> {
             }
             peel = end;
             st = self.read_state(&state)?;
+            reads += 1;
             if st[S_STOP] != 0 {
                 break;
             }
@@ -456,6 +554,16 @@ impl<R: Runtime> GpuMatcher<R> {
         }
         let count = st[S_TOTAL] as usize;
         let peels = st[S_PEELS] as usize;
+        let peels_s = self.lap();
+        if let Some(p) = self.profile.as_mut() {
+            p.windows += 1;
+            p.peels += peels;
+            p.state_reads += reads;
+            p.filter += filter;
+            p.product += product;
+            p.best_dense += best;
+            p.peels_s += peels_s;
+        }
         self.download(&xres, n, count, peels)
     }
 
@@ -573,8 +681,10 @@ impl<R: Runtime> GpuMatcher<R> {
                 nt,
             );
         }
+        let features = self.lap();
         let part =
             |h: &Handle, used: usize, cap: usize| h.clone().offset_end(((cap - used) * 4) as u64);
+        let w = self.window.as_ref().expect("allocated");
         let data = self.client.read(vec![
             part(&w.col, count, w.cap),
             part(&w.tmpl, count, w.cap),
@@ -598,20 +708,25 @@ impl<R: Runtime> GpuMatcher<R> {
         out.amp = amp[..count].to_vec();
         out.th_amp = cf[..count].iter().map(|v| v.sqrt()).collect();
         out.tf = tf[..total].to_vec();
+        let download = self.lap();
+        if let Some(p) = self.profile.as_mut() {
+            p.features += features;
+            p.download += download;
+        }
         Ok(out)
     }
 
-    fn launch_product(&self, xres: &Handle, n: usize) {
-        let (k, npc, n_c) = self.setup.u.dim();
+    /// F = wPCA ⋆ X on the used sites.
+    fn launch_filter(&self, xres: &Handle, n: usize) {
+        let (_, npc, n_c) = self.setup.u.dim();
         let nt = self.setup.settings.nt;
         let w = self.window.as_ref().expect("allocated");
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
-        let nb = k.div_ceil(KB);
         if self.n_used == 0 {
             return;
         }
         // SAFETY: the filter reads X inside 0..n (zero padding) and writes F's
-        // n_used·npc rows; the product reads the block lists built for them.
+        // n_used·npc rows.
         unsafe {
             kernels::filter_kernel::launch_unchecked::<R>(
                 &self.client,
@@ -625,6 +740,21 @@ impl<R: Runtime> GpuMatcher<R> {
                 npc,
                 nt,
             );
+        }
+    }
+
+    /// B = U·F over the template blocks.
+    fn launch_product(&self, n: usize) {
+        let (k, npc, _) = self.setup.u.dim();
+        let w = self.window.as_ref().expect("allocated");
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let nb = k.div_ceil(KB);
+        if self.n_used == 0 {
+            return;
+        }
+        // SAFETY: the product reads the block lists built for F's rows and
+        // writes B, K × n.
+        unsafe {
             kernels::product_kernel::launch_unchecked::<R>(
                 &self.client,
                 CubeCount::Static(n.div_ceil(TT) as u32, nb as u32, 1),
