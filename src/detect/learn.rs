@@ -512,6 +512,65 @@ fn assign(x: &[f32], d: usize, centres: &[f32]) -> Assignment {
     out
 }
 
+/// One k-means restart: greedy k-means++ seeding from a ChaCha8 generator
+/// seeded with `seed` on stream `restart`, then Lloyd iterations ([`kmeans`]'s
+/// stopping rules; `tol` already scaled by the variance). Returns the
+/// centroids (k × d), their final assignment and the iterations run.
+fn lloyd(
+    xs: &[f32],
+    d: usize,
+    k: usize,
+    seed: u64,
+    restart: usize,
+    max_iter: usize,
+    tol: f64,
+) -> (Vec<f32>, Assignment, usize) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(restart as u64);
+    let mut centres = kmeans_pp(xs, d, k, &mut rng);
+    let mut labels: Vec<u32> = Vec::new();
+    let mut iters = 0;
+    for _ in 0..max_iter {
+        iters += 1;
+        let a = assign(xs, d, &centres);
+        let same = a.labels == labels;
+        labels = a.labels;
+        if same {
+            break;
+        }
+        let mut new = vec![0f32; k * d];
+        let mut taken: Vec<usize> = Vec::new();
+        for j in 0..k {
+            if a.counts[j] > 0 {
+                for i in 0..d {
+                    new[j * d + i] = (a.sums[j * d + i] / a.counts[j] as f64) as f32;
+                }
+            } else {
+                // The farthest point not yet taken (the first on a tie).
+                let mut far = usize::MAX;
+                for (p, &dp) in a.dist.iter().enumerate() {
+                    if !taken.contains(&p) && (far == usize::MAX || dp > a.dist[far]) {
+                        far = p;
+                    }
+                }
+                taken.push(far);
+                new[j * d..(j + 1) * d].copy_from_slice(&xs[far * d..(far + 1) * d]);
+            }
+        }
+        let shift: f64 = new
+            .iter()
+            .zip(&centres)
+            .map(|(&a, &b)| f64::from(a - b).powi(2))
+            .sum();
+        centres = new;
+        if shift <= tol {
+            break;
+        }
+    }
+    let a = assign(xs, d, &centres);
+    (centres, a, iters)
+}
+
 /// Result of [`kmeans`].
 #[derive(Debug, Clone)]
 pub struct KMeans {
@@ -567,53 +626,16 @@ pub fn kmeans(
         .sum::<f64>()
         / d as f64;
     let tol = tol * var;
+    // The restarts are independent (each draws from its own stream), so they
+    // run in parallel; the best is then chosen in restart order, as one by one.
+    let runs: Vec<(Vec<f32>, Assignment, usize)> = (0..n_init)
+        .into_par_iter()
+        .map(|restart| lloyd(xs, d, k, seed, restart, max_iter, tol))
+        .collect();
     let mut best: Option<KMeans> = None;
     let mut iterations = Vec::with_capacity(n_init);
-    for restart in 0..n_init {
-        let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        rng.set_stream(restart as u64);
-        let mut centres = kmeans_pp(xs, d, k, &mut rng);
-        let mut labels: Vec<u32> = Vec::new();
-        let mut iters = 0;
-        for _ in 0..max_iter {
-            iters += 1;
-            let a = assign(xs, d, &centres);
-            let same = a.labels == labels;
-            labels = a.labels;
-            if same {
-                break;
-            }
-            let mut new = vec![0f32; k * d];
-            let mut taken: Vec<usize> = Vec::new();
-            for j in 0..k {
-                if a.counts[j] > 0 {
-                    for i in 0..d {
-                        new[j * d + i] = (a.sums[j * d + i] / a.counts[j] as f64) as f32;
-                    }
-                } else {
-                    // The farthest point not yet taken (the first on a tie).
-                    let mut far = usize::MAX;
-                    for (p, &dp) in a.dist.iter().enumerate() {
-                        if !taken.contains(&p) && (far == usize::MAX || dp > a.dist[far]) {
-                            far = p;
-                        }
-                    }
-                    taken.push(far);
-                    new[j * d..(j + 1) * d].copy_from_slice(&xs[far * d..(far + 1) * d]);
-                }
-            }
-            let shift: f64 = new
-                .iter()
-                .zip(&centres)
-                .map(|(&a, &b)| f64::from(a - b).powi(2))
-                .sum();
-            centres = new;
-            if shift <= tol {
-                break;
-            }
-        }
+    for (restart, (centres, a, iters)) in runs.into_iter().enumerate() {
         iterations.push(iters);
-        let a = assign(xs, d, &centres);
         if best.as_ref().is_none_or(|b| a.inertia < b.inertia) {
             best = Some(KMeans {
                 centres: Array2::from_shape_vec((k, d), centres).expect("k × d"),

@@ -315,6 +315,17 @@ impl RawWindow {
     pub fn is_sent(&self) -> bool {
         self.slot.is_some()
     }
+
+    /// Takes the claim on the upload buffer of a window sent ahead
+    /// ([`Packer::send_ahead`]), leaving the window usable: the buffer is not
+    /// written again until the claim is dropped, so hold it until the
+    /// device's work on the window has completed (a read from the device
+    /// after the last kernel that uses it). `None` for a window not sent ahead.
+    pub fn take_claim(&mut self) -> Option<Box<dyn Send>> {
+        self.slot
+            .as_mut()
+            .map(|s| std::mem::replace(&mut s.1, Box::new(())))
+    }
 }
 
 /// Packs raw windows for [`GpuDetector::detect_raw`], into page-locked memory
@@ -876,10 +887,7 @@ impl<R: Runtime> GpuDetector<R> {
         let clock = Instant::now();
         // A window sent ahead keeps its upload buffer until its detections
         // are back (the kernels have read it then).
-        let claim = raw
-            .slot
-            .as_mut()
-            .map(|s| std::mem::replace(&mut s.1, Box::new(())));
+        let claim = raw.take_claim();
         let pre_s = self.upload_raw(raw, yc, timed, 4)?;
         let upload_s = clock.elapsed().as_secs_f64() - pre_s;
         let mut times = times;

@@ -69,14 +69,14 @@ impl Matcher {
                 &cubecl::cuda::CudaDevice::new(0),
                 chosen.device.clone(),
                 setup,
-                Default::default(),
+                super::gpu::GpuMatchOptions::from_env(),
             )?))),
             #[cfg(feature = "wgpu")]
             "wgpu" => Ok(Matcher::Wgpu(Box::new(super::gpu::GpuMatcher::new(
                 &cubecl::wgpu::WgpuDevice::DefaultDevice,
                 chosen.device.clone(),
                 setup,
-                Default::default(),
+                super::gpu::GpuMatchOptions::from_env(),
             )?))),
             _ => Ok(Matcher::Cpu(setup)),
         }
@@ -131,18 +131,24 @@ impl Matcher {
     ) -> anyhow::Result<WindowSpikes> {
         use crate::backend::Detector;
         let n = raw.n_t;
-        match (self, feed) {
+        let mut raw = raw;
+        // A window sent ahead keeps its upload buffer until the matching has
+        // read its spikes back (every kernel that reads the buffer is done then).
+        let claim = raw.take_claim();
+        let out = match (self, feed) {
             #[cfg(feature = "cuda")]
             (Matcher::Cuda(m), Detector::Cuda(d)) => {
                 let x = d.preprocess_to_device(raw, yc)?;
-                Ok(m.match_device(&x, n)?)
+                m.match_device(&x, n)?
             }
             #[cfg(feature = "wgpu")]
             (Matcher::Wgpu(m), Detector::Wgpu(d)) => {
                 let x = d.preprocess_to_device(raw, yc)?;
-                Ok(m.match_device(&x, n)?)
+                m.match_device(&x, n)?
             }
             _ => anyhow::bail!("the matcher and the preprocessing are not on one device"),
-        }
+        };
+        drop(claim);
+        Ok(out)
     }
 }

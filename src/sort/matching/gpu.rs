@@ -78,6 +78,23 @@ impl Default for GpuMatchOptions {
     }
 }
 
+impl GpuMatchOptions {
+    /// The defaults, with `peels_per_check` from `SPIKECUBE_MATCH_PEELS_PER_CHECK`
+    /// when it holds a positive integer (a tuning knob: the spikes do not
+    /// depend on it).
+    pub fn from_env() -> Self {
+        let mut o = GpuMatchOptions::default();
+        if let Some(v) = std::env::var("SPIKECUBE_MATCH_PEELS_PER_CHECK")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&v| v > 0)
+        {
+            o.peels_per_check = v;
+        }
+        o
+    }
+}
+
 /// Per-window device buffers for windows of `n` samples.
 struct WindowBuffers {
     n: usize,
@@ -149,6 +166,8 @@ struct PhaseTimes {
     product: f64,
     best_dense: f64,
     peels_s: f64,
+    /// Host seconds spent launching the peels' kernels (inside `peels_s`).
+    peel_launch: f64,
     features: f64,
     download: f64,
     clock: std::time::Instant,
@@ -166,6 +185,7 @@ impl PhaseTimes {
             product: 0.0,
             best_dense: 0.0,
             peels_s: 0.0,
+            peel_launch: 0.0,
             features: 0.0,
             download: 0.0,
             clock: std::time::Instant::now(),
@@ -186,7 +206,7 @@ impl<R: Runtime> Drop for GpuMatcher<R> {
         if let Some(p) = &self.profile {
             let ms = |v: f64| 1e3 * v / p.windows.max(1) as f64;
             tracing::info!(
-                "matching profile ({} windows, {} peels, {} state reads), ms a window: before {:.2}, copy {:.2}, filter {:.2}, product {:.2}, best {:.2}, peels {:.2}, features {:.2}, download {:.2}",
+                "matching profile ({} windows, {} peels, {} state reads), ms a window: before {:.2}, copy {:.2}, filter {:.2}, product {:.2}, best {:.2}, peels {:.2} (launching {:.2}), features {:.2}, download {:.2}",
                 p.windows,
                 p.peels,
                 p.state_reads,
@@ -196,6 +216,7 @@ impl<R: Runtime> Drop for GpuMatcher<R> {
                 ms(p.product),
                 ms(p.best_dense),
                 ms(p.peels_s),
+                ms(p.peel_launch),
                 ms(p.features),
                 ms(p.download)
             );
@@ -529,15 +550,18 @@ impl<R: Runtime> GpuMatcher<R> {
         self.launch_best_dense(n);
         let best = self.lap();
         let mut reads = 0;
+        let mut launch_s = 0.0;
         let max_peels = self.setup.settings.max_peels;
         let every = self.options.peels_per_check.max(1);
         let mut st = [0u32; S_LEN];
         let mut peel = 0;
         while peel < max_peels {
             let end = (peel + every).min(max_peels);
+            let launching = std::time::Instant::now();
             for p in peel..end {
                 self.launch_peel(&xres, &state, n, p);
             }
+            launch_s += launching.elapsed().as_secs_f64();
             peel = end;
             st = self.read_state(&state)?;
             reads += 1;
@@ -563,6 +587,7 @@ impl<R: Runtime> GpuMatcher<R> {
             p.product += product;
             p.best_dense += best;
             p.peels_s += peels_s;
+            p.peel_launch += launch_s;
         }
         self.download(&xres, n, count, peels)
     }
