@@ -14,3 +14,8 @@ c = scmp.compare_two_sorters(a, b, sorting1_name='ks4', sorting2_name='spikecube
 sc_ = c.agreement_scores
 ag = sc_.max(axis=1).reindex(a.unit_ids).fillna(0).values
 print(f"Kilosort4 units {len(a.unit_ids)}: matched at agreement >= 0.9: {(ag >= 0.9).sum()} ({(ag >= 0.9).mean()*100:.1f} %), >= 0.5: {(ag >= 0.5).sum()}; median {np.median(ag):.3f}")
+# One-to-one (Hungarian) matching, as compare_two_sorters makes it: a
+# Kilosort4 unit counts when its matched unit's agreement reaches the bar.
+m12 = c.hungarian_match_12
+hung = np.array([sc_.at[u, m12[u]] if m12[u] != -1 else 0.0 for u in a.unit_ids])
+print(f"Hungarian one-to-one: {(hung >= 0.9).sum()} of {len(a.unit_ids)} Kilosort4 units ({(hung >= 0.9).mean()*100:.1f} %) at agreement >= 0.9, {(hung >= 0.95).sum()} at >= 0.95")
