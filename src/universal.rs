@@ -109,7 +109,8 @@ pub fn load_npz(
 
 /// Chooses the run's templates. For [`TemplateSource::Learned`], `window(j)`
 /// must return the whitened window j exactly as detection sees it; it is called
-/// for j = 0, 25, 50, … < `n_windows`. With fewer isolated clips than
+/// for j = 0, 25, 50, … < `n_windows`, a few at a time from rayon's threads
+/// ([`crate::detect::learn::learn_from_windows`]). With fewer isolated clips than
 /// [`LearnSettings::min_clips`] the built-in templates are used and
 /// [`ChosenTemplates::warning`] says why.
 ///
@@ -120,7 +121,7 @@ pub fn choose(
     n_windows: u64,
     nt: usize,
     nt0min: usize,
-    window: impl FnMut(u64) -> Result<Array2<f32>>,
+    window: impl Fn(u64) -> Result<Array2<f32>> + Sync,
 ) -> Result<ChosenTemplates> {
     Ok(match source {
         TemplateSource::Builtin => ChosenTemplates {

@@ -707,35 +707,52 @@ pub struct Learned {
     pub template_findings: Vec<crate::detect::template_check::TemplateFinding>,
 }
 
+/// Windows [`learn_from_windows`] prepares at once (read, preprocessed and
+/// their clips cut in parallel), then pools in window order: each window's
+/// own work is only partly parallel, so several at a time keep the cores busy.
+/// Bounds the extra memory to this many whitened windows.
+pub const LEARN_WINDOWS_AT_ONCE: usize = 4;
+
 /// Kilosort4's `extract_wPCA_wTEMP` over a recording of `n_windows` windows:
 /// `window(j)` returns the whitened window j (C × NT, as detection sees it) for
 /// j = 0, 25, 50, …; the clips are pooled ([`ClipPool`]) and, when there are at
 /// least [`LearnSettings::min_clips`], wPCA and wTEMP learned from them.
+/// Up to [`LEARN_WINDOWS_AT_ONCE`] windows are made in parallel and pooled in
+/// order, so the result is the one of taking them one by one (a window made
+/// past the one that filled the pool is not used; its error is not reported).
 ///
 /// # Errors
-/// Whatever `window` returns; [`DetectError::Setting`] for invalid settings.
+/// Whatever `window` returns for a window that is pooled or fills the pool;
+/// [`DetectError::Setting`] for invalid settings.
 pub fn learn_from_windows<E>(
     n_windows: u64,
     nt: usize,
     nt0min: usize,
     settings: &LearnSettings,
-    mut window: impl FnMut(u64) -> Result<Array2<f32>, E>,
+    window: impl Fn(u64) -> Result<Array2<f32>, E> + Sync,
 ) -> Result<Learned, E>
 where
-    E: From<DetectError>,
+    E: From<DetectError> + Send,
 {
     settings.validate(nt)?;
     let mut pool = ClipPool::new(nt, MAX_CLIPS);
     let mut read = 0;
-    let mut j = 0;
-    while j < n_windows {
-        let x = window(j)?;
-        read += 1;
-        let (_, clips) = extract_clips(x.view(), settings.th_single_ch, nt, nt0min);
-        if !pool.add_window(clips.view()) {
-            break;
+    let starts: Vec<u64> = (0..n_windows).step_by(LEARN_NSKIP as usize).collect();
+    'batches: for batch in starts.chunks(LEARN_WINDOWS_AT_ONCE) {
+        let clips: Vec<Result<Array2<f32>, E>> = batch
+            .par_iter()
+            .map(|&j| {
+                let x = window(j)?;
+                Ok(extract_clips(x.view(), settings.th_single_ch, nt, nt0min).1)
+            })
+            .collect();
+        for c in clips {
+            let c = c?;
+            read += 1;
+            if !pool.add_window(c.view()) {
+                break 'batches;
+            }
         }
-        j += LEARN_NSKIP;
     }
     let min_clips = settings.min_clips();
     let mut learned = Learned {
