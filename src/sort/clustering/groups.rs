@@ -297,13 +297,54 @@ pub fn group_data(
     tf: ArrayView3<'_, f32>,
     chans: ArrayView2<'_, usize>,
 ) -> Option<GroupData> {
-    let in_group: Vec<bool> = nearest.iter().map(|&c| c == centre).collect();
     let spikes: Vec<usize> = (0..spike_template.len())
-        .filter(|&s| in_group[spike_template[s] as usize])
+        .filter(|&s| nearest[spike_template[s] as usize] == centre)
         .collect();
+    group_data_of(centre, spikes, nearest, spike_template, tf, chans)
+}
+
+/// The spikes of each centre of `centres` (ascending centre indices), in one
+/// pass over the spikes: `out[g]` holds, ascending, the spikes whose
+/// template's nearest centre (`nearest`, (K,)) is `centres[g]`. A spike whose
+/// template's centre is not listed is in no group.
+pub fn group_members(
+    centres: &[usize],
+    nearest: &[usize],
+    spike_template: &[u32],
+) -> Vec<Vec<usize>> {
+    let slot_of = |c: usize| centres.binary_search(&c).ok();
+    let template_slot: Vec<Option<usize>> = nearest.iter().map(|&c| slot_of(c)).collect();
+    let mut counts = vec![0usize; centres.len()];
+    for &t in spike_template {
+        if let Some(g) = template_slot[t as usize] {
+            counts[g] += 1;
+        }
+    }
+    let mut out: Vec<Vec<usize>> = counts.iter().map(|&c| Vec::with_capacity(c)).collect();
+    for (s, &t) in spike_template.iter().enumerate() {
+        if let Some(g) = template_slot[t as usize] {
+            out[g].push(s);
+        }
+    }
+    out
+}
+
+/// The feature matrix of the group around `centre` whose spikes are `spikes`
+/// (ascending, each with its template's nearest centre `centre`): as
+/// [`group_data`], with the spikes already found (e.g. by
+/// [`group_members`]). Returns `None` when `spikes` is empty.
+pub fn group_data_of(
+    centre: usize,
+    spikes: Vec<usize>,
+    nearest: &[usize],
+    spike_template: &[u32],
+    tf: ArrayView3<'_, f32>,
+    chans: ArrayView2<'_, usize>,
+) -> Option<GroupData> {
     if spikes.is_empty() {
         return None;
     }
+    let in_group: Vec<bool> = nearest.iter().map(|&c| c == centre).collect();
     let mut union: Vec<usize> = (0..nearest.len())
         .filter(|&t| in_group[t])
         .flat_map(|t| chans.column(t).to_vec())
