@@ -446,4 +446,28 @@ mod tests {
         };
         assert_eq!(nearest_centers(pos, &[0.0], &[0.0, 20.0]), vec![0, 1]);
     }
+
+    #[test]
+    fn members_in_one_pass_equal_each_group_filtered() {
+        // 12 templates on 7 centres (two with none), 500 spikes; the listed
+        // centres leave one used centre out, whose spikes are in no group.
+        let nearest = [3usize, 0, 5, 3, 6, 0, 2, 5, 5, 3, 6, 2];
+        let mut x = 17u64;
+        let spike_template: Vec<u32> = (0..500)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                ((x >> 33) % 12) as u32
+            })
+            .collect();
+        let centres = [0usize, 1, 2, 3, 5];
+        let members = group_members(&centres, &nearest, &spike_template);
+        assert_eq!(members.len(), centres.len());
+        for (g, &c) in centres.iter().enumerate() {
+            let want: Vec<usize> = (0..spike_template.len())
+                .filter(|&s| nearest[spike_template[s] as usize] == c)
+                .collect();
+            assert_eq!(members[g], want, "centre {c}");
+        }
+        assert!(members[1].is_empty() && !members[0].is_empty());
+    }
 }
