@@ -260,11 +260,13 @@ fn run_group(
 /// descending, until the list is empty. The groups' own stages still split
 /// their work with rayon: that costs little while every thread has a group,
 /// and lets a thread that has run out of groups help the ones still running
-/// (at the end, the largest, started first). A thread waiting inside
-/// its group can only pick up pieces of other groups' stages, never a whole
-/// group: the pull loops are not jobs that can be stolen, so the largest
-/// groups are not held back behind small ones. Which thread runs a group does
-/// not change its result.
+/// (at the end, the largest, started first). A thread waiting inside its
+/// group can only pick up pieces of other groups' stages, never a whole
+/// group (unless another clustering runs in the same pool at the same time):
+/// the pull loops are not jobs that can be stolen, so the largest groups are
+/// not held back behind small ones (with a parallel iterator over the
+/// groups, a thread waiting inside one group can steal and run a whole range
+/// of others first). Which thread runs a group does not change its result.
 ///
 /// The call returns once every thread of the pool has seen the list empty:
 /// the pool should not be busy with long unrelated jobs meanwhile.
