@@ -12,11 +12,13 @@
 //! /usr/bin/time -v target/release/examples/cluster_synth --spikes 20000000 --minutes 240
 //! ```
 //!
-//! Prints the wall time of each clustering (`clustering::run`, groups in
-//! parallel), a hash of its labels (to check that a change keeps them), and
-//! with `--stages` a second, group-by-group pass timing the neighbour graph,
-//! the seeding, the label updates and the tree and cuts (each stage with all
-//! threads). Peak memory: run it under `/usr/bin/time -v`.
+//! Prints the wall time and CPU time of each clustering (`clustering::run`,
+//! groups in parallel), a hash of its labels (to check that a change keeps
+//! them), and with `--stages` a second, group-by-group pass timing in CPU
+//! seconds the neighbour graph, the seeding, the label updates and the tree
+//! and cuts (each stage with all threads; use `--threads 1` for each group's
+//! work), with the largest groups and a 16-thread schedule estimate. Peak
+//! memory: run it under `/usr/bin/time -v`.
 
 use std::time::Instant;
 
@@ -293,10 +295,50 @@ fn fnv(v: &[i32]) -> u64 {
     })
 }
 
-/// Group by group, each stage timed (all threads inside a stage).
+/// CPU seconds (user + system, every thread) the process has used so far;
+/// 0 where `getrusage` is not available.
+fn cpu_seconds() -> f64 {
+    #[cfg(unix)]
+    {
+        // SAFETY: an all-zero `rusage` is a valid value of that plain C struct.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `ru` is a valid, writable `rusage` for the call to fill.
+        if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+            return 0.0;
+        }
+        let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+        tv(ru.ru_utime) + tv(ru.ru_stime)
+    }
+    #[cfg(not(unix))]
+    {
+        0.0
+    }
+}
+
+/// Greedy longest-first schedule of independent `jobs` (seconds) on
+/// `threads` workers: the wall time it ends at.
+fn lpt(jobs: &[f64], threads: usize) -> f64 {
+    let mut sorted = jobs.to_vec();
+    sorted.sort_by(|a, b| b.total_cmp(a));
+    let mut load = vec![0f64; threads.max(1)];
+    for j in sorted {
+        let m = (0..load.len())
+            .min_by(|&a, &b| load[a].total_cmp(&load[b]))
+            .unwrap_or(0);
+        load[m] += j;
+    }
+    load.into_iter().fold(0.0, f64::max)
+}
+
+/// Group by group, each stage timed in CPU seconds of the process (all
+/// threads inside a stage; with more than one thread this counts rayon's idle
+/// spinning too, so run it with `--threads 1` for each group's work); prints
+/// the stage totals, the largest groups, and what a longest-first schedule
+/// of whole groups, each on one thread, would take on 16 threads.
 fn stages(inp: &ClusterInput<'_>, s: &ClusteringSettings) {
     let plan = inp.plan(s).unwrap();
     let mut t = [0f64; 4];
+    let mut per_group: Vec<(usize, usize, [f64; 4])> = Vec::new();
     let (mut ng, mut nmax, mut dims) = (0, 0, 0);
     for &c in &plan.centres {
         let Some(d) = inp.group(&plan, c) else {
@@ -308,18 +350,18 @@ fn stages(inp: &ClusterInput<'_>, s: &ClusteringSettings) {
         ng += 1;
         nmax = nmax.max(d.spikes.len());
         dims = dims.max(d.dim);
-        let t0 = Instant::now();
+        let t0 = cpu_seconds();
         let g = build_graph(&d.xd, d.dim, s);
-        let t1 = Instant::now();
+        let t1 = cpu_seconds();
         let init = kmeans_plusplus(&d.xd, d.dim, N_CLUSTERS_INIT, s.cluster_init_seed);
-        let t2 = Instant::now();
+        let t2 = cpu_seconds();
         let Labels {
             iclust,
             isub,
             nclust,
             ..
         } = propagate(&g, &init, N_CLUSTERS_INIT, N_LABEL_ROUNDS);
-        let t3 = Instant::now();
+        let t3 = cpu_seconds();
         let times: Option<Vec<f64>> = inp
             .times
             .map(|tm| d.spikes.iter().map(|&i| tm[i]).collect());
@@ -336,14 +378,45 @@ fn stages(inp: &ClusterInput<'_>, s: &ClusteringSettings) {
             ks4_ccg_bug: s.ks4_swarm_ccg_bug,
         });
         let _ = new_clusters(&iclust, &merges, &valid, &sets);
-        let t4 = Instant::now();
-        for (acc, (a, b)) in t.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4)]) {
-            *acc += (b - a).as_secs_f64();
+        let t4 = cpu_seconds();
+        let mut g_t = [0f64; 4];
+        for ((acc, gt), (a, b)) in
+            t.iter_mut()
+                .zip(g_t.iter_mut())
+                .zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4)])
+        {
+            *gt = b - a;
+            *acc += *gt;
         }
+        per_group.push((d.spikes.len(), d.dim, g_t));
     }
     println!(
-        "  stages over {ng} clustered groups (largest {nmax} spikes, dim ≤ {dims}): kNN {:.2} s, seeding {:.2} s, label updates {:.2} s, tree+cuts {:.2} s",
+        "  stages over {ng} clustered groups (largest {nmax} spikes, dim ≤ {dims}), CPU seconds: kNN {:.2}, seeding {:.2}, label updates {:.2}, tree+cuts {:.2}",
         t[0], t[1], t[2], t[3]
+    );
+    let total = |g: &(usize, usize, [f64; 4])| g.2.iter().sum::<f64>();
+    per_group.sort_by(|a, b| total(b).total_cmp(&total(a)));
+    println!("  largest groups (spikes, dim: kNN, seeding, labels, tree+cuts = total, CPU s):");
+    for g in per_group.iter().take(8) {
+        println!(
+            "    {:>7} {:>3}: {:.3} {:.3} {:.3} {:.3} = {:.3}",
+            g.0,
+            g.1,
+            g.2[0],
+            g.2[1],
+            g.2[2],
+            g.2[3],
+            total(g)
+        );
+    }
+    let jobs: Vec<f64> = per_group.iter().map(total).collect();
+    let sum: f64 = jobs.iter().sum();
+    println!(
+        "  groups' CPU time: sum {:.2} s, largest {:.2} s; whole groups longest-first on 16 threads: {:.2} s (sum/16 {:.2} s)",
+        sum,
+        jobs.first().copied().unwrap_or(0.0),
+        lpt(&jobs, 16),
+        sum / 16.0
     );
 }
 
@@ -366,13 +439,15 @@ fn run_one(what: &str, d: &Data, with_times: bool, a: &Args) {
         times: with_times.then_some(d.times.as_slice()),
     };
     let s = ClusteringSettings::ks4_compatible();
-    let t0 = Instant::now();
+    let (t0, c0) = (Instant::now(), cpu_seconds());
     let out = clustering::run(&inp, &s).expect("clustering");
     let wall = t0.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - c0;
     let big = out.groups.iter().filter(|g| g.n_spikes >= MIN_GROUP_SPIKES);
     println!(
-        "{what}: {:.2} s, {} spikes, {} groups ({} clustered), {} clusters, labels hash {:016x}",
+        "{what}: {:.2} s ({:.2} CPU s), {} spikes, {} groups ({} clustered), {} clusters, labels hash {:016x}",
         wall,
+        cpu,
         d.template.len(),
         out.groups.len(),
         big.count(),

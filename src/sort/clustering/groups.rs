@@ -297,13 +297,54 @@ pub fn group_data(
     tf: ArrayView3<'_, f32>,
     chans: ArrayView2<'_, usize>,
 ) -> Option<GroupData> {
-    let in_group: Vec<bool> = nearest.iter().map(|&c| c == centre).collect();
     let spikes: Vec<usize> = (0..spike_template.len())
-        .filter(|&s| in_group[spike_template[s] as usize])
+        .filter(|&s| nearest[spike_template[s] as usize] == centre)
         .collect();
+    group_data_of(centre, spikes, nearest, spike_template, tf, chans)
+}
+
+/// The spikes of each centre of `centres` (ascending centre indices), in one
+/// pass over the spikes: `out[g]` holds, ascending, the spikes whose
+/// template's nearest centre (`nearest`, (K,)) is `centres[g]`. A spike whose
+/// template's centre is not listed is in no group.
+pub fn group_members(
+    centres: &[usize],
+    nearest: &[usize],
+    spike_template: &[u32],
+) -> Vec<Vec<usize>> {
+    let slot_of = |c: usize| centres.binary_search(&c).ok();
+    let template_slot: Vec<Option<usize>> = nearest.iter().map(|&c| slot_of(c)).collect();
+    let mut counts = vec![0usize; centres.len()];
+    for &t in spike_template {
+        if let Some(g) = template_slot[t as usize] {
+            counts[g] += 1;
+        }
+    }
+    let mut out: Vec<Vec<usize>> = counts.iter().map(|&c| Vec::with_capacity(c)).collect();
+    for (s, &t) in spike_template.iter().enumerate() {
+        if let Some(g) = template_slot[t as usize] {
+            out[g].push(s);
+        }
+    }
+    out
+}
+
+/// The feature matrix of the group around `centre` whose spikes are `spikes`
+/// (ascending, each with its template's nearest centre `centre`): as
+/// [`group_data`], with the spikes already found (e.g. by
+/// [`group_members`]). Returns `None` when `spikes` is empty.
+pub fn group_data_of(
+    centre: usize,
+    spikes: Vec<usize>,
+    nearest: &[usize],
+    spike_template: &[u32],
+    tf: ArrayView3<'_, f32>,
+    chans: ArrayView2<'_, usize>,
+) -> Option<GroupData> {
     if spikes.is_empty() {
         return None;
     }
+    let in_group: Vec<bool> = nearest.iter().map(|&c| c == centre).collect();
     let mut union: Vec<usize> = (0..nearest.len())
         .filter(|&t| in_group[t])
         .flat_map(|t| chans.column(t).to_vec())
@@ -404,5 +445,29 @@ mod tests {
             x_in_f32: false,
         };
         assert_eq!(nearest_centers(pos, &[0.0], &[0.0, 20.0]), vec![0, 1]);
+    }
+
+    #[test]
+    fn members_in_one_pass_equal_each_group_filtered() {
+        // 12 templates on 7 centres (two with none), 500 spikes; the listed
+        // centres leave one used centre out, whose spikes are in no group.
+        let nearest = [3usize, 0, 5, 3, 6, 0, 2, 5, 5, 3, 6, 2];
+        let mut x = 17u64;
+        let spike_template: Vec<u32> = (0..500)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                ((x >> 33) % 12) as u32
+            })
+            .collect();
+        let centres = [0usize, 1, 2, 3, 5];
+        let members = group_members(&centres, &nearest, &spike_template);
+        assert_eq!(members.len(), centres.len());
+        for (g, &c) in centres.iter().enumerate() {
+            let want: Vec<usize> = (0..spike_template.len())
+                .filter(|&s| nearest[spike_template[s] as usize] == c)
+                .collect();
+            assert_eq!(members[g], want, "centre {c}");
+        }
+        assert!(members[1].is_empty() && !members[0].is_empty());
     }
 }

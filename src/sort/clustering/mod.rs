@@ -9,9 +9,9 @@
 //! ([`knn`]), a seeded k-means++-style start ([`seeding`]), 200 rounds of
 //! bipartite-modularity label updates ([`labels`]), an agglomerative merge
 //! tree ([`tree`]) and its top-down cuts ([`split`], with the CCG test of
-//! [`ccg`] in the final clustering). Groups run in parallel (rayon); every
-//! decision uses integer counts or fixed-order sums, so the labels are the
-//! same bytes for any thread count.
+//! [`ccg`] in the final clustering). Groups run in parallel (rayon), the
+//! largest first; every decision uses integer counts or fixed-order sums, so
+//! the labels are the same bytes for any thread count.
 //!
 //! Where it differs from Kilosort4 4.1.7 (see README, "Where spikecube
 //! differs"): the seeding draws from ChaCha8 (seed `cluster_init_seed`), not
@@ -31,7 +31,6 @@ pub mod split;
 pub mod tree;
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
-use rayon::prelude::*;
 
 pub use group::{GroupOutcome, cluster_group};
 pub use groups::{GroupData, Positions};
@@ -253,6 +252,70 @@ fn run_group(
     }
 }
 
+/// Clusters every group of `plan` with spikes, largest first; the results
+/// in `plan.centres` order.
+///
+/// Each thread of the current rayon pool (`rayon::broadcast`, one pull loop a
+/// thread) takes the next group of a shared list sorted by spike count,
+/// descending, until the list is empty. The groups' own stages still split
+/// their work with rayon: that costs little while every thread has a group,
+/// and lets a thread that has run out of groups help the ones still running
+/// (at the end, the largest, started first). A thread waiting inside its
+/// group can only pick up pieces of other groups' stages, never a whole
+/// group (unless another clustering runs in the same pool at the same time):
+/// the pull loops are not jobs that can be stolen, so the largest groups are
+/// not held back behind small ones (with a parallel iterator over the
+/// groups, a thread waiting inside one group can steal and run a whole range
+/// of others first). Which thread runs a group does not change its result.
+///
+/// The call returns once every thread of the pool has seen the list empty:
+/// the pool should not be busy with long unrelated jobs meanwhile.
+fn run_groups(
+    inp: &ClusterInput<'_>,
+    plan: &GroupPlan,
+    settings: &ClusteringSettings,
+) -> Vec<GroupResult> {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let members = groups::group_members(&plan.centres, &plan.nearest, inp.spike_template);
+    let mut order: Vec<usize> = (0..members.len())
+        .filter(|&g| !members[g].is_empty())
+        .collect();
+    // Stable: equal sizes keep centre order (the order only affects timing).
+    order.sort_by_key(|&g| std::cmp::Reverse(members[g].len()));
+    let members: Vec<Mutex<Vec<usize>>> = members.into_iter().map(Mutex::new).collect();
+    let next = AtomicUsize::new(0);
+    let per_thread: Vec<Vec<(usize, GroupResult)>> = rayon::broadcast(|_| {
+        let mut done = Vec::new();
+        loop {
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&g) = order.get(k) else {
+                break;
+            };
+            let spikes = std::mem::take(
+                &mut *members[g]
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+            );
+            let data = groups::group_data_of(
+                plan.centres[g],
+                spikes,
+                &plan.nearest,
+                inp.spike_template,
+                inp.tf,
+                inp.chans,
+            );
+            if let Some(d) = data {
+                done.push((g, run_group(inp, d, settings)));
+            }
+        }
+        done
+    });
+    let mut results: Vec<(usize, GroupResult)> = per_thread.into_iter().flatten().collect();
+    results.sort_unstable_by_key(|r| r.0);
+    results.into_iter().map(|r| r.1).collect()
+}
+
 /// Mean feature row of each label (k × dim), summed in float64 in spike order.
 fn cluster_means(xd: &[f32], dim: usize, labels: &[u32], k: usize) -> Array2<f32> {
     let mut sum = vec![0f64; k * dim];
@@ -285,11 +348,7 @@ pub fn run(
     settings.validate()?;
     inp.validate()?;
     let plan = inp.plan(settings)?;
-    let results: Vec<GroupResult> = plan
-        .centres
-        .par_iter()
-        .filter_map(|&c| inp.group(&plan, c).map(|d| run_group(inp, d, settings)))
-        .collect();
+    let results = run_groups(inp, &plan, settings);
     if results.is_empty() {
         return Err(ClusteringError::NoGroups {
             dmin: inp.dmin,
