@@ -1169,7 +1169,9 @@ fn subtract(
 }
 
 /// [`subtract`] for a half whose ranges overlap: one spike after the other,
-/// each starting from the values before the half.
+/// each starting from the values before the half. Only a spike whose range
+/// overlaps the previous one's finds values already changed in the half, so
+/// only those ranges are saved beforehand (not all of B and the residual).
 fn subtract_overlapping(
     setup: &MatchingSetup,
     spikes: &[(usize, usize, f32)],
@@ -1185,13 +1187,28 @@ fn subtract_overlapping(
         .par_iter()
         .map(|&(_, j, _)| setup.ctc_of(j))
         .collect();
-    let overlap_x = spikes.windows(2).any(|w| w[1].0 - w[0].0 <= 2 * half);
-    let b_before = b.to_vec();
-    let x_before = overlap_x.then(|| xres.clone());
-    for (&(t, j, amp), ctc) in spikes.iter().zip(&ctcs) {
+    // Per spike: B's rows t − nt … t + nt and the residual's columns
+    // t − nt/2 … t + nt/2 before the half, where the previous range overlaps.
+    let saved: Vec<_> = spikes
+        .iter()
+        .enumerate()
+        .map(|(i, &(t, _, _))| {
+            let gap = (i > 0).then(|| t - spikes[i - 1].0);
+            let rows = gap
+                .filter(|&g| g <= 2 * nt)
+                .map(|_| b[(t - nt) * k..(t + nt + 1).min(n) * k].to_vec());
+            let cols = gap.filter(|&g| g <= 2 * half).map(|_| {
+                xres.slice(ndarray::s![.., t - half..t - half + nt])
+                    .to_owned()
+            });
+            (rows, cols)
+        })
+        .collect();
+    for ((&(t, j, amp), ctc), (rows, cols)) in spikes.iter().zip(&ctcs).zip(&saved) {
         let lo = t - nt;
-        let hi = (t + nt + 1).min(n);
-        b[lo * k..hi * k].copy_from_slice(&b_before[lo * k..hi * k]);
+        if let Some(orig) = rows {
+            b[lo * k..lo * k + orig.len()].copy_from_slice(orig);
+        }
         let p = &setup.partners[j];
         for d in 0..nl {
             let row = &mut b[(lo + d) * k..(lo + d + 1) * k];
@@ -1200,9 +1217,8 @@ fn subtract_overlapping(
             }
         }
         let xlo = t - half;
-        if let Some(orig) = &x_before {
-            xres.slice_mut(ndarray::s![.., xlo..xlo + nt])
-                .assign(&orig.slice(ndarray::s![.., xlo..xlo + nt]));
+        if let Some(orig) = cols {
+            xres.slice_mut(ndarray::s![.., xlo..xlo + nt]).assign(orig);
         }
         for (si, &c) in setup.support[j].iter().enumerate() {
             let w = &setup.wave[j][si * nt..(si + 1) * nt];
