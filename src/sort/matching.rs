@@ -47,8 +47,9 @@
 //! neither B nor the pooled maximum changed).
 //!
 //! Memory: B is K × NT float32 (K·NT·4 B: 96 MB for K = 400 at NT = 60 122),
-//! the residual C × NT; the filtered window is made per tile of [`TILE`]
-//! samples (C·npc·TILE·4 B per thread). Template cross-correlations are kept
+//! the residual C × NT, both kept by the set-up for its next window; the
+//! filtered window is made per block of [`TILE`] samples (C·npc·TILE·4 B per
+//! thread). Template cross-correlations are kept
 //! only for pairs of templates that share a site: precomputed (`2nt + 1`
 //! floats per pair) while that fits in [`MatchingSettings::ctc_budget_bytes`],
 //! otherwise only the pairs' `UtU` (npc² floats, 144 B per pair; at most
@@ -64,9 +65,13 @@ use super::templates::{support, wtw};
 pub mod backend;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 pub mod gpu;
+#[cfg(test)]
+mod tests;
 
-/// Samples per tile of the filter product.
-pub const TILE: usize = 1024;
+/// Samples per block of the filter product (its unit of parallel work): a
+/// block's filtered sites (sites × npc × TILE float32) stay in cache while
+/// the templates' products read them.
+pub const TILE: usize = 64;
 
 /// Settings of the matching pass, named and defaulted as in Kilosort4 4.1.7.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -170,6 +175,49 @@ pub struct MatchingSetup {
     icc: Array2<u32>,
     icc_mask: Array2<bool>,
     iu: Vec<u32>,
+    /// The last window's B and residual buffers, reused by the next.
+    scratch: Scratch,
+}
+
+/// Buffers of one window kept for the next (B: NT × K, the residual: C × NT,
+/// float32), so that a window does not map and fault in ~190 MB afresh
+/// (K = 400, C = 384). Both are overwritten entirely before they are read.
+/// A clone of the set-up starts with none; a window that finds them taken
+/// (another window in flight) allocates its own.
+#[derive(Debug, Default)]
+struct Scratch {
+    b: std::sync::Mutex<Vec<f32>>,
+    x: std::sync::Mutex<Vec<f32>>,
+}
+
+impl Clone for Scratch {
+    fn clone(&self) -> Self {
+        Scratch::default()
+    }
+}
+
+impl Scratch {
+    /// A buffer of `len` floats with unspecified contents, from `slot` if it
+    /// is free.
+    fn take(slot: &std::sync::Mutex<Vec<f32>>, len: usize) -> Vec<f32> {
+        let mut v = slot
+            .try_lock()
+            .map(|mut g| std::mem::take(&mut *g))
+            .unwrap_or_default();
+        if v.len() >= len {
+            v.truncate(len);
+        } else {
+            v = vec![0f32; len];
+        }
+        v
+    }
+
+    /// Keeps `v` in `slot` for the next window (unless another window holds it).
+    fn give(slot: &std::sync::Mutex<Vec<f32>>, v: Vec<f32>) {
+        if let Ok(mut g) = slot.try_lock() {
+            *g = v;
+        }
+    }
 }
 
 /// The spikes of one window, in the order found (peel by peel, by sample).
@@ -319,6 +367,7 @@ impl MatchingSetup {
             icc,
             icc_mask,
             iu,
+            scratch: Scratch::default(),
         })
     }
 
@@ -543,112 +592,366 @@ fn partners(
     list
 }
 
-/// B (time-major, NT × K) of a window: the filter bank product, in tiles.
-fn filter_product(setup: &MatchingSetup, x: ArrayView2<f32>) -> Vec<f32> {
-    let (k, npc, _) = setup.u.dim();
-    let n = x.ncols();
-    let nt = setup.settings.nt;
-    let half = nt / 2;
-    let used: Vec<usize> = {
-        let mut m = vec![false; x.nrows()];
-        for s in &setup.support {
-            for &c in s {
-                m[c as usize] = true;
+/// The vector instructions the hot loops are compiled for, chosen at run time
+/// (the same operations in the same order on wider registers: the same bits;
+/// multiplications and additions stay separate, Rust never fuses them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Simd {
+    /// Baseline (SSE2 on x86-64) or another architecture.
+    Base,
+    /// AVX2.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Simd {
+    /// The widest the CPU has.
+    fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Simd::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Simd::Avx2;
             }
         }
-        (0..x.nrows()).filter(|&c| m[c]).collect()
-    };
-    let mut slot = vec![usize::MAX; x.nrows()];
-    for (i, &c) in used.iter().enumerate() {
-        slot[c] = i;
+        Simd::Base
     }
-    let mut b = vec![0f32; n * k];
-    b.par_chunks_mut(TILE * k)
-        .enumerate()
-        .for_each(|(tile, out)| {
-            let t0 = tile * TILE;
-            let w = out.len() / k;
-            // F[slot][p][t]: the filtered site over this tile.
-            let mut f = vec![0f32; used.len() * npc * w];
-            let mut seg = vec![0f32; w + 2 * half];
-            for (si, &c) in used.iter().enumerate() {
-                let row = x.row(c);
-                for (i, v) in seg.iter_mut().enumerate() {
-                    let t = (t0 + i) as i64 - half as i64;
-                    *v = if t >= 0 && (t as usize) < n {
-                        row[t as usize]
-                    } else {
-                        0.0
-                    };
-                }
-                for p in 0..npc {
-                    let fo = &mut f[(si * npc + p) * w..(si * npc + p + 1) * w];
-                    for i in 0..nt {
-                        let wv = setup.wpca[[p, i]];
-                        for (o, &xv) in fo.iter_mut().zip(&seg[i..i + w]) {
-                            *o += xv * wv;
-                        }
-                    }
-                }
+}
+
+/// What the filter product needs of the set-up, flattened for its loops.
+struct FilterBank<'a> {
+    /// Sites in some template's support, ascending.
+    used: Vec<usize>,
+    /// wPCA, npc × nt row-major.
+    wpca: Vec<f32>,
+    /// Per template, (row of the block's filtered sites, U coefficient) for
+    /// each (support site, PC) in the order of its sum: sites as in the
+    /// support, PCs ascending. The row is slot(site)·npc + PC.
+    terms: Vec<Vec<(u32, f32)>>,
+    npc: usize,
+    nt: usize,
+    x: ArrayView2<'a, f32>,
+}
+
+impl<'a> FilterBank<'a> {
+    fn new(setup: &MatchingSetup, x: ArrayView2<'a, f32>) -> Self {
+        let (k, npc, n_c) = setup.u.dim();
+        let mut slot = vec![usize::MAX; n_c];
+        for s in &setup.support {
+            for &c in s {
+                slot[c as usize] = 0;
             }
-            let mut acc = vec![0f32; w];
-            for j in 0..k {
-                acc.fill(0.0);
+        }
+        let used: Vec<usize> = (0..n_c).filter(|&c| slot[c] == 0).collect();
+        for (i, &c) in used.iter().enumerate() {
+            slot[c] = i;
+        }
+        let terms = (0..k)
+            .map(|j| {
+                let mut v = Vec::with_capacity(setup.support[j].len() * npc);
                 for &c in &setup.support[j] {
-                    let si = slot[c as usize];
                     for p in 0..npc {
-                        let uv = setup.u[[j, p, c as usize]];
-                        let fo = &f[(si * npc + p) * w..(si * npc + p + 1) * w];
-                        for (a, &fv) in acc.iter_mut().zip(fo) {
-                            *a += uv * fv;
-                        }
+                        let row = (slot[c as usize] * npc + p) as u32;
+                        v.push((row, setup.u[[j, p, c as usize]]));
                     }
                 }
-                for (t, &a) in acc.iter().enumerate() {
-                    out[t * k + j] = a;
-                }
-            }
-        });
+                v
+            })
+            .collect();
+        FilterBank {
+            used,
+            wpca: setup.wpca.iter().copied().collect(),
+            terms,
+            npc,
+            nt: setup.settings.nt,
+            x,
+        }
+    }
+}
+
+/// B (time-major, NT × K) of a window: the filter bank product, per block of
+/// [`TILE`] samples.
+///
+/// Each B\[t, k\] is the float32 sum, starting from zero, over the template's
+/// support sites (in support order) and PCs (ascending) of U·F, where F (the
+/// filtered site) is itself the float32 sum, starting from zero, over the nt
+/// taps (ascending) of x·wPCA with zeros outside the window. Blocks and
+/// samples are independent, so their order and the vector width do not
+/// change any bit.
+fn filter_product(setup: &MatchingSetup, simd: Simd, x: ArrayView2<f32>) -> Vec<f32> {
+    let k = setup.n_templates();
+    let n = x.ncols();
+    let bank = FilterBank::new(setup, x);
+    let mut b = Scratch::take(&setup.scratch.b, n * k);
+    let rows = bank.used.len() * bank.npc;
+    b.par_chunks_mut(TILE * k).enumerate().for_each_init(
+        || (vec![0f32; rows * TILE], vec![0f32; TILE + bank.nt - 1]),
+        |(f, seg), (blk, out)| filter_block(simd, &bank, blk * TILE, out, f, seg),
+    );
     b
 }
 
+/// [`filter_block_impl`] compiled for `simd`.
+fn filter_block(
+    simd: Simd,
+    bank: &FilterBank,
+    t0: usize,
+    out: &mut [f32],
+    f: &mut [f32],
+    seg: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // Two PCs at a time fill AVX-512's registers (8 running sums of 16
+        // lanes); one PC already fills AVX2's (8 of 8 lanes).
+        #[target_feature(enable = "avx512f")]
+        fn avx512(bank: &FilterBank, t0: usize, out: &mut [f32], f: &mut [f32], seg: &mut [f32]) {
+            filter_block_impl::<2>(bank, t0, out, f, seg);
+        }
+        #[target_feature(enable = "avx2")]
+        fn avx2(bank: &FilterBank, t0: usize, out: &mut [f32], f: &mut [f32], seg: &mut [f32]) {
+            filter_block_impl::<1>(bank, t0, out, f, seg);
+        }
+        match simd {
+            // SAFETY: the CPU has AVX-512F (`Simd::detect`).
+            Simd::Avx512 => return unsafe { avx512(bank, t0, out, f, seg) },
+            // SAFETY: the CPU has AVX2 (`Simd::detect`).
+            Simd::Avx2 => return unsafe { avx2(bank, t0, out, f, seg) },
+            Simd::Base => {}
+        }
+    }
+    let _ = simd;
+    filter_block_impl::<1>(bank, t0, out, f, seg);
+}
+
+/// B for samples t0 … t0 + w − 1 (`out`: w × K, w ≤ [`TILE`]): first F of
+/// every used site and PC over the block (`f`: rows × TILE), P PCs at a
+/// time, then each template's sum of U·F, two templates at a time when their
+/// sums have the same length. `seg` (TILE + nt − 1) holds one site's samples
+/// with the block's ±nt/2 margins, zero outside the window.
+#[inline(always)]
+fn filter_block_impl<const P: usize>(
+    bank: &FilterBank,
+    t0: usize,
+    out: &mut [f32],
+    f: &mut [f32],
+    seg: &mut [f32],
+) {
+    let nt = bank.nt;
+    let npc = bank.npc;
+    let half = nt / 2;
+    let n = bank.x.ncols();
+    let k = bank.terms.len();
+    let w = out.len() / k;
+    // seg[i] is sample t0 − nt/2 + i: those below a or from z on are outside.
+    let a = half.saturating_sub(t0).min(seg.len());
+    let z = (n + half).saturating_sub(t0).clamp(a, seg.len());
+    for (si, &c) in bank.used.iter().enumerate() {
+        let row = bank.x.row(c);
+        seg[..a].fill(0.0);
+        seg[z..].fill(0.0);
+        let first = t0 + a - half;
+        match row.as_slice() {
+            Some(r) => seg[a..z].copy_from_slice(&r[first..first + z - a]),
+            None => {
+                for (v, &xv) in seg[a..z].iter_mut().zip(row.iter().skip(first)) {
+                    *v = xv;
+                }
+            }
+        }
+        let mut p = 0;
+        while p < npc {
+            let rows = si * npc + p;
+            if p + P <= npc {
+                conv::<P>(
+                    seg,
+                    &bank.wpca[p * nt..(p + P) * nt],
+                    &mut f[rows * TILE..(rows + P) * TILE],
+                );
+                p += P;
+            } else {
+                conv::<1>(
+                    seg,
+                    &bank.wpca[p * nt..(p + 1) * nt],
+                    &mut f[rows * TILE..(rows + 1) * TILE],
+                );
+                p += 1;
+            }
+        }
+    }
+    let row_of = |r: u32| -> &[f32; TILE] {
+        let r = r as usize;
+        f[r * TILE..(r + 1) * TILE]
+            .try_into()
+            .expect("TILE samples")
+    };
+    let mut j = 0;
+    while j < k {
+        let ta = &bank.terms[j];
+        if j + 1 < k && bank.terms[j + 1].len() == ta.len() {
+            let tb = &bank.terms[j + 1];
+            let mut acc_a = [0f32; TILE];
+            let mut acc_b = [0f32; TILE];
+            for (&(ra, ua), &(rb, ub)) in ta.iter().zip(tb) {
+                let (fa, fb) = (row_of(ra), row_of(rb));
+                for l in 0..TILE {
+                    acc_a[l] += ua * fa[l];
+                    acc_b[l] += ub * fb[l];
+                }
+            }
+            for t in 0..w {
+                out[t * k + j] = acc_a[t];
+                out[t * k + j + 1] = acc_b[t];
+            }
+            j += 2;
+        } else {
+            let mut acc = [0f32; TILE];
+            for &(r, uv) in ta {
+                for (s, &fv) in acc.iter_mut().zip(row_of(r)) {
+                    *s += uv * fv;
+                }
+            }
+            for (t, &v) in acc[..w].iter().enumerate() {
+                out[t * k + j] = v;
+            }
+            j += 1;
+        }
+    }
+}
+
+/// F of P consecutive PCs over one block: `out[q·TILE + t]` = the float32
+/// sum, from zero, over the taps i ascending of seg\[t + i\]·taps\[q·nt + i\].
+#[inline(always)]
+fn conv<const P: usize>(seg: &[f32], taps: &[f32], out: &mut [f32]) {
+    let nt = taps.len() / P;
+    let mut acc = [[0f32; TILE]; P];
+    for i in 0..nt {
+        let xs: &[f32; TILE] = seg[i..i + TILE].try_into().expect("TILE samples");
+        for (q, aq) in acc.iter_mut().enumerate() {
+            let wv = taps[q * nt + i];
+            for (s, &xv) in aq.iter_mut().zip(xs) {
+                *s += xv * wv;
+            }
+        }
+    }
+    for (o, aq) in out.chunks_exact_mut(TILE).zip(&acc) {
+        let o: &mut [f32; TILE] = o.try_into().expect("TILE samples");
+        *o = *aq;
+    }
+}
+
 /// Per-sample best template and its Cf over `lo..hi` (zero in the first and
-/// last nt columns, as Kilosort4 zeroes Cf there).
+/// last nt columns, as Kilosort4 zeroes Cf there); `cfmax` and `imax` hold
+/// the samples `lo..hi`.
+///
+/// Cf = relu(B)²/nm in float32; the best is the largest Cf, the lowest
+/// template on ties (Cf is never NaN: relu maps NaN to 0 and nm > 0).
 fn best_templates(
     setup: &MatchingSetup,
+    simd: Simd,
     b: &[f32],
     n: usize,
     lo: usize,
-    hi: usize,
     cfmax: &mut [f32],
     imax: &mut [u32],
 ) {
     let k = setup.nm.len();
     let nt = setup.settings.nt;
-    let nm = &setup.nm;
-    cfmax[lo..hi]
-        .par_iter_mut()
-        .zip(imax[lo..hi].par_iter_mut())
+    let nm = &setup.nm[..];
+    cfmax
+        .par_chunks_mut(BEST_CHUNK)
+        .zip(imax.par_chunks_mut(BEST_CHUNK))
         .enumerate()
-        .for_each(|(i, (cm, im))| {
-            let t = lo + i;
-            if t < nt || t + nt >= n {
-                *cm = 0.0;
-                *im = 0;
-                return;
-            }
-            let row = &b[t * k..(t + 1) * k];
-            let mut best = (0u32, f32::NEG_INFINITY);
-            for (j, (&v, &m)) in row.iter().zip(nm).enumerate() {
-                let r = v.max(0.0);
-                let cf = (r * r) / m;
-                if cf > best.1 {
-                    best = (j as u32, cf);
-                }
-            }
-            *cm = best.1;
-            *im = best.0;
+        .for_each(|(ci, (cm, im))| {
+            let t0 = lo + ci * BEST_CHUNK;
+            // Samples t0 + a .. t0 + z are inside nt … NT − nt − 1.
+            let a = nt.saturating_sub(t0).min(cm.len());
+            let z = (n - nt).saturating_sub(t0).clamp(a, cm.len());
+            cm[..a].fill(0.0);
+            im[..a].fill(0);
+            cm[z..].fill(0.0);
+            im[z..].fill(0);
+            let rows = &b[(t0 + a) * k..(t0 + z) * k];
+            best_rows(simd, rows, nm, &mut cm[a..z], &mut im[a..z]);
         });
+}
+
+/// Samples per parallel task of [`best_templates`].
+const BEST_CHUNK: usize = 64;
+
+/// Lanes of [`best_rows_impl`]'s scan over templates.
+const LANES: usize = 16;
+
+/// [`best_rows_impl`] compiled for `simd`.
+fn best_rows(simd: Simd, rows: &[f32], nm: &[f32], cm: &mut [f32], im: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f")]
+        fn avx512(rows: &[f32], nm: &[f32], cm: &mut [f32], im: &mut [u32]) {
+            best_rows_impl(rows, nm, cm, im);
+        }
+        #[target_feature(enable = "avx2")]
+        fn avx2(rows: &[f32], nm: &[f32], cm: &mut [f32], im: &mut [u32]) {
+            best_rows_impl(rows, nm, cm, im);
+        }
+        match simd {
+            // SAFETY: the CPU has AVX-512F (`Simd::detect`).
+            Simd::Avx512 => return unsafe { avx512(rows, nm, cm, im) },
+            // SAFETY: the CPU has AVX2 (`Simd::detect`).
+            Simd::Avx2 => return unsafe { avx2(rows, nm, cm, im) },
+            Simd::Base => {}
+        }
+    }
+    let _ = simd;
+    best_rows_impl(rows, nm, cm, im);
+}
+
+/// For each row of K B values (`rows`: cm.len() × K), the largest Cf and
+/// its template, the lowest on ties. [`LANES`] running maxima (lane l sees
+/// templates ≡ l mod LANES, each keeping its first maximum), then the
+/// largest of them, the lowest template on ties, then the last K mod LANES
+/// templates in order: the same pick as one scan in template order.
+#[inline(always)]
+fn best_rows_impl(rows: &[f32], nm: &[f32], cm: &mut [f32], im: &mut [u32]) {
+    let k = nm.len();
+    let full = k / LANES * LANES;
+    for ((row, c), i) in rows.chunks_exact(k).zip(cm.iter_mut()).zip(im.iter_mut()) {
+        let mut bv = [f32::NEG_INFINITY; LANES];
+        let mut bi = [0u32; LANES];
+        for (g, (vs, ms)) in row[..full]
+            .chunks_exact(LANES)
+            .zip(nm[..full].chunks_exact(LANES))
+            .enumerate()
+        {
+            for l in 0..LANES {
+                let r = vs[l].max(0.0);
+                let cf = (r * r) / ms[l];
+                let gt = cf > bv[l];
+                bv[l] = if gt { cf } else { bv[l] };
+                bi[l] = if gt { (g * LANES + l) as u32 } else { bi[l] };
+            }
+        }
+        let mut best = (0u32, f32::NEG_INFINITY);
+        for l in 0..LANES {
+            if bv[l] > best.1 || (bv[l] == best.1 && bi[l] < best.0) {
+                best = (bi[l], bv[l]);
+            }
+        }
+        for j in full..k {
+            let r = row[j].max(0.0);
+            let cf = (r * r) / nm[j];
+            if cf > best.1 {
+                best = (j as u32, cf);
+            }
+        }
+        *c = best.1;
+        *i = best.0;
+    }
 }
 
 /// Merges sorted, possibly overlapping intervals into disjoint ones.
@@ -692,6 +995,15 @@ fn peaks(cfmax: &[f32], nt: usize, th2: f32, ranges: &[(usize, usize)]) -> Vec<u
 /// # Errors
 /// [`MatchError::Shape`] when `x` does not have C rows or has at most 2·nt columns.
 pub fn match_window(setup: &MatchingSetup, x: ArrayView2<f32>) -> Result<WindowSpikes, MatchError> {
+    match_window_with(setup, x, Simd::detect())
+}
+
+/// [`match_window`] with its loops compiled for `simd`.
+fn match_window_with(
+    setup: &MatchingSetup,
+    x: ArrayView2<f32>,
+    simd: Simd,
+) -> Result<WindowSpikes, MatchError> {
     let (k, _, n_c) = setup.u.dim();
     let nt = setup.settings.nt;
     let n = x.ncols();
@@ -705,12 +1017,12 @@ pub fn match_window(setup: &MatchingSetup, x: ArrayView2<f32>) -> Result<WindowS
             ),
         ));
     }
-    let mut b = filter_product(setup, x);
-    let mut xres = x.as_standard_layout().into_owned();
+    let mut b = filter_product(setup, simd, x);
+    let mut xres = residual_copy(x, Scratch::take(&setup.scratch.x, x.len()));
     let th2 = (setup.settings.th_learned * setup.settings.th_learned) as f32;
     let mut cfmax = vec![0f32; n];
     let mut imax = vec![0u32; n];
-    best_templates(setup, &b, n, 0, n, &mut cfmax, &mut imax);
+    best_templates(setup, simd, &b, n, 0, &mut cfmax, &mut imax);
     let mut ranges = vec![(0, n)];
     let mut out = WindowSpikes::default();
     for peel in 0..setup.settings.max_peels {
@@ -743,9 +1055,22 @@ pub fn match_window(setup: &MatchingSetup, x: ArrayView2<f32>) -> Result<WindowS
                 .map(|&(t, _, _)| (t - nt, (t + nt + 1).min(n)))
                 .collect(),
         );
+        // The dirty ranges are disjoint and ascending: one slice of cfmax
+        // and imax each, all updated in parallel.
+        let mut parts = Vec::with_capacity(dirty.len());
+        let (mut cm_rest, mut im_rest) = (&mut cfmax[..], &mut imax[..]);
+        let mut at = 0;
         for &(lo, hi) in &dirty {
-            best_templates(setup, &b, n, lo, hi, &mut cfmax, &mut imax);
+            let (_, cm) = std::mem::take(&mut cm_rest).split_at_mut(lo - at);
+            let (cm, cm_tail) = cm.split_at_mut(hi - lo);
+            let (_, im) = std::mem::take(&mut im_rest).split_at_mut(lo - at);
+            let (im, im_tail) = im.split_at_mut(hi - lo);
+            (cm_rest, im_rest, at) = (cm_tail, im_tail, hi);
+            parts.push((lo, cm, im));
         }
+        parts
+            .into_par_iter()
+            .for_each(|(lo, cm, im)| best_templates(setup, simd, &b, n, lo, cm, im));
         ranges = merge_intervals(
             dirty
                 .iter()
@@ -761,7 +1086,22 @@ pub fn match_window(setup: &MatchingSetup, x: ArrayView2<f32>) -> Result<WindowS
         }
     }
     out.tf = features(setup, xres.view(), &out);
+    Scratch::give(&setup.scratch.b, b);
+    Scratch::give(&setup.scratch.x, xres.into_raw_vec_and_offset().0);
     Ok(out)
+}
+
+/// A standard-layout copy of the window (C × NT) in `buf` (C·NT floats), one
+/// row per parallel task.
+fn residual_copy(x: ArrayView2<f32>, mut buf: Vec<f32>) -> Array2<f32> {
+    let n = x.ncols();
+    buf.par_chunks_mut(n.max(1))
+        .enumerate()
+        .for_each(|(c, o)| match x.row(c).as_slice() {
+            Some(r) => o.copy_from_slice(r),
+            None => o.iter_mut().zip(x.row(c)).for_each(|(v, &xv)| *v = xv),
+        });
+    Array2::from_shape_vec(x.dim(), buf).expect("C × NT values")
 }
 
 /// Subtracts one half-peel's spikes (ascending samples) from B and the residual.
@@ -771,6 +1111,8 @@ pub fn match_window(setup: &MatchingSetup, x: ArrayView2<f32>) -> Result<WindowS
 /// term), for all rows. Ranges within a half overlap only when two samples
 /// within nt tie exactly; then the later spike's write wins for the shared
 /// columns, which is what is done here (Kilosort4's order there is unspecified).
+/// Without overlaps (the rule) every value is written by one spike only, so
+/// the spikes are subtracted in parallel.
 fn subtract(
     setup: &MatchingSetup,
     spikes: &[(usize, usize, f32)],
@@ -781,6 +1123,62 @@ fn subtract(
     if spikes.is_empty() {
         return;
     }
+    let nt = setup.settings.nt;
+    if spikes.windows(2).any(|w| w[1].0 - w[0].0 <= 2 * nt) {
+        subtract_overlapping(setup, spikes, b, xres, n);
+        return;
+    }
+    let k = setup.nm.len();
+    let half = nt / 2;
+    let nl = 2 * nt + 1;
+    // Spike s owns B's rows t − nt … t + nt and the residual's columns
+    // t − nt/2 … t + nt/2, disjoint from the other spikes' (more than 2·nt
+    // apart).
+    let mut parts = Vec::with_capacity(spikes.len());
+    let mut b_rest = b;
+    let mut x_rest = xres.view_mut();
+    let (mut b_at, mut x_at) = (0, 0);
+    for s in spikes {
+        let lo = s.0 - nt;
+        let (_, bs) = std::mem::take(&mut b_rest).split_at_mut((lo - b_at) * k);
+        let (bs, b_tail) = bs.split_at_mut(nl * k);
+        let xlo = s.0 - half;
+        let (_, xs) = x_rest.split_at(ndarray::Axis(1), xlo - x_at);
+        let (xs, x_tail) = xs.split_at(ndarray::Axis(1), nt);
+        (b_rest, x_rest, b_at, x_at) = (b_tail, x_tail, lo + nl, xlo + nt);
+        parts.push((s, bs, xs));
+    }
+    parts
+        .into_par_iter()
+        .for_each(|(&(_, j, amp), bs, mut xs)| {
+            let ctc = setup.ctc_of(j);
+            let p = &setup.partners[j];
+            for (pi, &kk) in p.k.iter().enumerate() {
+                let cs = &ctc[pi * nl..(pi + 1) * nl];
+                for (row, &cv) in bs.chunks_exact_mut(k).zip(cs) {
+                    row[kk as usize] -= amp * cv;
+                }
+            }
+            for (si, &c) in setup.support[j].iter().enumerate() {
+                let w = &setup.wave[j][si * nt..(si + 1) * nt];
+                for (v, &wv) in xs.row_mut(c as usize).iter_mut().zip(w) {
+                    *v -= amp * wv;
+                }
+            }
+        });
+}
+
+/// [`subtract`] for a half whose ranges overlap: one spike after the other,
+/// each starting from the values before the half. Only a spike whose range
+/// overlaps the previous one's finds values already changed in the half, so
+/// only those ranges are saved beforehand (not all of B and the residual).
+fn subtract_overlapping(
+    setup: &MatchingSetup,
+    spikes: &[(usize, usize, f32)],
+    b: &mut [f32],
+    xres: &mut Array2<f32>,
+    n: usize,
+) {
     let k = setup.nm.len();
     let nt = setup.settings.nt;
     let half = nt / 2;
@@ -789,15 +1187,27 @@ fn subtract(
         .par_iter()
         .map(|&(_, j, _)| setup.ctc_of(j))
         .collect();
-    let overlap_b = spikes.windows(2).any(|w| w[1].0 - w[0].0 <= 2 * nt);
-    let overlap_x = spikes.windows(2).any(|w| w[1].0 - w[0].0 <= 2 * half);
-    let b_before = overlap_b.then(|| b.to_vec());
-    let x_before = overlap_x.then(|| xres.clone());
-    for (&(t, j, amp), ctc) in spikes.iter().zip(&ctcs) {
+    // Per spike: B's rows t − nt … t + nt and the residual's columns
+    // t − nt/2 … t + nt/2 before the half, where the previous range overlaps.
+    let saved: Vec<_> = spikes
+        .iter()
+        .enumerate()
+        .map(|(i, &(t, _, _))| {
+            let gap = (i > 0).then(|| t - spikes[i - 1].0);
+            let rows = gap
+                .filter(|&g| g <= 2 * nt)
+                .map(|_| b[(t - nt) * k..(t + nt + 1).min(n) * k].to_vec());
+            let cols = gap.filter(|&g| g <= 2 * half).map(|_| {
+                xres.slice(ndarray::s![.., t - half..t - half + nt])
+                    .to_owned()
+            });
+            (rows, cols)
+        })
+        .collect();
+    for ((&(t, j, amp), ctc), (rows, cols)) in spikes.iter().zip(&ctcs).zip(&saved) {
         let lo = t - nt;
-        if let Some(orig) = &b_before {
-            let hi = (t + nt + 1).min(n);
-            b[lo * k..hi * k].copy_from_slice(&orig[lo * k..hi * k]);
+        if let Some(orig) = rows {
+            b[lo * k..lo * k + orig.len()].copy_from_slice(orig);
         }
         let p = &setup.partners[j];
         for d in 0..nl {
@@ -807,9 +1217,8 @@ fn subtract(
             }
         }
         let xlo = t - half;
-        if let Some(orig) = &x_before {
-            xres.slice_mut(ndarray::s![.., xlo..xlo + nt])
-                .assign(&orig.slice(ndarray::s![.., xlo..xlo + nt]));
+        if let Some(orig) = cols {
+            xres.slice_mut(ndarray::s![.., xlo..xlo + nt]).assign(orig);
         }
         for (si, &c) in setup.support[j].iter().enumerate() {
             let w = &setup.wave[j][si * nt..(si + 1) * nt];
