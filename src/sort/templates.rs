@@ -209,42 +209,49 @@ pub fn align_templates(
                 .collect()
         })
         .collect();
-    let half = (nt / 2) as i64;
-    let total = (k0 * nt) as i64;
-    // The concatenated series of site c at s = k·nt + t.
-    let series = |c: usize, s: i64| -> f64 {
-        if s < 0 || s >= total {
-            0.0
-        } else {
-            let (k, t) = ((s as usize) / nt, (s as usize) % nt);
-            f64::from(uex[k][t * n_c + c])
-        }
-    };
+    let half = nt / 2;
+    let nw = wtemp.nrows();
+    // (nw, nt) row-major (iteration is in logical order).
+    let wt: Vec<f64> = wtemp.iter().map(|&v| f64::from(v)).collect();
+    // For template k, the concatenated series of site c (templates end to
+    // end, zeros before the first and after the last) over templates k − 1,
+    // k, k + 1 is all the filter reads: sample t of template k reads
+    // s = k·nt + t + i − nt/2 for i = 0…nt − 1, within those three.
     let imax: Vec<usize> = (0..k0)
         .into_par_iter()
-        .map(|k| {
-            let sites: Vec<usize> = (0..n_c)
-                .filter(|&c| (k.saturating_sub(1)..(k + 2).min(k0)).any(|kk| active[kk][c]))
-                .collect();
-            let mut best = (0usize, f32::NEG_INFINITY);
-            for t in 0..nt {
-                let s0 = (k * nt + t) as i64;
-                let mut m = 0f32;
+        .map_init(
+            || (vec![0f64; 3 * nt], vec![0f32; nt]),
+            |(local, m), k| {
+                let sites: Vec<usize> = (0..n_c)
+                    .filter(|&c| (k.saturating_sub(1)..(k + 2).min(k0)).any(|kk| active[kk][c]))
+                    .collect();
+                m.fill(0.0);
                 for &c in &sites {
-                    for f in 0..wtemp.nrows() {
-                        let mut acc = 0f64;
-                        for i in 0..nt as i64 {
-                            acc += series(c, s0 + i - half) * f64::from(wtemp[[f, i as usize]]);
+                    for (j, v) in local.iter_mut().enumerate() {
+                        // Template k − 1 + j / nt, sample j % nt.
+                        let kk = (k + j / nt).checked_sub(1).filter(|&kk| kk < k0);
+                        *v = kk.map_or(0.0, |kk| f64::from(uex[kk][(j % nt) * n_c + c]));
+                    }
+                    for (t, mt) in m.iter_mut().enumerate() {
+                        let x = &local[nt + t - half..nt + t - half + nt];
+                        for f in 0..nw {
+                            let mut acc = 0f64;
+                            for (a, b) in x.iter().zip(&wt[f * nt..(f + 1) * nt]) {
+                                acc += a * b;
+                            }
+                            *mt = mt.max((acc as f32).abs());
                         }
-                        m = m.max((acc as f32).abs());
                     }
                 }
-                if m > best.1 {
-                    best = (t, m);
+                let mut best = (0usize, f32::NEG_INFINITY);
+                for (t, &v) in m.iter().enumerate() {
+                    if v > best.1 {
+                        best = (t, v);
+                    }
                 }
-            }
-            best.0
-        })
+                best.0
+            },
+        )
         .collect();
     let rows: Vec<Vec<f32>> = (0..k0)
         .into_par_iter()
@@ -438,4 +445,90 @@ fn similarities(wall: &Array3<f32>, mu: &[f32], kk: usize, wtw: &Array3<f32>) ->
             best
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{Array2, Array3};
+
+    /// Pseudo-random values in [−1, 1) from a fixed LCG.
+    fn noise(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// `align_U`'s peak samples by the definition: each template's sample of
+    /// the largest |filter response| over the whole concatenated series.
+    fn imax_reference(
+        wall0: ArrayView3<f32>,
+        wpca: ArrayView2<f32>,
+        wtemp: ArrayView2<f32>,
+    ) -> Vec<usize> {
+        let (k0, n_c, npc) = wall0.dim();
+        let nt = wpca.ncols();
+        let series = |c: usize, s: i64| -> f64 {
+            if s < 0 || s >= (k0 * nt) as i64 {
+                return 0.0;
+            }
+            let (k, t) = (s as usize / nt, s as usize % nt);
+            let mut acc = 0f64;
+            for p in 0..npc {
+                acc += f64::from(wall0[[k, c, p]]) * f64::from(wpca[[p, t]]);
+            }
+            f64::from(acc as f32)
+        };
+        (0..k0)
+            .map(|k| {
+                let mut best = (0usize, f32::NEG_INFINITY);
+                for t in 0..nt {
+                    let s0 = (k * nt + t) as i64;
+                    let mut m = 0f32;
+                    for c in 0..n_c {
+                        for f in 0..wtemp.nrows() {
+                            let mut acc = 0f64;
+                            for i in 0..nt as i64 {
+                                acc += series(c, s0 + i - (nt / 2) as i64)
+                                    * f64::from(wtemp[[f, i as usize]]);
+                            }
+                            m = m.max((acc as f32).abs());
+                        }
+                    }
+                    if m > best.1 {
+                        best = (t, m);
+                    }
+                }
+                best.0
+            })
+            .collect()
+    }
+
+    /// The peak samples found from each template's three-template stretch of
+    /// the series equal the definition's, exactly.
+    #[test]
+    fn peak_samples_equal_the_definition() {
+        let (k0, n_c, npc, nt, nw) = (9, 10, 6, 61, 6);
+        let mut wall0 = Array3::from_shape_vec((k0, n_c, npc), noise(k0 * n_c * npc, 3)).unwrap();
+        // Sparse supports: some sites of each template are exactly zero.
+        for k in 0..k0 {
+            for c in 0..n_c {
+                if (k * 5 + c) % 3 == 0 || c.abs_diff(k) > 5 {
+                    wall0.slice_mut(s![k, c, ..]).fill(0.0);
+                }
+            }
+        }
+        let wpca = Array2::from_shape_vec((npc, nt), noise(npc * nt, 5)).unwrap();
+        let wtemp = Array2::from_shape_vec((nw, nt), noise(nw * nt, 7)).unwrap();
+        let (_, imax) = align_templates(wall0.view(), wpca.view(), wtemp.view()).unwrap();
+        let want = imax_reference(wall0.view(), wpca.view(), wtemp.view());
+        assert_eq!(imax, want);
+        assert!(want.iter().any(|&t| t != want[0]), "{want:?}");
+    }
 }
