@@ -27,7 +27,11 @@ where
             std::any::type_name::<A>()
         )
     })?;
-    Ok(arr.as_standard_layout().into_owned())
+    if arr.is_standard_layout() {
+        Ok(arr)
+    } else {
+        Ok(arr.as_standard_layout().into_owned())
+    }
 }
 
 /// Writes an array to `dir/name` via a temporary file renamed when complete.

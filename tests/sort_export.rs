@@ -253,3 +253,42 @@ fn phy_folder_matches_kilosort4() {
         }
     }
 }
+
+/// The merges and the Phy folder, from Kilosort4's final clustering, are the
+/// same bytes on 1, 2 and 16 threads (every file but `spikecube.json`, whose
+/// only varying field would be a path).
+#[test]
+fn phy_folder_is_the_same_on_every_thread_count() {
+    for case in cases() {
+        let folders: Vec<(usize, (tempfile::TempDir, PathBuf))> = [1usize, 2, 16]
+            .into_iter()
+            .map(|t| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(t)
+                    .build()
+                    .unwrap();
+                (t, pool.install(|| export(&case, false)))
+            })
+            .collect();
+        let (_, (_, first)) = &folders[0];
+        let mut names: Vec<_> = std::fs::read_dir(first)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n != "spikecube.json")
+            .collect();
+        names.sort();
+        assert!(names.len() > 20, "{names:?}");
+        for (t, (_, dir)) in &folders[1..] {
+            for name in &names {
+                let a = std::fs::read(first.join(name)).unwrap();
+                let b = std::fs::read(dir.join(name)).unwrap();
+                assert!(
+                    a == b,
+                    "{}: {} differs between 1 and {t} threads",
+                    case.display(),
+                    name.to_string_lossy()
+                );
+            }
+        }
+    }
+}

@@ -164,7 +164,11 @@ macro_rules! le_bytes {
 }
 le_bytes!(i8, u8, i16, i32, u32, i64, u64, f32, f64);
 
-/// Writes a small whole array in one go through [`NpyStream`] (same header layout).
+/// Bytes converted per write by [`write_all`].
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// Writes a whole array through [`NpyStream`] (same header layout), converting
+/// it to bytes about 1 MiB at a time.
 ///
 /// # Errors
 /// As [`NpyStream::create`] and [`NpyStream::finish`].
@@ -186,12 +190,17 @@ pub fn write_all<T: LeBytes>(
     }
     let size = std::mem::size_of::<T>();
     let mut s = NpyStream::create(path, descr, inner, per_row * size)?;
-    let mut buf = Vec::with_capacity(std::mem::size_of_val(values));
-    for &v in values {
-        v.put(&mut buf);
-    }
     if per_row > 0 {
-        s.append_bytes(&buf)?;
+        // Whole rows of about 1 MiB at a time: no copy of the whole array.
+        let rows_per_chunk = (CHUNK_BYTES / (per_row * size)).max(1);
+        let mut buf = Vec::with_capacity(rows_per_chunk * per_row * size);
+        for chunk in values.chunks(rows_per_chunk * per_row) {
+            buf.clear();
+            for &v in chunk {
+                v.put(&mut buf);
+            }
+            s.append_bytes(&buf)?;
+        }
     } else {
         // Rows of zero elements carry no bytes; the count is only in the header.
         s.rows = rows as u64;

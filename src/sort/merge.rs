@@ -158,12 +158,11 @@ impl Similarity {
         let normed: Vec<Normed> = (0..u)
             .map(|i| self.normed(wall.index_axis(Axis(0), i)))
             .collect();
-        let mut out = Array2::<f64>::zeros((u, u));
-        for i in 0..u {
-            let (cmax, _) = self.row(i, &normed, n_chan);
-            out.row_mut(i).assign(&ndarray::Array1::from(cmax));
-        }
-        out
+        let rows: Vec<Vec<f64>> = (0..u)
+            .into_par_iter()
+            .map(|i| self.row(i, &normed, n_chan).0)
+            .collect();
+        Array2::from_shape_vec((u, u), rows.concat()).expect("U × U similarities")
     }
 }
 
@@ -332,7 +331,9 @@ pub fn merge_ccg(
     }
     let order = descending(&ns);
     let times: Vec<f64> = st.column(0).iter().map(|&t| t / fs).collect();
+    let clock = std::time::Instant::now();
     let (is_ref, _) = ccg::refract(clu, &times, nn, settings.thresholds);
+    let refract_s = clock.elapsed().as_secs_f64();
 
     let sim = Similarity::new(wpca);
     let mut normed: Vec<Normed> = (0..nn)
@@ -354,14 +355,25 @@ pub fn merge_ccg(
             members[c].iter().map(|&i| st[[i, 0]] / fs).collect()
         };
         let st_k = seconds(kk, &st);
+        // Partners above r_thresh by descending similarity: the first
+        // cross-refractory one. Their CCGs are computed a batch at a time in
+        // parallel; the first in order wins, whatever the batch size.
+        let candidates: Vec<usize> = descending(&cmax)
+            .into_iter()
+            .take_while(|&jj| cmax[jj] >= settings.r_thresh)
+            .collect();
+        let batch = rayon::current_num_threads().max(1);
         let mut partner = None;
-        for jj in descending(&cmax) {
-            if cmax[jj] < settings.r_thresh {
-                break;
-            }
-            let st_j = seconds(jj, &st);
-            if ccg::check_ccg(&st_k, Some(&st_j), settings.thresholds).cross_refractory {
-                partner = Some(jj);
+        for group in candidates.chunks(batch) {
+            let tests: Vec<bool> = group
+                .par_iter()
+                .map(|&jj| {
+                    let st_j = seconds(jj, &st);
+                    ccg::check_ccg(&st_k, Some(&st_j), settings.thresholds).cross_refractory
+                })
+                .collect();
+            if let Some(i) = tests.iter().position(|&t| t) {
+                partner = Some(group[i]);
                 break;
             }
         }
@@ -398,7 +410,29 @@ pub fn merge_ccg(
         normed[jj] = Normed::default();
         n_merges += 1;
     }
-    Ok(finish(wall, members, is_ref, is_merged, st, tf, n_merges))
+    let loop_s = clock.elapsed().as_secs_f64() - refract_s;
+    let merged = finish(wall, members, is_ref, is_merged, st, tf, n_merges);
+    tracing::debug!(
+        "merges: {n_merges} merges; refractoriness {refract_s:.3} s, merge loop {loop_s:.3} s, re-sort {:.3} s",
+        clock.elapsed().as_secs_f64() - refract_s - loop_s
+    );
+    Ok(merged)
+}
+
+/// The rows `order` of a standard-layout (n, a, b) array, copied in parallel.
+fn gather_rows(tf: &Array3<f32>, order: &[usize]) -> Array3<f32> {
+    let (_, a, b) = tf.dim();
+    let row = a * b;
+    let src = tf.as_slice().expect("tF is contiguous");
+    let mut out = Array3::<f32>::zeros((order.len(), a, b));
+    if row > 0 {
+        out.as_slice_mut()
+            .expect("standard layout")
+            .par_chunks_mut(row)
+            .zip(order.par_iter())
+            .for_each(|(o, &i)| o.copy_from_slice(&src[i * row..(i + 1) * row]));
+    }
+    out
 }
 
 /// Compacts ids over the surviving clusters and re-sorts spikes by time (stable).
@@ -426,9 +460,14 @@ fn finish(
         new_id += 1;
     }
     let mut order: Vec<usize> = (0..n).collect();
-    order.sort_by(|&a, &b| st[[a, 0]].total_cmp(&st[[b, 0]]));
-    let st2 = st.select(Axis(0), &order);
-    let tf2 = tf.select(Axis(0), &order);
+    // Stable, as the sequential sort (equal times keep their input order).
+    order.par_sort_by(|&a, &b| st[[a, 0]].total_cmp(&st[[b, 0]]));
+    let (st2, tf2) = if order.iter().enumerate().all(|(i, &o)| i == o) {
+        // Already in time order (no merge moved a spike): no copies.
+        (st, tf)
+    } else {
+        (st.select(Axis(0), &order), gather_rows(&tf, &order))
+    };
     Merged {
         wall: wall.select(Axis(0), &keep),
         clu: order.iter().map(|&i| clu2[i]).collect(),

@@ -37,10 +37,11 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use ndarray::{Array2, Array3, ArrayView2, Axis};
+use ndarray::{Array2, Array3, ArrayView2};
+use rayon::prelude::*;
 
 use crate::output::folder::StagedFolder;
-use crate::output::npy_stream::{LeBytes, write_all};
+use crate::output::npy_stream::{LeBytes, NpyStream, write_all};
 use crate::output::params::{py_float, py_str};
 use crate::probe::Probe;
 use crate::sort::ccg::{self, Thresholds};
@@ -148,15 +149,17 @@ pub fn save_sorting(
         wrot,
         sets,
     } = result;
-    let merged = merge_ccg(
-        wall,
-        &clu,
-        st,
-        tf,
-        wpca.view(),
-        settings.fs,
-        &settings.merge,
-    )
+    let merged = timed("merges", || {
+        merge_ccg(
+            wall,
+            &clu,
+            st,
+            tf,
+            wpca.view(),
+            settings.fs,
+            &settings.merge,
+        )
+    })
     .context("global merges")?;
     write_phy(
         out,
@@ -268,7 +271,7 @@ pub fn write_phy(
         wall,
         clu,
         st,
-        tf,
+        mut tf,
         n_merges,
         ..
     } = merged;
@@ -283,85 +286,78 @@ pub fn write_phy(
     let n = clu.len();
     let templates: Vec<usize> = st.column(1).iter().map(|&t| t as usize).collect();
     sets.check(c, &templates)?;
+    if !tf.is_standard_layout() {
+        tf = tf.as_standard_layout().into_owned();
+    }
     let staged = StagedFolder::create(out, command)?;
     let dir = staged.path().to_path_buf();
-    write_probe_files(&dir, probe, wrot)?;
 
     let times: Vec<i64> = st
         .column(0)
         .iter()
         .map(|&t| t as i64 + settings.imin)
         .collect();
-    let positions = pp::spike_positions(&templates, tf.view(), sets, &probe.xc, &probe.yc);
-    let amps = pp::amplitudes(tf.view());
+    let (positions, amps) = timed("positions and amplitudes", || {
+        rayon::join(
+            || pp::spike_positions(&templates, tf.view(), sets, &probe.xc, &probe.yc),
+            || pp::amplitudes(tf.view()),
+        )
+    });
     let dt = pp::duplicate_spike_bins(settings.duplicate_spike_ms, settings.fs);
     let keep = pp::remove_duplicates(&times, &clu, dt);
-    let pick = |i: usize| keep[i];
-    let kept: Vec<usize> = (0..n).filter(|&i| pick(i)).collect();
+    let kept: Vec<usize> = (0..n).filter(|&i| keep[i]).collect();
     let nk = kept.len();
     let k_times: Vec<i64> = kept.iter().map(|&i| times[i]).collect();
     let k_clu: Vec<i32> = kept.iter().map(|&i| clu[i]).collect();
     let k_tmpl: Vec<usize> = kept.iter().map(|&i| templates[i]).collect();
-    npy(&dir, "spike_times.npy", "'<i8'", &[nk], &k_times)?;
-    npy(&dir, "spike_templates.npy", "'<i4'", &[nk], &k_clu)?;
-    npy(&dir, "spike_clusters.npy", "'<i4'", &[nk], &k_clu)?;
-    let k_pos: Vec<f32> = kept
-        .iter()
-        .flat_map(|&i| [positions[[i, 0]], positions[[i, 1]]])
-        .collect();
-    npy(&dir, "spike_positions.npy", "'<f4'", &[nk, 2], &k_pos)?;
-    let k_t32: Vec<i32> = k_tmpl.iter().map(|&t| t as i32).collect();
-    npy(
-        &dir,
-        "spike_detection_templates.npy",
-        "'<i4'",
-        &[nk],
-        &k_t32,
-    )?;
-    let k_amp: Vec<f32> = kept.iter().map(|&i| amps[i]).collect();
-    npy(&dir, "amplitudes.npy", "'<f4'", &[nk], &k_amp)?;
-    let keep_u8: Vec<u8> = keep.iter().map(|&k| u8::from(k)).collect();
-    npy(&dir, "kept_spikes.npy", "'|b1'", &[n], &keep_u8)?;
-
-    let sim = Similarity::new(wpca).matrix(wall.view());
-    let sim32: Vec<f32> = sim.iter().map(|&v| v as f32).collect();
-    npy(&dir, "similar_templates.npy", "'<f4'", &[u, u], &sim32)?;
-    let tt = pp::templates_in_time(wall.view(), wpca);
-    npy(
-        &dir,
-        "templates.npy",
-        "'<f4'",
-        tt.shape(),
-        tt.as_slice().expect("standard layout"),
-    )?;
-    let ind: Vec<i64> = (0..u).flat_map(|_| 0..c as i64).collect();
-    npy(&dir, "templates_ind.npy", "'<i8'", &[u, c], &ind)?;
-
-    let tf_k = tf.select(Axis(0), &kept);
-    drop(tf);
-    let (pcs, pc_ind) = pp::make_pc_features(&k_tmpl, &k_clu, tf_k, sets, u)?;
-    npy(
-        &dir,
-        "pc_features.npy",
-        "'<f4'",
-        pcs.shape(),
-        pcs.as_slice().expect("standard layout"),
-    )?;
-    npy(
-        &dir,
-        "pc_feature_ind.npy",
-        "'<u4'",
-        pc_ind.shape(),
-        pc_ind.as_slice().expect("standard layout"),
-    )?;
-
-    let (good, amp_t) = write_cluster_tables(&dir, &k_clu, &k_times, wall.view(), settings)?;
-    let n_good = good.iter().filter(|&&g| g).count();
     let k_xy: Vec<[f32; 2]> = kept
         .iter()
         .map(|&i| [positions[[i, 0]], positions[[i, 1]]])
         .collect();
-    units_png(&dir, &k_clu, &k_times, &k_xy, good, &amp_t, settings, probe)?;
+    drop(positions);
+
+    // The files are independent: written concurrently, each the same bytes
+    // whatever the order (the PC features, the longest, first).
+    let spikes = KeptSpikes {
+        keep: &keep,
+        kept: &kept,
+        times: &k_times,
+        clu: &k_clu,
+        templates: &k_tmpl,
+        xy: &k_xy,
+        amps: &amps,
+    };
+    let (pc, (files, tables)) = rayon::join(
+        || {
+            timed("pc features", || {
+                write_pc_files(&dir, &mut tf, &spikes, sets, u)
+            })
+        },
+        || {
+            rayon::join(
+                || -> Result<()> {
+                    timed("spike files", || write_spike_files(&dir, &spikes))?;
+                    timed("template files", || {
+                        write_template_files(&dir, wall.view(), wpca)
+                    })?;
+                    timed("probe files", || write_probe_files(&dir, probe, wrot))
+                },
+                || {
+                    let (good, amp_t) = timed("cluster tables", || {
+                        write_cluster_tables(&dir, &k_clu, &k_times, wall.view(), settings)
+                    })?;
+                    let n_good = good.iter().filter(|&&g| g).count();
+                    timed("units.png", || {
+                        units_png(&dir, &k_clu, &k_times, &k_xy, good, &amp_t, settings, probe)
+                    })?;
+                    Ok::<_, anyhow::Error>(n_good)
+                },
+            )
+        },
+    );
+    pc?;
+    files?;
+    let n_good = tables?;
     let mut manifest = match manifest {
         serde_json::Value::Object(m) => m,
         _ => serde_json::Map::new(),
@@ -382,6 +378,119 @@ pub fn write_phy(
         n_duplicates: n - nk,
         n_merges,
     })
+}
+
+/// Runs `f`, logging its wall time at debug level (the export's pieces).
+fn timed<T>(what: &str, f: impl FnOnce() -> T) -> T {
+    let t = std::time::Instant::now();
+    let r = f();
+    tracing::debug!("export: {what} {:.3} s", t.elapsed().as_secs_f64());
+    r
+}
+
+/// The spikes kept after duplicate removal and their per-spike values.
+struct KeptSpikes<'a> {
+    /// (n,) whether each merged spike is kept.
+    keep: &'a [bool],
+    /// (n_k,) the kept spikes' indices among the merged ones, ascending.
+    kept: &'a [usize],
+    /// (n_k,) times, samples with `imin`.
+    times: &'a [i64],
+    /// (n_k,) units.
+    clu: &'a [i32],
+    /// (n_k,) learned templates.
+    templates: &'a [usize],
+    /// (n_k,) positions, µm.
+    xy: &'a [[f32; 2]],
+    /// (n,) amplitudes of every merged spike.
+    amps: &'a [f32],
+}
+
+/// The per-spike files: times, units, templates, positions, amplitudes and the keep mask.
+fn write_spike_files(dir: &Path, k: &KeptSpikes) -> Result<()> {
+    let nk = k.kept.len();
+    npy(dir, "spike_times.npy", "'<i8'", &[nk], k.times)?;
+    npy(dir, "spike_templates.npy", "'<i4'", &[nk], k.clu)?;
+    npy(dir, "spike_clusters.npy", "'<i4'", &[nk], k.clu)?;
+    let pos: Vec<f32> = k.xy.iter().flatten().copied().collect();
+    npy(dir, "spike_positions.npy", "'<f4'", &[nk, 2], &pos)?;
+    let t32: Vec<i32> = k.templates.iter().map(|&t| t as i32).collect();
+    npy(dir, "spike_detection_templates.npy", "'<i4'", &[nk], &t32)?;
+    let amp: Vec<f32> = k.kept.iter().map(|&i| k.amps[i]).collect();
+    npy(dir, "amplitudes.npy", "'<f4'", &[nk], &amp)?;
+    let keep_u8: Vec<u8> = k.keep.iter().map(|&b| u8::from(b)).collect();
+    npy(dir, "kept_spikes.npy", "'|b1'", &[k.keep.len()], &keep_u8)
+}
+
+/// `similar_templates.npy`, `templates.npy` and `templates_ind.npy`.
+fn write_template_files(
+    dir: &Path,
+    wall: ndarray::ArrayView3<f32>,
+    wpca: ArrayView2<f32>,
+) -> Result<()> {
+    let (u, c, _) = wall.dim();
+    let sim = Similarity::new(wpca).matrix(wall);
+    let sim32: Vec<f32> = sim.iter().map(|&v| v as f32).collect();
+    npy(dir, "similar_templates.npy", "'<f4'", &[u, u], &sim32)?;
+    let tt = pp::templates_in_time(wall, wpca);
+    npy(
+        dir,
+        "templates.npy",
+        "'<f4'",
+        tt.shape(),
+        tt.as_slice().expect("standard layout"),
+    )?;
+    let ind: Vec<i64> = (0..u).flat_map(|_| 0..c as i64).collect();
+    npy(dir, "templates_ind.npy", "'<i8'", &[u, c], &ind)
+}
+
+/// `pc_features.npy` (n_k, npc, nC) and `pc_feature_ind.npy`: Kilosort4's
+/// `make_pc_features` in place on the kept spikes' rows of `tf` (n, nC, npc),
+/// written row by row with each row's (nC, npc) transposed, about 1 MiB at
+/// a time (no copy of the whole array).
+fn write_pc_files(
+    dir: &Path,
+    tf: &mut Array3<f32>,
+    k: &KeptSpikes,
+    sets: &ChannelSets,
+    n_units: usize,
+) -> Result<()> {
+    let pc_ind = pp::pc_features_in_place(k.templates, k.clu, k.kept, tf, sets, n_units)?;
+    let (nc, npc) = (tf.shape()[1], tf.shape()[2]);
+    let row_len = nc * npc;
+    let path = dir.join("pc_features.npy");
+    if row_len == 0 {
+        write_all::<f32>(&path, "'<f4'", &[k.kept.len(), npc, nc], &[])?;
+    } else {
+        let flat = tf.as_slice().expect("standard layout");
+        let row_bytes = row_len * 4;
+        let mut stream = NpyStream::create(&path, "'<f4'", &[npc, nc], row_bytes)?;
+        let rows_per_chunk = ((1 << 20) / row_bytes).max(1);
+        let mut buf = Vec::new();
+        for chunk in k.kept.chunks(rows_per_chunk) {
+            buf.resize(chunk.len() * row_bytes, 0u8);
+            buf.par_chunks_mut(row_bytes)
+                .zip(chunk.par_iter())
+                .for_each(|(b, &i)| {
+                    let row = &flat[i * row_len..(i + 1) * row_len];
+                    for p in 0..npc {
+                        for ch in 0..nc {
+                            let o = (p * nc + ch) * 4;
+                            b[o..o + 4].copy_from_slice(&row[ch * npc + p].to_le_bytes());
+                        }
+                    }
+                });
+            stream.append_bytes(&buf)?;
+        }
+        stream.finish()?;
+    }
+    npy(
+        dir,
+        "pc_feature_ind.npy",
+        "'<u4'",
+        pc_ind.shape(),
+        pc_ind.as_slice().expect("standard layout"),
+    )
 }
 
 /// `units.png` ([`crate::sort::summary`]) from the kept spikes (unit, time in

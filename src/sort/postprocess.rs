@@ -11,7 +11,8 @@
 //! `templates` (Kilosort4's float32 sum over the PCs, reproduced term by term).
 
 use anyhow::{Result, bail};
-use ndarray::{Array2, Array3, ArrayView2, ArrayView3, ArrayViewMut3, Axis};
+use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis};
+use rayon::prelude::*;
 
 /// Kilosort4's `duplicate_spike_bins`: `int(duplicate_spike_ms · (fs / 1000))`
 /// samples (7 at 30 kHz with the default 0.25 ms).
@@ -88,6 +89,7 @@ impl ChannelSets {
 /// Kilosort4's `compute_spike_positions`: each spike's (x, y), µm, the mean of
 /// its template's nC sites' positions weighted by the L2 norm of its features
 /// on each site, sites outside `position_limit` weighted 0. (n, 2) float32.
+/// Spikes in parallel, each in a fixed order.
 pub fn spike_positions(
     spike_templates: &[usize],
     tf: ArrayView3<f32>,
@@ -95,37 +97,50 @@ pub fn spike_positions(
     xc: &[f32],
     yc: &[f32],
 ) -> Array2<f32> {
-    let mut out = Array2::<f32>::zeros((spike_templates.len(), 2));
-    for (i, &t) in spike_templates.iter().enumerate() {
-        let site = sets.iu[t];
-        let mass: Vec<f64> = (0..tf.shape()[1])
-            .map(|c| {
-                let norm = tf
-                    .slice(ndarray::s![i, c, ..])
-                    .iter()
-                    .map(|&v| f64::from(v).powi(2))
-                    .sum::<f64>()
-                    .sqrt();
-                if sets.icc_mask[[c, site]] { norm } else { 0.0 }
-            })
-            .collect();
-        let total: f64 = mass.iter().sum();
-        let (mut x, mut y) = (0.0f64, 0.0f64);
-        for (c, s) in sets.sites(t).enumerate() {
-            let w = mass[c] / total;
-            x += f64::from(xc[s]) * w;
-            y += f64::from(yc[s]) * w;
-        }
-        out[[i, 0]] = x as f32;
-        out[[i, 1]] = y as f32;
-    }
-    out
+    let nc = tf.shape()[1];
+    let xy: Vec<[f32; 2]> = spike_templates
+        .par_iter()
+        .enumerate()
+        .map_init(
+            || vec![0.0f64; nc],
+            |mass, (i, &t)| {
+                let site = sets.iu[t];
+                for (c, m) in mass.iter_mut().enumerate() {
+                    let norm = tf
+                        .slice(ndarray::s![i, c, ..])
+                        .iter()
+                        .map(|&v| f64::from(v).powi(2))
+                        .sum::<f64>()
+                        .sqrt();
+                    *m = if sets.icc_mask[[c, site]] { norm } else { 0.0 };
+                }
+                let total: f64 = mass.iter().sum();
+                let (mut x, mut y) = (0.0f64, 0.0f64);
+                for (c, s) in sets.sites(t).enumerate() {
+                    let w = mass[c] / total;
+                    x += f64::from(xc[s]) * w;
+                    y += f64::from(yc[s]) * w;
+                }
+                [x as f32, y as f32]
+            },
+        )
+        .collect();
+    Array2::from_shape_vec((xy.len(), 2), xy.into_iter().flatten().collect())
+        .expect("two values per spike")
 }
 
-/// Phy's `amplitudes.npy` in Kilosort4: the L2 norm of each spike's (nC, npc) features.
+/// Phy's `amplitudes.npy` in Kilosort4: the L2 norm of each spike's (nC, npc)
+/// features (spikes in parallel, each summed in order).
 pub fn amplitudes(tf: ArrayView3<f32>) -> Vec<f32> {
-    tf.outer_iter()
-        .map(|f| f.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt() as f32)
+    (0..tf.shape()[0])
+        .into_par_iter()
+        .map(|i| {
+            tf.index_axis(Axis(0), i)
+                .iter()
+                .map(|&v| f64::from(v).powi(2))
+                .sum::<f64>()
+                .sqrt() as f32
+        })
         .collect()
 }
 
@@ -137,34 +152,43 @@ pub fn template_amplitudes(wall: ArrayView3<f32>) -> Vec<f32> {
 }
 
 /// The time-domain templates (U, nt, C) = Σ_p Wall[u, c, p]·wPCA[p, t]
-/// (Phy's `templates.npy`), float32 summed over p in order, as Kilosort4 does.
+/// (Phy's `templates.npy`), float32 summed over p in order, as Kilosort4 does
+/// (templates in parallel).
 pub fn templates_in_time(wall: ArrayView3<f32>, wpca: ArrayView2<f32>) -> Array3<f32> {
     let (u, c, npc) = wall.dim();
     let nt = wpca.ncols();
     let mut out = Array3::<f32>::zeros((u, nt, c));
-    for k in 0..u {
-        for ch in 0..c {
-            for t in 0..nt {
-                let mut acc = 0.0f32;
-                for p in 0..npc {
-                    acc += wall[[k, ch, p]] * wpca[[p, t]];
+    out.as_slice_mut()
+        .expect("standard layout")
+        .par_chunks_mut((nt * c).max(1))
+        .enumerate()
+        .for_each(|(k, o)| {
+            for ch in 0..c {
+                for t in 0..nt {
+                    let mut acc = 0.0f32;
+                    for p in 0..npc {
+                        acc += wall[[k, ch, p]] * wpca[[p, t]];
+                    }
+                    o[t * c + ch] = acc;
                 }
-                out[[k, t, ch]] = acc;
             }
-        }
-    }
+        });
     out
 }
 
-/// Kilosort4's `make_pc_features` for one cluster, in place (see [`make_pc_features`]).
+/// Kilosort4's `make_pc_features` for one cluster, in place on its spikes'
+/// feature rows (see [`make_pc_features`]). `templates` are the cluster's
+/// templates (ascending, distinct); `spikes[k]` are the spikes of template
+/// `templates[k]` (ascending) and `rows[k]` their (nC·npc) feature rows.
 /// Returns the nC sites kept.
 fn cluster_pc_features(
     templates: &[usize],
-    by_template: &[Vec<usize>],
+    spikes: &[&[usize]],
+    rows: &mut [Vec<&mut [f32]>],
     sets: &ChannelSets,
-    mut tf: ArrayViewMut3<f32>,
+    nc: usize,
+    npc: usize,
 ) -> Result<Vec<u32>> {
-    let (nc, npc) = (tf.shape()[1], tf.shape()[2]);
     // Union of the templates' sites, ascending, and each (site row, template) → union index.
     let mut ichan: Vec<usize> = templates.iter().flat_map(|&t| sets.sites(t)).collect();
     ichan.sort_unstable();
@@ -176,12 +200,6 @@ fn cluster_pc_features(
         );
     }
     let nchan = ichan.len();
-    let mut igood: Vec<(usize, usize)> = templates
-        .iter()
-        .enumerate()
-        .flat_map(|(k, &t)| by_template[t].iter().map(move |&s| (s, k)))
-        .collect();
-    igood.sort_unstable();
     let imap: Vec<Vec<usize>> = templates
         .iter()
         .map(|&t| {
@@ -190,15 +208,21 @@ fn cluster_pc_features(
                 .collect()
         })
         .collect();
-    // Xd (n_good, nchan, npc): each spike's features on its template's sites.
-    let mut xd = vec![0.0f32; igood.len() * nchan * npc];
+    // The spikes in ascending order (Kilosort4's `igood`): each union site's
+    // mean is summed over them in that order.
+    let mut igood: Vec<(usize, usize, usize)> = spikes
+        .iter()
+        .enumerate()
+        .flat_map(|(k, ss)| ss.iter().enumerate().map(move |(j, &s)| (s, k, j)))
+        .collect();
+    igood.sort_unstable();
+    let n_good = igood.len();
     let mut mean = vec![0.0f64; nchan * npc];
-    for (g, &(s, k)) in igood.iter().enumerate() {
+    for &(_, k, j) in &igood {
+        let row = &rows[k][j];
         for (c, &u) in imap[k].iter().enumerate() {
             for p in 0..npc {
-                let v = tf[[s, c, p]];
-                xd[(g * nchan + u) * npc + p] = v;
-                mean[u * npc + p] += f64::from(v);
+                mean[u * npc + p] += f64::from(row[c * npc + p]);
             }
         }
     }
@@ -206,7 +230,7 @@ fn cluster_pc_features(
         .map(|u| {
             mean[u * npc..(u + 1) * npc]
                 .iter()
-                .map(|v| (v / igood.len() as f64).powi(2))
+                .map(|v| (v / n_good as f64).powi(2))
                 .sum::<f64>()
                 .sqrt()
         })
@@ -214,11 +238,23 @@ fn cluster_pc_features(
     let mut ind: Vec<usize> = (0..nchan).collect();
     ind.sort_by(|&a, &b| norm[b].total_cmp(&norm[a]));
     ind.truncate(nc);
-    for (g, &(s, _)) in igood.iter().enumerate() {
-        for (r, &u) in ind.iter().enumerate() {
-            for p in 0..npc {
-                tf[[s, r, p]] = xd[(g * nchan + u) * npc + p];
+    // Each spike's new row r is its old row at the template's site that is
+    // union site ind[r], or zeros where the template has no such site.
+    let mut tmp = vec![0.0f32; nc * npc];
+    for (k, template_rows) in rows.iter_mut().enumerate() {
+        let src: Vec<Option<usize>> = ind
+            .iter()
+            .map(|&u| imap[k].iter().position(|&v| v == u))
+            .collect();
+        for row in template_rows.iter_mut() {
+            for (r, c) in src.iter().enumerate() {
+                let out = &mut tmp[r * npc..(r + 1) * npc];
+                match c {
+                    Some(c) => out.copy_from_slice(&row[c * npc..(c + 1) * npc]),
+                    None => out.fill(0.0),
+                }
             }
+            row.copy_from_slice(&tmp);
         }
     }
     Ok(ind.iter().map(|&u| ichan[u] as u32).collect())
@@ -245,14 +281,59 @@ pub fn make_pc_features(
     n_clusters: usize,
 ) -> Result<(Array3<f32>, Array2<u32>)> {
     let n = spike_templates.len();
-    if spike_clusters.len() != n || tf.shape()[0] != n {
+    if tf.shape()[0] != n {
         bail!(
-            "pc features: {n} templates, {} cluster labels and {} feature rows",
-            spike_clusters.len(),
+            "pc features: {n} templates and {} feature rows",
             tf.shape()[0]
         );
     }
-    let nc = tf.shape()[1];
+    let rows: Vec<usize> = (0..n).collect();
+    let ind = pc_features_in_place(
+        spike_templates,
+        spike_clusters,
+        &rows,
+        &mut tf,
+        sets,
+        n_clusters,
+    )?;
+    let pcs = tf.permuted_axes([0, 2, 1]).as_standard_layout().to_owned();
+    Ok((pcs, ind))
+}
+
+/// [`make_pc_features`] in place on the rows of `tf` (N, nC, npc): spike s
+/// (of `spike_templates`, `spike_clusters`) is row `rows[s]` (ascending; other
+/// rows are left as they are). Returns `pc_feature_ind` (`n_clusters`, nC).
+///
+/// Clusters sharing no template touch disjoint rows, so they run in
+/// parallel, in waves: a cluster runs after every earlier cluster sharing one
+/// of its templates, as in the sequential order, so the result does not
+/// depend on the thread count.
+///
+/// # Errors
+/// As [`make_pc_features`]; also when `rows` is not ascending within `tf`.
+pub fn pc_features_in_place(
+    spike_templates: &[usize],
+    spike_clusters: &[i32],
+    rows: &[usize],
+    tf: &mut Array3<f32>,
+    sets: &ChannelSets,
+    n_clusters: usize,
+) -> Result<Array2<u32>> {
+    let n = spike_templates.len();
+    if spike_clusters.len() != n || rows.len() != n {
+        bail!(
+            "pc features: {n} templates, {} cluster labels and {} feature rows",
+            spike_clusters.len(),
+            rows.len()
+        );
+    }
+    if !rows.windows(2).all(|w| w[0] < w[1]) || rows.last().is_some_and(|&r| r >= tf.shape()[0]) {
+        bail!(
+            "pc features: the spikes' rows are not ascending within the {} feature rows",
+            tf.shape()[0]
+        );
+    }
+    let (nc, npc) = (tf.shape()[1], tf.shape()[2]);
     if sets.icc.nrows() != nc {
         bail!(
             "pc features: tF has nC = {nc} but iCC {} rows",
@@ -274,18 +355,63 @@ pub fn make_pc_features(
             ),
         }
     }
-    let mut ind = Array2::<u32>::zeros((n_clusters, nc));
+    // Waves: one more than the latest wave of an earlier cluster sharing a template.
+    let mut wave_of_template = vec![0usize; sets.iu.len()];
+    let mut waves: Vec<Vec<usize>> = Vec::new();
     for (c, ts) in cluster_templates.iter_mut().enumerate() {
         if ts.is_empty() {
             continue;
         }
         ts.sort_unstable();
         ts.dedup();
-        let sites = cluster_pc_features(ts, &by_template, sets, tf.view_mut())?;
-        ind.row_mut(c).assign(&ndarray::Array1::from(sites));
+        let w = ts.iter().map(|&t| wave_of_template[t]).max().unwrap_or(0);
+        for &t in ts.iter() {
+            wave_of_template[t] = w + 1;
+        }
+        if waves.len() <= w {
+            waves.push(Vec::new());
+        }
+        waves[w].push(c);
     }
-    let pcs = tf.permuted_axes([0, 2, 1]).as_standard_layout().to_owned();
-    Ok((pcs, ind))
+    let row_len = nc * npc;
+    let flat = tf.as_slice_mut().expect("feature array in standard layout");
+    let mut slots: Vec<Option<&mut [f32]>> = flat.chunks_exact_mut(row_len).map(Some).collect();
+    let mut ind = Array2::<u32>::zeros((n_clusters, nc));
+    for wave in &waves {
+        // Each cluster of the wave takes its spikes' rows (disjoint from the others').
+        let mut work: Vec<(usize, Vec<Vec<&mut [f32]>>)> = wave
+            .iter()
+            .map(|&c| {
+                let taken = cluster_templates[c]
+                    .iter()
+                    .map(|&t| {
+                        by_template[t]
+                            .iter()
+                            .map(|&s| slots[rows[s]].take().expect("row taken once per wave"))
+                            .collect()
+                    })
+                    .collect();
+                (c, taken)
+            })
+            .collect();
+        let sites: Vec<Result<Vec<u32>>> = work
+            .par_iter_mut()
+            .map(|(c, taken)| {
+                let ts = &cluster_templates[*c];
+                let spikes: Vec<&[usize]> = ts.iter().map(|&t| by_template[t].as_slice()).collect();
+                cluster_pc_features(ts, &spikes, taken, sets, nc, npc)
+            })
+            .collect();
+        for ((c, taken), r) in work.into_iter().zip(sites) {
+            ind.row_mut(c).assign(&ndarray::Array1::from(r?));
+            for (&t, spikes) in cluster_templates[c].iter().zip(taken) {
+                for (&s, row) in by_template[t].iter().zip(spikes) {
+                    slots[rows[s]] = Some(row);
+                }
+            }
+        }
+    }
+    Ok(ind)
 }
 
 /// `whitening_mat_inv.npy`: the inverse of Wrot + 1e-5·I, the sum taken in

@@ -184,16 +184,23 @@ pub fn align_templates(
             format!("has {} samples, wPCA {nt}", wtemp.ncols()),
         ));
     }
-    // Uex[k][t·C + c] = Σ_p Wall0[k, c, p]·wPCA[p, t].
+    // Uex[k][t·C + c] = Σ_p Wall0[k, c, p]·wPCA[p, t]; a site whose
+    // coefficients are all zero sums to +0 (wPCA finite), the value it starts with.
+    let wpca64: Vec<f64> = wpca.iter().map(|&v| f64::from(v)).collect();
+    let finite = wpca64.iter().all(|v| v.is_finite());
     let uex: Vec<Vec<f32>> = (0..k0)
         .into_par_iter()
         .map(|k| {
             let mut e = vec![0f32; nt * n_c];
             for c in 0..n_c {
+                let w: Vec<f64> = (0..npc).map(|p| f64::from(wall0[[k, c, p]])).collect();
+                if finite && w.iter().all(|&v| v == 0.0) {
+                    continue;
+                }
                 for t in 0..nt {
                     let mut acc = 0f64;
-                    for p in 0..npc {
-                        acc += f64::from(wall0[[k, c, p]]) * f64::from(wpca[[p, t]]);
+                    for (p, &wp) in w.iter().enumerate() {
+                        acc += wp * wpca64[p * nt + t];
                     }
                     e[t * n_c + c] = acc as f32;
                 }
@@ -209,42 +216,61 @@ pub fn align_templates(
                 .collect()
         })
         .collect();
-    let half = (nt / 2) as i64;
-    let total = (k0 * nt) as i64;
-    // The concatenated series of site c at s = k·nt + t.
-    let series = |c: usize, s: i64| -> f64 {
-        if s < 0 || s >= total {
-            0.0
-        } else {
-            let (k, t) = ((s as usize) / nt, (s as usize) % nt);
-            f64::from(uex[k][t * n_c + c])
+    let half = nt / 2;
+    let nw = wtemp.nrows();
+    // The filters in groups of four, interleaved: wt4[(g·nt + i)·4 + l] is
+    // filter 4g + l at sample i (zero past the last filter).
+    let groups = nw.div_ceil(4);
+    let mut wt4 = vec![0f64; groups * nt * 4];
+    for f in 0..nw {
+        for i in 0..nt {
+            wt4[((f / 4) * nt + i) * 4 + f % 4] = f64::from(wtemp[[f, i]]);
         }
-    };
+    }
+    // For template k, the concatenated series of site c (templates end to
+    // end, zeros before the first and after the last) over templates k − 1,
+    // k, k + 1 is all the filter reads: sample t of template k reads
+    // s = k·nt + t + i − nt/2 for i = 0…nt − 1, within those three.
     let imax: Vec<usize> = (0..k0)
         .into_par_iter()
-        .map(|k| {
-            let sites: Vec<usize> = (0..n_c)
-                .filter(|&c| (k.saturating_sub(1)..(k + 2).min(k0)).any(|kk| active[kk][c]))
-                .collect();
-            let mut best = (0usize, f32::NEG_INFINITY);
-            for t in 0..nt {
-                let s0 = (k * nt + t) as i64;
-                let mut m = 0f32;
+        .map_init(
+            || (vec![0f64; 3 * nt], vec![0f32; nt]),
+            |(local, m), k| {
+                let sites: Vec<usize> = (0..n_c)
+                    .filter(|&c| (k.saturating_sub(1)..(k + 2).min(k0)).any(|kk| active[kk][c]))
+                    .collect();
+                m.fill(0.0);
                 for &c in &sites {
-                    for f in 0..wtemp.nrows() {
-                        let mut acc = 0f64;
-                        for i in 0..nt as i64 {
-                            acc += series(c, s0 + i - half) * f64::from(wtemp[[f, i as usize]]);
+                    for (j, v) in local.iter_mut().enumerate() {
+                        // Template k − 1 + j / nt, sample j % nt.
+                        let kk = (k + j / nt).checked_sub(1).filter(|&kk| kk < k0);
+                        *v = kk.map_or(0.0, |kk| f64::from(uex[kk][(j % nt) * n_c + c]));
+                    }
+                    for (t, mt) in m.iter_mut().enumerate() {
+                        let x = &local[nt + t - half..nt + t - half + nt];
+                        for (g, wg) in wt4.chunks_exact(4 * nt).enumerate() {
+                            // Four filters at once, each its own sum over i in order.
+                            let mut acc = [0f64; 4];
+                            for (&a, w) in x.iter().zip(wg.chunks_exact(4)) {
+                                for (s, &b) in acc.iter_mut().zip(w) {
+                                    *s += a * b;
+                                }
+                            }
+                            for &v in &acc[..(nw - 4 * g).min(4)] {
+                                *mt = mt.max((v as f32).abs());
+                            }
                         }
-                        m = m.max((acc as f32).abs());
                     }
                 }
-                if m > best.1 {
-                    best = (t, m);
+                let mut best = (0usize, f32::NEG_INFINITY);
+                for (t, &v) in m.iter().enumerate() {
+                    if v > best.1 {
+                        best = (t, v);
+                    }
                 }
-            }
-            best.0
-        })
+                best.0
+            },
+        )
         .collect();
     let rows: Vec<Vec<f32>> = (0..k0)
         .into_par_iter()
@@ -315,6 +341,7 @@ pub fn pre_merge(
             format!("is {:?}, templates have {npc} PCs", wtw.dim()),
         ));
     }
+    let lags = LagProducts::new(wtw);
     let mut order: Vec<usize> = (0..nn).collect();
     order.sort_by_key(|&k| counts[k]);
     order.reverse();
@@ -328,7 +355,7 @@ pub fn pre_merge(
             t += 1;
             continue;
         }
-        let cmax = similarities(&wall, &mu, kk, wtw);
+        let cmax = similarities(&wall, &mu, kk, &lags);
         let mut cand: Vec<usize> = (0..nn).collect();
         cand.sort_by(|&a, &b| cmax[a].total_cmp(&cmax[b]));
         cand.reverse();
@@ -395,11 +422,31 @@ fn norm(w: ArrayView2<f32>) -> f32 {
     (ss as f32).sqrt()
 }
 
+/// [`wtw`] as the similarities read it: float64, lag by lag, each lag's
+/// (npc, npc) products row-major.
+struct LagProducts {
+    /// (2nt + 1, npc·npc).
+    by_lag: Vec<f64>,
+    /// Whether every value is finite (zero products then sum to zero).
+    finite: bool,
+}
+
+impl LagProducts {
+    fn new(wtw: &Array3<f32>) -> Self {
+        let (npc, _, nl) = wtw.dim();
+        let by_lag: Vec<f64> = (0..nl)
+            .flat_map(|l| (0..npc * npc).map(move |ab| (l, ab)))
+            .map(|(l, ab)| f64::from(wtw[[ab / npc, ab % npc, l]]))
+            .collect();
+        let finite = by_lag.iter().all(|v| v.is_finite());
+        LagProducts { by_lag, finite }
+    }
+}
+
 /// For template `kk`, the largest normalised cross-correlation with every
 /// template over lags ±nt (`merging_function`'s `cmax`), 0 for `kk` itself.
-fn similarities(wall: &Array3<f32>, mu: &[f32], kk: usize, wtw: &Array3<f32>) -> Vec<f32> {
+fn similarities(wall: &Array3<f32>, mu: &[f32], kk: usize, lags: &LagProducts) -> Vec<f32> {
     let (nn, n_c, npc) = wall.dim();
-    let nl = wtw.dim().2;
     let scale = |k: usize| 1e-6f32 + mu[k];
     let sk = scale(kk);
     let wn_k: Vec<(usize, Vec<f32>)> = (0..n_c)
@@ -425,17 +472,161 @@ fn similarities(wall: &Array3<f32>, mu: &[f32], kk: usize, wtw: &Array3<f32>) ->
                     }
                 }
             }
+            if lags.finite && utu.iter().all(|&v| v == 0.0) {
+                // Every lag sums +0 terms to +0 (no shared non-zero site).
+                return 0.0;
+            }
             let mut best = f32::NEG_INFINITY;
-            for l in 0..nl {
+            for w in lags.by_lag.chunks_exact(npc * npc) {
                 let mut acc = 0f64;
-                for a in 0..npc {
-                    for b in 0..npc {
-                        acc += utu[a * npc + b] * f64::from(wtw[[a, b, l]]);
-                    }
+                for (&u, &x) in utu.iter().zip(w) {
+                    acc += u * x;
                 }
                 best = best.max(acc as f32);
             }
             best
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{Array2, Array3};
+
+    /// Pseudo-random values in [−1, 1) from a fixed LCG.
+    fn noise(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// `align_U`'s peak samples by the definition: each template's sample of
+    /// the largest |filter response| over the whole concatenated series.
+    fn imax_reference(
+        wall0: ArrayView3<f32>,
+        wpca: ArrayView2<f32>,
+        wtemp: ArrayView2<f32>,
+    ) -> Vec<usize> {
+        let (k0, n_c, npc) = wall0.dim();
+        let nt = wpca.ncols();
+        let series = |c: usize, s: i64| -> f64 {
+            if s < 0 || s >= (k0 * nt) as i64 {
+                return 0.0;
+            }
+            let (k, t) = (s as usize / nt, s as usize % nt);
+            let mut acc = 0f64;
+            for p in 0..npc {
+                acc += f64::from(wall0[[k, c, p]]) * f64::from(wpca[[p, t]]);
+            }
+            f64::from(acc as f32)
+        };
+        (0..k0)
+            .map(|k| {
+                let mut best = (0usize, f32::NEG_INFINITY);
+                for t in 0..nt {
+                    let s0 = (k * nt + t) as i64;
+                    let mut m = 0f32;
+                    for c in 0..n_c {
+                        for f in 0..wtemp.nrows() {
+                            let mut acc = 0f64;
+                            for i in 0..nt as i64 {
+                                acc += series(c, s0 + i - (nt / 2) as i64)
+                                    * f64::from(wtemp[[f, i as usize]]);
+                            }
+                            m = m.max((acc as f32).abs());
+                        }
+                    }
+                    if m > best.1 {
+                        best = (t, m);
+                    }
+                }
+                best.0
+            })
+            .collect()
+    }
+
+    /// The peak samples found from each template's three-template stretch of
+    /// the series equal the definition's, exactly.
+    #[test]
+    fn peak_samples_equal_the_definition() {
+        let (k0, n_c, npc, nt, nw) = (9, 10, 6, 61, 6);
+        let mut wall0 = Array3::from_shape_vec((k0, n_c, npc), noise(k0 * n_c * npc, 3)).unwrap();
+        // Sparse supports: some sites of each template are exactly zero.
+        for k in 0..k0 {
+            for c in 0..n_c {
+                if (k * 5 + c) % 3 == 0 || c.abs_diff(k) > 5 {
+                    wall0.slice_mut(s![k, c, ..]).fill(0.0);
+                }
+            }
+        }
+        let wpca = Array2::from_shape_vec((npc, nt), noise(npc * nt, 5)).unwrap();
+        let wtemp = Array2::from_shape_vec((nw, nt), noise(nw * nt, 7)).unwrap();
+        let (_, imax) = align_templates(wall0.view(), wpca.view(), wtemp.view()).unwrap();
+        let want = imax_reference(wall0.view(), wpca.view(), wtemp.view());
+        assert_eq!(imax, want);
+        assert!(want.iter().any(|&t| t != want[0]), "{want:?}");
+    }
+
+    /// The pre-merge's similarities equal the direct sums over every lag,
+    /// bit for bit, also for templates without a shared site (exact zeros).
+    #[test]
+    fn similarities_equal_the_direct_sums() {
+        let (k0, n_c, npc, nt) = (8, 12, 6, 21);
+        let mut wall = Array3::from_shape_vec((k0, n_c, npc), noise(k0 * n_c * npc, 11)).unwrap();
+        for k in 0..k0 {
+            for c in 0..n_c {
+                if c.abs_diff(k) > 2 {
+                    wall.slice_mut(s![k, c, ..]).fill(0.0);
+                }
+            }
+        }
+        let wpca = Array2::from_shape_vec((npc, nt), noise(npc * nt, 13)).unwrap();
+        let w = wtw(wpca.view());
+        let mu: Vec<f32> = (0..k0).map(|k| norm(wall.slice(s![k, .., ..]))).collect();
+        let mut zeros = 0;
+        for kk in 0..k0 {
+            let got = similarities(&wall, &mu, kk, &LagProducts::new(&w));
+            let want: Vec<f32> = (0..k0)
+                .map(|j| {
+                    if j == kk {
+                        return 0.0;
+                    }
+                    let (sk, sj) = (1e-6f32 + mu[kk], 1e-6f32 + mu[j]);
+                    let mut utu = vec![0f64; npc * npc];
+                    for c in 0..n_c {
+                        for a in 0..npc {
+                            for b in 0..npc {
+                                let (x, y) = (wall[[kk, c, a]] / sk, wall[[j, c, b]] / sj);
+                                if x != 0.0 && y != 0.0 {
+                                    utu[a * npc + b] += f64::from(x) * f64::from(y);
+                                }
+                            }
+                        }
+                    }
+                    let mut best = f32::NEG_INFINITY;
+                    for l in 0..w.dim().2 {
+                        let mut acc = 0f64;
+                        for a in 0..npc {
+                            for b in 0..npc {
+                                acc += utu[a * npc + b] * f64::from(w[[a, b, l]]);
+                            }
+                        }
+                        best = best.max(acc as f32);
+                    }
+                    best
+                })
+                .collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "template {kk}");
+            zeros += got.iter().filter(|&&v| v == 0.0).count() - 1;
+        }
+        assert!(zeros > 0, "no pair without a shared site");
+    }
 }
