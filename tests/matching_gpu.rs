@@ -256,6 +256,19 @@ fn check_sim32_device_fed<R: Runtime>(device: &R::Device) {
         m.match_device(&x_dev, n).unwrap(),
         "sim32: the buffer was left as it was"
     );
+    // In place: the detector's buffer becomes the residual; the spikes are
+    // the same, and preprocessing the window again restores it.
+    let x_dev = det
+        .preprocess_to_device(packer.pack(raw.view()), &probe.yc)
+        .unwrap();
+    let in_place = m.match_device_in_place(&x_dev, n).unwrap();
+    assert_eq!(Some(&fed), in_place.as_ref(), "sim32: in place");
+    let again = det.preprocess_last_again().unwrap();
+    assert_eq!(
+        fed,
+        m.match_device(&again, n).unwrap(),
+        "sim32: the window preprocessed again"
+    );
     let cpu = match_window(&setup, host_x.view()).unwrap();
     same("sim32 window 0, device-fed", &cpu, &fed);
 }

@@ -189,6 +189,10 @@ pub struct GpuDetector<R: Runtime> {
     /// The two persistent buffers windows are sent ahead into (bytes,
     /// handles; [`Packer::send_ahead`]).
     raw_slots: Option<(usize, [Handle; 2])>,
+    /// The last window given to [`GpuDetector::preprocess_to_device`], kept
+    /// so that it can be preprocessed again
+    /// ([`GpuDetector::preprocess_last_again`]).
+    last_recipe: Option<RawRecipe>,
     /// Seconds the host waited for detections to come back (the one download
     /// per window), since [`GpuDetector::take_wait_seconds`].
     wait_s: f64,
@@ -691,6 +695,7 @@ impl<R: Runtime> GpuDetector<R> {
             #[cfg(feature = "cuda")]
             pinned: None,
             raw_slots: None,
+            last_recipe: None,
             wait_s: 0.0,
             gram_out: None,
             pending: Default::default(),
@@ -1121,7 +1126,29 @@ impl<R: Runtime> GpuDetector<R> {
         raw: RawWindow,
         yc: &[f32],
     ) -> Result<Handle, DetectError> {
-        self.upload_raw(raw, yc, false, 4)?;
+        let recipe = self.raw_recipe(raw, yc, false)?;
+        self.launch_preprocess(&recipe, 4);
+        self.last_recipe = Some(recipe);
+        Ok(self.window.as_ref().expect("allocated").x.clone())
+    }
+
+    /// Preprocesses the window of the last [`GpuDetector::preprocess_to_device`]
+    /// again, into the same buffer, with the whitening it had then: for a
+    /// caller that overwrote that buffer and needs the window again. Its raw
+    /// buffer must not have been reused since (hold a sent-ahead window's
+    /// claim until this returns).
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] when no window was preprocessed on the device yet.
+    pub fn preprocess_last_again(&mut self) -> Result<Handle, DetectError> {
+        let Some(recipe) = self.last_recipe.take() else {
+            return Err(DetectError::Setting {
+                name: "backend",
+                message: "no window was preprocessed on the device yet".into(),
+            });
+        };
+        self.launch_preprocess(&recipe, 4);
+        self.last_recipe = Some(recipe);
         Ok(self.window.as_ref().expect("allocated").x.clone())
     }
 

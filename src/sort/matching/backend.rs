@@ -133,18 +133,35 @@ impl Matcher {
         let n = raw.n_t;
         let mut raw = raw;
         // A window sent ahead keeps its upload buffer until the matching has
-        // read its spikes back (every kernel that reads the buffer is done then).
+        // read its spikes back (every kernel that reads the buffer is done
+        // then, and the window can still be preprocessed again).
         let claim = raw.take_claim();
+        // The detector's whitened window becomes the residual; on the rare
+        // overflow of the device's spike capacity the window is preprocessed
+        // again and matched from a copy (which ends on the CPU).
+        // `SPIKECUBE_MATCH_COPY` keeps the window and matches a copy (for
+        // measuring the copy; the spikes are the same).
+        let copy = std::env::var_os("SPIKECUBE_MATCH_COPY").is_some();
         let out = match (self, feed) {
+            #[cfg(feature = "cuda")]
+            (Matcher::Cuda(m), Detector::Cuda(d)) if copy => {
+                m.match_device(&d.preprocess_to_device(raw, yc)?, n)?
+            }
             #[cfg(feature = "cuda")]
             (Matcher::Cuda(m), Detector::Cuda(d)) => {
                 let x = d.preprocess_to_device(raw, yc)?;
-                m.match_device(&x, n)?
+                match m.match_device_in_place(&x, n)? {
+                    Some(spikes) => spikes,
+                    None => m.match_device(&d.preprocess_last_again()?, n)?,
+                }
             }
             #[cfg(feature = "wgpu")]
             (Matcher::Wgpu(m), Detector::Wgpu(d)) => {
                 let x = d.preprocess_to_device(raw, yc)?;
-                m.match_device(&x, n)?
+                match m.match_device_in_place(&x, n)? {
+                    Some(spikes) => spikes,
+                    None => m.match_device(&d.preprocess_last_again()?, n)?,
+                }
             }
             _ => anyhow::bail!("the matcher and the preprocessing are not on one device"),
         };

@@ -150,6 +150,19 @@ pub struct GpuMatcher<R: Runtime> {
     window: Option<WindowBuffers>,
     /// Per-phase device times, when `SPIKECUBE_MATCH_PROFILE` is set.
     profile: Option<Box<PhaseTimes>>,
+    /// Per-kernel device times of the peels, when `SPIKECUBE_MATCH_PROFILE`
+    /// is `kernels` (a sync after every launch).
+    kernel_clock: Option<std::sync::Mutex<KernelClock>>,
+}
+
+/// Device seconds of each peel kernel, split between the first peel of a
+/// window and the later ones (a diagnostic; logged when the matcher is
+/// dropped).
+#[derive(Debug)]
+struct KernelClock {
+    last: std::time::Instant,
+    /// (kernel, first peel) → (seconds, launches).
+    per: std::collections::BTreeMap<(&'static str, bool), (f64, u64)>,
 }
 
 /// Device seconds of each phase of the matching, summed over windows: a
@@ -205,6 +218,19 @@ impl PhaseTimes {
 
 impl<R: Runtime> Drop for GpuMatcher<R> {
     fn drop(&mut self) {
+        if let Some(k) = &self.kernel_clock
+            && let Ok(k) = k.lock()
+        {
+            let windows = self.profile.as_ref().map_or(1, |p| p.windows.max(1));
+            for ((name, first), (s, n)) in &k.per {
+                tracing::info!(
+                    "matching kernel {name} ({}): {:.3} ms a window, {n} launches, {:.1} µs a launch",
+                    if *first { "first peel" } else { "later peels" },
+                    1e3 * s / windows as f64,
+                    1e6 * s / (*n).max(1) as f64
+                );
+            }
+        }
         if let Some(p) = &self.profile {
             let ms = |v: f64| 1e3 * v / p.windows.max(1) as f64;
             tracing::info!(
@@ -364,6 +390,13 @@ impl<R: Runtime> GpuMatcher<R> {
             profile: std::env::var_os("SPIKECUBE_MATCH_PROFILE")
                 .is_some()
                 .then(|| Box::new(PhaseTimes::new())),
+            kernel_clock: (std::env::var("SPIKECUBE_MATCH_PROFILE").as_deref() == Ok("kernels"))
+                .then(|| {
+                    std::sync::Mutex::new(KernelClock {
+                        last: std::time::Instant::now(),
+                        per: std::collections::BTreeMap::new(),
+                    })
+                }),
             setup,
             client,
         };
@@ -427,6 +460,33 @@ impl<R: Runtime> GpuMatcher<R> {
         self.profile.as_mut().map_or(0.0, |p| p.lap())
     }
 
+    /// With the per-kernel profile on: waits for the device and books the
+    /// seconds since the previous mark to `name` (`first`: the window's first
+    /// peel); `None` restarts the clock.
+    fn mark(&self, name: Option<&'static str>, first: bool) {
+        let Some(k) = &self.kernel_clock else {
+            return;
+        };
+        let _ = cubecl::future::block_on(self.client.sync());
+        let now = std::time::Instant::now();
+        if let Ok(mut k) = k.lock() {
+            if let Some(name) = name {
+                let d = now.duration_since(k.last).as_secs_f64();
+                let e = k.per.entry((name, first)).or_insert((0.0, 0));
+                e.0 += d;
+                e.1 += 1;
+            }
+            k.last = now;
+        }
+    }
+
+    fn warn_overflow(&self, n: usize) {
+        tracing::warn!(
+            "GPU matching: more than {} spikes in one window of {n} samples (exactly tied Cf maxima?); this window is matched on the CPU",
+            self.window.as_ref().map_or(0, |w| w.cap)
+        );
+    }
+
     fn device_err(&self, message: String) -> MatchError {
         MatchError::Device {
             device: self.device_name.clone(),
@@ -487,7 +547,10 @@ impl<R: Runtime> GpuMatcher<R> {
         }
         self.buffers(n);
         let xres = self.upload(x);
-        self.run(xres, n, || Ok(x.to_owned()))
+        match self.run(xres, n)? {
+            Some(spikes) => Ok(spikes),
+            None => super::match_window(&self.setup, x),
+        }
     }
 
     /// [`GpuMatcher::match_window`] on a window already on this matcher's
@@ -516,33 +579,65 @@ impl<R: Runtime> GpuMatcher<R> {
             p.before += before;
             p.copy += copy;
         }
-        let client = self.client.clone();
-        let device = self.device_name.clone();
-        self.run(xres, n, move || {
-            let out = client.read(vec![x.clone()]);
-            let v = f32::from_bytes(&out[0]);
-            if v.len() < n_c * n {
-                return Err(MatchError::Device {
-                    device,
-                    message: format!("window read back {} of {} values", v.len(), n_c * n),
-                });
+        match self.run(xres, n)? {
+            Some(spikes) => Ok(spikes),
+            None => {
+                let host = self.read_window(x, n)?;
+                super::match_window(&self.setup, host.view())
             }
-            Ok(
-                ndarray::Array2::from_shape_vec((n_c, n), v[..n_c * n].to_vec())
-                    .expect("length checked"),
-            )
-        })
+        }
     }
 
-    /// The peels and the features of the window in `xres` (the matcher's
-    /// window buffer, `n` samples); `host_x` gives the window on the host
-    /// for the CPU's rerun when the device's spike capacity overflows.
-    fn run(
+    /// [`GpuMatcher::match_device`] without the copy: the window's own buffer
+    /// `x` becomes the residual (the window in it is overwritten). `None` when
+    /// the device's spike capacity overflows: the caller then restores the
+    /// window (e.g. [`crate::detect::gpu::GpuDetector::preprocess_last_again`])
+    /// and calls [`GpuMatcher::match_device`], which ends on the CPU.
+    ///
+    /// # Errors
+    /// As [`GpuMatcher::match_device`].
+    pub fn match_device_in_place(
         &mut self,
-        xres: Handle,
+        x: &Handle,
         n: usize,
-        host_x: impl FnOnce() -> Result<ndarray::Array2<f32>, MatchError>,
-    ) -> Result<WindowSpikes, MatchError> {
+    ) -> Result<Option<WindowSpikes>, MatchError> {
+        let nt = self.setup.settings.nt;
+        if n <= 2 * nt {
+            return Err(super::shape_err(
+                "window",
+                format!("has {n} samples; expected more than {}", 2 * nt),
+            ));
+        }
+        self.buffers(n);
+        let before = self.lap();
+        if let Some(p) = self.profile.as_mut() {
+            p.before += before;
+        }
+        self.run(x.clone(), n)
+    }
+
+    /// The `n_c` × `n` window in device buffer `x`, read back.
+    fn read_window(&self, x: &Handle, n: usize) -> Result<ndarray::Array2<f32>, MatchError> {
+        let n_c = self.setup.u.dim().2;
+        let out = self.client.read(vec![x.clone()]);
+        let v = f32::from_bytes(&out[0]);
+        if v.len() < n_c * n {
+            return Err(self.device_err(format!(
+                "window read back {} of {} values",
+                v.len(),
+                n_c * n
+            )));
+        }
+        Ok(
+            ndarray::Array2::from_shape_vec((n_c, n), v[..n_c * n].to_vec())
+                .expect("length checked"),
+        )
+    }
+
+    /// The peels and the features of the window in `xres` (`n` samples; it
+    /// becomes the residual); `None` when the device's spike capacity
+    /// overflows (the caller then matches the window on the CPU).
+    fn run(&mut self, xres: Handle, n: usize) -> Result<Option<WindowSpikes>, MatchError> {
         let state = self.client.create_from_slice(bytes_u32(&[0u32; S_LEN]));
         self.lap();
         self.launch_filter(&xres, n);
@@ -572,11 +667,8 @@ impl<R: Runtime> GpuMatcher<R> {
             }
         }
         if st[S_OVERFLOW] != 0 {
-            tracing::warn!(
-                "GPU matching: more than {} spikes in one window of {n} samples (exactly tied Cf maxima?); this window is matched on the CPU",
-                self.window.as_ref().map_or(0, |w| w.cap)
-            );
-            return super::match_window(&self.setup, host_x()?.view());
+            self.warn_overflow(n);
+            return Ok(None);
         }
         let count = st[S_TOTAL] as usize;
         let peels = st[S_PEELS] as usize;
@@ -591,7 +683,7 @@ impl<R: Runtime> GpuMatcher<R> {
             p.peels_s += peels_s;
             p.peel_launch += launch_s;
         }
-        self.download(&xres, n, count, peels)
+        self.download(&xres, n, count, peels).map(Some)
     }
 
     /// Copies window `x` into the persistent window buffer. CubeCL 0.10's
@@ -832,6 +924,8 @@ impl<R: Runtime> GpuMatcher<R> {
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let per_peel = (n / (nt + 1) + 1).min(4096);
         let precomputed = self.setup.ctc_precomputed();
+        let first = peel == 0;
+        self.mark(None, first);
         // SAFETY: flags and ranks cover 0..n; spikes lie in nt ≤ col < n − nt,
         // so every range col ± nt (B) and col ± nt/2 (X) is inside the window;
         // spike indices stay below cap (the offsets kernel stops before).
@@ -849,6 +943,7 @@ impl<R: Runtime> GpuMatcher<R> {
                 nt as u32,
                 th2,
             );
+            self.mark(Some("flags"), first);
             kernels::offsets_kernel::launch_unchecked::<R>(
                 &self.client,
                 CubeCount::Static(1, 1, 1),
@@ -860,6 +955,7 @@ impl<R: Runtime> GpuMatcher<R> {
                 peel as u32,
                 w.cap as u32,
             );
+            self.mark(Some("offsets"), first);
             kernels::write_kernel::launch_unchecked::<R>(
                 &self.client,
                 CubeCount::Static(nb as u32, 1, 1),
@@ -879,6 +975,7 @@ impl<R: Runtime> GpuMatcher<R> {
                 n as u32,
                 w.cap as u32,
             );
+            self.mark(Some("write"), first);
             for parity in 0..2u32 {
                 kernels::subtract_kernel::launch_unchecked::<R>(
                     &self.client,
@@ -903,6 +1000,14 @@ impl<R: Runtime> GpuMatcher<R> {
                     npc,
                     precomputed,
                 );
+                self.mark(
+                    Some(if parity == 0 {
+                        "subtract even"
+                    } else {
+                        "subtract odd"
+                    }),
+                    first,
+                );
             }
             kernels::best_sparse_kernel::launch_unchecked::<R>(
                 &self.client,
@@ -918,6 +1023,7 @@ impl<R: Runtime> GpuMatcher<R> {
                 k as u32,
                 nt as u32,
             );
+            self.mark(Some("best sparse"), first);
         }
     }
 }
