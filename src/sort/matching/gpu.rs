@@ -61,7 +61,9 @@ use cubecl::server::Handle;
 use ndarray::ArrayView2;
 
 use super::{MatchError, MatchingSetup, WindowSpikes};
-use kernels::{KB, S_LEN, S_OVERFLOW, S_PEELS, S_STOP, S_TOTAL, TT, UNITS};
+use kernels::{
+    BEST_LANES, BEST_SLICES, KB, S_LEN, S_OVERFLOW, S_PEELS, S_STOP, S_TOTAL, TT, UNITS,
+};
 
 /// How the peels are driven.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -894,12 +896,12 @@ impl<R: Runtime> GpuMatcher<R> {
         let k = self.setup.u.dim().0;
         let w = self.window.as_ref().expect("allocated");
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
-        // SAFETY: one unit per sample below n; B is K × n.
+        // SAFETY: units with a sample below n read B (K × n) and write it; the others only meet the barriers.
         unsafe {
             kernels::best_dense_kernel::launch_unchecked::<R>(
                 &self.client,
-                CubeCount::Static(n.div_ceil(UNITS) as u32, 1, 1),
-                CubeDim::new_1d(UNITS as u32),
+                CubeCount::Static(n.div_ceil(BEST_LANES) as u32, 1, 1),
+                CubeDim::new_2d(BEST_LANES as u32, BEST_SLICES as u32),
                 arr(&w.b, k * n),
                 arr(&self.nm, k),
                 arr(&w.cfmax, n),
@@ -1011,8 +1013,8 @@ impl<R: Runtime> GpuMatcher<R> {
             }
             kernels::best_sparse_kernel::launch_unchecked::<R>(
                 &self.client,
-                CubeCount::Static(per_peel as u32, 1, 1),
-                CubeDim::new_1d(128),
+                CubeCount::Static(per_peel as u32, nl.div_ceil(BEST_LANES) as u32, 1),
+                CubeDim::new_2d(BEST_LANES as u32, BEST_SLICES as u32),
                 arr(&w.b, k * n),
                 arr(&self.nm, k),
                 arr(state, S_LEN),

@@ -177,40 +177,103 @@ pub(crate) fn product_kernel(
     }
 }
 
-/// The best template at sample t and its Cf (first on ties; zero in the
-/// first and last nt samples).
+/// Samples per cube of the best-template kernels (x of the cube).
+pub const BEST_LANES: usize = 32;
+/// Template slices per cube (y of the cube): slice s scans templates s,
+/// s + [`BEST_SLICES`], …, so that no unit walks all K templates alone.
+pub const BEST_SLICES: usize = 16;
+
+/// The best template at sample t and its Cf = relu(B)²/‖U‖² (the first
+/// largest; zero in the first and last nt samples), found by the cube's
+/// [`BEST_SLICES`] slices of templates: the unit
+/// (lane, s) finds the first largest Cf at sample t among its slice's
+/// templates (slice 0 starts from template 0's Cf as the serial scan does, the
+/// others from below every Cf), then lane's slice-0 unit combines the slices in
+/// order (larger Cf, or equal and a lower template), which is the serial
+/// scan's first largest. Every unit of the cube must call it; `valid` false
+/// for a unit without a sample.
 #[cube]
-fn best_at(
+#[allow(clippy::too_many_arguments)]
+fn best_sliced(
     b: &Array<f32>,
     nm: &Array<f32>,
     cfmax: &mut Array<f32>,
     imax: &mut Array<u32>,
+    sh_cf: &mut SharedMemory<f32>,
+    sh_j: &mut SharedMemory<u32>,
     t: usize,
+    valid: bool,
     n: usize,
     k: usize,
     nt: usize,
 ) {
-    if t < nt || t + nt >= n {
-        cfmax[t] = 0.0f32;
-        imax[t] = 0u32;
-    } else {
-        let r0 = max(b[t], 0.0f32);
-        let mut best = (r0 * r0) / nm[0];
-        let mut bj = 0u32;
-        for j in 1..k {
+    let lane = UNIT_POS_X as usize;
+    let s = UNIT_POS_Y as usize;
+    let mut inside = false;
+    if valid {
+        if t >= nt {
+            if t + nt < n {
+                inside = true;
+            }
+        }
+    }
+    // Below every Cf (which is ≥ 0 or NaN); a literal −1 would be a
+    // comptime value that the kernel language does not let a runtime one
+    // replace.
+    let mut best = 0.0f32;
+    best -= 1.0f32;
+    let mut bj = 0u32;
+    if inside {
+        let mut j = s;
+        if s == 0 {
+            let r0 = max(b[t], 0.0f32);
+            best = (r0 * r0) / nm[0];
+            j = BEST_SLICES;
+        }
+        while j < k {
             let r = max(b[j * n + t], 0.0f32);
             let cf = (r * r) / nm[j];
             if cf > best {
                 best = cf;
                 bj = j as u32;
             }
+            j += BEST_SLICES;
         }
-        cfmax[t] = best;
-        imax[t] = bj;
     }
+    sh_cf[s * BEST_LANES + lane] = best;
+    sh_j[s * BEST_LANES + lane] = bj;
+    sync_cube();
+    if s == 0 {
+        if valid {
+            let mut acc = 0.0f32;
+            let mut aj = 0u32;
+            if inside {
+                acc = sh_cf[lane];
+                aj = sh_j[lane];
+                for q in 1..BEST_SLICES {
+                    let c = sh_cf[q * BEST_LANES + lane];
+                    let jq = sh_j[q * BEST_LANES + lane];
+                    let mut take = c > acc;
+                    if c == acc {
+                        if jq < aj {
+                            take = true;
+                        }
+                    }
+                    if take {
+                        acc = c;
+                        aj = jq;
+                    }
+                }
+            }
+            cfmax[t] = acc;
+            imax[t] = aj;
+        }
+    }
+    sync_cube();
 }
 
-/// [`best_at`] for every sample (one unit each).
+/// [`best_sliced`] for every sample: cube of [`BEST_LANES`] samples ×
+/// [`BEST_SLICES`] template slices ([`best_sliced`]).
 #[cube(launch_unchecked)]
 pub(crate) fn best_dense_kernel(
     b: &Array<f32>,
@@ -221,14 +284,29 @@ pub(crate) fn best_dense_kernel(
     k: u32,
     nt: u32,
 ) {
-    let t = ABSOLUTE_POS;
-    if t < n as usize {
-        best_at(b, nm, cfmax, imax, t, n as usize, k as usize, nt as usize);
-    }
+    let mut sh_cf = SharedMemory::<f32>::new(comptime!(BEST_LANES * BEST_SLICES));
+    let mut sh_j = SharedMemory::<u32>::new(comptime!(BEST_LANES * BEST_SLICES));
+    let t = CUBE_POS_X as usize * BEST_LANES + UNIT_POS_X as usize;
+    let n = n as usize;
+    best_sliced(
+        b,
+        nm,
+        cfmax,
+        imax,
+        &mut sh_cf,
+        &mut sh_j,
+        t,
+        t < n,
+        n,
+        k as usize,
+        nt as usize,
+    );
 }
 
-/// [`best_at`] again over col ± nt of each spike of the current peel (cube
-/// per spike, grid-stride; overlapping ranges write equal values).
+/// [`best_sliced`] again over col ± nt of each spike of the current peel: cube
+/// (spike, [`BEST_LANES`] of the 2·nt + 1 samples) × [`BEST_SLICES`]
+/// template slices, grid-stride over the spikes (overlapping ranges write
+/// equal values).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn best_sparse_kernel(
@@ -242,26 +320,29 @@ pub(crate) fn best_sparse_kernel(
     k: u32,
     nt: u32,
 ) {
+    let mut sh_cf = SharedMemory::<f32>::new(comptime!(BEST_LANES * BEST_SLICES));
+    let mut sh_j = SharedMemory::<u32>::new(comptime!(BEST_LANES * BEST_SLICES));
     let base = state[S_BASE] as usize;
     let cnt = state[S_ROUND] as usize;
-    let nl = 2 * nt as usize + 1;
+    let nt = nt as usize;
+    let nl = 2 * nt + 1;
+    let d = CUBE_POS_Y as usize * BEST_LANES + UNIT_POS_X as usize;
     let mut r = CUBE_POS_X as usize;
     while r < cnt {
-        let t0 = col[base + r] as usize - nt as usize;
-        let mut d = UNIT_POS_X as usize;
-        while d < nl {
-            best_at(
-                b,
-                nm,
-                cfmax,
-                imax,
-                t0 + d,
-                n as usize,
-                k as usize,
-                nt as usize,
-            );
-            d += CUBE_DIM_X as usize;
-        }
+        let t = col[base + r] as usize - nt + d;
+        best_sliced(
+            b,
+            nm,
+            cfmax,
+            imax,
+            &mut sh_cf,
+            &mut sh_j,
+            t,
+            d < nl,
+            n as usize,
+            k as usize,
+            nt,
+        );
         r += CUBE_COUNT_X as usize;
     }
 }
