@@ -851,7 +851,11 @@ impl<R: Runtime> GpuMatcher<R> {
         unsafe {
             kernels::filter_kernel::launch_unchecked::<R>(
                 &self.client,
-                CubeCount::Static(n.div_ceil(UNITS) as u32, self.n_used as u32, 1),
+                CubeCount::Static(
+                    n.div_ceil(kernels::FILTER_R * UNITS) as u32,
+                    self.n_used as u32,
+                    1,
+                ),
                 CubeDim::new_1d(UNITS as u32),
                 arr(xres, n_c * n),
                 arr(&self.wpca, npc * nt),

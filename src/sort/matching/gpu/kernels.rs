@@ -26,9 +26,16 @@ pub const S_OVERFLOW: usize = 5;
 /// Words in the state buffer.
 pub const S_LEN: usize = 8;
 
+/// Samples per unit of [`filter_kernel`] (at t, t + [`UNITS`], …): the cube
+/// covers FILTER_R·[`UNITS`] samples.
+pub const FILTER_R: usize = 4;
+
 /// F\[(slot·npc + p)·n + t\] = Σ_i X\[site, t − nt/2 + i\]·wPCA\[p, i\] (zero
 /// padding), i ascending from zero, for the used sites (`sites[slot]`). Cube
-/// (t-tile, slot), [`UNITS`] units, one sample each.
+/// (t-tile of [`FILTER_R`]·[`UNITS`] samples, slot), [`UNITS`] units; each
+/// unit keeps the npc × [`FILTER_R`] sums of its samples in registers, so
+/// that one load of X and of wPCA serves several sums (each sum still runs
+/// over i in ascending order).
 #[cube(launch_unchecked)]
 #[allow(clippy::collapsible_if)]
 pub(crate) fn filter_kernel(
@@ -41,12 +48,13 @@ pub(crate) fn filter_kernel(
     #[comptime] nt: usize,
 ) {
     let half = comptime!(nt / 2);
-    let span = comptime!(UNITS + nt - 1);
+    let tile = comptime!(FILTER_R * UNITS);
+    let span = comptime!(FILTER_R * UNITS + nt - 1);
     let mut xs = SharedMemory::<f32>::new(span);
     let mut ws = SharedMemory::<f32>::new(comptime!(npc * nt));
     let slot = CUBE_POS_Y as usize;
     let site = sites[slot] as usize;
-    let t0 = CUBE_POS_X as usize * UNITS;
+    let t0 = CUBE_POS_X as usize * tile;
     let n = n as usize;
     let u = UNIT_POS_X as usize;
     let mut i = u;
@@ -67,15 +75,29 @@ pub(crate) fn filter_kernel(
         j += UNITS;
     }
     sync_cube();
-    let t = t0 + u;
-    if t < n {
+    let mut acc = Array::<f32>::new(comptime!(npc * FILTER_R));
+    #[unroll]
+    for a in 0..comptime!(npc * FILTER_R) {
+        acc[a] = 0.0f32;
+    }
+    for m in 0..nt {
         #[unroll]
-        for p in 0..npc {
-            let mut acc = 0.0f32;
-            for m in 0..nt {
-                acc += xs[u + m] * ws[p * nt + m];
+        for r in 0..FILTER_R {
+            let xv = xs[u + r * UNITS + m];
+            #[unroll]
+            for p in 0..npc {
+                acc[p * FILTER_R + r] += xv * ws[p * nt + m];
             }
-            f[(slot * npc + p) * n + t] = acc;
+        }
+    }
+    #[unroll]
+    for r in 0..FILTER_R {
+        let t = t0 + u + r * UNITS;
+        if t < n {
+            #[unroll]
+            for p in 0..npc {
+                f[(slot * npc + p) * n + t] = acc[p * FILTER_R + r];
+            }
         }
     }
 }
