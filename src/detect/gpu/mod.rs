@@ -193,6 +193,10 @@ pub struct GpuDetector<R: Runtime> {
     /// so that it can be preprocessed again
     /// ([`GpuDetector::preprocess_last_again`]).
     last_recipe: Option<RawRecipe>,
+    /// Device seconds and launches of each preprocessing kernel, when
+    /// `SPIKECUBE_PREPROCESS_PROFILE` is set (a sync after every kernel; a
+    /// diagnostic, logged when the detector is dropped).
+    pre_profile: Option<std::sync::Mutex<PreprocessProfile>>,
     /// Seconds the host waited for detections to come back (the one download
     /// per window), since [`GpuDetector::take_wait_seconds`].
     wait_s: f64,
@@ -217,6 +221,34 @@ type ReadFuture = std::pin::Pin<
             > + Send,
     >,
 >;
+
+/// Seconds of the four preprocessing kernels (means, CAR, high-pass,
+/// whitening) summed over windows ([`GpuDetector`]'s `pre_profile`).
+#[derive(Debug)]
+struct PreprocessProfile {
+    last: Instant,
+    seconds: [f64; 4],
+    windows: usize,
+}
+
+impl<R: Runtime> Drop for GpuDetector<R> {
+    fn drop(&mut self) {
+        if let Some(p) = &self.pre_profile
+            && let Ok(p) = p.lock()
+            && p.windows > 0
+        {
+            let ms = |v: f64| 1e3 * v / p.windows as f64;
+            tracing::info!(
+                "preprocessing profile ({} windows), ms a window: means {:.3}, CAR {:.3}, high-pass {:.3}, whitening {:.3}",
+                p.windows,
+                ms(p.seconds[0]),
+                ms(p.seconds[1]),
+                ms(p.seconds[2]),
+                ms(p.seconds[3])
+            );
+        }
+    }
+}
 
 /// Everything the device needs to preprocess one raw window (again): the
 /// window's raw buffer and the whitening it was queued with.
@@ -696,6 +728,13 @@ impl<R: Runtime> GpuDetector<R> {
             pinned: None,
             raw_slots: None,
             last_recipe: None,
+            pre_profile: std::env::var_os("SPIKECUBE_PREPROCESS_PROFILE").map(|_| {
+                std::sync::Mutex::new(PreprocessProfile {
+                    last: Instant::now(),
+                    seconds: [0.0; 4],
+                    windows: 0,
+                })
+            }),
             wait_s: 0.0,
             gram_out: None,
             pending: Default::default(),
@@ -1262,6 +1301,7 @@ impl<R: Runtime> GpuDetector<R> {
     /// median CAR, high-pass, whitening) on the window of `r`, into the
     /// detector's whitened window X.
     fn launch_preprocess(&mut self, win: &RawRecipe, kernels: usize) {
+        self.pre_mark(None);
         let (c, n_t) = (win.n_rows, win.n_t);
         let pre = self.pre.as_ref().expect("set up");
         let w = self.window.as_ref().expect("allocated");
@@ -1284,6 +1324,7 @@ impl<R: Runtime> GpuDetector<R> {
                     win.words_per_row as u32,
                     win.packed,
                 );
+                self.pre_mark(Some(0));
             }
             if kernels > 1 {
                 preprocess::car_kernel::launch_unchecked::<R>(
@@ -1301,6 +1342,7 @@ impl<R: Runtime> GpuDetector<R> {
                     win.packed,
                     pre.form.do_car,
                 );
+                self.pre_mark(Some(1));
             }
             // The IIR high-pass (the filter bank's buffer B holds its forward
             // pass's output); it declines only a window not of the form's
@@ -1328,6 +1370,9 @@ impl<R: Runtime> GpuDetector<R> {
                     self.options.hp_per_unit,
                 );
             }
+            if kernels > 2 {
+                self.pre_mark(Some(2));
+            }
             if kernels > 3 {
                 preprocess::whiten_kernel::launch_unchecked::<R>(
                     &self.client,
@@ -1340,6 +1385,7 @@ impl<R: Runtime> GpuDetector<R> {
                     arr(&w.x, c * n_t),
                     n_t as u32,
                 );
+                self.pre_mark(Some(3));
             }
         }
         self.x = Some(self.window.as_ref().expect("allocated").x.clone());
@@ -1462,6 +1508,27 @@ impl<R: Runtime> GpuDetector<R> {
         })();
         self.options = saved;
         r
+    }
+
+    /// With `SPIKECUBE_PREPROCESS_PROFILE` set: waits for the device and books
+    /// the seconds since the last mark to preprocessing kernel `kernel`
+    /// (`None` restarts the clock; the whitening's mark ends a window).
+    fn pre_mark(&self, kernel: Option<usize>) {
+        let Some(p) = &self.pre_profile else {
+            return;
+        };
+        let _ = cubecl::future::block_on(self.client.sync());
+        let now = Instant::now();
+        if let Ok(mut p) = p.lock() {
+            if let Some(k) = kernel {
+                let d = now.duration_since(p.last).as_secs_f64();
+                p.seconds[k] += d;
+                if k == 3 {
+                    p.windows += 1;
+                }
+            }
+            p.last = now;
+        }
     }
 
     fn sync(&self) -> Result<(), DetectError> {
