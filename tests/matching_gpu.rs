@@ -115,7 +115,10 @@ fn matcher<R: Runtime>(
         device,
         "test device".into(),
         setup.clone(),
-        GpuMatchOptions { peels_per_check },
+        GpuMatchOptions {
+            peels_per_check,
+            ..GpuMatchOptions::from_env()
+        },
     )
     .unwrap()
 }
@@ -176,6 +179,25 @@ fn check_sim32<R: Runtime>(device: &R::Device) {
     let gpu = m.match_window(x).unwrap();
     same("sim32 window 0", &cpu, &gpu);
     assert_eq!(gpu, m.match_window(x).unwrap(), "sim32: second run");
+    // The tiled filter and the sliced best-template scans give the bytes of
+    // their one-unit-per-sample forms.
+    for simple_kernels in [(true, false), (false, true), (true, true)] {
+        let mut s = GpuMatcher::<R>::new(
+            device,
+            "test device".into(),
+            setup.clone(),
+            GpuMatchOptions {
+                peels_per_check: 4,
+                simple_kernels,
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            gpu,
+            s.match_window(x).unwrap(),
+            "sim32: simple kernels {simple_kernels:?}"
+        );
+    }
 }
 
 /// The sim32 recording's window 0 sent raw to the device, preprocessed there

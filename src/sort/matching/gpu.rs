@@ -53,6 +53,7 @@
 //! + outputs (≤ 30 MB) ≈ 1.8 GB, below 3 GB.
 
 pub mod kernels;
+mod simple;
 
 use std::sync::Arc;
 
@@ -74,18 +75,26 @@ pub struct GpuMatchOptions {
     /// BENCHMARKS.md needs 19 peels a window on average, and of 2, 4, 8 and
     /// 16 on the H200, 8 gave the shortest peel phase.
     pub peels_per_check: usize,
+    /// The first, one-unit-per-sample forms of the wPCA filter (`.0`) and of
+    /// the best-template scans (`.1`) instead of the tiled ones (the same
+    /// results; for checking a device against them).
+    pub simple_kernels: (bool, bool),
 }
 
 impl Default for GpuMatchOptions {
     fn default() -> Self {
-        GpuMatchOptions { peels_per_check: 8 }
+        GpuMatchOptions {
+            peels_per_check: 8,
+            simple_kernels: (false, false),
+        }
     }
 }
 
 impl GpuMatchOptions {
     /// The defaults, with `peels_per_check` from `SPIKECUBE_MATCH_PEELS_PER_CHECK`
     /// when it holds a positive integer (a tuning knob: the spikes do not
-    /// depend on it).
+    /// depend on it), and the simple kernels with `SPIKECUBE_MATCH_KERNELS`
+    /// = `simple`, `simple-filter` or `simple-best` (a diagnostic).
     pub fn from_env() -> Self {
         let mut o = GpuMatchOptions::default();
         if let Some(v) = std::env::var("SPIKECUBE_MATCH_PEELS_PER_CHECK")
@@ -94,6 +103,12 @@ impl GpuMatchOptions {
             .filter(|&v| v > 0)
         {
             o.peels_per_check = v;
+        }
+        match std::env::var("SPIKECUBE_MATCH_KERNELS").as_deref() {
+            Ok("simple") => o.simple_kernels = (true, true),
+            Ok("simple-filter") => o.simple_kernels = (true, false),
+            Ok("simple-best") => o.simple_kernels = (false, true),
+            _ => {}
         }
         o
     }
@@ -849,22 +864,38 @@ impl<R: Runtime> GpuMatcher<R> {
         // SAFETY: the filter reads X inside 0..n (zero padding) and writes F's
         // n_used·npc rows.
         unsafe {
-            kernels::filter_kernel::launch_unchecked::<R>(
-                &self.client,
-                CubeCount::Static(
-                    n.div_ceil(kernels::FILTER_R * UNITS) as u32,
-                    self.n_used as u32,
-                    1,
-                ),
-                CubeDim::new_1d(UNITS as u32),
-                arr(xres, n_c * n),
-                arr(&self.wpca, npc * nt),
-                arr(&self.sites, self.n_used),
-                arr(&w.f, self.n_used * npc * n),
-                n as u32,
-                npc,
-                nt,
-            );
+            if self.options.simple_kernels.0 {
+                simple::filter_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(n.div_ceil(UNITS) as u32, self.n_used as u32, 1),
+                    CubeDim::new_1d(UNITS as u32),
+                    arr(xres, n_c * n),
+                    arr(&self.wpca, npc * nt),
+                    arr(&self.sites, self.n_used),
+                    arr(&w.f, self.n_used * npc * n),
+                    n as u32,
+                    npc,
+                    nt,
+                );
+            } else {
+                kernels::filter_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(
+                        n.div_ceil(kernels::FILTER_R * UNITS) as u32,
+                        self.n_used as u32,
+                        1,
+                    ),
+                    CubeDim::new_1d(UNITS as u32),
+                    arr(xres, n_c * n),
+                    arr(&self.wpca, npc * nt),
+                    arr(&self.sites, self.n_used),
+                    arr(&w.f, self.n_used * npc * n),
+                    n as u32,
+                    npc,
+                    nt,
+                    kernels::FILTER_R,
+                );
+            }
         }
     }
 
@@ -902,18 +933,33 @@ impl<R: Runtime> GpuMatcher<R> {
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         // SAFETY: units with a sample below n read B (K × n) and write it; the others only meet the barriers.
         unsafe {
-            kernels::best_dense_kernel::launch_unchecked::<R>(
-                &self.client,
-                CubeCount::Static(n.div_ceil(BEST_LANES) as u32, 1, 1),
-                CubeDim::new_2d(BEST_LANES as u32, BEST_SLICES as u32),
-                arr(&w.b, k * n),
-                arr(&self.nm, k),
-                arr(&w.cfmax, n),
-                arr(&w.imax, n),
-                n as u32,
-                k as u32,
-                self.setup.settings.nt as u32,
-            );
+            if self.options.simple_kernels.1 {
+                simple::best_dense_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(n.div_ceil(UNITS) as u32, 1, 1),
+                    CubeDim::new_1d(UNITS as u32),
+                    arr(&w.b, k * n),
+                    arr(&self.nm, k),
+                    arr(&w.cfmax, n),
+                    arr(&w.imax, n),
+                    n as u32,
+                    k as u32,
+                    self.setup.settings.nt as u32,
+                );
+            } else {
+                kernels::best_dense_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(n.div_ceil(BEST_LANES) as u32, 1, 1),
+                    CubeDim::new_2d(BEST_LANES as u32, BEST_SLICES as u32),
+                    arr(&w.b, k * n),
+                    arr(&self.nm, k),
+                    arr(&w.cfmax, n),
+                    arr(&w.imax, n),
+                    n as u32,
+                    k as u32,
+                    self.setup.settings.nt as u32,
+                );
+            }
         }
     }
 
@@ -1015,20 +1061,37 @@ impl<R: Runtime> GpuMatcher<R> {
                     first,
                 );
             }
-            kernels::best_sparse_kernel::launch_unchecked::<R>(
-                &self.client,
-                CubeCount::Static(per_peel as u32, nl.div_ceil(BEST_LANES) as u32, 1),
-                CubeDim::new_2d(BEST_LANES as u32, BEST_SLICES as u32),
-                arr(&w.b, k * n),
-                arr(&self.nm, k),
-                arr(state, S_LEN),
-                arr(&w.col, w.cap),
-                arr(&w.cfmax, n),
-                arr(&w.imax, n),
-                n as u32,
-                k as u32,
-                nt as u32,
-            );
+            if self.options.simple_kernels.1 {
+                simple::best_sparse_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(per_peel as u32, 1, 1),
+                    CubeDim::new_1d(128),
+                    arr(&w.b, k * n),
+                    arr(&self.nm, k),
+                    arr(state, S_LEN),
+                    arr(&w.col, w.cap),
+                    arr(&w.cfmax, n),
+                    arr(&w.imax, n),
+                    n as u32,
+                    k as u32,
+                    nt as u32,
+                );
+            } else {
+                kernels::best_sparse_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(per_peel as u32, nl.div_ceil(BEST_LANES) as u32, 1),
+                    CubeDim::new_2d(BEST_LANES as u32, BEST_SLICES as u32),
+                    arr(&w.b, k * n),
+                    arr(&self.nm, k),
+                    arr(state, S_LEN),
+                    arr(&w.col, w.cap),
+                    arr(&w.cfmax, n),
+                    arr(&w.imax, n),
+                    n as u32,
+                    k as u32,
+                    nt as u32,
+                );
+            }
             self.mark(Some("best sparse"), first);
         }
     }

@@ -46,19 +46,22 @@ pub(crate) fn filter_kernel(
     n: u32,
     #[comptime] npc: usize,
     #[comptime] nt: usize,
+    #[comptime] per_unit: usize,
 ) {
     let half = comptime!(nt / 2);
-    let tile = comptime!(FILTER_R * UNITS);
-    let span = comptime!(FILTER_R * UNITS + nt - 1);
+    let tile = comptime!(per_unit * UNITS);
+    let span = comptime!(per_unit * UNITS + nt - 1);
+    let n_w = comptime!(npc * nt);
+    let n_acc = comptime!(npc * per_unit);
     let mut xs = SharedMemory::<f32>::new(span);
-    let mut ws = SharedMemory::<f32>::new(comptime!(npc * nt));
+    let mut ws = SharedMemory::<f32>::new(n_w);
     let slot = CUBE_POS_Y as usize;
     let site = sites[slot] as usize;
     let t0 = CUBE_POS_X as usize * tile;
     let n = n as usize;
     let u = UNIT_POS_X as usize;
     let mut i = u;
-    while i < comptime!(npc * nt) {
+    while i < n_w {
         ws[i] = wpca[i];
         i += UNITS;
     }
@@ -75,28 +78,33 @@ pub(crate) fn filter_kernel(
         j += UNITS;
     }
     sync_cube();
-    let mut acc = Array::<f32>::new(comptime!(npc * FILTER_R));
+    let mut acc = Array::<f32>::new(n_acc);
     #[unroll]
-    for a in 0..comptime!(npc * FILTER_R) {
+    for a in 0..n_acc {
         acc[a] = 0.0f32;
     }
+    let mut wv = Array::<f32>::new(npc);
     for m in 0..nt {
         #[unroll]
-        for r in 0..FILTER_R {
+        for p in 0..npc {
+            wv[p] = ws[p * nt + m];
+        }
+        #[unroll]
+        for r in 0..per_unit {
             let xv = xs[u + r * UNITS + m];
             #[unroll]
             for p in 0..npc {
-                acc[p * FILTER_R + r] += xv * ws[p * nt + m];
+                acc[r * npc + p] += xv * wv[p];
             }
         }
     }
     #[unroll]
-    for r in 0..FILTER_R {
+    for r in 0..per_unit {
         let t = t0 + u + r * UNITS;
         if t < n {
             #[unroll]
             for p in 0..npc {
-                f[(slot * npc + p) * n + t] = acc[p * FILTER_R + r];
+                f[(slot * npc + p) * n + t] = acc[r * npc + p];
             }
         }
     }
