@@ -387,7 +387,11 @@ impl CpuDetector {
             if self.chunk_done[(tile * nf + j) * CHUNKS + chunk] != 0 {
                 let base = tile * nf * TILE + j * TILE;
                 let run = &self.as_buf[base + t % TILE..base + (end - tile * TILE)];
-                m = run.iter().fold(m, |m, &v| m.max(v));
+                // `v > m` picks as `f32::max` does here (m is never NaN: it
+                // starts at 0 and takes only values above it; a NaN v is
+                // passed over by both; As = |A| holds no −0) and compiles to
+                // one `maxss`, without `max`'s NaN blend.
+                m = run.iter().fold(m, |m, &v| if v > m { v } else { m });
             }
             t = end;
         }
