@@ -665,7 +665,12 @@ impl Screen {
     /// The screen of the rows of `xd` (n × `dim`), or `None` when a feature
     /// is not finite or too large for it.
     fn new(xd: &[f32], dim: usize, level: Level) -> Option<Screen> {
-        if dim == 0 || dim > 100_000 || xd.iter().any(|v| !(v.abs() <= SCREEN_MAX_ABS)) {
+        if dim == 0
+            || dim > 100_000
+            || xd
+                .iter()
+                .any(|v| !v.is_finite() || v.abs() > SCREEN_MAX_ABS)
+        {
             return None;
         }
         let n = xd.len() / dim;
@@ -988,9 +993,9 @@ fn screen_rows(
     screen_masks(&acc, tile, rows)
 }
 
-/// The lanes whose bound δ_x·2δ_c·Q + max(‖x‖ + ‖r‖)·2‖s‖
-/// + max‖r‖·2(‖c‖ + 2‖s‖) + margin·(‖x‖² + ‖c‖²) + 1e-30 − ‖c‖² − v0 is
-/// not ≤ 0, per row.
+/// The lanes whose bound, per row, is not ≤ 0: δ_x·2δ_c·Q plus
+/// max(‖x‖ + ‖r‖)·2‖s‖ plus max‖r‖·2(‖c‖ + 2‖s‖) plus
+/// margin·(‖x‖² + ‖c‖²) + 1e-30 − ‖c‖² − v0.
 #[inline(always)]
 fn screen_masks(
     acc: &[[i32; TILE_C]; TILE_S],
@@ -1004,7 +1009,7 @@ fn screen_masks(
             v[l] = (r.scale * tile.dc2[l]) * f64::from(a[l]) + (r.g + tile.h[l]);
         }
         for (l, &v) in v.iter().enumerate() {
-            *m |= u32::from(!(v <= 0.0)) << l;
+            *m |= u32::from(v > 0.0 || v.is_nan()) << l;
         }
     }
     m
