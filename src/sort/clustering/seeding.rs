@@ -127,17 +127,30 @@ struct Memo {
 /// own generator seeded with `seed`.
 pub fn kmeans_plusplus(xd: &[f32], dim: usize, n_clusters: usize, seed: u64) -> Vec<u32> {
     let n = xd.len() / dim;
+    // The integer screen pays only where its 16-bit products run in
+    // AVX-512; elsewhere every gain is computed in float32 (the same bits).
+    let level = Level::detect();
     seed_labels(
         xd,
         dim,
         n_clusters,
         seed,
         n.saturating_mul(MEMO_GAINS_PER_SPIKE),
+        (level >= Level::Avx512Bw).then_some(level),
     )
 }
 
-/// [`kmeans_plusplus`] with a memo of at most `memo_cap` gains.
-fn seed_labels(xd: &[f32], dim: usize, n_clusters: usize, seed: u64, memo_cap: usize) -> Vec<u32> {
+/// [`kmeans_plusplus`] with a memo of at most `memo_cap` gains and the
+/// fresh candidates' gains screened at `screen_level` ([`Screen`]; `None`:
+/// all computed).
+fn seed_labels(
+    xd: &[f32],
+    dim: usize,
+    n_clusters: usize,
+    seed: u64,
+    memo_cap: usize,
+    screen_level: Option<Level>,
+) -> Vec<u32> {
     let n = xd.len() / dim;
     let rows = |i: usize| &xd[i * dim..(i + 1) * dim];
     let vtot: Vec<f32> = (0..n).map(|i| dot(rows(i), rows(i))).collect();
@@ -149,6 +162,7 @@ fn seed_labels(xd: &[f32], dim: usize, n_clusters: usize, seed: u64, memo_cap: u
         held: 0,
         cap: memo_cap,
     };
+    let screen = screen_level.and_then(|level| Screen::new(xd, dim, level));
     for j in 0..n_clusters {
         let v2: Vec<f32> = vtot
             .iter()
@@ -162,7 +176,7 @@ fn seed_labels(xd: &[f32], dim: usize, n_clusters: usize, seed: u64, memo_cap: u
         }
         // The spikes whose gain from the kept candidate beats their v0 (its
         // gain 2x·c − ‖c‖² > v0) take its label and that gain as their v0.
-        let (best, won) = best_candidate(xd, dim, &cand, &vexp0, &mut memo);
+        let (best, won) = best_candidate(xd, dim, &cand, &vexp0, &mut memo, screen.as_ref());
         let won = won.unwrap_or_else(|| beating(xd, rows(cand[best]), &vexp0));
         for (i, t) in won {
             vexp0[i as usize] = t;
@@ -252,6 +266,7 @@ fn best_candidate(
     cand: &[usize],
     vexp0: &[f32],
     memo: &mut Memo,
+    screen: Option<&Screen>,
 ) -> (usize, Option<Vec<Gain>>) {
     let nc = cand.len();
     let mut total = vec![0f64; nc];
@@ -269,7 +284,7 @@ fn best_candidate(
             }
         });
     if !fresh.is_empty() {
-        let (sums, gains) = fresh_gains(xd, dim, cand, &fresh, vexp0);
+        let (sums, gains) = fresh_gains(xd, dim, cand, &fresh, vexp0, screen);
         for ((&c, s), g) in fresh.iter().zip(sums).zip(gains) {
             total[c] = s;
             lists[c] = g;
@@ -341,6 +356,7 @@ fn fresh_gains(
     cand: &[usize],
     fresh: &[usize],
     vexp0: &[f32],
+    screen: Option<&Screen>,
 ) -> (Vec<f64>, Vec<Option<Vec<Gain>>>) {
     let nf = fresh.len();
     let ncp = nf.div_ceil(TILE_C) * TILE_C;
@@ -356,16 +372,32 @@ fn fresh_gains(
             tile[k * TILE_C + c % TILE_C] = v;
         }
     }
+    let lanes = screen.map(|scr| scr.lanes(xd, dim, cand, fresh, ncp));
     let blocks: Vec<BlockOut> = xd
         .par_chunks(SPIKE_BLOCK * dim)
         .zip(vexp0.par_chunks(SPIKE_BLOCK))
-        .map(|(block, v0)| {
+        .enumerate()
+        .map(|(b, (block, v0))| {
             let mut out = BlockOut {
                 sum: vec![0f64; ncp],
                 gains: Vec::new(),
                 count: vec![0; ncp],
             };
-            block_gains(block, v0, &ct, &cn, dim, nf, &mut out);
+            match (screen, &lanes) {
+                (Some(scr), Some(lanes)) => {
+                    let first = b * SPIKE_BLOCK;
+                    let mut sc = ScreenedBlock {
+                        block,
+                        v0,
+                        first,
+                        ct: &ct,
+                        dim,
+                        live: nf,
+                    };
+                    sc.run(scr, lanes, &cn, &mut out);
+                }
+                _ => block_gains(block, v0, &ct, &cn, dim, nf, &mut out),
+            }
             out
         })
         .collect();
@@ -528,6 +560,461 @@ fn add_product(a: &mut [f32; TILE_C], x: f32, c: &[f32; TILE_C]) {
     }
 }
 
+/// The SIMD level of the gain screen's kernels (see [`Screen`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Level {
+    /// Portable code.
+    Base,
+    /// AVX-512F and AVX-512BW (integer pair products by `vpmaddwd`).
+    Avx512Bw,
+    /// AVX-512BW and AVX-512 VNNI (`vpdpwssd`).
+    Avx512Vnni,
+}
+
+impl Level {
+    /// The best level this CPU has.
+    fn detect() -> Level {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") {
+                if has!("avx512vnni") {
+                    return Level::Avx512Vnni;
+                }
+                return Level::Avx512Bw;
+            }
+        }
+        Level::Base
+    }
+}
+
+/// Largest |x| (feature value) with which the screen runs: beyond it f32
+/// dot products could overflow.
+const SCREEN_MAX_ABS: f32 = 1e15;
+
+/// An exact screen of the fresh candidates' gains: each spike's features
+/// rounded to 16-bit integers (its own scale), whose integer dot products
+/// with a candidate's (exact in 32 bits) bound the float32 gain
+/// t = 2x·c − ‖c‖² from above. A spike whose bound is ≤ its v0 would add
+/// exactly +0 to the candidate's sum and not take its label (t ≤ v0), so it
+/// is skipped; the others get the float32 computation of [`block_gains`]:
+/// the sums, lists and labels keep their bits.
+///
+/// The bound, for x = δ_x·q + r and c = δ_c·p + s (q, p the integer rows):
+/// x·c = δ_xδ_c q·p + δ_x q·s + δ_c r·p + r·s, so by Cauchy–Schwarz
+/// |x·c − δ_xδ_c q·p| ≤ (‖x‖ + ‖r‖)‖s‖ + ‖r‖(‖c‖ + ‖s‖) + ‖r‖‖s‖ =: E;
+/// the float32 t differs from the exact 2x·c − ‖c‖² by at most
+/// (γ_dim + 2u)(‖x‖ + ‖c‖)² (u = 2⁻²⁴, γ_dim = dim·u/(1 − dim·u): the dot
+/// products summed in order, the last subtraction rounded), which
+/// `margin`·(‖x‖² + ‖c‖²) covers twice over; the norms are float64 upper
+/// bounds and ‖c‖² a lower one, and the spare margin covers the float64
+/// rounding of the bound itself (relative 1e-15 against at least 8u), plus
+/// 1e-30 for float32 products that underflow.
+struct Screen {
+    level: Level,
+    /// Integer pairs per row (features 2k and 2k + 1 in one i32, low half
+    /// first; an odd last feature pairs with 0).
+    npair: usize,
+    /// Each spike's integer row (n × `npair`).
+    q: Vec<i32>,
+    /// Each spike's scale δ_x.
+    scale: Vec<f64>,
+    /// Upper bounds of ‖x‖.
+    norm: Vec<f64>,
+    /// Upper bounds of ‖r‖ = ‖x − δ_x·q‖.
+    res: Vec<f64>,
+    /// Lower bounds of ‖x‖².
+    norm2_lo: Vec<f64>,
+    /// The largest ‖x‖ + ‖r‖ of the group.
+    a_max: f64,
+    /// The largest ‖r‖ of the group.
+    r_max: f64,
+    /// The float32 rounding margin factor, (4·dim + 16)·u.
+    margin: f64,
+}
+
+/// One tile of [`TILE_C`] fresh candidates as the screen sees them.
+struct ScreenTile {
+    /// Integer rows, pair-major (npair × TILE_C).
+    cq: Vec<i32>,
+    /// 2δ_c.
+    dc2: [f64; TILE_C],
+    /// The terms of the bound that depend on the candidate only (the group's
+    /// largest ‖x‖ + ‖r‖ and ‖r‖ standing for the spike's):
+    /// max(‖x‖ + ‖r‖)·2‖s‖ + max‖r‖·2(‖c‖ + 2‖s‖) + margin·‖c‖² − ‖c‖²
+    /// (−∞ on padding lanes).
+    h: [f64; TILE_C],
+}
+
+/// One spike's terms of the screen's bound.
+#[derive(Clone, Copy)]
+struct RowTerms {
+    /// δ_x.
+    scale: f64,
+    /// margin·‖x‖² + 1e-30 − v0 (−∞ for a padding row).
+    g: f64,
+}
+
+/// The terms of a padding row (never a survivor).
+const PAD_ROW: RowTerms = RowTerms {
+    scale: 0.0,
+    g: f64::NEG_INFINITY,
+};
+
+impl Screen {
+    /// The screen of the rows of `xd` (n × `dim`), or `None` when a feature
+    /// is not finite or too large for it.
+    fn new(xd: &[f32], dim: usize, level: Level) -> Option<Screen> {
+        if dim == 0
+            || dim > 100_000
+            || xd
+                .iter()
+                .any(|v| !v.is_finite() || v.abs() > SCREEN_MAX_ABS)
+        {
+            return None;
+        }
+        let n = xd.len() / dim;
+        let npair = dim.div_ceil(2);
+        // |q| ≤ qmax keeps every integer dot product under 2³⁰.
+        let qmax = ((1u64 << 30) / (2 * npair) as u64).isqrt().min(32_767) as f64;
+        let rel = 1.0 + dim as f64 * f64::EPSILON * 4.0;
+        let mut q = vec![0i32; n * npair];
+        let mut scale = vec![0f64; n];
+        let mut norm = vec![0f64; n];
+        let mut res = vec![0f64; n];
+        let mut norm2_lo = vec![0f64; n];
+        q.par_chunks_mut(npair.max(1))
+            .zip(xd.par_chunks(dim))
+            .zip(scale.par_iter_mut())
+            .zip(norm.par_iter_mut())
+            .zip(res.par_iter_mut())
+            .zip(norm2_lo.par_iter_mut())
+            .for_each(|(((((qr, x), sc), nr), rs), n2)| {
+                let maxabs = x.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+                let delta = maxabs / qmax;
+                let (mut ss, mut rr) = (0f64, 0f64);
+                for (k, &v) in x.iter().enumerate() {
+                    let v = f64::from(v);
+                    let qi = if delta > 0.0 {
+                        (v / delta).round_ties_even().clamp(-qmax, qmax)
+                    } else {
+                        0.0
+                    };
+                    let half = qi as i32 as u16 as u32;
+                    let word = if k % 2 == 0 { half } else { half << 16 };
+                    qr[k / 2] |= word as i32;
+                    ss += v * v;
+                    let r = v - delta * qi;
+                    rr += r * r;
+                }
+                *sc = delta;
+                let nx = ss.sqrt() * rel;
+                *nr = nx;
+                *rs = rr.sqrt() * rel + 1e-12 * nx;
+                *n2 = ss / rel;
+            });
+        let a_max = norm.iter().zip(&res).fold(0f64, |m, (n, r)| m.max(n + r));
+        let r_max = res.iter().fold(0f64, |m, &r| m.max(r));
+        Some(Screen {
+            a_max,
+            r_max,
+            level,
+            npair,
+            q,
+            scale,
+            norm,
+            res,
+            norm2_lo,
+            margin: (4 * dim + 16) as f64 * f32::EPSILON as f64 / 2.0,
+        })
+    }
+
+    /// The tiles of the candidates `cand[fresh]` (ncp lanes, padded).
+    fn lanes(
+        &self,
+        _xd: &[f32],
+        _dim: usize,
+        cand: &[usize],
+        fresh: &[usize],
+        ncp: usize,
+    ) -> Vec<ScreenTile> {
+        let np = self.npair;
+        (0..ncp / TILE_C)
+            .map(|t| {
+                let mut tile = ScreenTile {
+                    cq: vec![0; np * TILE_C],
+                    dc2: [0.0; TILE_C],
+                    h: [f64::NEG_INFINITY; TILE_C],
+                };
+                for l in 0..TILE_C {
+                    let Some(&k) = fresh.get(t * TILE_C + l) else {
+                        break;
+                    };
+                    let s = cand[k];
+                    for p in 0..np {
+                        tile.cq[p * TILE_C + l] = self.q[s * np + p];
+                    }
+                    tile.dc2[l] = 2.0 * self.scale[s];
+                    let (nc, rc) = (self.norm[s], self.res[s]);
+                    tile.h[l] = self.a_max * 2.0 * rc
+                        + self.r_max * 2.0 * (nc + 2.0 * rc)
+                        + (self.margin * nc * nc - self.norm2_lo[s]);
+                }
+                tile
+            })
+            .collect()
+    }
+
+    /// Spike `i`'s terms of the bound, given its v0 `e`.
+    #[inline]
+    fn row(&self, i: usize, e: f32) -> RowTerms {
+        let nx = self.norm[i];
+        RowTerms {
+            scale: self.scale[i],
+            g: self.margin * nx * nx + 1e-30 - f64::from(e),
+        }
+    }
+}
+
+/// One block of spikes (of [`SPIKE_BLOCK`]) against the fresh candidates,
+/// through the [`Screen`].
+struct ScreenedBlock<'a> {
+    /// The block's rows (dim each).
+    block: &'a [f32],
+    /// Their v0.
+    v0: &'a [f32],
+    /// The group index of the block's first spike.
+    first: usize,
+    /// The candidates' float rows, tiled as in [`fresh_gains`].
+    ct: &'a [f32],
+    dim: usize,
+    /// Live candidate columns.
+    live: usize,
+}
+
+impl ScreenedBlock<'_> {
+    /// As [`block_gains`]: the same sums (in spike order; the skipped spikes
+    /// would add +0), gains and counts (the skipped spikes do not beat v0),
+    /// the gains column by column.
+    fn run(&mut self, scr: &Screen, tiles: &[ScreenTile], cn: &[f32], out: &mut BlockOut) {
+        let (dim, np, nb) = (self.dim, scr.npair, self.v0.len());
+        let zero_q = vec![0i32; np];
+        let zero_x = vec![0f32; dim];
+        let mut survivors: Vec<usize> = Vec::with_capacity(nb);
+        let terms: Vec<RowTerms> = (0..nb.div_ceil(TILE_S) * TILE_S)
+            .map(|s| match self.v0.get(s) {
+                Some(&e) => scr.row(self.first + s, e),
+                None => PAD_ROW,
+            })
+            .collect();
+        for (t, tile) in tiles.iter().enumerate() {
+            let c0 = t * TILE_C;
+            let lanes = self.live.saturating_sub(c0).min(TILE_C);
+            if lanes == 0 {
+                continue;
+            }
+            let live_mask = if lanes == TILE_C {
+                u32::MAX
+            } else {
+                (1u32 << lanes) - 1
+            };
+            survivors.clear();
+            for s0 in (0..nb).step_by(TILE_S) {
+                let x: [&[i32]; TILE_S] = std::array::from_fn(|r| {
+                    let i = self.first + s0 + r;
+                    if s0 + r < nb {
+                        &scr.q[i * np..(i + 1) * np]
+                    } else {
+                        &zero_q
+                    }
+                });
+                let rows: &[RowTerms; TILE_S] =
+                    terms[s0..s0 + TILE_S].try_into().expect("tile height");
+                let m = screen_rows(scr.level, &x, tile, rows);
+                for (r, &m) in m.iter().enumerate() {
+                    if m & live_mask != 0 && s0 + r < nb {
+                        survivors.push(s0 + r);
+                    }
+                }
+            }
+            let cp = &self.ct[t * dim * TILE_C..(t + 1) * dim * TILE_C];
+            let cnr = &cn[c0..c0 + TILE_C];
+            for chunk in survivors.chunks(TILE_S) {
+                let x: [&[f32]; TILE_S] = std::array::from_fn(|r| match chunk.get(r) {
+                    Some(&s) => &self.block[s * dim..(s + 1) * dim],
+                    None => &zero_x,
+                });
+                let acc = exact_dots(scr.level, &x, cp);
+                for (&s, a) in chunk.iter().zip(&acc) {
+                    let e = self.v0[s];
+                    let sr = &mut out.sum[c0..c0 + TILE_C];
+                    let mut t = [0f32; TILE_C];
+                    let mut beats = 0u32;
+                    for l in 0..TILE_C {
+                        t[l] = 2.0 * a[l] - cnr[l];
+                        let d = t[l] - e;
+                        sr[l] += if d > 0.0 { f64::from(d) } else { 0.0 };
+                        beats |= u32::from(t[l] > e) << l;
+                    }
+                    beats &= live_mask;
+                    while beats != 0 {
+                        let l = beats.trailing_zeros() as usize;
+                        beats &= beats - 1;
+                        out.count[c0 + l] += 1;
+                        if out.count[c0 + l] <= BLOCK_GAINS_MAX {
+                            out.gains.push(((c0 + l) as u16, s as u16, t[l]));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`tile_dots`] at `level` (the same bits at every level).
+fn exact_dots(level: Level, x: &[&[f32]; TILE_S], cp: &[f32]) -> [[f32; TILE_C]; TILE_S] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f")]
+        fn avx512(x: &[&[f32]; TILE_S], cp: &[f32]) -> [[f32; TILE_C]; TILE_S] {
+            tile_dots(x, cp)
+        }
+        if level >= Level::Avx512Bw {
+            // SAFETY: the level was detected on this CPU (or is Base).
+            return unsafe { avx512(x, cp) };
+        }
+    }
+    let _ = level;
+    tile_dots(x, cp)
+}
+
+/// [`screen_masks`] of the integer dot products `a` (one 512-bit vector of
+/// 16 i32 a row) in AVX-512 (inside a function with AVX-512F enabled).
+#[cfg(target_arch = "x86_64")]
+macro_rules! masks_512 {
+    ($a:expr, $tile:expr, $rows:expr) => {{
+        use std::arch::x86_64::*;
+        let (tile, rows): (&ScreenTile, &[RowTerms; TILE_S]) = ($tile, $rows);
+        // SAFETY: each array holds 16 f64, two 512-bit vectors.
+        let (dc0, dc1, h0, h1) = unsafe {
+            (
+                _mm512_loadu_pd(tile.dc2.as_ptr()),
+                _mm512_loadu_pd(tile.dc2[8..].as_ptr()),
+                _mm512_loadu_pd(tile.h.as_ptr()),
+                _mm512_loadu_pd(tile.h[8..].as_ptr()),
+            )
+        };
+        let zero = _mm512_setzero_pd();
+        let mut m = [0u32; TILE_S];
+        for ((m, a), r) in m.iter_mut().zip($a).zip(rows) {
+            let (sc, g) = (_mm512_set1_pd(r.scale), _mm512_set1_pd(r.g));
+            let q0 = _mm512_cvtepi32_pd(_mm512_castsi512_si256(a));
+            let q1 = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64::<1>(a));
+            let v0 = _mm512_add_pd(
+                _mm512_mul_pd(_mm512_mul_pd(sc, dc0), q0),
+                _mm512_add_pd(g, h0),
+            );
+            let v1 = _mm512_add_pd(
+                _mm512_mul_pd(_mm512_mul_pd(sc, dc1), q1),
+                _mm512_add_pd(g, h1),
+            );
+            // Not (v ≤ 0): NaN counts as a survivor.
+            let k0 = _mm512_cmp_pd_mask::<_CMP_NLE_UQ>(v0, zero);
+            let k1 = _mm512_cmp_pd_mask::<_CMP_NLE_UQ>(v1, zero);
+            *m = u32::from(k0) | (u32::from(k1) << 8);
+        }
+        m
+    }};
+}
+
+/// Which candidate lanes of `tile` each of [`TILE_S`] integer rows `x` may
+/// gain from (bit l: the screen's bound is above v0), at `level`.
+fn screen_rows(
+    level: Level,
+    x: &[&[i32]; TILE_S],
+    tile: &ScreenTile,
+    rows: &[RowTerms; TILE_S],
+) -> [u32; TILE_S] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+        fn vnni(
+            x: &[&[i32]; TILE_S],
+            tile: &ScreenTile,
+            rows: &[RowTerms; TILE_S],
+        ) -> [u32; TILE_S] {
+            use std::arch::x86_64::*;
+            let np = tile.cq.len() / TILE_C;
+            let x = x.map(|r| &r[..np]);
+            let mut a = [_mm512_setzero_si512(); TILE_S];
+            for (p, c) in tile.cq.chunks_exact(TILE_C).enumerate().take(np) {
+                // SAFETY: `c` holds TILE_C = 16 i32, one 512-bit vector.
+                let c = unsafe { _mm512_loadu_si512(c.as_ptr().cast()) };
+                for (a, xr) in a.iter_mut().zip(x) {
+                    *a = _mm512_dpwssd_epi32(*a, _mm512_set1_epi32(xr[p]), c);
+                }
+            }
+            masks_512!(a, tile, rows)
+        }
+        #[target_feature(enable = "avx512f,avx512bw")]
+        fn bw(x: &[&[i32]; TILE_S], tile: &ScreenTile, rows: &[RowTerms; TILE_S]) -> [u32; TILE_S] {
+            use std::arch::x86_64::*;
+            let np = tile.cq.len() / TILE_C;
+            let x = x.map(|r| &r[..np]);
+            let mut a = [_mm512_setzero_si512(); TILE_S];
+            for (p, c) in tile.cq.chunks_exact(TILE_C).enumerate().take(np) {
+                // SAFETY: `c` holds TILE_C = 16 i32, one 512-bit vector.
+                let c = unsafe { _mm512_loadu_si512(c.as_ptr().cast()) };
+                for (a, xr) in a.iter_mut().zip(x) {
+                    *a = _mm512_add_epi32(*a, _mm512_madd_epi16(_mm512_set1_epi32(xr[p]), c));
+                }
+            }
+            masks_512!(a, tile, rows)
+        }
+        match level {
+            // SAFETY: the level was detected on this CPU.
+            Level::Avx512Vnni => return unsafe { vnni(x, tile, rows) },
+            // SAFETY: the level was detected on this CPU.
+            Level::Avx512Bw => return unsafe { bw(x, tile, rows) },
+            Level::Base => {}
+        }
+    }
+    let _ = level;
+    let mut acc = [[0i32; TILE_C]; TILE_S];
+    for (p, c) in tile.cq.chunks_exact(TILE_C).enumerate() {
+        for (a, xr) in acc.iter_mut().zip(x) {
+            let w = xr[p];
+            let (xl, xh) = (i32::from(w as i16), w >> 16);
+            for (a, &cw) in a.iter_mut().zip(c) {
+                *a += xl * i32::from(cw as i16) + xh * (cw >> 16);
+            }
+        }
+    }
+    screen_masks(&acc, tile, rows)
+}
+
+/// The lanes whose bound, per row, is not ≤ 0: δ_x·2δ_c·Q plus
+/// max(‖x‖ + ‖r‖)·2‖s‖ plus max‖r‖·2(‖c‖ + 2‖s‖) plus
+/// margin·(‖x‖² + ‖c‖²) + 1e-30 − ‖c‖² − v0.
+#[inline(always)]
+fn screen_masks(
+    acc: &[[i32; TILE_C]; TILE_S],
+    tile: &ScreenTile,
+    rows: &[RowTerms; TILE_S],
+) -> [u32; TILE_S] {
+    let mut m = [0u32; TILE_S];
+    for ((m, a), r) in m.iter_mut().zip(acc).zip(rows) {
+        let mut v = [0f64; TILE_C];
+        for l in 0..TILE_C {
+            v[l] = (r.scale * tile.dc2[l]) * f64::from(a[l]) + (r.g + tile.h[l]);
+        }
+        for (l, &v) in v.iter().enumerate() {
+            *m |= u32::from(v > 0.0 || v.is_nan()) << l;
+        }
+    }
+    m
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -549,6 +1036,17 @@ mod tests {
         }
         assert!(lab[0] != lab[1] && lab[1] != lab[2] && lab[0] != lab[2]);
         assert_eq!(lab, kmeans_plusplus(&xd, 2, 3, 5));
+    }
+
+    /// No screen, and the screen at every level this CPU has.
+    fn levels() -> Vec<Option<Level>> {
+        let mut v = vec![None, Some(Level::Base)];
+        for l in [Level::Avx512Bw, Level::Avx512Vnni] {
+            if l <= Level::detect() {
+                v.push(Some(l));
+            }
+        }
+        v
     }
 
     /// The seeding computed literally: every spike against every candidate,
@@ -628,11 +1126,26 @@ mod tests {
                 xd.extend(c.iter().map(|&v| v + spread * next()));
             }
             for seed in [1, 5] {
+                let want = literal(&xd, dim, 60, seed);
                 assert_eq!(
                     kmeans_plusplus(&xd, dim, 60, seed),
-                    literal(&xd, dim, 60, seed),
+                    want,
                     "dim {dim}, seed {seed}"
                 );
+                for level in levels() {
+                    for threads in [1, 2, 3] {
+                        let pool = rayon::ThreadPoolBuilder::new()
+                            .num_threads(threads)
+                            .build()
+                            .unwrap();
+                        let cap = n * MEMO_GAINS_PER_SPIKE;
+                        let got = pool.install(|| seed_labels(&xd, dim, 60, seed, cap, level));
+                        assert_eq!(
+                            got, want,
+                            "dim {dim}, seed {seed}, {level:?}, {threads} threads"
+                        );
+                    }
+                }
             }
         }
     }
@@ -665,11 +1178,13 @@ mod tests {
         for seed in [2, 9] {
             let want = literal(&xd, dim, 80, seed);
             for cap in [0, 50, usize::MAX] {
-                assert_eq!(
-                    seed_labels(&xd, dim, 80, seed, cap),
-                    want,
-                    "seed {seed}, memo cap {cap}"
-                );
+                for level in levels() {
+                    assert_eq!(
+                        seed_labels(&xd, dim, 80, seed, cap, level),
+                        want,
+                        "seed {seed}, memo cap {cap}, screen {level:?}"
+                    );
+                }
             }
         }
     }
@@ -689,11 +1204,12 @@ mod tests {
             xd.extend((0..dim).map(|_| (next() * 5.0).round()));
         }
         for seed in [1, 4, 6] {
-            assert_eq!(
-                kmeans_plusplus(&xd, dim, 150, seed),
-                literal(&xd, dim, 150, seed),
-                "seed {seed}"
-            );
+            let want = literal(&xd, dim, 150, seed);
+            assert_eq!(kmeans_plusplus(&xd, dim, 150, seed), want, "seed {seed}");
+            for level in levels() {
+                let got = seed_labels(&xd, dim, 150, seed, n * MEMO_GAINS_PER_SPIKE, level);
+                assert_eq!(got, want, "seed {seed}, screen {level:?}");
+            }
         }
     }
 
@@ -726,9 +1242,18 @@ mod tests {
         // either the spikes whose gain beats v0 or, past the per-block limit,
         // none; and once v0 has grown, the sums from the lists alone with
         // the literal bits too.
+        // Rows of very different scales (and some zero rows) for the
+        // screen's per-row integer scales.
         let (dim, n) = (7usize, 5000usize);
         let mut next = uniform_gen(11);
-        let xd: Vec<f32> = (0..n * dim).map(|_| next() * 10.0).collect();
+        let xd: Vec<f32> = (0..n * dim)
+            .map(|k| match (k / dim) % 11 {
+                4 => 0.0,
+                7 => next() * 1e-3,
+                9 => next() * 300.0,
+                _ => next() * 10.0,
+            })
+            .collect();
         let v0: Vec<f32> = (0..n)
             .map(|i| {
                 if i % 3 == 0 {
@@ -740,13 +1265,30 @@ mod tests {
             .collect();
         let cand: Vec<usize> = (0..40).map(|c| (c * 997) % n).collect();
         let fresh: Vec<usize> = (0..cand.len()).filter(|c| c % 4 != 1).collect();
-        let (sums, mut lists) = fresh_gains(&xd, dim, &cand, &fresh, &v0);
         let v1: Vec<f32> = v0.iter().map(|&e| e + (next() + 0.5) * 40.0).collect();
+        for level in levels() {
+            let screen = level.and_then(|l| Screen::new(&xd, dim, l));
+            assert_eq!(screen.is_some(), level.is_some());
+            check_fresh_gains(&xd, dim, &cand, &fresh, (&v0, &v1), screen.as_ref());
+        }
+    }
+
+    /// [`fresh_gains`] against the literal sums and lists, and the lists
+    /// rechecked at `v1`.
+    fn check_fresh_gains(
+        xd: &[f32],
+        dim: usize,
+        cand: &[usize],
+        fresh: &[usize],
+        (v0, v1): (&[f32], &[f32]),
+        screen: Option<&Screen>,
+    ) {
+        let (sums, mut lists) = fresh_gains(xd, dim, cand, fresh, v0, screen);
         let row = |i: usize| &xd[i * dim..(i + 1) * dim];
         let (mut kept, mut dropped) = (0, 0);
         for (k, &f) in fresh.iter().enumerate() {
             let c = row(cand[f]);
-            let (total, most) = literal_sum(&xd, c, &v0);
+            let (total, most) = literal_sum(xd, c, v0);
             assert_eq!(sums[k].to_bits(), total.to_bits(), "candidate {f}");
             match &mut lists[k] {
                 None => {
@@ -755,11 +1297,11 @@ mod tests {
                 }
                 Some(l) => {
                     assert!(most <= BLOCK_GAINS_MAX, "candidate {f}");
-                    assert_eq!(*l, beating(&xd, c, &v0), "candidate {f}");
-                    let again = recheck(l, &v1);
-                    let want = literal_sum(&xd, c, &v1).0;
+                    assert_eq!(*l, beating(xd, c, v0), "candidate {f}");
+                    let again = recheck(l, v1);
+                    let want = literal_sum(xd, c, v1).0;
                     assert_eq!(again.to_bits(), want.to_bits(), "candidate {f}");
-                    assert_eq!(*l, beating(&xd, c, &v1), "candidate {f}");
+                    assert_eq!(*l, beating(xd, c, v1), "candidate {f}");
                     kept += 1;
                 }
             }
