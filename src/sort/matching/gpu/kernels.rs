@@ -224,6 +224,8 @@ pub const BEST_SLICES: usize = 16;
 /// for a unit without a sample.
 #[cube]
 #[allow(clippy::too_many_arguments)]
+// Nested ifs: the kernel language does not short-circuit `&&`.
+#[allow(clippy::collapsible_if)]
 fn best_sliced(
     b: &Array<f32>,
     nm: &Array<f32>,

@@ -62,8 +62,6 @@ pub(crate) fn filter_kernel(
     }
 }
 
-/// Sites of a block's union staged in shared memory at once by
-
 /// The best template at sample t and its Cf (first on ties; zero in the
 /// first and last nt samples).
 #[cube]
