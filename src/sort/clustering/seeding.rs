@@ -509,25 +509,54 @@ fn block_gains_impl(
                 (1u32 << lanes) - 1
             };
             for (r, (a, &e)) in acc.iter().zip(v0s).enumerate() {
-                let mut t = [0f32; TILE_C];
-                let mut beats = 0u32;
-                for l in 0..TILE_C {
-                    t[l] = 2.0 * a[l] - cnr[l];
-                    let d = t[l] - e;
-                    // Adding +0 leaves a sum of positive terms unchanged.
-                    sr[l] += if d > 0.0 { f64::from(d) } else { 0.0 };
-                    beats |= u32::from(t[l] > e) << l;
-                }
-                beats &= live_mask;
-                while beats != 0 {
-                    let l = beats.trailing_zeros() as usize;
-                    beats &= beats - 1;
-                    out.count[c0 + l] += 1;
-                    if out.count[c0 + l] <= BLOCK_GAINS_MAX {
-                        out.gains.push(((c0 + l) as u16, (s0 + r) as u16, t[l]));
-                    }
-                }
+                book_gains(
+                    a,
+                    cnr,
+                    e,
+                    sr,
+                    live_mask,
+                    (c0, (s0 + r) as u16),
+                    &mut out.count,
+                    &mut out.gains,
+                );
             }
+        }
+    }
+}
+
+/// Books one spike's gains t = 2x·c − ‖c‖² over the tile of candidates from
+/// `c0` (`a`: its dot products, `cnr`: the candidates' ‖c‖²): the positive
+/// excess over its v0 `e` is added to the tile's sums `sr` (adding +0 leaves
+/// a sum of positive terms unchanged), and each live candidate (`live_mask`)
+/// it beats counts it and, up to [`BLOCK_GAINS_MAX`], lists (candidate,
+/// `spike`, t).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn book_gains(
+    a: &[f32; TILE_C],
+    cnr: &[f32],
+    e: f32,
+    sr: &mut [f64],
+    live_mask: u32,
+    (c0, spike): (usize, u16),
+    count: &mut [usize],
+    gains: &mut Vec<(u16, u16, f32)>,
+) {
+    let mut t = [0f32; TILE_C];
+    let mut beats = 0u32;
+    for l in 0..TILE_C {
+        t[l] = 2.0 * a[l] - cnr[l];
+        let d = t[l] - e;
+        sr[l] += if d > 0.0 { f64::from(d) } else { 0.0 };
+        beats |= u32::from(t[l] > e) << l;
+    }
+    beats &= live_mask;
+    while beats != 0 {
+        let l = beats.trailing_zeros() as usize;
+        beats &= beats - 1;
+        count[c0 + l] += 1;
+        if count[c0 + l] <= BLOCK_GAINS_MAX {
+            gains.push(((c0 + l) as u16, spike, t[l]));
         }
     }
 }
@@ -847,24 +876,16 @@ impl ScreenedBlock<'_> {
                 let acc = exact_dots(scr.level, &x, cp);
                 for (&s, a) in chunk.iter().zip(&acc) {
                     let e = self.v0[s];
-                    let sr = &mut out.sum[c0..c0 + TILE_C];
-                    let mut t = [0f32; TILE_C];
-                    let mut beats = 0u32;
-                    for l in 0..TILE_C {
-                        t[l] = 2.0 * a[l] - cnr[l];
-                        let d = t[l] - e;
-                        sr[l] += if d > 0.0 { f64::from(d) } else { 0.0 };
-                        beats |= u32::from(t[l] > e) << l;
-                    }
-                    beats &= live_mask;
-                    while beats != 0 {
-                        let l = beats.trailing_zeros() as usize;
-                        beats &= beats - 1;
-                        out.count[c0 + l] += 1;
-                        if out.count[c0 + l] <= BLOCK_GAINS_MAX {
-                            out.gains.push(((c0 + l) as u16, s as u16, t[l]));
-                        }
-                    }
+                    book_gains(
+                        a,
+                        cnr,
+                        e,
+                        &mut out.sum[c0..c0 + TILE_C],
+                        live_mask,
+                        (c0, s as u16),
+                        &mut out.count,
+                        &mut out.gains,
+                    );
                 }
             }
         }

@@ -497,6 +497,19 @@ impl<R: Runtime> GpuMatcher<R> {
         }
     }
 
+    /// [`MatchError::Shape`] unless a window of `n` samples is longer than
+    /// 2·nt (the spikes lie in nt ≤ col < n − nt).
+    fn check_samples(&self, n: usize) -> Result<(), MatchError> {
+        let nt = self.setup.settings.nt;
+        if n <= 2 * nt {
+            return Err(super::shape_err(
+                "window",
+                format!("has {n} samples; expected more than {}", 2 * nt),
+            ));
+        }
+        Ok(())
+    }
+
     fn warn_overflow(&self, n: usize) {
         tracing::warn!(
             "GPU matching: more than {} spikes in one window of {n} samples (exactly tied Cf maxima?); this window is matched on the CPU",
@@ -581,13 +594,7 @@ impl<R: Runtime> GpuMatcher<R> {
     /// when a read back fails.
     pub fn match_device(&mut self, x: &Handle, n: usize) -> Result<WindowSpikes, MatchError> {
         let (_, _, n_c) = self.setup.u.dim();
-        let nt = self.setup.settings.nt;
-        if n <= 2 * nt {
-            return Err(super::shape_err(
-                "window",
-                format!("has {n} samples; expected more than {}", 2 * nt),
-            ));
-        }
+        self.check_samples(n)?;
         self.buffers(n);
         let before = self.lap();
         let xres = self.copy_on_device(x, n_c * n);
@@ -618,13 +625,7 @@ impl<R: Runtime> GpuMatcher<R> {
         x: &Handle,
         n: usize,
     ) -> Result<Option<WindowSpikes>, MatchError> {
-        let nt = self.setup.settings.nt;
-        if n <= 2 * nt {
-            return Err(super::shape_err(
-                "window",
-                format!("has {n} samples; expected more than {}", 2 * nt),
-            ));
-        }
+        self.check_samples(n)?;
         self.buffers(n);
         let before = self.lap();
         if let Some(p) = self.profile.as_mut() {
