@@ -126,12 +126,11 @@ impl Matcher {
     pub fn match_raw(
         &mut self,
         feed: &mut crate::backend::Detector,
-        raw: crate::detect::gpu::RawWindow,
+        mut raw: crate::detect::gpu::RawWindow,
         yc: &[f32],
     ) -> anyhow::Result<WindowSpikes> {
         use crate::backend::Detector;
         let n = raw.n_t;
-        let mut raw = raw;
         // A window sent ahead keeps its upload buffer until the matching has
         // read its spikes back (every kernel that reads the buffer is done
         // then, and the window can still be preprocessed again).
