@@ -189,6 +189,7 @@ fn check_sim32<R: Runtime>(device: &R::Device) {
             GpuMatchOptions {
                 peels_per_check: 4,
                 simple_kernels,
+                copy_window: false,
             },
         )
         .unwrap();

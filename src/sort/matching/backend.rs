@@ -135,36 +135,37 @@ impl Matcher {
         // read its spikes back (every kernel that reads the buffer is done
         // then, and the window can still be preprocessed again).
         let claim = raw.take_claim();
-        // The detector's whitened window becomes the residual; on the rare
-        // overflow of the device's spike capacity the window is preprocessed
-        // again and matched from a copy (which ends on the CPU).
-        // `SPIKECUBE_MATCH_COPY` keeps the window and matches a copy (for
-        // measuring the copy; the spikes are the same).
-        let copy = std::env::var_os("SPIKECUBE_MATCH_COPY").is_some();
         let out = match (self, feed) {
             #[cfg(feature = "cuda")]
-            (Matcher::Cuda(m), Detector::Cuda(d)) if copy => {
-                m.match_device(&d.preprocess_to_device(raw, yc)?, n)?
-            }
-            #[cfg(feature = "cuda")]
-            (Matcher::Cuda(m), Detector::Cuda(d)) => {
-                let x = d.preprocess_to_device(raw, yc)?;
-                match m.match_device_in_place(&x, n)? {
-                    Some(spikes) => spikes,
-                    None => m.match_device(&d.preprocess_last_again()?, n)?,
-                }
-            }
+            (Matcher::Cuda(m), Detector::Cuda(d)) => match_fed(m, d, raw, yc, n)?,
             #[cfg(feature = "wgpu")]
-            (Matcher::Wgpu(m), Detector::Wgpu(d)) => {
-                let x = d.preprocess_to_device(raw, yc)?;
-                match m.match_device_in_place(&x, n)? {
-                    Some(spikes) => spikes,
-                    None => m.match_device(&d.preprocess_last_again()?, n)?,
-                }
-            }
+            (Matcher::Wgpu(m), Detector::Wgpu(d)) => match_fed(m, d, raw, yc, n)?,
             _ => anyhow::bail!("the matcher and the preprocessing are not on one device"),
         };
         drop(claim);
         Ok(out)
     }
+}
+
+/// [`Matcher::match_raw`] on one runtime: the detector's whitened window
+/// becomes the residual; on the rare overflow of the device's spike capacity
+/// the window is preprocessed again and matched from a copy (which ends on
+/// the CPU). With [`super::gpu::GpuMatchOptions::copy_window`] the window is
+/// kept and a copy matched (for measuring the copy; the spikes are the same).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn match_fed<R: cubecl::Runtime>(
+    m: &mut super::gpu::GpuMatcher<R>,
+    d: &mut crate::detect::gpu::GpuDetector<R>,
+    raw: crate::detect::gpu::RawWindow,
+    yc: &[f32],
+    n: usize,
+) -> anyhow::Result<WindowSpikes> {
+    let x = d.preprocess_to_device(raw, yc)?;
+    if m.options().copy_window {
+        return Ok(m.match_device(&x, n)?);
+    }
+    Ok(match m.match_device_in_place(&x, n)? {
+        Some(spikes) => spikes,
+        None => m.match_device(&d.preprocess_last_again()?, n)?,
+    })
 }

@@ -79,6 +79,10 @@ pub struct GpuMatchOptions {
     /// the best-template scans (`.1`) instead of the tiled ones (the same
     /// results; for checking a device against them).
     pub simple_kernels: (bool, bool),
+    /// Windows fed from the device's preprocessing are copied and the copy
+    /// matched, instead of matching in the window's own buffer (the same
+    /// spikes; for measuring the copy).
+    pub copy_window: bool,
 }
 
 impl Default for GpuMatchOptions {
@@ -86,6 +90,7 @@ impl Default for GpuMatchOptions {
         GpuMatchOptions {
             peels_per_check: 8,
             simple_kernels: (false, false),
+            copy_window: false,
         }
     }
 }
@@ -93,8 +98,9 @@ impl Default for GpuMatchOptions {
 impl GpuMatchOptions {
     /// The defaults, with `peels_per_check` from `SPIKECUBE_MATCH_PEELS_PER_CHECK`
     /// when it holds a positive integer (a tuning knob: the spikes do not
-    /// depend on it), and the simple kernels with `SPIKECUBE_MATCH_KERNELS`
-    /// = `simple`, `simple-filter` or `simple-best` (a diagnostic).
+    /// depend on it), the simple kernels with `SPIKECUBE_MATCH_KERNELS`
+    /// = `simple`, `simple-filter` or `simple-best`, and the copied window
+    /// with `SPIKECUBE_MATCH_COPY` set (diagnostics).
     pub fn from_env() -> Self {
         let mut o = GpuMatchOptions::default();
         if let Some(v) = std::env::var("SPIKECUBE_MATCH_PEELS_PER_CHECK")
@@ -110,6 +116,7 @@ impl GpuMatchOptions {
             Ok("simple-best") => o.simple_kernels = (false, true),
             _ => {}
         }
+        o.copy_window = std::env::var_os("SPIKECUBE_MATCH_COPY").is_some();
         o
     }
 }
@@ -118,8 +125,10 @@ impl GpuMatchOptions {
 struct WindowBuffers {
     n: usize,
     cap: usize,
-    /// The window X, then its residual (C × N), refilled every window.
-    x: Handle,
+    /// The matcher's own copy of the window X, then its residual (C × N),
+    /// refilled every window; made on first use (a window matched in its
+    /// own device buffer needs none).
+    x: Option<Handle>,
     f: Handle,
     b: Handle,
     cfmax: Handle,
@@ -421,6 +430,11 @@ impl<R: Runtime> GpuMatcher<R> {
         Ok(m)
     }
 
+    /// How the peels are driven and which kernels run.
+    pub fn options(&self) -> GpuMatchOptions {
+        self.options
+    }
+
     /// The set-up this matcher was made from.
     pub fn setup(&self) -> &Arc<MatchingSetup> {
         &self.setup
@@ -535,11 +549,10 @@ impl<R: Runtime> GpuMatcher<R> {
         let nb = n.div_ceil(UNITS);
         let c = &self.client;
         let f = |len: usize| c.empty(len.max(1) * 4);
-        let n_c = self.setup.u.dim().2;
         self.window = Some(WindowBuffers {
             n,
             cap,
-            x: f(n_c * n),
+            x: None,
             f: f(self.n_used * npc * n),
             b: f(k * n),
             cfmax: f(n),
@@ -704,6 +717,16 @@ impl<R: Runtime> GpuMatcher<R> {
         self.download(&xres, n, count, peels).map(Some)
     }
 
+    /// The matcher's own window buffer (C × N f32 of the window's length),
+    /// made on first use.
+    fn window_x(&mut self) -> Handle {
+        let len = self.setup.u.dim().2 * self.window.as_ref().expect("allocated").n;
+        let client = &self.client;
+        let w = self.window.as_mut().expect("allocated");
+        w.x.get_or_insert_with(|| client.empty(len.max(1) * 4))
+            .clone()
+    }
+
     /// Copies window `x` into the persistent window buffer. CubeCL 0.10's
     /// `create_from_slice` stages its input on the host: a whole 92 MB
     /// window that way took about 0.2 s on the H200 machine, against a few ms
@@ -711,10 +734,10 @@ impl<R: Runtime> GpuMatcher<R> {
     /// [`crate::detect::gpu::upload::CHUNK`] floats (whose staging memory the
     /// pools reuse), each copied into place by a kernel, as detection's
     /// upload does.
-    fn upload(&self, x: ArrayView2<f32>) -> Handle {
+    fn upload(&mut self, x: ArrayView2<f32>) -> Handle {
         let xs = x.as_standard_layout();
         let xs = xs.as_slice().expect("standard layout");
-        let dst = self.window.as_ref().expect("allocated").x.clone();
+        let dst = self.window_x();
         let chunk = crate::detect::gpu::upload::CHUNK;
         for (i, part) in xs.chunks(chunk).enumerate() {
             let src = self.client.create_from_slice(bytes_f32(part));
@@ -738,8 +761,8 @@ impl<R: Runtime> GpuMatcher<R> {
     /// Copies the `len` floats of device buffer `src` into the persistent
     /// window buffer, in [`crate::detect::gpu::upload::CHUNK`]-float pieces
     /// (a launch's cube count stays within every back end's limit).
-    fn copy_on_device(&self, src: &Handle, len: usize) -> Handle {
-        let dst = self.window.as_ref().expect("allocated").x.clone();
+    fn copy_on_device(&mut self, src: &Handle, len: usize) -> Handle {
+        let dst = self.window_x();
         let chunk = crate::detect::gpu::upload::CHUNK;
         for start in (0..len).step_by(chunk) {
             let part = chunk.min(len - start);
