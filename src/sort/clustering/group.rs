@@ -4,6 +4,7 @@
 
 use super::knn::{knn, landmarks};
 use super::labels::{Graph, Labels, propagate};
+use super::profile::{GroupClock, lap};
 use super::seeding::kmeans_plusplus;
 use super::settings::{ClusteringSettings, N_CLUSTERS_INIT, N_LABEL_ROUNDS};
 use super::split::{SplitInput, new_clusters, split};
@@ -49,7 +50,20 @@ pub fn cluster_group(
     init: Option<&[u32]>,
     settings: &ClusteringSettings,
 ) -> GroupOutcome {
+    cluster_group_clocked(xd, dim, times, init, settings, &mut None)
+}
+
+/// [`cluster_group`], its stages timed on `clock` when profiling.
+pub(crate) fn cluster_group_clocked(
+    xd: &[f32],
+    dim: usize,
+    times: Option<&[f64]>,
+    init: Option<&[u32]>,
+    settings: &ClusteringSettings,
+    clock: &mut Option<GroupClock>,
+) -> GroupOutcome {
     let g = build_graph(xd, dim, settings);
+    lap(clock, 0);
     let seeded;
     let init = match init {
         Some(v) => v,
@@ -58,6 +72,7 @@ pub fn cluster_group(
             &seeded
         }
     };
+    lap(clock, 1);
     let nclust = init
         .iter()
         .map(|&l| l as usize + 1)
@@ -70,9 +85,11 @@ pub fn cluster_group(
         nclust: nc,
         rounds_run,
     } = propagate(&g, init, nclust, N_LABEL_ROUNDS);
+    lap(clock, 2);
     let (cc, cneg) = prepare(&g, &iclust, &isub, nc);
     let merges = find_merges(cc, cneg, nc);
     let sets = leaf_sets(&merges, nc);
+    lap(clock, 3);
     let valid = split(&SplitInput {
         xd,
         dim,
@@ -83,6 +100,7 @@ pub fn cluster_group(
         ks4_ccg_bug: settings.ks4_swarm_ccg_bug,
     });
     let labels = new_clusters(&iclust, &merges, &valid, &sets);
+    lap(clock, 4);
     let n_clusters = labels.iter().map(|&l| l as usize + 1).max().unwrap_or(1);
     GroupOutcome {
         labels,

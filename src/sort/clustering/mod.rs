@@ -25,6 +25,7 @@ pub mod group;
 pub mod groups;
 pub mod knn;
 pub mod labels;
+mod profile;
 pub mod seeding;
 pub mod settings;
 pub mod split;
@@ -222,19 +223,32 @@ fn run_group(
     inp: &ClusterInput<'_>,
     data: GroupData,
     settings: &ClusteringSettings,
+    prof: &profile::Profile,
 ) -> GroupResult {
     let n = data.spikes.len();
+    let mut clock = profile::GroupClock::start(n, data.dim);
     let (labels, ng, rounds) = if n < MIN_GROUP_SPIKES {
         (vec![0u32; n], 0, 0)
     } else {
         let times: Option<Vec<f64>> = inp
             .times
             .map(|t| data.spikes.iter().map(|&s| t[s]).collect());
-        let o = cluster_group(&data.xd, data.dim, times.as_deref(), None, settings);
+        let o = group::cluster_group_clocked(
+            &data.xd,
+            data.dim,
+            times.as_deref(),
+            None,
+            settings,
+            &mut clock,
+        );
         (o.labels, o.n_graph_clusters, o.rounds_run)
     };
     let k = labels.iter().map(|&l| l as usize + 1).max().unwrap_or(1);
     let means = cluster_means(&data.xd, data.dim, &labels, k);
+    profile::lap(&mut clock, 5);
+    if let Some(c) = clock {
+        prof.add(c);
+    }
     GroupResult {
         data_spikes: data.spikes,
         labels,
@@ -285,6 +299,8 @@ fn run_groups(
     order.sort_by_key(|&g| std::cmp::Reverse(members[g].len()));
     let members: Vec<Mutex<Vec<usize>>> = members.into_iter().map(Mutex::new).collect();
     let next = AtomicUsize::new(0);
+    let t0 = std::time::Instant::now();
+    let prof = profile::Profile::default();
     let per_thread: Vec<Vec<(usize, GroupResult)>> = rayon::broadcast(|_| {
         let mut done = Vec::new();
         loop {
@@ -306,11 +322,14 @@ fn run_groups(
                 inp.chans,
             );
             if let Some(d) = data {
-                done.push((g, run_group(inp, d, settings)));
+                done.push((g, run_group(inp, d, settings, &prof)));
             }
         }
         done
     });
+    if profile::enabled() {
+        prof.log(t0.elapsed().as_secs_f64(), rayon::current_num_threads());
+    }
     let mut results: Vec<(usize, GroupResult)> = per_thread.into_iter().flatten().collect();
     results.sort_unstable_by_key(|r| r.0);
     results.into_iter().map(|r| r.1).collect()
