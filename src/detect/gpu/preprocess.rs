@@ -362,3 +362,125 @@ pub(crate) fn whiten_kernel(
         x[j * n_t + t] = acc;
     }
 }
+
+/// Samples per cube (one per unit) of [`whiten_blocked_kernel`].
+pub const WHITEN_TILE: usize = 64;
+
+/// Whitening as [`whiten_kernel`], for a block of consecutive rows at once:
+/// the block's input rows (the union of its rows' CSR columns, `blk_cols`
+/// from `blk_start[b]`) are staged in shared memory for [`WHITEN_TILE`]
+/// samples, and each output X\[j, t\] is summed from there with the same
+/// terms, in the same order and grouping as [`whiten_kernel`] (`local[o]` is
+/// entry o's row within the block's staged rows). Each staged value serves
+/// every row of the block that reads it, instead of one load per term from
+/// global memory. One cube per block of `rows` rows and [`WHITEN_TILE`]
+/// samples; the union holds at most `max_union` rows.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn whiten_blocked_kernel(
+    y: &Array<f32>,
+    start: &Array<u32>,
+    vals: &Array<f32>,
+    blk_start: &Array<u32>,
+    blk_cols: &Array<u32>,
+    local: &Array<u32>,
+    x: &mut Array<f32>,
+    n_t: u32,
+    n_rows: u32,
+    rows: u32,
+    #[comptime] max_union: usize,
+) {
+    let mut ys = SharedMemory::<f32>::new(comptime!(max_union * WHITEN_TILE));
+    let blk = CUBE_POS_Y as usize;
+    let u = UNIT_POS_X as usize;
+    let t = CUBE_POS_X as usize * WHITEN_TILE + u;
+    let n_t = n_t as usize;
+    let in_range = t < n_t;
+    let ua = blk_start[blk] as usize;
+    let nu = blk_start[blk + 1] as usize - ua;
+    for k in 0..nu {
+        let mut v = 0.0f32;
+        if in_range {
+            v = y[blk_cols[ua + k] as usize * n_t + t];
+        }
+        ys[k * WHITEN_TILE + u] = v;
+    }
+    sync_cube();
+    if in_range {
+        let rows = rows as usize;
+        let j0 = blk * rows;
+        let mut j1 = j0 + rows;
+        if j1 > n_rows as usize {
+            j1 = n_rows as usize;
+        }
+        for j in j0..j1 {
+            let a = start[j] as usize;
+            let b = start[j + 1] as usize;
+            let quads = (b - a) / 4;
+            let mut acc = 0.0f32;
+            for qd in 0..quads {
+                let o = a + qd * 4;
+                let s0 = vals[o] * ys[local[o] as usize * WHITEN_TILE + u];
+                let s1 = vals[o + 1] * ys[local[o + 1] as usize * WHITEN_TILE + u];
+                let s2 = vals[o + 2] * ys[local[o + 2] as usize * WHITEN_TILE + u];
+                let s3 = vals[o + 3] * ys[local[o + 3] as usize * WHITEN_TILE + u];
+                acc += (s0 + s1) + (s2 + s3);
+            }
+            for o in a + quads * 4..b {
+                acc += vals[o] * ys[local[o] as usize * WHITEN_TILE + u];
+            }
+            x[j * n_t + t] = acc;
+        }
+    }
+}
+
+/// The blocked form of a C × C CSR matrix for [`whiten_blocked_kernel`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct BlockedCsr {
+    /// Rows per block.
+    pub rows: usize,
+    /// Start of each block's staged rows in `blk_cols` (blocks + 1).
+    pub blk_start: Vec<u32>,
+    /// Each block's staged input rows, ascending.
+    pub blk_cols: Vec<u32>,
+    /// Per CSR entry, its column's position among its block's staged rows.
+    pub local: Vec<u32>,
+}
+
+/// The blocked form of the CSR (`start`, C + 1 row starts; `cols`) with the
+/// most rows per block (8, 4, 2 or 1) whose every block reads at most
+/// `max_union` distinct input rows; `None` when even single rows read more.
+pub(crate) fn blocked_csr(start: &[u32], cols: &[u32], max_union: usize) -> Option<BlockedCsr> {
+    let c = start.len().saturating_sub(1);
+    'sizes: for rows in [8usize, 4, 2, 1] {
+        let mut blk_start = vec![0u32];
+        let mut blk_cols = Vec::new();
+        let mut local = vec![0u32; cols.len()];
+        let mut slot = vec![u32::MAX; c];
+        for j0 in (0..c).step_by(rows) {
+            let j1 = (j0 + rows).min(c);
+            let (a, b) = (start[j0] as usize, start[j1] as usize);
+            let mut u: Vec<u32> = cols[a..b].to_vec();
+            u.sort_unstable();
+            u.dedup();
+            if u.len() > max_union {
+                continue 'sizes;
+            }
+            for (k, &m) in u.iter().enumerate() {
+                slot[m as usize] = k as u32;
+            }
+            for o in a..b {
+                local[o] = slot[cols[o] as usize];
+            }
+            blk_cols.extend_from_slice(&u);
+            blk_start.push(blk_cols.len() as u32);
+        }
+        return Some(BlockedCsr {
+            rows,
+            blk_start,
+            blk_cols,
+            local,
+        });
+    }
+    None
+}
