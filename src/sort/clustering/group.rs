@@ -62,6 +62,9 @@ pub(crate) fn cluster_group_clocked(
     settings: &ClusteringSettings,
     clock: &mut Option<GroupClock>,
 ) -> GroupOutcome {
+    if clock.is_some() {
+        dump_features(xd, dim, init.is_none());
+    }
     let g = build_graph(xd, dim, settings);
     lap(clock, 0);
     let seeded;
@@ -108,5 +111,24 @@ pub(crate) fn cluster_group_clocked(
         graph_labels: iclust,
         n_graph_clusters: nc,
         rounds_run,
+    }
+}
+
+/// With profiling on and `SPIKECUBE_CLUSTER_DUMP` naming a folder, writes the
+/// feature matrix (n × `dim`, float32) of each group of at least 15 000
+/// spikes there as `group_<n>x<dim>.npy`, for studying the clustering's cost
+/// on real groups offline (a diagnostic; errors are ignored).
+fn dump_features(xd: &[f32], dim: usize, seeded: bool) {
+    let Some(dir) = std::env::var_os("SPIKECUBE_CLUSTER_DUMP") else {
+        return;
+    };
+    let n = xd.len() / dim.max(1);
+    if !seeded || n < 15_000 {
+        return;
+    }
+    let dir = std::path::PathBuf::from(dir);
+    let _ = std::fs::create_dir_all(&dir);
+    if let Ok(a) = ndarray::ArrayView2::from_shape((n, dim), xd) {
+        let _ = crate::npy::write(&dir.join(format!("group_{n}x{dim}.npy")), &a);
     }
 }
