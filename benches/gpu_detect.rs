@@ -88,7 +88,6 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize, o
         upload_chunk: 0,
         hp_per_unit: 8,
         highpass: spikecube::detect::gpu::highpass_iir::HighpassMode::Direct,
-        blocked_whitening: false,
     };
     let full = GpuOptions::default();
     let variants = [
@@ -116,13 +115,6 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize, o
             "F default without pruning",
             GpuOptions {
                 pruned: false,
-                ..full
-            },
-        ),
-        (
-            "H default with row-by-row whitening",
-            GpuOptions {
-                blocked_whitening: false,
                 ..full
             },
         ),

@@ -45,7 +45,6 @@ const DENSE: GpuOptions = GpuOptions {
     upload_chunk: 0,
     hp_per_unit: 8,
     highpass: HighpassMode::Auto,
-    blocked_whitening: true,
 };
 /// The default: every optimisation on.
 const FAST: GpuOptions = GpuOptions {
@@ -55,7 +54,6 @@ const FAST: GpuOptions = GpuOptions {
     upload_chunk: 1 << 20,
     hp_per_unit: 16,
     highpass: HighpassMode::Auto,
-    blocked_whitening: true,
 };
 /// The other combinations, mixed.
 const MIXED: GpuOptions = GpuOptions {
@@ -65,7 +63,6 @@ const MIXED: GpuOptions = GpuOptions {
     upload_chunk: 1000,
     hp_per_unit: 16,
     highpass: HighpassMode::Auto,
-    blocked_whitening: true,
 };
 const MIXED2: GpuOptions = GpuOptions {
     pruned: true,
@@ -74,7 +71,6 @@ const MIXED2: GpuOptions = GpuOptions {
     upload_chunk: 0,
     hp_per_unit: 8,
     highpass: HighpassMode::Auto,
-    blocked_whitening: true,
 };
 
 fn close(what: &str, a: &[f32], b: &[f32]) {
@@ -580,120 +576,6 @@ fn check_preprocessing<R: Runtime>(
 /// high-pass ([`Preprocessor::highpass`]) on the CPU's CAR output: within 1e-5
 /// of max|x| (the twin measured 8.4e-7; the CARs differ by a few f32 ulps).
 /// Cases: (sites, N) with even and odd N (shift 1), N a multiple of the chunk
-
-/// The blocked whitening kernel against the row-by-row one: bit-identical
-/// whitened windows for the fitted whitening (about 32 non-zeros a row) and
-/// for wide matrices as drift correction makes them (`M_b·W`, up to 90
-/// non-zeros a row, row lengths not multiples of 4, empty rows), on even and
-/// odd site counts and window lengths; one matrix too wide for the blocked
-/// kernel, which then falls back to rows.
-fn check_blocked_whitening<R: Runtime>(device: &R::Device) {
-    use spikecube::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
-    let packer = spikecube::detect::gpu::Packer::default();
-    for (case, (n_sites, odd, width)) in [
-        (32usize, false, 0usize),
-        (161, true, 45),
-        (384, false, 45),
-        (241, true, 200),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let xy: Vec<(f32, f32)> = (0..n_sites)
-            .map(|r| ((r % 2) as f32 * 32.0, (r / 2) as f32 * 20.0))
-            .collect();
-        let p: Probe = probe(&xy, &vec![0; n_sites]);
-        let settings = PreprocessSettings {
-            batch_size: 4000 + usize::from(odd),
-            ..PreprocessSettings::default()
-        };
-        let nw = settings.window_len();
-        let raw = raw_window(&xy, nw, case as u64 + 70);
-        let pre = Preprocessor::fit(
-            1,
-            |_| -> Result<Array2<f32>, spikecube::error::PreprocessError> { Ok(raw.clone()) },
-            &p,
-            &settings,
-        )
-        .unwrap();
-        let s = DetectionSettings {
-            nearest_chans: 10.min(n_sites),
-            ..DetectionSettings::default()
-        };
-        let g = Geometry::new(&p, &s).unwrap();
-        let form = pre.device_form(DEVICE_TAP_FLOOR).unwrap();
-        // A wide CSR: row j reads the sites within `width` of it, in a
-        // scrambled order, some rows shortened to odd lengths, one row empty.
-        let wide = (width > 0).then(|| {
-            let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ case as u64;
-            let mut next = move || {
-                rng ^= rng << 13;
-                rng ^= rng >> 7;
-                rng ^= rng << 17;
-                rng
-            };
-            let (mut start, mut cols, mut vals) = (vec![0u32], Vec::new(), Vec::new());
-            for j in 0..n_sites {
-                let lo = j.saturating_sub(width);
-                let hi = (j + width + 1).min(n_sites);
-                let mut row: Vec<u32> = (lo as u32..hi as u32).collect();
-                for i in (1..row.len()).rev() {
-                    row.swap(i, (next() % (i as u64 + 1)) as usize);
-                }
-                row.truncate(row.len() - (j % 3));
-                if j == n_sites / 2 {
-                    row.clear();
-                }
-                for m in row {
-                    cols.push(m);
-                    vals.push(((next() % 2001) as f32 - 1000.0) * 1e-3);
-                }
-                start.push(cols.len() as u32);
-            }
-            (start, cols, vals)
-        });
-        let mut got = Vec::new();
-        for blocked in [true, false] {
-            let mut det = gpu::<R>(
-                device,
-                &g,
-                &s,
-                GpuOptions {
-                    blocked_whitening: blocked,
-                    ..FAST
-                },
-            );
-            det.set_preprocessing(&form).unwrap();
-            if let Some((start, cols, vals)) = &wide {
-                det.set_whitening(start, cols, vals).unwrap();
-            }
-            let rows = det.whitening_rows_per_block();
-            eprintln!(
-                "blocked whitening case {case}: {n_sites} sites, N {nw}, asked {blocked}, rows per block {rows:?}"
-            );
-            if !blocked || width > 100 {
-                assert_eq!(rows, None, "case {case}: row-by-row expected");
-            } else {
-                assert!(
-                    rows.is_some(),
-                    "case {case}: the blocked kernel was not used"
-                );
-            }
-            got.push(det.preprocess_only(packer.pack(raw.view()), &p.yc).unwrap());
-        }
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        let diff = got[0]
-            .iter()
-            .zip(&got[1])
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
-        assert!(
-            diff == 0 && bits(&got[0]) == bits(&got[1]),
-            "case {case}: {diff} values differ between the blocked and the row-by-row whitening"
-        );
-    }
-}
-
 /// or not, N below one chunk.
 fn check_highpass_iir<R: Runtime>(
     device: &R::Device,
@@ -906,7 +788,6 @@ mod wgpu {
     #[test]
     fn preprocessing() {
         check_preprocessing::<WgpuRuntime>(&device(), 6122, &Default::default(), &|_| {});
-        check_blocked_whitening::<WgpuRuntime>(&device());
     }
     /// The IIR with f64 state: lavapipe advertises doubles (`SHADER_F64`), so
     /// this is also the high-pass `Auto` picks there.
@@ -1110,11 +991,6 @@ mod cuda {
     #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
     fn cuda_random() {
         check_random::<CudaRuntime>(&device(), 200);
-    }
-    #[test]
-    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
-    fn cuda_blocked_whitening() {
-        check_blocked_whitening::<CudaRuntime>(&device());
     }
     #[test]
     #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]

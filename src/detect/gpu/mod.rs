@@ -73,12 +73,6 @@ pub struct GpuOptions {
     /// Default `Auto`; the environment variable `SPIKECUBE_HIGHPASS`
     /// (`direct`, `iir`, `iir-f32`) overrides it, for measuring.
     pub highpass: highpass_iir::HighpassMode,
-    /// Whitening by blocks of rows staged in shared memory
-    /// ([`preprocess::whiten_blocked_kernel`]) where the matrix allows, else
-    /// row by row ([`preprocess::whiten_kernel`]); the same values either way.
-    /// Default true; the environment variable `SPIKECUBE_WHITEN=rows`
-    /// turns it off, for measuring.
-    pub blocked_whitening: bool,
 }
 
 impl Default for GpuOptions {
@@ -93,7 +87,6 @@ impl Default for GpuOptions {
                 _ => preprocess::HP_PER_UNIT,
             },
             highpass: highpass_iir::HighpassMode::from_env(),
-            blocked_whitening: std::env::var("SPIKECUBE_WHITEN").as_deref() != Ok("rows"),
         }
     }
 }
@@ -275,21 +268,6 @@ struct RawRecipe {
     w_cols: Handle,
     w_vals: Handle,
     w_nnz: usize,
-    w_blocked: Option<DeviceBlocked>,
-}
-
-/// A whitening CSR's blocked form on the device ([`preprocess::BlockedCsr`]).
-#[derive(Clone)]
-struct DeviceBlocked {
-    blk_start: Handle,
-    blk_cols: Handle,
-    local: Handle,
-    rows: usize,
-    n_blocks: usize,
-    n_union: usize,
-    n_local: usize,
-    /// Staged rows the kernel is compiled for (≥ every block's union).
-    max_union: usize,
 }
 
 /// A window queued by [`GpuDetector::submit_raw`].
@@ -315,7 +293,6 @@ struct DevicePre {
     w_start: Handle,
     w_cols: Handle,
     w_vals: Handle,
-    w_blocked: Option<DeviceBlocked>,
     means: Handle,
     /// Shared-memory size (taps) the high-pass kernel is compiled for.
     max_taps: usize,
@@ -834,7 +811,6 @@ impl<R: Runtime> GpuDetector<R> {
         }
         let mut taps = form.taps.clone();
         taps.resize(n_taps, 0.0);
-        let w_blocked = self.blocked_whitening(&form.w_start, &form.w_cols);
         let up_f = |v: &[f32]| self.client.create_from_slice(bytes_f32(v));
         let up_u = |v: &[u32]| self.client.create_from_slice(bytes_u32(v));
         self.pre = Some(DevicePre {
@@ -843,53 +819,12 @@ impl<R: Runtime> GpuDetector<R> {
             w_start: up_u(&form.w_start),
             w_cols: up_u(&form.w_cols),
             w_vals: up_f(&form.w_vals),
-            w_blocked,
             means: self.client.empty(form.n_sites.max(1) * 4),
             max_taps,
             form: form.clone(),
             iir,
         });
         Ok(())
-    }
-
-    /// The blocked form of a whitening CSR on the device, when the options ask
-    /// for it and every block's input rows fit the kernel's shared memory.
-    fn blocked_whitening(&self, start: &[u32], cols: &[u32]) -> Option<DeviceBlocked> {
-        if !self.options.blocked_whitening || cols.is_empty() {
-            return None;
-        }
-        let row_bytes = preprocess::WHITEN_TILE * 4;
-        let limit = self
-            .client
-            .properties()
-            .hardware
-            .max_shared_memory_size
-            .min(48 * 1024)
-            / row_bytes;
-        let b = preprocess::blocked_csr(start, cols, limit)?;
-        let widest = b
-            .blk_start
-            .windows(2)
-            .map(|w| (w[1] - w[0]) as usize)
-            .max()
-            .unwrap_or(1);
-        // A few compiled sizes: the smallest multiple of 64 rows that holds
-        // the widest block.
-        let max_union = (widest.div_ceil(64) * 64).clamp(64, limit.max(64));
-        if widest > max_union {
-            return None;
-        }
-        let up = |v: &[u32]| self.client.create_from_slice(bytes_u32(v));
-        Some(DeviceBlocked {
-            blk_start: up(&b.blk_start),
-            blk_cols: up(&b.blk_cols),
-            local: up(&b.local),
-            rows: b.rows,
-            n_blocks: b.blk_start.len() - 1,
-            n_union: b.blk_cols.len(),
-            n_local: b.local.len(),
-            max_union,
-        })
     }
 
     /// Replaces the whitening of the device preprocessing by another C × C
@@ -932,9 +867,6 @@ impl<R: Runtime> GpuDetector<R> {
                 ),
             });
         }
-        let w_blocked = self.blocked_whitening(start, cols);
-        let pre = self.pre.as_mut().expect("checked above");
-        pre.w_blocked = w_blocked;
         pre.w_start = self.client.create_from_slice(bytes_u32(start));
         // An all-zero matrix still gets one (unread) element per buffer.
         let cols_up: &[u32] = if cols.is_empty() { &[0] } else { cols };
@@ -1362,7 +1294,6 @@ impl<R: Runtime> GpuDetector<R> {
             w_cols: pre.w_cols.clone(),
             w_vals: pre.w_vals.clone(),
             w_nnz: pre.form.w_cols.len(),
-            w_blocked: pre.w_blocked.clone(),
         })
     }
 
@@ -1442,31 +1373,7 @@ impl<R: Runtime> GpuDetector<R> {
             if kernels > 2 {
                 self.pre_mark(Some(2));
             }
-            if kernels > 3
-                && let Some(bw) = &win.w_blocked
-            {
-                preprocess::whiten_blocked_kernel::launch_unchecked::<R>(
-                    &self.client,
-                    CubeCount::Static(
-                        n_t.div_ceil(preprocess::WHITEN_TILE) as u32,
-                        bw.n_blocks as u32,
-                        1,
-                    ),
-                    CubeDim::new_1d(preprocess::WHITEN_TILE as u32),
-                    arr(&w.q, c * n_t),
-                    arr(&win.w_start, c + 1),
-                    arr(&win.w_vals, win.w_nnz.max(1)),
-                    arr(&bw.blk_start, bw.n_blocks + 1),
-                    arr(&bw.blk_cols, bw.n_union.max(1)),
-                    arr(&bw.local, bw.n_local.max(1)),
-                    arr(&w.x, c * n_t),
-                    n_t as u32,
-                    c as u32,
-                    bw.rows as u32,
-                    bw.max_union,
-                );
-                self.pre_mark(Some(3));
-            } else if kernels > 3 {
+            if kernels > 3 {
                 preprocess::whiten_kernel::launch_unchecked::<R>(
                     &self.client,
                     CubeCount::Static(n_t.div_ceil(preprocess::UNITS) as u32, c as u32, 1),
@@ -1482,13 +1389,6 @@ impl<R: Runtime> GpuDetector<R> {
             }
         }
         self.x = Some(self.window.as_ref().expect("allocated").x.clone());
-    }
-
-    /// Rows per block of the blocked whitening kernel in use
-    /// ([`GpuOptions::blocked_whitening`]), `None` when the whitening runs row
-    /// by row (turned off, no preprocessing set, or a matrix too wide for it).
-    pub fn whitening_rows_per_block(&self) -> Option<usize> {
-        self.pre.as_ref()?.w_blocked.as_ref().map(|b| b.rows)
     }
 
     /// The geometry in use.
