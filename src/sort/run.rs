@@ -290,7 +290,8 @@ fn sort_into(
     let blanking = job.detect.checks.blanking.clone();
     let device_preprocessing = job.detect.device_preprocessing;
     let run_info = job.detect.run_info.clone();
-    let s = job.sort.clone();
+    let mut s = job.sort.clone();
+    s.clustering.seeding_device = seeding_device(backend);
     let mut timings: Vec<(&'static str, f64)> = Vec::new();
     let mut lap = {
         let mut t = Instant::now();
@@ -744,6 +745,26 @@ fn export_settings(run_info: &crate::output::RunInfo, fs: f64, s: &SortSettings)
     export.merge.thresholds.acg = s.acg_threshold;
     export.merge.thresholds.ccg = s.ccg_threshold;
     export
+}
+
+/// Where the clusterings' seeding screens its candidate pairs: on the sort's
+/// GPU when its back end is CUDA or wgpu (the labels are the same bytes as on
+/// the CPU), else on the CPU. `SPIKECUBE_SEED_SCREEN=cpu` keeps it on the
+/// CPU, for measuring.
+fn seeding_device(backend: Backend) -> crate::sort::clustering::SeedingDevice {
+    use crate::sort::clustering::SeedingDevice;
+    if std::env::var("SPIKECUBE_SEED_SCREEN").as_deref() == Ok("cpu") {
+        return SeedingDevice::cpu();
+    }
+    let device = match crate::backend::choose(backend) {
+        #[cfg(feature = "cuda")]
+        Ok(c) if c.backend == "cuda" => SeedingDevice::cuda(),
+        #[cfg(feature = "wgpu")]
+        Ok(c) if c.backend == "wgpu" => SeedingDevice::wgpu(),
+        _ => SeedingDevice::cpu(),
+    };
+    tracing::info!("clustering: seeding pairs screened on {}", device.name());
+    device
 }
 
 /// The first clustering of the universal spikes (by template centre).

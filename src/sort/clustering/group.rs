@@ -5,7 +5,7 @@
 use super::knn::{knn, landmarks};
 use super::labels::{Graph, Labels, propagate};
 use super::profile::{GroupClock, lap};
-use super::seeding::kmeans_plusplus;
+use super::seeding::kmeans_plusplus_on;
 use super::settings::{ClusteringSettings, N_CLUSTERS_INIT, N_LABEL_ROUNDS};
 use super::split::{SplitInput, new_clusters, split};
 use super::tree::{find_merges, leaf_sets, prepare};
@@ -71,7 +71,13 @@ pub(crate) fn cluster_group_clocked(
     let init = match init {
         Some(v) => v,
         None => {
-            seeded = kmeans_plusplus(xd, dim, N_CLUSTERS_INIT, settings.cluster_init_seed);
+            seeded = kmeans_plusplus_on(
+                xd,
+                dim,
+                N_CLUSTERS_INIT,
+                settings.cluster_init_seed,
+                &settings.seeding_device,
+            );
             &seeded
         }
     };

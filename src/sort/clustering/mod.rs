@@ -21,6 +21,7 @@
 //! test runs as intended (`ks4_swarm_ccg_bug` restores 4.1.7's skipped test).
 
 pub mod ccg;
+pub mod device;
 pub mod group;
 pub mod groups;
 pub mod knn;
@@ -33,6 +34,7 @@ pub mod tree;
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
 
+pub use device::SeedingDevice;
 pub use group::{GroupOutcome, cluster_group};
 pub use groups::{GroupData, Positions};
 pub use settings::{ClusteringSettings, MIN_GROUP_SPIKES, XCenters};

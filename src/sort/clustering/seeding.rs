@@ -25,6 +25,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
 use rayon::prelude::*;
 
+use super::device::{GroupScreen, SCREEN_TILE, SeedingDevice};
 use super::settings::N_CANDIDATES;
 
 /// Spikes per block of the gain sums (fixed, so totals do not depend on the
@@ -126,6 +127,19 @@ struct Memo {
 /// (rows of `xd`, float32), by Kilosort4's greedy k-means++ seeding with our
 /// own generator seeded with `seed`.
 pub fn kmeans_plusplus(xd: &[f32], dim: usize, n_clusters: usize, seed: u64) -> Vec<u32> {
+    kmeans_plusplus_on(xd, dim, n_clusters, seed, &SeedingDevice::cpu())
+}
+
+/// [`kmeans_plusplus`] with the fresh candidates' pairs screened on `device`
+/// when it is a GPU that takes the group ([`SeedingDevice`]): the same labels,
+/// bit for bit.
+pub fn kmeans_plusplus_on(
+    xd: &[f32],
+    dim: usize,
+    n_clusters: usize,
+    seed: u64,
+    device: &SeedingDevice,
+) -> Vec<u32> {
     let n = xd.len() / dim;
     // The integer screen pays only where its 16-bit products run in
     // AVX-512; elsewhere every gain is computed in float32 (the same bits).
@@ -137,12 +151,13 @@ pub fn kmeans_plusplus(xd: &[f32], dim: usize, n_clusters: usize, seed: u64) -> 
         seed,
         n.saturating_mul(MEMO_GAINS_PER_SPIKE),
         (level >= Level::Avx512Bw).then_some(level),
+        device,
     )
 }
 
 /// [`kmeans_plusplus`] with a memo of at most `memo_cap` gains and the
-/// fresh candidates' gains screened at `screen_level` ([`Screen`]; `None`:
-/// all computed).
+/// fresh candidates' gains screened on `device` when it takes the group, else
+/// at `screen_level` ([`Screen`]; `None`: all computed).
 fn seed_labels(
     xd: &[f32],
     dim: usize,
@@ -150,10 +165,12 @@ fn seed_labels(
     seed: u64,
     memo_cap: usize,
     screen_level: Option<Level>,
+    device: &SeedingDevice,
 ) -> Vec<u32> {
     let n = xd.len() / dim;
     let rows = |i: usize| &xd[i * dim..(i + 1) * dim];
     let vtot: Vec<f32> = (0..n).map(|i| dot(rows(i), rows(i))).collect();
+    let mut dev = device.group(xd, dim, &vtot);
     let mut vexp0 = vec![0f32; n];
     let mut iclust = vec![0u32; n];
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -162,7 +179,11 @@ fn seed_labels(
         held: 0,
         cap: memo_cap,
     };
-    let screen = screen_level.and_then(|level| Screen::new(xd, dim, level));
+    let screen = if dev.is_some() {
+        None
+    } else {
+        screen_level.and_then(|level| Screen::new(xd, dim, level))
+    };
     for j in 0..n_clusters {
         let v2: Vec<f32> = vtot
             .iter()
@@ -176,7 +197,15 @@ fn seed_labels(
         }
         // The spikes whose gain from the kept candidate beats their v0 (its
         // gain 2x·c − ‖c‖² > v0) take its label and that gain as their v0.
-        let (best, won) = best_candidate(xd, dim, &cand, &vexp0, &mut memo, screen.as_ref());
+        let (best, won) = best_candidate(
+            xd,
+            dim,
+            &cand,
+            &vexp0,
+            &mut memo,
+            screen.as_ref(),
+            dev.as_deref_mut(),
+        );
         let won = won.unwrap_or_else(|| beating(xd, rows(cand[best]), &vexp0));
         for (i, t) in won {
             vexp0[i as usize] = t;
@@ -267,6 +296,7 @@ fn best_candidate(
     vexp0: &[f32],
     memo: &mut Memo,
     screen: Option<&Screen>,
+    dev: Option<&mut (dyn GroupScreen + 'static)>,
 ) -> (usize, Option<Vec<Gain>>) {
     let nc = cand.len();
     let mut total = vec![0f64; nc];
@@ -284,7 +314,7 @@ fn best_candidate(
             }
         });
     if !fresh.is_empty() {
-        let (sums, gains) = fresh_gains(xd, dim, cand, &fresh, vexp0, screen);
+        let (sums, gains) = fresh_gains(xd, dim, cand, &fresh, vexp0, screen, dev);
         for ((&c, s), g) in fresh.iter().zip(sums).zip(gains) {
             total[c] = s;
             lists[c] = g;
@@ -349,7 +379,9 @@ struct BlockOut {
 /// The summed positive gains of the candidates `cand[fresh]` (float64, in
 /// spike order within blocks of [`SPIKE_BLOCK`], blocks in order) and, for
 /// each, the spikes (ascending) whose gain t beats their v0, with t (`None`
-/// past [`BLOCK_GAINS_MAX`] in a block).
+/// past [`BLOCK_GAINS_MAX`] in a block). With `dev`, only the spikes it
+/// flags are computed (the others add +0), else those the CPU `screen` lets
+/// through, else all.
 fn fresh_gains(
     xd: &[f32],
     dim: usize,
@@ -357,6 +389,7 @@ fn fresh_gains(
     fresh: &[usize],
     vexp0: &[f32],
     screen: Option<&Screen>,
+    dev: Option<&mut (dyn GroupScreen + 'static)>,
 ) -> (Vec<f64>, Vec<Option<Vec<Gain>>>) {
     let nf = fresh.len();
     let ncp = nf.div_ceil(TILE_C) * TILE_C;
@@ -372,7 +405,16 @@ fn fresh_gains(
             tile[k * TILE_C + c % TILE_C] = v;
         }
     }
-    let lanes = screen.map(|scr| scr.lanes(xd, dim, cand, fresh, ncp));
+    let flags = dev.map(|d| {
+        let rows: Vec<u32> = fresh.iter().map(|&f| cand[f] as u32).collect();
+        d.flags(vexp0, &rows, &cn[..nf])
+    });
+    let level = Level::detect();
+    let lanes = if flags.is_some() {
+        None
+    } else {
+        screen.map(|scr| scr.lanes(xd, dim, cand, fresh, ncp))
+    };
     let blocks: Vec<BlockOut> = xd
         .par_chunks(SPIKE_BLOCK * dim)
         .zip(vexp0.par_chunks(SPIKE_BLOCK))
@@ -384,6 +426,11 @@ fn fresh_gains(
                 count: vec![0; ncp],
             };
             match (screen, &lanes) {
+                _ if flags.is_some() => {
+                    let first = b * SPIKE_BLOCK;
+                    let fl = &flags.as_ref().expect("checked")[first..first + v0.len()];
+                    flagged_block(block, v0, fl, &ct, &cn, dim, nf, level, &mut out);
+                }
                 (Some(scr), Some(lanes)) => {
                     let first = b * SPIKE_BLOCK;
                     let mut sc = ScreenedBlock {
@@ -867,30 +914,117 @@ impl ScreenedBlock<'_> {
                 }
             }
             let cp = &self.ct[t * dim * TILE_C..(t + 1) * dim * TILE_C];
-            let cnr = &cn[c0..c0 + TILE_C];
-            for chunk in survivors.chunks(TILE_S) {
-                let x: [&[f32]; TILE_S] = std::array::from_fn(|r| match chunk.get(r) {
-                    Some(&s) => &self.block[s * dim..(s + 1) * dim],
-                    None => &zero_x,
-                });
-                let acc = exact_dots(scr.level, &x, cp);
-                for (&s, a) in chunk.iter().zip(&acc) {
-                    let e = self.v0[s];
-                    book_gains(
-                        a,
-                        cnr,
-                        e,
-                        &mut out.sum[c0..c0 + TILE_C],
-                        live_mask,
-                        (c0, s as u16),
-                        &mut out.count,
-                        &mut out.gains,
-                    );
-                }
+            let tile = Survivors {
+                cp,
+                cnr: &cn[c0..c0 + TILE_C],
+                c0,
+                live_mask,
+            };
+            tile.book(
+                self.block, self.v0, dim, scr.level, &survivors, &zero_x, out,
+            );
+        }
+    }
+}
+
+/// One tile of [`TILE_C`] candidates and the spikes of a block that its
+/// screen let through.
+struct Survivors<'a> {
+    /// The tile's candidates, feature-major (dim × [`TILE_C`]).
+    cp: &'a [f32],
+    /// Their ‖c‖².
+    cnr: &'a [f32],
+    /// The tile's first candidate column.
+    c0: usize,
+    /// Live candidate lanes.
+    live_mask: u32,
+}
+
+impl Survivors<'_> {
+    /// Books the gains of the spikes `survivors` (ascending, within `block`)
+    /// as [`block_gains`] does ([`book_gains`] of their exact dot products).
+    #[allow(clippy::too_many_arguments)]
+    fn book(
+        &self,
+        block: &[f32],
+        v0: &[f32],
+        dim: usize,
+        level: Level,
+        survivors: &[usize],
+        zero_x: &[f32],
+        out: &mut BlockOut,
+    ) {
+        let c0 = self.c0;
+        for chunk in survivors.chunks(TILE_S) {
+            let x: [&[f32]; TILE_S] = std::array::from_fn(|r| match chunk.get(r) {
+                Some(&s) => &block[s * dim..(s + 1) * dim],
+                None => zero_x,
+            });
+            let acc = exact_dots(level, &x, self.cp);
+            for (&s, a) in chunk.iter().zip(&acc) {
+                book_gains(
+                    a,
+                    self.cnr,
+                    v0[s],
+                    &mut out.sum[c0..c0 + TILE_C],
+                    self.live_mask,
+                    (c0, s as u16),
+                    &mut out.count,
+                    &mut out.gains,
+                );
             }
         }
     }
 }
+
+/// As [`block_gains`], for the spikes of `block` that the device flagged
+/// (`flags`: bit t of a spike for tile t of the candidates; a spike not
+/// flagged for a tile adds +0 to its sums and beats none of its candidates).
+#[allow(clippy::too_many_arguments)]
+fn flagged_block(
+    block: &[f32],
+    v0: &[f32],
+    flags: &[u32],
+    ct: &[f32],
+    cn: &[f32],
+    dim: usize,
+    live: usize,
+    level: Level,
+    out: &mut BlockOut,
+) {
+    let zero_x = vec![0f32; dim];
+    let mut survivors: Vec<usize> = Vec::with_capacity(v0.len());
+    for (t, (cp, cnr)) in ct
+        .chunks_exact(dim * TILE_C)
+        .zip(cn.chunks_exact(TILE_C))
+        .enumerate()
+    {
+        let c0 = t * TILE_C;
+        let lanes = live.saturating_sub(c0).min(TILE_C);
+        if lanes == 0 {
+            continue;
+        }
+        let live_mask = if lanes == TILE_C {
+            u32::MAX
+        } else {
+            (1u32 << lanes) - 1
+        };
+        survivors.clear();
+        survivors.extend((0..v0.len()).filter(|&s| flags[s] >> t & 1 != 0));
+        let tile = Survivors {
+            cp,
+            cnr,
+            c0,
+            live_mask,
+        };
+        tile.book(block, v0, dim, level, &survivors, &zero_x, out);
+    }
+}
+
+const _: () = assert!(
+    SCREEN_TILE == TILE_C,
+    "one device flag per tile of candidates"
+);
 
 /// [`tile_dots`] at `level` (the same bits at every level).
 fn exact_dots(level: Level, x: &[&[f32]; TILE_S], cp: &[f32]) -> [[f32; TILE_C]; TILE_S] {
@@ -1160,7 +1294,9 @@ mod tests {
                             .build()
                             .unwrap();
                         let cap = n * MEMO_GAINS_PER_SPIKE;
-                        let got = pool.install(|| seed_labels(&xd, dim, 60, seed, cap, level));
+                        let got = pool.install(|| {
+                            seed_labels(&xd, dim, 60, seed, cap, level, &SeedingDevice::cpu())
+                        });
                         assert_eq!(
                             got, want,
                             "dim {dim}, seed {seed}, {level:?}, {threads} threads"
@@ -1178,6 +1314,109 @@ mod tests {
             x ^= x >> 7;
             x ^= x << 17;
             (x >> 11) as f32 / (1u64 << 53) as f32 - 0.5
+        }
+    }
+
+    /// A device screen evaluated on the CPU as a device may: each dot product
+    /// in reverse feature order with fused multiply-adds, then the bound of
+    /// the device kernel; or every spike flagged.
+    struct CpuDeviceScreen {
+        xd: Vec<f32>,
+        dim: usize,
+        xn: Vec<f32>,
+        flag_all: bool,
+    }
+
+    impl GroupScreen for CpuDeviceScreen {
+        fn flags(&mut self, v0: &[f32], cand: &[u32], cn: &[f32]) -> Vec<u32> {
+            let f = super::super::device::slack_factor(self.dim);
+            let row = |i: usize| &self.xd[i * self.dim..(i + 1) * self.dim];
+            (0..v0.len())
+                .map(|s| {
+                    let mut bits = 0u32;
+                    for (k, (&c, &cc)) in cand.iter().zip(cn).enumerate() {
+                        let acc = row(s)
+                            .iter()
+                            .zip(row(c as usize))
+                            .rev()
+                            .fold(0f32, |a, (&x, &y)| x.mul_add(y, a));
+                        let t = 2f32.mul_add(acc, -cc);
+                        let e = v0[s];
+                        let slack = f * (self.xn[s] + 2.0 * cc + e.abs()) + 1e-30;
+                        if self.flag_all || t > e - slack {
+                            bits |= 1 << (k / SCREEN_TILE);
+                        }
+                    }
+                    bits
+                })
+                .collect()
+        }
+    }
+
+    struct CpuDevice {
+        flag_all: bool,
+    }
+
+    impl super::super::device::ScreenFactory for CpuDevice {
+        fn group(&self, xd: &[f32], dim: usize, xn: &[f32]) -> Option<Box<dyn GroupScreen>> {
+            Some(Box::new(CpuDeviceScreen {
+                xd: xd.to_vec(),
+                dim,
+                xn: xn.to_vec(),
+                flag_all: self.flag_all,
+            }))
+        }
+        fn name(&self) -> String {
+            "cpu-as-device".into()
+        }
+    }
+
+    #[test]
+    fn device_screened_seeding_equals_literal_seeding() {
+        // Blobs, repeated points and exact ties (small integer features), as
+        // in the tests above, screened by a device that sums in another
+        // order with fused operations, and by one that flags every spike.
+        let mut next = uniform_gen(11);
+        let mut cases: Vec<(usize, Vec<f32>)> = Vec::new();
+        let (dim, n, blobs) = (72usize, 3000usize, 20usize);
+        let centres: Vec<Vec<f32>> = (0..blobs)
+            .map(|b| {
+                (0..dim)
+                    .map(|_| next() * 30.0 * (1 + b % 3) as f32)
+                    .collect()
+            })
+            .collect();
+        let mut xd = Vec::with_capacity(n * dim);
+        for i in 0..n {
+            let spread = [0.3, 1.0, 3.0][i % 3];
+            xd.extend(
+                centres[(i * 7) % blobs]
+                    .iter()
+                    .map(|&v| v + spread * next()),
+            );
+        }
+        cases.push((dim, xd));
+        let dim = 4;
+        cases.push((
+            dim,
+            (0..2000 * dim).map(|_| (next() * 5.0).round()).collect(),
+        ));
+        for (dim, xd) in &cases {
+            let n = xd.len() / dim;
+            for seed in [1, 5] {
+                let want = literal(xd, *dim, 120, seed);
+                for flag_all in [false, true] {
+                    let dev =
+                        SeedingDevice::from_factory(std::sync::Arc::new(CpuDevice { flag_all }));
+                    for cap in [0, n * MEMO_GAINS_PER_SPIKE] {
+                        let got = seed_labels(xd, *dim, 120, seed, cap, None, &dev);
+                        assert_eq!(
+                            got, want,
+                            "dim {dim}, seed {seed}, all {flag_all}, cap {cap}"
+                        );
+                    }
+                }
+            }
         }
     }
 
@@ -1201,7 +1440,7 @@ mod tests {
             for cap in [0, 50, usize::MAX] {
                 for level in levels() {
                     assert_eq!(
-                        seed_labels(&xd, dim, 80, seed, cap, level),
+                        seed_labels(&xd, dim, 80, seed, cap, level, &SeedingDevice::cpu()),
                         want,
                         "seed {seed}, memo cap {cap}, screen {level:?}"
                     );
@@ -1228,7 +1467,15 @@ mod tests {
             let want = literal(&xd, dim, 150, seed);
             assert_eq!(kmeans_plusplus(&xd, dim, 150, seed), want, "seed {seed}");
             for level in levels() {
-                let got = seed_labels(&xd, dim, 150, seed, n * MEMO_GAINS_PER_SPIKE, level);
+                let got = seed_labels(
+                    &xd,
+                    dim,
+                    150,
+                    seed,
+                    n * MEMO_GAINS_PER_SPIKE,
+                    level,
+                    &SeedingDevice::cpu(),
+                );
                 assert_eq!(got, want, "seed {seed}, screen {level:?}");
             }
         }
@@ -1304,7 +1551,7 @@ mod tests {
         (v0, v1): (&[f32], &[f32]),
         screen: Option<&Screen>,
     ) {
-        let (sums, mut lists) = fresh_gains(xd, dim, cand, fresh, v0, screen);
+        let (sums, mut lists) = fresh_gains(xd, dim, cand, fresh, v0, screen, None);
         let row = |i: usize| &xd[i * dim..(i + 1) * dim];
         let (mut kept, mut dropped) = (0, 0);
         for (k, &f) in fresh.iter().enumerate() {

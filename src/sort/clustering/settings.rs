@@ -5,6 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::ClusteringError;
+use super::device::SeedingDevice;
 
 /// Clusters seeded per group (Kilosort4's `nclust`, hard-coded 200).
 pub const N_CLUSTERS_INIT: usize = 200;
@@ -66,6 +67,10 @@ pub struct ClusteringSettings {
     /// cross-refractory test inside the final clustering's merge tree never
     /// merges (Kilosort issue #1042). `false` (default) runs the intended test.
     pub ks4_swarm_ccg_bug: bool,
+    /// Where the seeding screens its candidate pairs ([`SeedingDevice`]):
+    /// the CPU (default) or a GPU, the same labels either way; not recorded.
+    #[serde(skip)]
+    pub seeding_device: SeedingDevice,
 }
 
 impl Default for ClusteringSettings {
@@ -77,6 +82,7 @@ impl Default for ClusteringSettings {
             cluster_init_seed: 5,
             x_centers: None,
             ks4_swarm_ccg_bug: false,
+            seeding_device: SeedingDevice::cpu(),
         }
     }
 }
