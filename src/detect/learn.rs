@@ -707,19 +707,35 @@ pub struct Learned {
     pub template_findings: Vec<crate::detect::template_check::TemplateFinding>,
 }
 
+/// The fewest windows [`learn_from_windows`] prepares at once.
+pub const LEARN_WINDOWS_AT_ONCE_MIN: usize = 4;
+/// The most windows [`learn_from_windows`] prepares at once.
+pub const LEARN_WINDOWS_AT_ONCE_MAX: usize = 16;
+
 /// Windows [`learn_from_windows`] prepares at once (read, preprocessed and
-/// their clips cut in parallel), then pools in window order: each window's
-/// own work is only partly parallel, so several at a time keep the cores busy.
-/// Bounds the extra memory to this many whitened windows.
-pub const LEARN_WINDOWS_AT_ONCE: usize = 4;
+/// their clips cut in parallel) before pooling them in window order: the
+/// current rayon pool's thread count clamped to
+/// [`LEARN_WINDOWS_AT_ONCE_MIN`]`..=`[`LEARN_WINDOWS_AT_ONCE_MAX`]. Each
+/// window's own preprocessing is only partly parallel, so one window per
+/// thread keeps the cores busy; a 10-minute recording has only 12 windows to
+/// learn from (every 25th of 300), so 16 threads prepare them all at once.
+///
+/// Memory: this many whitened windows, C × NT float32 each (plus what their
+/// preprocessing holds), are alive at once: at 384 sites × 60 122 samples
+/// (batch 60 000, nt 61) one is about 92 MB, so at most 16 × 92 MB ≈ 1.5 GB.
+/// The result does not depend on this number.
+pub fn learn_windows_at_once() -> usize {
+    rayon::current_num_threads().clamp(LEARN_WINDOWS_AT_ONCE_MIN, LEARN_WINDOWS_AT_ONCE_MAX)
+}
 
 /// Kilosort4's `extract_wPCA_wTEMP` over a recording of `n_windows` windows:
 /// `window(j)` returns the whitened window j (C × NT, as detection sees it) for
 /// j = 0, 25, 50, …; the clips are pooled ([`ClipPool`]) and, when there are at
 /// least [`LearnSettings::min_clips`], wPCA and wTEMP learned from them.
-/// Up to [`LEARN_WINDOWS_AT_ONCE`] windows are made in parallel and pooled in
-/// order, so the result is the one of taking them one by one (a window made
-/// past the one that filled the pool is not used; its error is not reported).
+/// Up to [`learn_windows_at_once`] windows are made in parallel (`window` is
+/// called from rayon's threads) and pooled in order, so the result is the one
+/// of taking them one by one, whatever the thread count (a window made past
+/// the one that filled the pool is not used; its error is not reported).
 ///
 /// # Errors
 /// Whatever `window` returns for a window that is pooled or fills the pool;
@@ -738,7 +754,7 @@ where
     let mut pool = ClipPool::new(nt, MAX_CLIPS);
     let mut read = 0;
     let starts: Vec<u64> = (0..n_windows).step_by(LEARN_NSKIP as usize).collect();
-    'batches: for batch in starts.chunks(LEARN_WINDOWS_AT_ONCE) {
+    'batches: for batch in starts.chunks(learn_windows_at_once()) {
         let clips: Vec<Result<Array2<f32>, E>> = batch
             .par_iter()
             .map(|&j| {

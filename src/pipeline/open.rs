@@ -213,12 +213,16 @@ pub(crate) fn layout_checks(
 /// recording's length or spike count. (A GPU pass holds up to
 /// [`crate::stages::windows_in_flight`]` = 6` int16 windows, and the device
 /// whitening fit [`FIT_WINDOWS_IN_FLIGHT`]` = 5`: at most 3 f32 windows' bytes,
-/// within this figure.)
+/// within this figure.) Learning the universal templates, before the pass,
+/// holds [`crate::detect::learn::learn_windows_at_once`] windows (4 to 16,
+/// one per thread) instead, when that is more.
 pub fn memory_estimate(n_sites: usize, window_len: usize, n_centres: usize) -> u64 {
     let window = (n_sites * window_len * 4) as u64;
     let detector = (n_centres * window_len.next_multiple_of(crate::detect::cpu::TILE) * 5) as u64;
     let tiles = (rayon::current_num_threads() * n_sites * 7 * crate::detect::cpu::TILE * 4) as u64;
-    (crate::stages::WINDOWS_IN_FLIGHT as u64 + 1) * window + detector + tiles
+    let windows =
+        (crate::stages::WINDOWS_IN_FLIGHT + 1).max(crate::detect::learn::learn_windows_at_once());
+    windows as u64 * window + detector + tiles
 }
 
 /// Checks that the probe reads only channels the recording has and plans its

@@ -447,7 +447,11 @@ fn write_template_files(
 /// `pc_features.npy` (n_k, npc, nC) and `pc_feature_ind.npy`: Kilosort4's
 /// `make_pc_features` in place on the kept spikes' rows of `tf` (n, nC, npc),
 /// written row by row with each row's (nC, npc) transposed, about 1 MiB at
-/// a time (no copy of the whole array).
+/// a time (no copy of the whole array). After each piece the system is asked
+/// to start writing it to the disk ([`NpyStream::start_writeback`]), so that
+/// the final sync of this large file (about 270 MB for a million spikes)
+/// finds most of it written: on 2 cores the rows took 0.17 s instead of
+/// 0.28 s for 1.12 M spikes (`cargo bench --bench phy_export`).
 fn write_pc_files(
     dir: &Path,
     tf: &mut Array3<f32>,
@@ -455,7 +459,9 @@ fn write_pc_files(
     sets: &ChannelSets,
     n_units: usize,
 ) -> Result<()> {
-    let pc_ind = pp::pc_features_in_place(k.templates, k.clu, k.kept, tf, sets, n_units)?;
+    let pc_ind = timed("pc features: make_pc_features", || {
+        pp::pc_features_in_place(k.templates, k.clu, k.kept, tf, sets, n_units)
+    })?;
     let (nc, npc) = (tf.shape()[1], tf.shape()[2]);
     let row_len = nc * npc;
     let path = dir.join("pc_features.npy");
@@ -481,6 +487,7 @@ fn write_pc_files(
                     }
                 });
             stream.append_bytes(&buf)?;
+            stream.start_writeback()?;
         }
         stream.finish()?;
     }
