@@ -395,3 +395,42 @@ fn labels_are_identical_for_1_2_and_16_threads() {
         );
     }
 }
+
+/// Both clusterings with the seeding screened on a GPU (groups seeded in
+/// lockstep, one device launch a step) give the CPU's labels and Wall, bit
+/// for bit: wgpu (Mesa lavapipe in CI).
+#[cfg(feature = "wgpu")]
+#[test]
+fn labels_are_identical_with_the_seeding_on_wgpu() {
+    assert!(
+        !spikecube::backend::probe_wgpu().is_empty(),
+        "no Vulkan adapter: install a Vulkan driver (CI: apt-get install mesa-vulkan-drivers libvulkan1)"
+    );
+    for dir in cases() {
+        let c = Case::load(&dir);
+        let fi = first_inputs(&c);
+        let fl = final_inputs(&c);
+        let cpu = ClusteringSettings::default();
+        let gpu = ClusteringSettings {
+            seeding_device: spikecube::sort::clustering::SeedingDevice::wgpu(),
+            ..ClusteringSettings::default()
+        };
+        for (what, input) in [("first", fi.input()), ("final", fl.input())] {
+            let a = clustering::run(&input, &cpu).unwrap();
+            let b = clustering::run(&input, &gpu).unwrap();
+            assert!(
+                a.clu == b.clu,
+                "{}: {what} clustering labels differ",
+                c.name
+            );
+            assert!(
+                a.wall
+                    .iter()
+                    .zip(&b.wall)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{}: {what} clustering Wall differs",
+                c.name
+            );
+        }
+    }
+}

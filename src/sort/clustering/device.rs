@@ -27,21 +27,25 @@ pub const MAX_DEVICE_DIM: usize = 256;
 /// float32 dot product could overflow.
 const MAX_ABS: f32 = 1e15;
 
-/// The screen of one group on a device, made by a [`SeedingDevice`].
-pub(crate) trait GroupScreen {
-    /// Per spike, bit t set when a candidate of tile t (`cand[16t..16t+16]`)
-    /// may beat the spike's `v0` (n values): a superset of the pairs whose
-    /// float32 gain 2x·c − ‖c‖² is above v0. `cand` are spike rows of the
-    /// group, `cn` their ‖c‖² as the CPU computes them (same length).
-    fn flags(&mut self, v0: &[f32], cand: &[u32], cn: &[f32]) -> Vec<u32>;
+/// The fresh candidates of one group at one step: their rows in the group
+/// and their ‖c‖² as the CPU computes them.
+pub(crate) type Ask = (Vec<u32>, Vec<f32>);
+
+/// The screens of several groups on a device, made by a [`SeedingDevice`]
+/// ([`SeedingDevice::batch`]), all screened in one launch a step.
+pub(crate) trait BatchScreen {
+    /// Per group with an ask that the device took, per spike: bit t set when
+    /// a candidate of tile t (`cand[16t..16t+16]`) may beat the spike's v0
+    /// (`v0[g]`): a superset of the pairs whose float32 gain 2x·c − ‖c‖² is
+    /// above v0. `None` for the other groups.
+    fn flags(&mut self, v0: &[&[f32]], asks: &[Option<Ask>]) -> Vec<Option<Vec<u32>>>;
 }
 
-/// Makes the device screens of groups.
+/// Makes the device screens.
 pub(crate) trait ScreenFactory: Send + Sync {
-    /// The screen of a group's features `xd` (n × `dim`, float32) with their
-    /// ‖x‖² `xn`, or `None` when the device does not take it (too wide, a
-    /// feature not finite or too large).
-    fn group(&self, xd: &[f32], dim: usize, xn: &[f32]) -> Option<Box<dyn GroupScreen>>;
+    /// The screens of the groups `groups[g]` = (features n × dim float32,
+    /// dim, ‖x‖²) with `taken[g]` (checked by [`SeedingDevice::takes`]).
+    fn batch(&self, groups: &[(&[f32], usize, &[f32])], taken: &[bool]) -> Box<dyn BatchScreen>;
     /// The device, in words.
     fn name(&self) -> String;
 }
@@ -109,17 +113,30 @@ impl SeedingDevice {
         SeedingDevice(Some(factory))
     }
 
-    /// The screen of one group, when a device is set and takes it.
-    pub(crate) fn group(&self, xd: &[f32], dim: usize, xn: &[f32]) -> Option<Box<dyn GroupScreen>> {
+    /// Whether a device is set and takes a group of features `xd` (n × `dim`):
+    /// not wider than [`MAX_DEVICE_DIM`], every feature finite and not too
+    /// large.
+    pub(crate) fn takes(&self, xd: &[f32], dim: usize) -> bool {
+        self.0.is_some()
+            && dim > 0
+            && dim <= MAX_DEVICE_DIM
+            && xd.len() % dim == 0
+            && !xd.is_empty()
+            && xd.iter().all(|v| v.is_finite() && v.abs() <= MAX_ABS)
+    }
+
+    /// The device screens of the groups `taken` ([`SeedingDevice::takes`]);
+    /// `None` without a device or when it takes none.
+    pub(crate) fn batch(
+        &self,
+        groups: &[(&[f32], usize, &[f32])],
+        taken: &[bool],
+    ) -> Option<Box<dyn BatchScreen>> {
         let d = self.0.as_ref()?;
-        if dim == 0
-            || dim > MAX_DEVICE_DIM
-            || xd.len() != xn.len() * dim
-            || xd.iter().any(|v| !v.is_finite() || v.abs() > MAX_ABS)
-        {
+        if !taken.iter().any(|&t| t) {
             return None;
         }
-        d.group(xd, dim, xn)
+        Some(d.batch(groups, taken))
     }
 }
 
@@ -144,14 +161,19 @@ mod cube {
     use cubecl::prelude::*;
     use cubecl::server::Handle;
 
-    use super::{GroupScreen, MAX_DEVICE_DIM, SCREEN_TILE, ScreenFactory, slack_factor};
+    use super::{Ask, BatchScreen, MAX_DEVICE_DIM, SCREEN_TILE, ScreenFactory, slack_factor};
 
     /// Units (spikes) per cube of [`screen_kernel`].
     const UNITS: usize = 128;
 
-    /// flags\[s\] = Σ_t 2^t·\[any live candidate c of tile t has
-    /// 2·(x_s·c) − cn\[c\] > v0\[s\] − f·(xn\[s\] + 2cn\[c\] + |v0\[s\]|)\], the
-    /// tiles' candidate rows (`cand`) staged in shared memory
+    /// flags\[r\] = Σ_t 2^t·\[any candidate c of tile t has
+    /// 2·(x·c) − cn\[c\] > v0\[r\] − f_g·(xn\[r\] + 2cn\[c\] + |v0\[r\]|) + 10⁻³⁰\]
+    /// for the spikes of several groups at once. Group g's spikes are rows
+    /// `row0[g]`‥ (padded to whole cubes: cube `c` serves group
+    /// `cube_group[c]`, its spikes from `(c − row0[g]/UNITS)·UNITS`), its
+    /// features from `x_off[g]` (n\[g\] × dim\[g\]), its candidates (spike rows
+    /// of the group) `cand[c_off[g]‥c_off[g] + nf[g]]` with ‖c‖² in `cn`;
+    /// the candidates of a tile are staged in shared memory
     /// ([`SCREEN_TILE`] × `max_dim`). One unit per spike.
     #[cube(launch_unchecked)]
     #[allow(clippy::too_many_arguments)]
@@ -161,25 +183,32 @@ mod cube {
         v0: &Array<f32>,
         cand: &Array<u32>,
         cn: &Array<f32>,
+        cube_group: &Array<u32>,
+        table: &Array<u32>,
+        slack: &Array<f32>,
         flags: &mut Array<u32>,
-        n: u32,
-        dim: u32,
-        nf: u32,
-        f: f32,
         #[comptime] max_dim: usize,
     ) {
         let mut cs = SharedMemory::<f32>::new(comptime!(SCREEN_TILE * max_dim));
         let u = UNIT_POS_X as usize;
-        let s = CUBE_POS_X as usize * UNITS + u;
-        let n = n as usize;
-        let dim = dim as usize;
-        let nf = nf as usize;
+        let cube = CUBE_POS_X as usize;
+        let g = cube_group[cube] as usize;
+        // table: row0, n, dim, x_off, c_off, nf per group.
+        let row0 = table[g * 6] as usize;
+        let n = table[g * 6 + 1] as usize;
+        let dim = table[g * 6 + 2] as usize;
+        let x_off = table[g * 6 + 3] as usize;
+        let c_off = table[g * 6 + 4] as usize;
+        let nf = table[g * 6 + 5] as usize;
+        let f = slack[g];
+        let s = (cube - row0 / UNITS) * UNITS + u;
+        let r = row0 + s;
         let live = s < n;
         let mut e = 0.0f32;
         let mut xs = 0.0f32;
         if live {
-            e = v0[s];
-            xs = xn[s];
+            e = v0[r];
+            xs = xn[r];
         }
         let mut ae = e;
         if e < 0.0f32 {
@@ -195,7 +224,7 @@ mod cube {
                 let c = tile * SCREEN_TILE + l;
                 let mut v = 0.0f32;
                 if c < nf {
-                    v = x[cand[c] as usize * dim + k];
+                    v = x[x_off + cand[c_off + c] as usize * dim + k];
                 }
                 cs[i] = v;
                 i += UNITS;
@@ -208,7 +237,7 @@ mod cube {
                     acc[l] = 0.0f32;
                 }
                 for k in 0..dim {
-                    let xv = x[s * dim + k];
+                    let xv = x[x_off + s * dim + k];
                     #[unroll]
                     for l in 0..SCREEN_TILE {
                         acc[l] += xv * cs[k * SCREEN_TILE + l];
@@ -218,10 +247,10 @@ mod cube {
                 for l in 0..SCREEN_TILE {
                     let c = tile * SCREEN_TILE + l;
                     if c < nf {
-                        let cc = cn[c];
+                        let cc = cn[c_off + c];
                         let t = 2.0f32 * acc[l] - cc;
-                        let slack = f * (xs + 2.0f32 * cc + ae) + 1e-30f32;
-                        if t > e - slack {
+                        let sl = f * (xs + 2.0f32 * cc + ae) + 1e-30f32;
+                        if t > e - sl {
                             bits |= 1u32 << tile as u32;
                         }
                     }
@@ -230,7 +259,7 @@ mod cube {
             sync_cube();
         }
         if live {
-            flags[s] = bits;
+            flags[r] = bits;
         }
     }
 
@@ -250,21 +279,55 @@ mod cube {
     }
 
     impl<R: Runtime> ScreenFactory for CubeScreens<R> {
-        fn group(&self, xd: &[f32], dim: usize, xn: &[f32]) -> Option<Box<dyn GroupScreen>> {
-            let n = xn.len();
-            if n == 0 || dim > MAX_DEVICE_DIM {
-                return None;
+        fn batch(
+            &self,
+            groups: &[(&[f32], usize, &[f32])],
+            taken: &[bool],
+        ) -> Box<dyn BatchScreen> {
+            // Taken groups, their rows padded to whole cubes.
+            let mut slots = Vec::new();
+            let mut cube_group = Vec::new();
+            let (mut rows, mut x_len, mut max_dim) = (0usize, 0usize, 32usize);
+            let mut x = Vec::new();
+            let mut xn = Vec::new();
+            for (g, (&(xd, dim, vtot), &on)) in groups.iter().zip(taken).enumerate() {
+                if !on {
+                    continue;
+                }
+                let n = vtot.len();
+                let cubes = n.div_ceil(UNITS);
+                let slot = slots.len();
+                slots.push(Slot {
+                    group: g,
+                    row0: rows,
+                    n,
+                    dim,
+                    x_off: x_len,
+                });
+                cube_group.extend(std::iter::repeat_n(slot as u32, cubes));
+                x.extend_from_slice(xd);
+                xn.extend_from_slice(vtot);
+                xn.resize(rows + cubes * UNITS, 0.0);
+                rows += cubes * UNITS;
+                x_len += xd.len();
+                max_dim = max_dim.max(dim.div_ceil(32) * 32);
             }
-            Some(Box::new(CubeGroup::<R> {
-                x: self.client.create_from_slice(f32::as_bytes(xd)),
-                xn: self.client.create_from_slice(f32::as_bytes(xn)),
-                flags: self.client.empty(n * 4),
-                client: self.client.clone(),
-                n,
-                dim,
-                // A few compiled sizes: multiples of 32 features.
-                max_dim: dim.div_ceil(32) * 32,
-            }))
+            let slack: Vec<f32> = slots.iter().map(|s| slack_factor(s.dim)).collect();
+            let c = &self.client;
+            Box::new(CubeBatch::<R> {
+                x: c.create_from_slice(f32::as_bytes(&x)),
+                x_len,
+                xn: c.create_from_slice(f32::as_bytes(&xn)),
+                cube_group: c.create_from_slice(u32::as_bytes(&cube_group)),
+                slack: c.create_from_slice(f32::as_bytes(&slack)),
+                flags: c.empty(rows.max(1) * 4),
+                client: c.clone(),
+                rows,
+                n_cubes: cube_group.len(),
+                max_dim: max_dim.min(MAX_DEVICE_DIM),
+                n_groups: groups.len(),
+                slots,
+            })
         }
 
         fn name(&self) -> String {
@@ -272,50 +335,93 @@ mod cube {
         }
     }
 
-    /// One group's features on the device.
-    struct CubeGroup<R: Runtime> {
-        client: ComputeClient<R>,
-        x: Handle,
-        xn: Handle,
-        flags: Handle,
+    /// A taken group's place in the batch.
+    struct Slot {
+        group: usize,
+        row0: usize,
         n: usize,
         dim: usize,
-        max_dim: usize,
+        x_off: usize,
     }
 
-    impl<R: Runtime> GroupScreen for CubeGroup<R> {
-        fn flags(&mut self, v0: &[f32], cand: &[u32], cn: &[f32]) -> Vec<u32> {
-            let nf = cand.len().min(cn.len());
-            if nf == 0 {
-                return vec![0; self.n];
+    /// The taken groups' features on the device.
+    struct CubeBatch<R: Runtime> {
+        client: ComputeClient<R>,
+        x: Handle,
+        x_len: usize,
+        xn: Handle,
+        cube_group: Handle,
+        slack: Handle,
+        flags: Handle,
+        rows: usize,
+        n_cubes: usize,
+        max_dim: usize,
+        n_groups: usize,
+        slots: Vec<Slot>,
+    }
+
+    impl<R: Runtime> BatchScreen for CubeBatch<R> {
+        fn flags(&mut self, v0: &[&[f32]], asks: &[Option<Ask>]) -> Vec<Option<Vec<u32>>> {
+            let mut out: Vec<Option<Vec<u32>>> = vec![None; self.n_groups];
+            let mut v0_all = vec![0f32; self.rows.max(1)];
+            let (mut cand, mut cn) = (Vec::new(), Vec::new());
+            let mut table = Vec::with_capacity(self.slots.len() * 6);
+            let mut any = false;
+            for s in &self.slots {
+                let ask = asks[s.group].as_ref().filter(|a| !a.0.is_empty());
+                let nf = ask.map_or(0, |a| a.0.len().min(a.1.len()));
+                v0_all[s.row0..s.row0 + s.n].copy_from_slice(&v0[s.group][..s.n]);
+                table.extend_from_slice(&[
+                    s.row0 as u32,
+                    s.n as u32,
+                    s.dim as u32,
+                    s.x_off as u32,
+                    cand.len() as u32,
+                    nf as u32,
+                ]);
+                if let Some(a) = ask {
+                    cand.extend_from_slice(&a.0[..nf]);
+                    cn.extend_from_slice(&a.1[..nf]);
+                    any = true;
+                }
             }
-            let v0h = self.client.create_from_slice(f32::as_bytes(v0));
-            let ch = self.client.create_from_slice(u32::as_bytes(&cand[..nf]));
-            let cnh = self.client.create_from_slice(f32::as_bytes(&cn[..nf]));
+            if !any {
+                return out;
+            }
+            let c = &self.client;
+            let v0h = c.create_from_slice(f32::as_bytes(&v0_all));
+            let ch = c.create_from_slice(u32::as_bytes(&cand));
+            let cnh = c.create_from_slice(f32::as_bytes(&cn));
+            let th = c.create_from_slice(u32::as_bytes(&table));
             let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
-            // SAFETY: every index is below the arrays' lengths: spikes below
-            // n, candidates below nf, candidate rows below n (spike rows of
-            // the group), features below dim ≤ max_dim.
+            // SAFETY: each cube reads its own group's rows (below row0 + its
+            // padded rows), features (x_off + n·dim ≤ x_len), candidates
+            // (c_off + nf ≤ cand.len(), rows below n) and table entries.
             unsafe {
                 screen_kernel::launch_unchecked::<R>(
-                    &self.client,
-                    CubeCount::Static(self.n.div_ceil(UNITS) as u32, 1, 1),
+                    c,
+                    CubeCount::Static(self.n_cubes as u32, 1, 1),
                     CubeDim::new_1d(UNITS as u32),
-                    arr(&self.x, self.n * self.dim),
-                    arr(&self.xn, self.n),
-                    arr(&v0h, self.n),
-                    arr(&ch, nf),
-                    arr(&cnh, nf),
-                    arr(&self.flags, self.n),
-                    self.n as u32,
-                    self.dim as u32,
-                    nf as u32,
-                    slack_factor(self.dim),
+                    arr(&self.x, self.x_len),
+                    arr(&self.xn, self.rows),
+                    arr(&v0h, self.rows),
+                    arr(&ch, cand.len()),
+                    arr(&cnh, cn.len()),
+                    arr(&self.cube_group, self.n_cubes),
+                    arr(&th, table.len()),
+                    arr(&self.slack, self.slots.len()),
+                    arr(&self.flags, self.rows),
                     self.max_dim,
                 );
             }
-            let data = self.client.read(vec![self.flags.clone()]);
-            u32::from_bytes(&data[0]).to_vec()
+            let data = c.read(vec![self.flags.clone()]);
+            let all = u32::from_bytes(&data[0]);
+            for s in &self.slots {
+                if asks[s.group].as_ref().is_some_and(|a| !a.0.is_empty()) {
+                    out[s.group] = Some(all[s.row0..s.row0 + s.n].to_vec());
+                }
+            }
+            out
         }
     }
 }

@@ -25,7 +25,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
 use rayon::prelude::*;
 
-use super::device::{GroupScreen, SCREEN_TILE, SeedingDevice};
+use super::device::{SCREEN_TILE, SeedingDevice};
 use super::settings::N_CANDIDATES;
 
 /// Spikes per block of the gain sums (fixed, so totals do not depend on the
@@ -140,16 +140,30 @@ pub fn kmeans_plusplus_on(
     seed: u64,
     device: &SeedingDevice,
 ) -> Vec<u32> {
-    let n = xd.len() / dim;
+    kmeans_plusplus_many(&[(xd, dim)], n_clusters, seed, device)
+        .pop()
+        .unwrap_or_default()
+}
+
+/// [`kmeans_plusplus`] of several groups (`(xd, dim)` each) at once, step by
+/// step: each step's fresh candidate pairs of every group the device takes
+/// are screened in one launch on `device` (one round trip a step for all
+/// groups), the others on the CPU. Each group's labels are those of
+/// [`kmeans_plusplus`] on it alone.
+pub fn kmeans_plusplus_many(
+    groups: &[(&[f32], usize)],
+    n_clusters: usize,
+    seed: u64,
+    device: &SeedingDevice,
+) -> Vec<Vec<u32>> {
     // The integer screen pays only where its 16-bit products run in
     // AVX-512; elsewhere every gain is computed in float32 (the same bits).
     let level = Level::detect();
-    seed_labels(
-        xd,
-        dim,
+    seed_many(
+        groups,
         n_clusters,
         seed,
-        n.saturating_mul(MEMO_GAINS_PER_SPIKE),
+        &|n| n.saturating_mul(MEMO_GAINS_PER_SPIKE),
         (level >= Level::Avx512Bw).then_some(level),
         device,
     )
@@ -158,6 +172,7 @@ pub fn kmeans_plusplus_on(
 /// [`kmeans_plusplus`] with a memo of at most `memo_cap` gains and the
 /// fresh candidates' gains screened on `device` when it takes the group, else
 /// at `screen_level` ([`Screen`]; `None`: all computed).
+#[cfg(test)]
 fn seed_labels(
     xd: &[f32],
     dim: usize,
@@ -167,55 +182,184 @@ fn seed_labels(
     screen_level: Option<Level>,
     device: &SeedingDevice,
 ) -> Vec<u32> {
-    let n = xd.len() / dim;
-    let rows = |i: usize| &xd[i * dim..(i + 1) * dim];
-    let vtot: Vec<f32> = (0..n).map(|i| dot(rows(i), rows(i))).collect();
-    let mut dev = device.group(xd, dim, &vtot);
-    let mut vexp0 = vec![0f32; n];
-    let mut iclust = vec![0u32; n];
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut memo = Memo {
-        lists: (0..n).map(|_| None).collect(),
-        held: 0,
-        cap: memo_cap,
-    };
-    let screen = if dev.is_some() {
-        None
-    } else {
-        screen_level.and_then(|level| Screen::new(xd, dim, level))
-    };
-    for j in 0..n_clusters {
-        let v2: Vec<f32> = vtot
+    seed_many(
+        &[(xd, dim)],
+        n_clusters,
+        seed,
+        &|_| memo_cap,
+        screen_level,
+        device,
+    )
+    .pop()
+    .unwrap_or_default()
+}
+
+/// The seeding of `groups` in lockstep ([`kmeans_plusplus_many`]), a group
+/// of n spikes with a memo of `memo_cap(n)` gains.
+fn seed_many(
+    groups: &[(&[f32], usize)],
+    n_clusters: usize,
+    seed: u64,
+    memo_cap: &(dyn Fn(usize) -> usize + Sync),
+    screen_level: Option<Level>,
+    device: &SeedingDevice,
+) -> Vec<Vec<u32>> {
+    let taken: Vec<bool> = groups
+        .iter()
+        .map(|&(xd, dim)| device.takes(xd, dim))
+        .collect();
+    let mut seeders: Vec<Seeder> = groups
+        .par_iter()
+        .zip(&taken)
+        .map(|(&(xd, dim), &on)| {
+            let n = xd.len() / dim.max(1);
+            // The groups the device takes need no CPU screen.
+            let level = if on { None } else { screen_level };
+            Seeder::new(xd, dim, n_clusters, seed, memo_cap(n), level)
+        })
+        .collect();
+    let mut batch = {
+        let inputs: Vec<(&[f32], usize, &[f32])> = seeders
             .iter()
-            .zip(&vexp0)
-            .map(|(&t, &e)| (t - e).max(0.0))
+            .map(|s| (s.xd, s.dim, s.vtot.as_slice()))
             .collect();
-        let cand = draw_without_replacement(&v2, N_CANDIDATES, &mut rng);
-        if cand.is_empty() {
-            // Every spike is explained exactly: no candidate can gain.
+        device.batch(&inputs, &taken)
+    };
+    loop {
+        let asks: Vec<Option<(Vec<u32>, Vec<f32>)>> =
+            seeders.par_iter_mut().map(Seeder::draw).collect();
+        if asks.iter().all(Option::is_none) {
             break;
         }
-        // The spikes whose gain from the kept candidate beats their v0 (its
-        // gain 2x·c − ‖c‖² > v0) take its label and that gain as their v0.
+        let flags: Vec<Option<Vec<u32>>> = match &mut batch {
+            Some(b) => {
+                let v0: Vec<&[f32]> = seeders.iter().map(|s| s.vexp0.as_slice()).collect();
+                b.flags(&v0, &asks)
+            }
+            None => vec![None; seeders.len()],
+        };
+        seeders
+            .par_iter_mut()
+            .zip(asks)
+            .zip(flags)
+            .for_each(|((s, ask), f)| {
+                if ask.is_some() {
+                    s.step(f);
+                }
+            });
+    }
+    seeders.into_iter().map(|s| s.iclust).collect()
+}
+
+/// The state of one group's seeding between steps.
+struct Seeder<'a> {
+    xd: &'a [f32],
+    dim: usize,
+    n_clusters: usize,
+    /// Each spike's ‖x‖² (float32, feature order).
+    vtot: Vec<f32>,
+    /// Each spike's best gain so far, v0.
+    vexp0: Vec<f32>,
+    iclust: Vec<u32>,
+    rng: ChaCha8Rng,
+    memo: Memo,
+    screen: Option<Screen>,
+    /// The next step.
+    j: usize,
+    /// This step's candidates (spike rows).
+    cand: Vec<usize>,
+    done: bool,
+}
+
+impl<'a> Seeder<'a> {
+    fn new(
+        xd: &'a [f32],
+        dim: usize,
+        n_clusters: usize,
+        seed: u64,
+        memo_cap: usize,
+        screen_level: Option<Level>,
+    ) -> Self {
+        let n = xd.len() / dim.max(1);
+        let rows = |i: usize| &xd[i * dim..(i + 1) * dim];
+        let vtot: Vec<f32> = (0..n).map(|i| dot(rows(i), rows(i))).collect();
+        Seeder {
+            xd,
+            dim,
+            n_clusters,
+            vtot,
+            vexp0: vec![0f32; n],
+            iclust: vec![0u32; n],
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            memo: Memo {
+                lists: (0..n).map(|_| None).collect(),
+                held: 0,
+                cap: memo_cap,
+            },
+            screen: screen_level.and_then(|level| Screen::new(xd, dim, level)),
+            j: 0,
+            cand: Vec::new(),
+            done: n == 0,
+        }
+    }
+
+    /// Draws the next step's candidates; returns the fresh ones (not in the
+    /// memo, in draw order; rows of the group) with their ‖c‖², or `None`
+    /// when the seeding is over (all steps taken, or every spike explained
+    /// exactly so that no candidate can gain).
+    fn draw(&mut self) -> Option<(Vec<u32>, Vec<f32>)> {
+        if self.done || self.j >= self.n_clusters {
+            self.done = true;
+            return None;
+        }
+        let v2: Vec<f32> = self
+            .vtot
+            .iter()
+            .zip(&self.vexp0)
+            .map(|(&t, &e)| (t - e).max(0.0))
+            .collect();
+        self.cand = draw_without_replacement(&v2, N_CANDIDATES, &mut self.rng);
+        if self.cand.is_empty() {
+            self.done = true;
+            return None;
+        }
+        let fresh: Vec<u32> = self
+            .cand
+            .iter()
+            .filter(|&&s| self.memo.lists[s].is_none())
+            .map(|&s| s as u32)
+            .collect();
+        let cn = fresh.iter().map(|&s| self.vtot[s as usize]).collect();
+        Some((fresh, cn))
+    }
+
+    /// Takes the drawn step: the best candidate (its fresh pairs screened by
+    /// the device's `flags` when given, else by the CPU screen), whose
+    /// improved spikes take its label and gain.
+    fn step(&mut self, flags: Option<Vec<u32>>) {
+        let (xd, dim) = (self.xd, self.dim);
         let (best, won) = best_candidate(
             xd,
             dim,
-            &cand,
-            &vexp0,
-            &mut memo,
-            screen.as_ref(),
-            dev.as_deref_mut(),
+            &self.cand,
+            &self.vexp0,
+            &mut self.memo,
+            self.screen.as_ref(),
+            flags,
         );
-        let won = won.unwrap_or_else(|| beating(xd, rows(cand[best]), &vexp0));
+        let c = self.cand[best];
+        let won = won.unwrap_or_else(|| beating(xd, &xd[c * dim..(c + 1) * dim], &self.vexp0));
+        // The spikes whose gain from the kept candidate beats their v0 (its
+        // gain 2x·c − ‖c‖² > v0) take its label and that gain as their v0.
         for (i, t) in won {
-            vexp0[i as usize] = t;
-            iclust[i as usize] = j as u32;
+            self.vexp0[i as usize] = t;
+            self.iclust[i as usize] = self.j as u32;
         }
-        if memo.held > memo.cap {
-            memo.shrink(&vexp0);
+        if self.memo.held > self.memo.cap {
+            self.memo.shrink(&self.vexp0);
         }
+        self.j += 1;
     }
-    iclust
 }
 
 impl Memo {
@@ -296,7 +440,7 @@ fn best_candidate(
     vexp0: &[f32],
     memo: &mut Memo,
     screen: Option<&Screen>,
-    dev: Option<&mut (dyn GroupScreen + 'static)>,
+    flags: Option<Vec<u32>>,
 ) -> (usize, Option<Vec<Gain>>) {
     let nc = cand.len();
     let mut total = vec![0f64; nc];
@@ -314,7 +458,7 @@ fn best_candidate(
             }
         });
     if !fresh.is_empty() {
-        let (sums, gains) = fresh_gains(xd, dim, cand, &fresh, vexp0, screen, dev);
+        let (sums, gains) = fresh_gains(xd, dim, cand, &fresh, vexp0, screen, flags);
         for ((&c, s), g) in fresh.iter().zip(sums).zip(gains) {
             total[c] = s;
             lists[c] = g;
@@ -379,9 +523,10 @@ struct BlockOut {
 /// The summed positive gains of the candidates `cand[fresh]` (float64, in
 /// spike order within blocks of [`SPIKE_BLOCK`], blocks in order) and, for
 /// each, the spikes (ascending) whose gain t beats their v0, with t (`None`
-/// past [`BLOCK_GAINS_MAX`] in a block). With `dev`, only the spikes it
-/// flags are computed (the others add +0), else those the CPU `screen` lets
-/// through, else all.
+/// past [`BLOCK_GAINS_MAX`] in a block). With a device's `flags` (per spike,
+/// bit t for tile t of the fresh candidates), only the flagged spikes are
+/// computed (the others add +0), else those the CPU `screen` lets through,
+/// else all.
 fn fresh_gains(
     xd: &[f32],
     dim: usize,
@@ -389,7 +534,7 @@ fn fresh_gains(
     fresh: &[usize],
     vexp0: &[f32],
     screen: Option<&Screen>,
-    dev: Option<&mut (dyn GroupScreen + 'static)>,
+    flags: Option<Vec<u32>>,
 ) -> (Vec<f64>, Vec<Option<Vec<Gain>>>) {
     let nf = fresh.len();
     let ncp = nf.div_ceil(TILE_C) * TILE_C;
@@ -405,10 +550,6 @@ fn fresh_gains(
             tile[k * TILE_C + c % TILE_C] = v;
         }
     }
-    let flags = dev.map(|d| {
-        let rows: Vec<u32> = fresh.iter().map(|&f| cand[f] as u32).collect();
-        d.flags(vexp0, &rows, &cn[..nf])
-    });
     let level = Level::detect();
     let lanes = if flags.is_some() {
         None
@@ -1320,36 +1461,49 @@ mod tests {
     /// A device screen evaluated on the CPU as a device may: each dot product
     /// in reverse feature order with fused multiply-adds, then the bound of
     /// the device kernel; or every spike flagged.
-    struct CpuDeviceScreen {
-        xd: Vec<f32>,
-        dim: usize,
-        xn: Vec<f32>,
+    struct CpuDeviceBatch {
+        groups: Vec<(Vec<f32>, usize, Vec<f32>)>,
+        taken: Vec<bool>,
         flag_all: bool,
     }
 
-    impl GroupScreen for CpuDeviceScreen {
-        fn flags(&mut self, v0: &[f32], cand: &[u32], cn: &[f32]) -> Vec<u32> {
-            let f = super::super::device::slack_factor(self.dim);
-            let row = |i: usize| &self.xd[i * self.dim..(i + 1) * self.dim];
-            (0..v0.len())
-                .map(|s| {
-                    let mut bits = 0u32;
-                    for (k, (&c, &cc)) in cand.iter().zip(cn).enumerate() {
-                        let acc = row(s)
-                            .iter()
-                            .zip(row(c as usize))
-                            .rev()
-                            .fold(0f32, |a, (&x, &y)| x.mul_add(y, a));
-                        let t = 2f32.mul_add(acc, -cc);
-                        let e = v0[s];
-                        let slack = f * (self.xn[s] + 2.0 * cc + e.abs()) + 1e-30;
-                        if self.flag_all || t > e - slack {
-                            bits |= 1 << (k / SCREEN_TILE);
+    impl super::super::device::BatchScreen for CpuDeviceBatch {
+        fn flags(
+            &mut self,
+            v0: &[&[f32]],
+            asks: &[Option<super::super::device::Ask>],
+        ) -> Vec<Option<Vec<u32>>> {
+            let mut out = Vec::new();
+            for (g, ((xd, dim, xn), ask)) in self.groups.iter().zip(asks).enumerate() {
+                let Some((cand, cn)) = ask.as_ref().filter(|a| self.taken[g] && !a.0.is_empty())
+                else {
+                    out.push(None);
+                    continue;
+                };
+                let f = super::super::device::slack_factor(*dim);
+                let row = |i: usize| &xd[i * dim..(i + 1) * dim];
+                let flags = (0..xn.len())
+                    .map(|s| {
+                        let mut bits = 0u32;
+                        for (k, (&c, &cc)) in cand.iter().zip(cn).enumerate() {
+                            let acc = row(s)
+                                .iter()
+                                .zip(row(c as usize))
+                                .rev()
+                                .fold(0f32, |a, (&x, &y)| x.mul_add(y, a));
+                            let t = 2f32.mul_add(acc, -cc);
+                            let e = v0[g][s];
+                            let slack = f * (xn[s] + 2.0 * cc + e.abs()) + 1e-30;
+                            if self.flag_all || t > e - slack {
+                                bits |= 1 << (k / SCREEN_TILE);
+                            }
                         }
-                    }
-                    bits
-                })
-                .collect()
+                        bits
+                    })
+                    .collect();
+                out.push(Some(flags));
+            }
+            out
         }
     }
 
@@ -1358,13 +1512,19 @@ mod tests {
     }
 
     impl super::super::device::ScreenFactory for CpuDevice {
-        fn group(&self, xd: &[f32], dim: usize, xn: &[f32]) -> Option<Box<dyn GroupScreen>> {
-            Some(Box::new(CpuDeviceScreen {
-                xd: xd.to_vec(),
-                dim,
-                xn: xn.to_vec(),
+        fn batch(
+            &self,
+            groups: &[(&[f32], usize, &[f32])],
+            taken: &[bool],
+        ) -> Box<dyn super::super::device::BatchScreen> {
+            Box::new(CpuDeviceBatch {
+                groups: groups
+                    .iter()
+                    .map(|&(x, d, n)| (x.to_vec(), d, n.to_vec()))
+                    .collect(),
+                taken: taken.to_vec(),
                 flag_all: self.flag_all,
-            }))
+            })
         }
         fn name(&self) -> String {
             "cpu-as-device".into()
@@ -1416,6 +1576,37 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn groups_seeded_in_lockstep_equal_each_alone() {
+        // Groups of different sizes and dims, one too wide for the device
+        // (screened on the CPU), one with a non-finite feature, one empty of
+        // steps (all spikes at the origin).
+        let mut next = uniform_gen(21);
+        let mut groups: Vec<(Vec<f32>, usize)> = Vec::new();
+        for (n, dim) in [(900usize, 12usize), (2500, 30), (400, 300), (1200, 7)] {
+            groups.push((
+                (0..n * dim)
+                    .map(|i| next() * (1 + i % 5) as f32 * 8.0)
+                    .collect(),
+                dim,
+            ));
+        }
+        groups[3].0[5] = f32::NAN;
+        groups.push((vec![0f32; 50 * 3], 3));
+        let views: Vec<(&[f32], usize)> = groups.iter().map(|(x, d)| (x.as_slice(), *d)).collect();
+        for flag_all in [false, true] {
+            let dev = SeedingDevice::from_factory(std::sync::Arc::new(CpuDevice { flag_all }));
+            let many = kmeans_plusplus_many(&views, 90, 3, &dev);
+            for (g, &(x, d)) in views.iter().enumerate() {
+                assert_eq!(
+                    many[g],
+                    kmeans_plusplus(x, d, 90, 3),
+                    "group {g}, all {flag_all}"
+                );
             }
         }
     }
