@@ -35,10 +35,17 @@ pub(crate) type Ask = (Vec<u32>, Vec<f32>);
 /// ([`SeedingDevice::batch`]), all screened in one launch a step.
 pub(crate) trait BatchScreen {
     /// Per group with an ask that the device took, per spike: bit t set when
-    /// a candidate of tile t (`cand[16t..16t+16]`) may beat the spike's v0
-    /// (`v0[g]`): a superset of the pairs whose float32 gain 2x·c − ‖c‖² is
-    /// above v0. `None` for the other groups.
-    fn flags(&mut self, v0: &[&[f32]], asks: &[Option<Ask>]) -> Vec<Option<Vec<u32>>>;
+    /// a candidate of tile t (`cand[16t..16t+16]`, at most 8 tiles) may beat
+    /// the spike's v0 (`v0[g]`): a superset of the pairs whose float32 gain
+    /// 2x·c − ‖c‖² is above v0. `None` for the other groups. `changed[g]`
+    /// lists the (spike, v0) that changed since the last call (a device may
+    /// keep v0 and update it from these alone).
+    fn flags(
+        &mut self,
+        v0: &[&[f32]],
+        changed: &[&[(u32, f32)]],
+        asks: &[Option<Ask>],
+    ) -> Vec<Option<Vec<u8>>>;
 }
 
 /// Makes the device screens.
@@ -171,7 +178,8 @@ mod cube {
     /// for the spikes of several groups at once. Group g's spikes are rows
     /// `row0[g]`‥ (padded to whole cubes: cube `c` serves group
     /// `cube_group[c]`, its spikes from `(c − row0[g]/UNITS)·UNITS`), its
-    /// features from `x_off[g]` (n\[g\] × dim\[g\]), its candidates (spike rows
+    /// features from `x_off[g]` (feature-major: dim\[g\] × n\[g\], so that a
+    /// warp's loads of one feature are contiguous), its candidates (spike rows
     /// of the group) `cand[c_off[g]‥c_off[g] + nf[g]]` with ‖c‖² in `cn`;
     /// the candidates of a tile are staged in shared memory
     /// ([`SCREEN_TILE`] × `max_dim`). One unit per spike.
@@ -224,7 +232,7 @@ mod cube {
                 let c = tile * SCREEN_TILE + l;
                 let mut v = 0.0f32;
                 if c < nf {
-                    v = x[x_off + cand[c_off + c] as usize * dim + k];
+                    v = x[x_off + k * n + cand[c_off + c] as usize];
                 }
                 cs[i] = v;
                 i += UNITS;
@@ -237,7 +245,7 @@ mod cube {
                     acc[l] = 0.0f32;
                 }
                 for k in 0..dim {
-                    let xv = x[x_off + s * dim + k];
+                    let xv = x[x_off + k * n + s];
                     #[unroll]
                     for l in 0..SCREEN_TILE {
                         acc[l] += xv * cs[k * SCREEN_TILE + l];
@@ -260,6 +268,35 @@ mod cube {
         }
         if live {
             flags[r] = bits;
+        }
+    }
+
+    /// v0\[idx\[i\]\] = val\[i\] for i < `count` (distinct indices).
+    #[cube(launch_unchecked)]
+    pub(crate) fn scatter_kernel(
+        idx: &Array<u32>,
+        val: &Array<f32>,
+        v0: &mut Array<f32>,
+        count: u32,
+    ) {
+        let i = ABSOLUTE_POS_X as usize;
+        if i < count as usize {
+            let j = idx[i] as usize;
+            v0[j] = val[i];
+        }
+    }
+
+    /// packed\[w\] = the low bytes of flags\[4w‥4w + 4\], little-endian (one byte a
+    /// spike: at most 8 tiles).
+    #[cube(launch_unchecked)]
+    pub(crate) fn pack_kernel(flags: &Array<u32>, packed: &mut Array<u32>, words: u32) {
+        let w = ABSOLUTE_POS_X as usize;
+        if w < words as usize {
+            let b = w * 4;
+            packed[w] = (flags[b] & 255u32)
+                | ((flags[b + 1] & 255u32) << 8u32)
+                | ((flags[b + 2] & 255u32) << 16u32)
+                | ((flags[b + 3] & 255u32) << 24u32);
         }
     }
 
@@ -305,7 +342,9 @@ mod cube {
                     x_off: x_len,
                 });
                 cube_group.extend(std::iter::repeat_n(slot as u32, cubes));
-                x.extend_from_slice(xd);
+                for k in 0..dim {
+                    x.extend(xd.iter().skip(k).step_by(dim));
+                }
                 xn.extend_from_slice(vtot);
                 xn.resize(rows + cubes * UNITS, 0.0);
                 rows += cubes * UNITS;
@@ -321,6 +360,8 @@ mod cube {
                 cube_group: c.create_from_slice(u32::as_bytes(&cube_group)),
                 slack: c.create_from_slice(f32::as_bytes(&slack)),
                 flags: c.empty(rows.max(1) * 4),
+                packed: c.empty((rows / 4).max(1) * 4),
+                v0: c.create_from_slice(f32::as_bytes(&vec![0f32; rows.max(1)])),
                 client: c.clone(),
                 rows,
                 n_cubes: cube_group.len(),
@@ -353,6 +394,10 @@ mod cube {
         cube_group: Handle,
         slack: Handle,
         flags: Handle,
+        /// `flags` packed one byte a spike.
+        packed: Handle,
+        /// Each spike's v0, kept up to date from the changes.
+        v0: Handle,
         rows: usize,
         n_cubes: usize,
         max_dim: usize,
@@ -361,16 +406,24 @@ mod cube {
     }
 
     impl<R: Runtime> BatchScreen for CubeBatch<R> {
-        fn flags(&mut self, v0: &[&[f32]], asks: &[Option<Ask>]) -> Vec<Option<Vec<u32>>> {
-            let mut out: Vec<Option<Vec<u32>>> = vec![None; self.n_groups];
-            let mut v0_all = vec![0f32; self.rows.max(1)];
+        fn flags(
+            &mut self,
+            _v0: &[&[f32]],
+            changed: &[&[(u32, f32)]],
+            asks: &[Option<Ask>],
+        ) -> Vec<Option<Vec<u8>>> {
+            let mut out: Vec<Option<Vec<u8>>> = vec![None; self.n_groups];
             let (mut cand, mut cn) = (Vec::new(), Vec::new());
+            let (mut idx, mut val) = (Vec::new(), Vec::new());
             let mut table = Vec::with_capacity(self.slots.len() * 6);
             let mut any = false;
             for s in &self.slots {
                 let ask = asks[s.group].as_ref().filter(|a| !a.0.is_empty());
-                let nf = ask.map_or(0, |a| a.0.len().min(a.1.len()));
-                v0_all[s.row0..s.row0 + s.n].copy_from_slice(&v0[s.group][..s.n]);
+                let nf = ask.map_or(0, |a| a.0.len().min(a.1.len()).min(8 * SCREEN_TILE));
+                for &(i, v) in changed[s.group] {
+                    idx.push((s.row0 + i as usize) as u32);
+                    val.push(v);
+                }
                 table.extend_from_slice(&[
                     s.row0 as u32,
                     s.n as u32,
@@ -385,15 +438,41 @@ mod cube {
                     any = true;
                 }
             }
+            let c = &self.client;
+            let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+            if !idx.is_empty() {
+                // The same spike may have changed at several steps: keep the
+                // last value of each, so that the scatter's writes are distinct.
+                let mut last = std::collections::HashMap::with_capacity(idx.len());
+                for (k, &i) in idx.iter().enumerate() {
+                    last.insert(i, k);
+                }
+                let mut pairs: Vec<(u32, f32)> =
+                    last.into_iter().map(|(i, k)| (i, val[k])).collect();
+                pairs.sort_unstable_by_key(|p| p.0);
+                let ih: Vec<u32> = pairs.iter().map(|p| p.0).collect();
+                let vh: Vec<f32> = pairs.iter().map(|p| p.1).collect();
+                let ihd = c.create_from_slice(u32::as_bytes(&ih));
+                let vhd = c.create_from_slice(f32::as_bytes(&vh));
+                // SAFETY: every index is a row of a taken group (< rows).
+                unsafe {
+                    scatter_kernel::launch_unchecked::<R>(
+                        c,
+                        CubeCount::Static(ih.len().div_ceil(256) as u32, 1, 1),
+                        CubeDim::new_1d(256),
+                        arr(&ihd, ih.len()),
+                        arr(&vhd, vh.len()),
+                        arr(&self.v0, self.rows.max(1)),
+                        ih.len() as u32,
+                    );
+                }
+            }
             if !any {
                 return out;
             }
-            let c = &self.client;
-            let v0h = c.create_from_slice(f32::as_bytes(&v0_all));
             let ch = c.create_from_slice(u32::as_bytes(&cand));
             let cnh = c.create_from_slice(f32::as_bytes(&cn));
             let th = c.create_from_slice(u32::as_bytes(&table));
-            let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
             // SAFETY: each cube reads its own group's rows (below row0 + its
             // padded rows), features (x_off + n·dim ≤ x_len), candidates
             // (c_off + nf ≤ cand.len(), rows below n) and table entries.
@@ -404,7 +483,7 @@ mod cube {
                     CubeDim::new_1d(UNITS as u32),
                     arr(&self.x, self.x_len),
                     arr(&self.xn, self.rows),
-                    arr(&v0h, self.rows),
+                    arr(&self.v0, self.rows),
                     arr(&ch, cand.len()),
                     arr(&cnh, cn.len()),
                     arr(&self.cube_group, self.n_cubes),
@@ -414,8 +493,20 @@ mod cube {
                     self.max_dim,
                 );
             }
-            let data = c.read(vec![self.flags.clone()]);
-            let all = u32::from_bytes(&data[0]);
+            let words = self.rows / 4;
+            // SAFETY: rows is a multiple of 4 (whole cubes of UNITS).
+            unsafe {
+                pack_kernel::launch_unchecked::<R>(
+                    c,
+                    CubeCount::Static(words.div_ceil(256) as u32, 1, 1),
+                    CubeDim::new_1d(256),
+                    arr(&self.flags, self.rows),
+                    arr(&self.packed, words.max(1)),
+                    words as u32,
+                );
+            }
+            let data = c.read(vec![self.packed.clone()]);
+            let all: &[u8] = &data[0];
             for s in &self.slots {
                 if asks[s.group].as_ref().is_some_and(|a| !a.0.is_empty()) {
                     out[s.group] = Some(all[s.row0..s.row0 + s.n].to_vec());

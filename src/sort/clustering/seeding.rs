@@ -215,7 +215,9 @@ fn seed_many(
             let n = xd.len() / dim.max(1);
             // The groups the device takes need no CPU screen.
             let level = if on { None } else { screen_level };
-            Seeder::new(xd, dim, n_clusters, seed, memo_cap(n), level)
+            let mut s = Seeder::new(xd, dim, n_clusters, seed, memo_cap(n), level);
+            s.track_changes = on;
+            s
         })
         .collect();
     let mut batch = {
@@ -225,16 +227,28 @@ fn seed_many(
             .collect();
         device.batch(&inputs, &taken)
     };
+    let (mut draw_s, mut device_s, mut step_s, mut steps) = (0.0, 0.0, 0.0, 0usize);
     loop {
+        let t = std::time::Instant::now();
         let asks: Vec<Option<(Vec<u32>, Vec<f32>)>> =
             seeders.par_iter_mut().map(Seeder::draw).collect();
+        draw_s += t.elapsed().as_secs_f64();
         if asks.iter().all(Option::is_none) {
             break;
         }
-        let flags: Vec<Option<Vec<u32>>> = match &mut batch {
+        steps += 1;
+        let flags: Vec<Option<Vec<u8>>> = match &mut batch {
             Some(b) => {
+                let t = std::time::Instant::now();
                 let v0: Vec<&[f32]> = seeders.iter().map(|s| s.vexp0.as_slice()).collect();
-                b.flags(&v0, &asks)
+                let changed: Vec<&[(u32, f32)]> =
+                    seeders.iter().map(|s| s.changed.as_slice()).collect();
+                let f = b.flags(&v0, &changed, &asks);
+                device_s += t.elapsed().as_secs_f64();
+                for s in &mut seeders {
+                    s.changed.clear();
+                }
+                f
             }
             None => vec![None; seeders.len()],
         };
@@ -247,6 +261,14 @@ fn seed_many(
                     s.step(f);
                 }
             });
+        step_s += t.elapsed().as_secs_f64();
+    }
+    if batch.is_some() && super::profile::enabled() {
+        tracing::info!(
+            "clustering profile: {} groups seeded in lockstep, {steps} steps: draws {draw_s:.2} s, device {device_s:.2} s, the rest of the steps {:.2} s",
+            groups.len(),
+            step_s - draw_s - device_s
+        );
     }
     seeders.into_iter().map(|s| s.iclust).collect()
 }
@@ -269,6 +291,10 @@ struct Seeder<'a> {
     /// This step's candidates (spike rows).
     cand: Vec<usize>,
     done: bool,
+    /// Whether a device holds a copy of v0 ([`Seeder::changed`] kept).
+    track_changes: bool,
+    /// The (spike, new v0) of the steps since the device last saw v0.
+    changed: Vec<(u32, f32)>,
 }
 
 impl<'a> Seeder<'a> {
@@ -300,6 +326,8 @@ impl<'a> Seeder<'a> {
             j: 0,
             cand: Vec::new(),
             done: n == 0,
+            track_changes: false,
+            changed: Vec::new(),
         }
     }
 
@@ -336,7 +364,7 @@ impl<'a> Seeder<'a> {
     /// Takes the drawn step: the best candidate (its fresh pairs screened by
     /// the device's `flags` when given, else by the CPU screen), whose
     /// improved spikes take its label and gain.
-    fn step(&mut self, flags: Option<Vec<u32>>) {
+    fn step(&mut self, flags: Option<Vec<u8>>) {
         let (xd, dim) = (self.xd, self.dim);
         let (best, won) = best_candidate(
             xd,
@@ -351,9 +379,12 @@ impl<'a> Seeder<'a> {
         let won = won.unwrap_or_else(|| beating(xd, &xd[c * dim..(c + 1) * dim], &self.vexp0));
         // The spikes whose gain from the kept candidate beats their v0 (its
         // gain 2x·c − ‖c‖² > v0) take its label and that gain as their v0.
-        for (i, t) in won {
+        for &(i, t) in &won {
             self.vexp0[i as usize] = t;
             self.iclust[i as usize] = self.j as u32;
+        }
+        if self.track_changes {
+            self.changed.extend_from_slice(&won);
         }
         if self.memo.held > self.memo.cap {
             self.memo.shrink(&self.vexp0);
@@ -440,7 +471,7 @@ fn best_candidate(
     vexp0: &[f32],
     memo: &mut Memo,
     screen: Option<&Screen>,
-    flags: Option<Vec<u32>>,
+    flags: Option<Vec<u8>>,
 ) -> (usize, Option<Vec<Gain>>) {
     let nc = cand.len();
     let mut total = vec![0f64; nc];
@@ -534,7 +565,7 @@ fn fresh_gains(
     fresh: &[usize],
     vexp0: &[f32],
     screen: Option<&Screen>,
-    flags: Option<Vec<u32>>,
+    flags: Option<Vec<u8>>,
 ) -> (Vec<f64>, Vec<Option<Vec<Gain>>>) {
     let nf = fresh.len();
     let ncp = nf.div_ceil(TILE_C) * TILE_C;
@@ -1125,7 +1156,7 @@ impl Survivors<'_> {
 fn flagged_block(
     block: &[f32],
     v0: &[f32],
-    flags: &[u32],
+    flags: &[u8],
     ct: &[f32],
     cn: &[f32],
     dim: usize,
@@ -1471,8 +1502,9 @@ mod tests {
         fn flags(
             &mut self,
             v0: &[&[f32]],
+            _changed: &[&[(u32, f32)]],
             asks: &[Option<super::super::device::Ask>],
-        ) -> Vec<Option<Vec<u32>>> {
+        ) -> Vec<Option<Vec<u8>>> {
             let mut out = Vec::new();
             for (g, ((xd, dim, xn), ask)) in self.groups.iter().zip(asks).enumerate() {
                 let Some((cand, cn)) = ask.as_ref().filter(|a| self.taken[g] && !a.0.is_empty())
@@ -1484,7 +1516,7 @@ mod tests {
                 let row = |i: usize| &xd[i * dim..(i + 1) * dim];
                 let flags = (0..xn.len())
                     .map(|s| {
-                        let mut bits = 0u32;
+                        let mut bits = 0u8;
                         for (k, (&c, &cc)) in cand.iter().zip(cn).enumerate() {
                             let acc = row(s)
                                 .iter()
