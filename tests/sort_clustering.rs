@@ -396,9 +396,8 @@ fn labels_are_identical_for_1_2_and_16_threads() {
     }
 }
 
-/// Both clusterings with the seeding screened on a GPU (groups seeded in
-/// lockstep, one device launch a step) give the CPU's labels and Wall, bit
-/// for bit: wgpu (Mesa lavapipe in CI).
+/// Both clusterings with the seeding's pairs screened on a GPU give the
+/// CPU's labels and Wall, bit for bit: wgpu (Mesa lavapipe in CI).
 #[cfg(feature = "wgpu")]
 #[test]
 fn labels_are_identical_with_the_seeding_on_wgpu() {

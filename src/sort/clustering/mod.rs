@@ -312,9 +312,6 @@ fn run_groups(
         .collect();
     // Stable: equal sizes keep centre order (the order only affects timing).
     order.sort_by_key(|&g| std::cmp::Reverse(members[g].len()));
-    if settings.seeding_device.is_device() {
-        return run_groups_lockstep(inp, plan, settings, members, &order);
-    }
     let members: Vec<Mutex<Vec<usize>>> = members.into_iter().map(Mutex::new).collect();
     let next = AtomicUsize::new(0);
     let t0 = std::time::Instant::now();
@@ -349,127 +346,6 @@ fn run_groups(
         prof.log(t0.elapsed().as_secs_f64(), rayon::current_num_threads());
     }
     let mut results: Vec<(usize, GroupResult)> = per_thread.into_iter().flatten().collect();
-    results.sort_unstable_by_key(|r| r.0);
-    results.into_iter().map(|r| r.1).collect()
-}
-
-/// Most spikes of the groups clustered together by [`run_groups_lockstep`]
-/// (their features, neighbour graphs and seeding state are held at once:
-/// about 0.4 KB a spike at 84 features).
-const LOCKSTEP_SPIKES: usize = 4_000_000;
-
-/// [`run_groups`] with the seeding on a device: groups in batches of at most
-/// [`LOCKSTEP_SPIKES`] spikes (largest first), each batch in three phases:
-/// features and neighbour graphs (groups in parallel), the seeding of all
-/// the batch's groups step by step together, one device launch a step for
-/// all of them ([`seeding::kmeans_plusplus_many`]), then each group's label
-/// updates, tree and cuts (in parallel). The labels are those of
-/// [`run_groups`].
-fn run_groups_lockstep(
-    inp: &ClusterInput<'_>,
-    plan: &GroupPlan,
-    settings: &ClusteringSettings,
-    mut members: Vec<Vec<usize>>,
-    order: &[usize],
-) -> Vec<GroupResult> {
-    use rayon::prelude::*;
-    let t0 = std::time::Instant::now();
-    let prof = profile::Profile::default();
-    let mut results: Vec<(usize, GroupResult)> = Vec::new();
-    let mut seeding_s = 0.0;
-    let mut k = 0;
-    while k < order.len() {
-        let mut batch: Vec<(usize, Vec<usize>)> = Vec::new();
-        let mut total = 0;
-        while let Some(&g) = order.get(k) {
-            let len = members[g].len();
-            if !batch.is_empty() && total + len > LOCKSTEP_SPIKES {
-                break;
-            }
-            total += len;
-            batch.push((g, std::mem::take(&mut members[g])));
-            k += 1;
-        }
-        let prepared: Vec<_> = batch
-            .into_par_iter()
-            .filter_map(|(g, spikes)| {
-                let data = groups::group_data_of(
-                    plan.centres[g],
-                    spikes,
-                    &plan.nearest,
-                    inp.spike_template,
-                    inp.tf,
-                    inp.chans,
-                )?;
-                let mut clock = profile::GroupClock::start(data.spikes.len(), data.dim);
-                let graph = (data.spikes.len() >= MIN_GROUP_SPIKES)
-                    .then(|| group::build_graph(&data.xd, data.dim, settings));
-                profile::lap(&mut clock, 0);
-                Some((g, data, graph, clock))
-            })
-            .collect();
-        let seeded: Vec<usize> = (0..prepared.len())
-            .filter(|&i| prepared[i].2.is_some())
-            .collect();
-        let views: Vec<(&[f32], usize)> = seeded
-            .iter()
-            .map(|&i| (prepared[i].1.xd.as_slice(), prepared[i].1.dim))
-            .collect();
-        let ts = std::time::Instant::now();
-        let labels = seeding::kmeans_plusplus_many(
-            &views,
-            settings::N_CLUSTERS_INIT,
-            settings.cluster_init_seed,
-            &settings.seeding_device,
-        );
-        let secs = ts.elapsed().as_secs_f64();
-        seeding_s += secs;
-        let n_seeded = views.len().max(1);
-        drop(views);
-        let mut init: Vec<Option<Vec<u32>>> = vec![None; prepared.len()];
-        for (i, l) in seeded.into_iter().zip(labels) {
-            init[i] = Some(l);
-        }
-        let done: Vec<(usize, GroupResult)> = prepared
-            .into_par_iter()
-            .zip(init)
-            .map(|((g, data, graph, mut clock), init)| {
-                if let Some(c) = clock.as_mut() {
-                    // The batch's seeding wall, shared by its groups.
-                    c.book(1, secs / n_seeded as f64);
-                    c.restart();
-                }
-                let n = data.spikes.len();
-                let (labels, ng, rounds) = match (graph, init) {
-                    (Some(graph), Some(init)) => {
-                        let times: Option<Vec<f64>> = inp
-                            .times
-                            .map(|t| data.spikes.iter().map(|&s| t[s]).collect());
-                        let o = group::cluster_seeded(
-                            &data.xd,
-                            data.dim,
-                            times.as_deref(),
-                            &graph,
-                            &init,
-                            settings,
-                            &mut clock,
-                        );
-                        (o.labels, o.n_graph_clusters, o.rounds_run)
-                    }
-                    _ => (vec![0u32; n], 0, 0),
-                };
-                (g, finish_group(data, labels, ng, rounds, clock, &prof))
-            })
-            .collect();
-        results.extend(done);
-    }
-    if profile::enabled() {
-        tracing::info!(
-            "clustering profile: seeding on {} in lockstep, {seeding_s:.2} s wall",
-            settings.seeding_device.name()
-        );
-        prof.log(t0.elapsed().as_secs_f64(), rayon::current_num_threads());
-    }
     results.sort_unstable_by_key(|r| r.0);
     results.into_iter().map(|r| r.1).collect()
 }

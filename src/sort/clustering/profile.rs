@@ -30,16 +30,6 @@ impl GroupClock {
         })
     }
 
-    /// Starts timing afresh (the time since the last lap is booked nowhere).
-    pub fn restart(&mut self) {
-        self.last = Some(Instant::now());
-    }
-
-    /// Books `secs` to stage `i`.
-    pub fn book(&mut self, i: usize, secs: f64) {
-        self.secs[i] += secs;
-    }
-
     /// Books the time since the last lap to stage `i`.
     pub fn lap(&mut self, i: usize) {
         let now = Instant::now();

@@ -263,7 +263,7 @@ fn seed_many(
             });
         step_s += t.elapsed().as_secs_f64();
     }
-    if batch.is_some() && super::profile::enabled() {
+    if batch.is_some() && groups.len() > 1 && super::profile::enabled() {
         tracing::info!(
             "clustering profile: {} groups seeded in lockstep, {steps} steps: draws {draw_s:.2} s, device {device_s:.2} s, the rest of the steps {:.2} s",
             groups.len(),
