@@ -127,7 +127,7 @@ impl SeedingDevice {
         self.0.is_some()
             && dim > 0
             && dim <= MAX_DEVICE_DIM
-            && xd.len() % dim == 0
+            && xd.len().is_multiple_of(dim)
             && !xd.is_empty()
             && xd.iter().all(|v| v.is_finite() && v.abs() <= MAX_ABS)
     }
@@ -156,6 +156,7 @@ impl SeedingDevice {
 /// covers the float32 rounding of the bound, of the norms and of the
 /// comparison's own subtraction; 10⁻³⁰ more covers products that a device
 /// flushes to zero below float32's normal range.
+#[cfg(any(feature = "cuda", feature = "wgpu", test))]
 pub(crate) fn slack_factor(dim: usize) -> f32 {
     (8.0 * (dim as f64 + 4.0) * f64::from(f32::EPSILON) / 2.0) as f32
 }
