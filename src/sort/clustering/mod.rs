@@ -11,7 +11,10 @@
 //! tree ([`tree`]) and its top-down cuts ([`split`], with the CCG test of
 //! [`ccg`] in the final clustering). Groups run in parallel (rayon), the
 //! largest first; every decision uses integer counts or fixed-order sums, so
-//! the labels are the same bytes for any thread count.
+//! the labels are the same bytes for any thread count. With a GPU
+//! ([`ClusteringSettings::seeding_device`], the sort's CUDA or wgpu device) the
+//! seeding's candidate pairs are screened on the device ([`device`]): the CPU
+//! then computes only the gains the device flags, with the same bits.
 //!
 //! Where it differs from Kilosort4 4.1.7 (see README, "Where spikecube
 //! differs"): the seeding draws from ChaCha8 (seed `cluster_init_seed`), not
