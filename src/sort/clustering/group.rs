@@ -82,20 +82,6 @@ pub(crate) fn cluster_group_clocked(
         }
     };
     lap(clock, 1);
-    cluster_seeded(xd, dim, times, &g, init, settings, clock)
-}
-
-/// The rest of [`cluster_group`] once the group has its neighbour graph `g`
-/// and initial labels `init`: label updates, merge tree and cuts.
-pub(crate) fn cluster_seeded(
-    xd: &[f32],
-    dim: usize,
-    times: Option<&[f64]>,
-    g: &Graph,
-    init: &[u32],
-    settings: &ClusteringSettings,
-    clock: &mut Option<GroupClock>,
-) -> GroupOutcome {
     let nclust = init
         .iter()
         .map(|&l| l as usize + 1)
@@ -107,9 +93,9 @@ pub(crate) fn cluster_seeded(
         isub,
         nclust: nc,
         rounds_run,
-    } = propagate(g, init, nclust, N_LABEL_ROUNDS);
+    } = propagate(&g, init, nclust, N_LABEL_ROUNDS);
     lap(clock, 2);
-    let (cc, cneg) = prepare(g, &iclust, &isub, nc);
+    let (cc, cneg) = prepare(&g, &iclust, &isub, nc);
     let merges = find_merges(cc, cneg, nc);
     let sets = leaf_sets(&merges, nc);
     lap(clock, 3);

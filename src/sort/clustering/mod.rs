@@ -248,19 +248,6 @@ fn run_group(
         );
         (o.labels, o.n_graph_clusters, o.rounds_run)
     };
-    finish_group(data, labels, ng, rounds, clock, prof)
-}
-
-/// A group's result from its final labels: the clusters' mean features.
-fn finish_group(
-    data: GroupData,
-    labels: Vec<u32>,
-    ng: usize,
-    rounds: usize,
-    mut clock: Option<profile::GroupClock>,
-    prof: &profile::Profile,
-) -> GroupResult {
-    let n = data.spikes.len();
     let k = labels.iter().map(|&l| l as usize + 1).max().unwrap_or(1);
     let means = cluster_means(&data.xd, data.dim, &labels, k);
     profile::lap(&mut clock, 5);

@@ -227,24 +227,18 @@ fn seed_many(
             .collect();
         device.batch(&inputs, &taken)
     };
-    let (mut draw_s, mut device_s, mut step_s, mut steps) = (0.0, 0.0, 0.0, 0usize);
     loop {
-        let t = std::time::Instant::now();
         let asks: Vec<Option<(Vec<u32>, Vec<f32>)>> =
             seeders.par_iter_mut().map(Seeder::draw).collect();
-        draw_s += t.elapsed().as_secs_f64();
         if asks.iter().all(Option::is_none) {
             break;
         }
-        steps += 1;
         let flags: Vec<Option<Vec<u8>>> = match &mut batch {
             Some(b) => {
-                let t = std::time::Instant::now();
                 let v0: Vec<&[f32]> = seeders.iter().map(|s| s.vexp0.as_slice()).collect();
                 let changed: Vec<&[(u32, f32)]> =
                     seeders.iter().map(|s| s.changed.as_slice()).collect();
                 let f = b.flags(&v0, &changed, &asks);
-                device_s += t.elapsed().as_secs_f64();
                 for s in &mut seeders {
                     s.changed.clear();
                 }
@@ -261,14 +255,6 @@ fn seed_many(
                     s.step(f);
                 }
             });
-        step_s += t.elapsed().as_secs_f64();
-    }
-    if batch.is_some() && groups.len() > 1 && super::profile::enabled() {
-        tracing::info!(
-            "clustering profile: {} groups seeded in lockstep, {steps} steps: draws {draw_s:.2} s, device {device_s:.2} s, the rest of the steps {:.2} s",
-            groups.len(),
-            step_s - draw_s - device_s
-        );
     }
     seeders.into_iter().map(|s| s.iclust).collect()
 }
@@ -721,12 +707,7 @@ fn block_gains_impl(
         ) {
             let acc = tile_dots(&x, cp);
             // Lanes past the last live column are padding.
-            let lanes = live.saturating_sub(c0).min(TILE_C);
-            let live_mask = if lanes == TILE_C {
-                u32::MAX
-            } else {
-                (1u32 << lanes) - 1
-            };
+            let live_mask = live_lanes(live, c0);
             for (r, (a, &e)) in acc.iter().zip(v0s).enumerate() {
                 book_gains(
                     a,
@@ -740,6 +721,18 @@ fn block_gains_impl(
                 );
             }
         }
+    }
+}
+
+/// The live lanes of the tile of candidates from column `c0` when the first
+/// `live` columns are live (bit l for column c0 + l; 0 for a tile past them).
+#[inline]
+fn live_lanes(live: usize, c0: usize) -> u32 {
+    let lanes = live.saturating_sub(c0).min(TILE_C);
+    if lanes == TILE_C {
+        u32::MAX
+    } else {
+        (1u32 << lanes) - 1
     }
 }
 
@@ -1057,15 +1050,10 @@ impl ScreenedBlock<'_> {
             .collect();
         for (t, tile) in tiles.iter().enumerate() {
             let c0 = t * TILE_C;
-            let lanes = self.live.saturating_sub(c0).min(TILE_C);
-            if lanes == 0 {
+            let live_mask = live_lanes(self.live, c0);
+            if live_mask == 0 {
                 continue;
             }
-            let live_mask = if lanes == TILE_C {
-                u32::MAX
-            } else {
-                (1u32 << lanes) - 1
-            };
             survivors.clear();
             for s0 in (0..nb).step_by(TILE_S) {
                 let x: [&[i32]; TILE_S] = std::array::from_fn(|r| {
@@ -1172,15 +1160,10 @@ fn flagged_block(
         .enumerate()
     {
         let c0 = t * TILE_C;
-        let lanes = live.saturating_sub(c0).min(TILE_C);
-        if lanes == 0 {
+        let live_mask = live_lanes(live, c0);
+        if live_mask == 0 {
             continue;
         }
-        let live_mask = if lanes == TILE_C {
-            u32::MAX
-        } else {
-            (1u32 << lanes) - 1
-        };
         survivors.clear();
         survivors.extend((0..v0.len()).filter(|&s| flags[s] >> t & 1 != 0));
         let tile = Survivors {
