@@ -140,19 +140,22 @@ fn main() -> Result<()> {
         "{:>7}  {:<20} {:>9} {:>9}   (ms per window, medians; cpu: the process's user + system time)",
         "threads", "step", "wall", "cpu"
     );
-    const STEPS: [&str; 6] = [
+    const STEPS: [&str; 8] = [
         "read int16",
         "checks int16",
         "read + checks int16",
         "read f32",
         "checks f32",
         "read + checks f32",
+        "transients int16",
+        "checks+transients16",
     ];
+    let gap = spikecube::checks::transients::transient_gap(rec.fs());
     for &t in &args.threads {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(t).build()?;
         // Per step: wall and CPU milliseconds of every timed window.
-        let mut wall: [Vec<f64>; 6] = Default::default();
-        let mut cpu: [Vec<f64>; 6] = Default::default();
+        let mut wall: [Vec<f64>; 8] = Default::default();
+        let mut cpu: [Vec<f64>; 8] = Default::default();
         let mut stuck = 0u64;
         pool.install(|| -> Result<()> {
             let mut buf = vec![0i16; rows * stride];
@@ -171,6 +174,20 @@ fn main() -> Result<()> {
                     let mut w = window(&plan, first, i, Array2::zeros((0, 0)), Some(raw));
                     let runs_i = check_window(&mut w, &cols, min_run, Some(&mut health_i), true);
                     let (t2, c2) = (Instant::now(), cpu_ms());
+                    let r16 = w.raw16.as_ref().expect("int16 window");
+                    let shape = (r16.n_rows, r16.n_cols, r16.stride);
+                    std::hint::black_box(spikecube::checks::transients::find_transients(
+                        r16.values(),
+                        shape,
+                        gap,
+                    ));
+                    let (t2b, c2b) = (Instant::now(), cpu_ms());
+                    // detect's checks of a window: both in one pass over it
+                    // (again on the same window, only to time it).
+                    std::hint::black_box(spikecube::checks::precheck_window_with_transients(
+                        &mut w, &cols, min_run, true, gap,
+                    ));
+                    let (t2c, c2c) = (Instant::now(), cpu_ms());
                     read_window(rec.as_ref(), &plan, i, &chan_map, &mut data)?;
                     let (t3, c3) = (Instant::now(), cpu_ms());
                     let mut wf = window(&plan, first, i, std::mem::take(&mut data), None);
@@ -187,8 +204,18 @@ fn main() -> Result<()> {
                     data = wf.data;
                     if rep > 0 {
                         let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
-                        let spans = [(0, 1), (1, 2), (0, 2), (2, 3), (3, 4), (2, 4)];
-                        let (ts, cs) = ([t0, t1, t2, t3, t4], [c0, c1, c2, c3, c4]);
+                        let spans = [
+                            (0, 1),
+                            (1, 2),
+                            (0, 2),
+                            (6, 3),
+                            (3, 4),
+                            (6, 4),
+                            (2, 5),
+                            (5, 6),
+                        ];
+                        let ts = [t0, t1, t2, t3, t4, t2b, t2c];
+                        let cs = [c0, c1, c2, c3, c4, c2b, c2c];
                         for (k, &(a, b)) in spans.iter().enumerate() {
                             wall[k].push(ms(ts[a], ts[b]));
                             cpu[k].push(cs[b] - cs[a]);

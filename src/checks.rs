@@ -56,6 +56,12 @@ pub trait RawSample: Copy + PartialEq + PartialOrd + Send + Sync + 'static {
     fn is_zero(self) -> bool;
     /// Whether the two values' f32 forms have the same bits.
     fn same_bits(self, other: Self) -> bool;
+    /// The values as int16 when they are int16 samples (for the integer
+    /// fast paths of the checks); `None` for f32.
+    fn as_i16s(values: &[Self]) -> Option<&[i16]> {
+        let _ = values;
+        None
+    }
 }
 
 impl RawSample for f32 {
@@ -112,6 +118,9 @@ impl RawSample for i16 {
     }
     fn same_bits(self, other: Self) -> bool {
         self == other
+    }
+    fn as_i16s(values: &[Self]) -> Option<&[i16]> {
+        Some(values)
     }
 }
 
@@ -346,19 +355,16 @@ pub fn check_window(
     health: Option<&mut ChannelHealth>,
     mask: bool,
 ) -> Vec<Vec<(usize, usize)>> {
-    let first = w.first_sample;
-    let observe = health.is_some();
-    let (runs, facts) = match w.raw16.as_mut() {
-        Some(raw) => {
-            let shape = (raw.n_rows, raw.n_cols, raw.stride);
-            check_rows(raw.values_mut(), shape, first, cols, min_run, mask, observe)
-        }
-        None => check_values(&mut w.data, first, cols, min_run, mask, observe),
+    let steps = RowSteps {
+        mask,
+        observe: health.is_some(),
+        jumps: false,
     };
+    let c = check_any(w, cols, min_run, steps);
     if let Some(h) = health {
-        h.merge(&facts);
+        h.merge(&c.health);
     }
-    runs
+    c.runs
 }
 
 /// [`check_window`] without a [`ChannelHealth`] (for windows checked on
@@ -372,13 +378,57 @@ pub fn precheck_window(
     min_run: usize,
     mask: bool,
 ) -> (Vec<Vec<(usize, usize)>>, WindowHealth) {
+    let steps = RowSteps {
+        mask,
+        observe: true,
+        jumps: false,
+    };
+    let c = check_any(w, cols, min_run, steps);
+    (c.runs, c.health)
+}
+
+/// [`precheck_window`] (its masking and channel facts, without the runs),
+/// and then the window's transients common to most channels
+/// ([`transients::find_transients`] on the values after the masking, `gap`
+/// samples joining columns into one event), found row by row in the same
+/// pass over the window: the same values, facts and events as
+/// [`precheck_window`] followed by [`transients::find_transients`].
+pub fn precheck_window_with_transients(
+    w: &mut crate::recording::Window,
+    cols: &WindowColumns,
+    min_run: usize,
+    mask: bool,
+    gap: usize,
+) -> (WindowHealth, Vec<(usize, usize)>) {
+    let steps = RowSteps {
+        mask,
+        observe: true,
+        jumps: true,
+    };
+    let c = check_any(w, cols, min_run, steps);
+    let n_cols = match &w.raw16 {
+        Some(raw) => raw.n_cols,
+        None => w.data.ncols(),
+    };
+    let events = transients::events_of_rows(&c.jumps, n_cols, gap);
+    (c.health, events)
+}
+
+/// [`check_rows`] on the window's int16 values when it has them, else on
+/// its f32 values.
+fn check_any(
+    w: &mut crate::recording::Window,
+    cols: &WindowColumns,
+    min_run: usize,
+    steps: RowSteps,
+) -> RowChecks {
     let first = w.first_sample;
     match w.raw16.as_mut() {
         Some(raw) => {
             let shape = (raw.n_rows, raw.n_cols, raw.stride);
-            check_rows(raw.values_mut(), shape, first, cols, min_run, mask, true)
+            check_rows(raw.values_mut(), shape, first, cols, min_run, steps)
         }
-        None => check_values(&mut w.data, first, cols, min_run, mask, true),
+        None => check_values(&mut w.data, first, cols, min_run, steps),
     }
 }
 
@@ -393,11 +443,16 @@ pub fn check_array(
     mask: bool,
 ) -> Vec<Vec<(usize, usize)>> {
     let observe = health.is_some();
-    let (runs, facts) = check_values(window, first_sample, cols, min_run, mask, observe);
+    let steps = RowSteps {
+        mask,
+        observe,
+        jumps: false,
+    };
+    let c = check_values(window, first_sample, cols, min_run, steps);
     if let Some(h) = health {
-        h.merge(&facts);
+        h.merge(&c.health);
     }
-    runs
+    c.runs
 }
 
 /// [`check_rows`] on an f32 window (made standard layout first).
@@ -406,16 +461,15 @@ fn check_values(
     first_sample: i64,
     cols: &WindowColumns,
     min_run: usize,
-    mask: bool,
-    observe: bool,
-) -> (Vec<Vec<(usize, usize)>>, WindowHealth) {
+    steps: RowSteps,
+) -> RowChecks {
     if !window.is_standard_layout() {
         *window = window.as_standard_layout().into_owned();
     }
     let (n_rows, n_cols) = window.dim();
     let values = window.as_slice_mut().expect("standard layout");
     let shape = (n_rows, n_cols, n_cols);
-    check_rows(values, shape, first_sample, cols, min_run, mask, observe)
+    check_rows(values, shape, first_sample, cols, min_run, steps)
 }
 
 /// The checks of [`check_window`] on `n_rows` rows of `n_cols` samples at
@@ -432,10 +486,14 @@ fn check_rows<T: RawSample>(
     first_sample: i64,
     cols: &WindowColumns,
     min_run: usize,
-    mask: bool,
-    observe: bool,
-) -> (Vec<Vec<(usize, usize)>>, WindowHealth) {
+    steps: RowSteps,
+) -> RowChecks {
     use rayon::prelude::*;
+    let RowSteps {
+        mask,
+        observe,
+        jumps,
+    } = steps;
     let (a, b) = (cols.own.0.min(n_cols), cols.own.1.min(n_cols));
     let observe = observe && b > a;
     let scan_cols = ScanColumns {
@@ -444,7 +502,7 @@ fn check_rows<T: RawSample>(
         own: if observe { (a, b) } else { (0, 0) },
         min_run,
     };
-    let (runs, facts): (Vec<_>, Vec<_>) = values[..n_rows * stride]
+    let per_row: Vec<_> = values[..n_rows * stride]
         .par_chunks_mut(stride.max(1))
         .map(|row| {
             let row = &mut row[..n_cols];
@@ -456,12 +514,45 @@ fn check_rows<T: RawSample>(
             if mask {
                 fill_row(row, &runs, cols.lo, cols.hi, cols.pad_repeats);
             }
-            (runs, facts)
+            // While the row is in cache: its part of the transient check.
+            let jumps = jumps.then(|| transients::row_jumps(row));
+            (runs, facts, jumps)
         })
-        .unzip();
-    let rows: Vec<RowWindow> = facts.into_iter().flatten().collect();
-    let samples = if rows.is_empty() { 0 } else { (b - a) as u64 };
-    (runs, WindowHealth { rows, samples })
+        .collect();
+    let mut out = RowChecks {
+        runs: Vec::with_capacity(n_rows),
+        health: WindowHealth {
+            rows: Vec::new(),
+            samples: 0,
+        },
+        jumps: Vec::new(),
+    };
+    for (runs, facts, jumps) in per_row {
+        out.runs.push(runs);
+        out.health.rows.extend(facts);
+        out.jumps.extend(jumps);
+    }
+    if !out.health.rows.is_empty() {
+        out.health.samples = (b - a) as u64;
+    }
+    out
+}
+
+/// Which of [`check_rows`]'s steps run besides the stuck runs: the masking,
+/// the channel facts, the rows' part of the transient check.
+#[derive(Debug, Clone, Copy)]
+struct RowSteps {
+    mask: bool,
+    observe: bool,
+    jumps: bool,
+}
+
+/// What [`check_rows`] found: each row's stuck runs, the window's channel
+/// facts, and (when asked) each row's part of the transient check.
+struct RowChecks {
+    runs: Vec<Vec<(usize, usize)>>,
+    health: WindowHealth,
+    jumps: Vec<transients::RowJumps>,
 }
 
 /// Per-channel facts gathered over the samples seen: all zero, constant,
@@ -1375,6 +1466,92 @@ mod tests {
             }
         }
         x
+    }
+
+    /// The transients found row by row in the checks' pass
+    /// ([`precheck_window_with_transients`]) are those of
+    /// [`transients::find_transients`] on the window after
+    /// [`precheck_window`] (masked or not), with the same runs and facts, for
+    /// f32 windows and int16 rows longer than the samples.
+    #[test]
+    fn transients_in_the_checks_pass_equal_the_separate_check() {
+        let (n_rows, n, stride, min_run, gap) = (20, 3001, 3005, 8, 30);
+        let cols = WindowColumns {
+            lo: 0,
+            hi: n,
+            own: (61, n - 61),
+            pad_repeats: true,
+        };
+        let mut s = 7u64;
+        let mut x = Array2::<f32>::zeros((n_rows, n));
+        for r in 0..n_rows {
+            for c in 0..n {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let step = if r < 15 && c >= 1700 {
+                    400.0 + 31.0 * r as f32
+                } else {
+                    0.0
+                };
+                let half = if r < 9 && c >= 900 { 500.0 } else { 0.0 };
+                x[(r, c)] = ((s >> 40) % 41) as f32 - 20.0 + step + half;
+            }
+        }
+        for c in 200..260 {
+            x[(2, c)] = 3000.0; // a stuck run, then masked
+        }
+        for mask in [false, true] {
+            for int16 in [false, true] {
+                let make = || {
+                    let raw16 = int16.then(|| {
+                        let mut raw = vec![-1i16; n_rows * stride];
+                        for r in 0..n_rows {
+                            for c in 0..n {
+                                raw[r * stride + c] = x[(r, c)] as i16;
+                            }
+                        }
+                        crate::recording::Raw16::new(n_rows, n, stride, Box::new(raw)).unwrap()
+                    });
+                    crate::recording::Window {
+                        index: 0,
+                        own_start: 61,
+                        own_len: (n - 122) as u64,
+                        first_sample: 0,
+                        data: if int16 {
+                            Array2::zeros((0, 0))
+                        } else {
+                            x.clone()
+                        },
+                        raw16,
+                    }
+                };
+                let mut a = make();
+                let (runs, facts) = precheck_window(&mut a, &cols, min_run, mask);
+                let want = match &a.raw16 {
+                    Some(raw) => transients::find_transients(
+                        raw.values(),
+                        (raw.n_rows, raw.n_cols, raw.stride),
+                        gap,
+                    ),
+                    None => {
+                        transients::find_transients(a.data.as_slice().unwrap(), (n_rows, n, n), gap)
+                    }
+                };
+                assert_eq!(want, vec![(1700, 1701)], "mask {mask}, int16 {int16}");
+                let mut b = make();
+                let (facts_b, events) =
+                    precheck_window_with_transients(&mut b, &cols, min_run, mask, gap);
+                let values = |w: &crate::recording::Window| match &w.raw16 {
+                    Some(raw) => raw.to_f32(),
+                    None => w.data.clone(),
+                };
+                assert_eq!(values(&b), values(&a), "mask {mask}, int16 {int16}");
+                assert!(runs[2].contains(&(200, 260)), "{:?}", runs[2]);
+                assert_eq!(format!("{facts_b:?}"), format!("{facts:?}"));
+                assert_eq!(events, want, "mask {mask}, int16 {int16}");
+            }
+        }
     }
 
     /// The one-pass checks ([`check_window`], [`check_array`]) give the runs,

@@ -32,9 +32,6 @@ pub const TRANSIENT_MIN_SITES: usize = 8;
 /// Every how many samples of a row enter its noise estimate.
 pub const NOISE_STRIDE: usize = 16;
 
-/// Columns per parallel piece of the column counts.
-const PIECE: usize = 4096;
-
 /// Samples within which transient columns join one event: 1 ms at `fs`
 /// (at least 1).
 pub fn transient_gap(fs: f64) -> usize {
@@ -55,39 +52,125 @@ pub fn find_transients<T: RawSample>(
     if n_cols < 2 || n_rows < TRANSIENT_MIN_SITES {
         return Vec::new();
     }
-    let row = |r: usize| &values[r * stride..r * stride + n_cols];
-    // Per row: the threshold on |d| (0: no noise, the row does not vote).
-    let thr: Vec<f32> = (0..n_rows)
+    let rows: Vec<RowJumps> = (0..n_rows)
         .into_par_iter()
-        .map(|r| TRANSIENT_SD * robust_sd_of_difference(row(r)))
+        .map(|r| row_jumps(&values[r * stride..r * stride + n_cols]))
         .collect();
-    let voters = thr.iter().filter(|&&t| t > 0.0).count();
+    events_of_rows(&rows, n_cols, gap)
+}
+
+/// One row's part of [`find_transients`], which needs only that row: whether
+/// it has noise (it votes), and the columns `c` ≥ 1 where
+/// |x[c] − x[c−1]| exceeds [`TRANSIENT_SD`] × its robust sd, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowJumps {
+    voter: bool,
+    jumps: Vec<u32>,
+}
+
+/// [`RowJumps`] of one row of samples (int16 in integers, exactly as in f32).
+pub fn row_jumps<T: RawSample>(x: &[T]) -> RowJumps {
+    let mut jumps = Vec::new();
+    let t = match T::as_i16s(x) {
+        Some(x) => {
+            let t = TRANSIENT_SD * robust_sd_of_difference_i16(x);
+            if t > 0.0 {
+                jump_columns_i16(x, t, &mut jumps);
+            }
+            t
+        }
+        None => {
+            let t = TRANSIENT_SD * robust_sd_of_difference(x);
+            if t > 0.0 {
+                jump_columns(x, t, &mut jumps);
+            }
+            t
+        }
+    };
+    RowJumps {
+        voter: t > 0.0,
+        jumps,
+    }
+}
+
+/// The events of [`find_transients`] from every row's [`RowJumps`] (rows of
+/// `n_cols` samples): the columns where at least [`TRANSIENT_FRACTION`] of
+/// the voting rows jump, joined when closer than `gap`.
+pub fn events_of_rows(rows: &[RowJumps], n_cols: usize, gap: usize) -> Vec<(usize, usize)> {
+    if n_cols < 2 || rows.len() < TRANSIENT_MIN_SITES {
+        return Vec::new();
+    }
+    let voters = rows.iter().filter(|r| r.voter).count();
     if voters < TRANSIENT_MIN_SITES {
         return Vec::new();
     }
     let need = ((TRANSIENT_FRACTION * voters as f64).ceil() as u32).max(1);
-    let pieces: Vec<Vec<usize>> = (0..n_cols.div_ceil(PIECE))
-        .into_par_iter()
-        .map(|p| {
-            let (lo, hi) = ((p * PIECE).max(1), ((p + 1) * PIECE).min(n_cols));
-            let mut count = vec![0u32; hi.saturating_sub(lo)];
-            for (r, &t) in thr.iter().enumerate() {
-                if t <= 0.0 {
-                    continue;
-                }
-                let x = row(r);
-                let (cur, prev) = (&x[lo..hi], &x[lo - 1..hi - 1]);
-                for ((c, &a), &b) in count.iter_mut().zip(cur).zip(prev) {
-                    *c += u32::from((a.to_f32() - b.to_f32()).abs() > t);
-                }
+    let mut count = vec![0u32; n_cols];
+    for r in rows {
+        for &c in &r.jumps {
+            count[c as usize] += 1;
+        }
+    }
+    join_columns((1..n_cols).filter(|&c| count[c] >= need), gap)
+}
+
+/// Columns `c` ≥ 1 checked a block at a time by [`jump_columns`]: a block
+/// without a jump costs one vector pass.
+const JUMP_BLOCK: usize = 64;
+
+/// Appends to `out` every column `c` ≥ 1 of `x` where `|x[c] − x[c−1]| > t`
+/// (in f32, as the values' f32 forms), in order.
+fn jump_columns<T: RawSample>(x: &[T], t: f32, out: &mut Vec<u32>) {
+    let jumps = |c: usize| (x[c].to_f32() - x[c - 1].to_f32()).abs() > t;
+    for lo in (1..x.len()).step_by(JUMP_BLOCK) {
+        let hi = (lo + JUMP_BLOCK).min(x.len());
+        let any = x[lo..hi]
+            .iter()
+            .zip(&x[lo - 1..hi - 1])
+            .fold(false, |acc, (&a, &b)| {
+                acc | ((a.to_f32() - b.to_f32()).abs() > t)
+            });
+        if any {
+            out.extend((lo..hi).filter(|&c| jumps(c)).map(|c| c as u32));
+        }
+    }
+}
+
+/// [`jump_columns`] of an int16 row, in integers: |d| of two int16 values
+/// is an exact integer (its f32 form too), so `|d| > t` (f32 `t` > 0) holds
+/// exactly when `|d| > ⌊t⌋`, and never when `t` ≥ 65 535 (the largest
+/// |d|). The same columns; AVX2 when the CPU has it.
+fn jump_columns_i16(x: &[i16], t: f32, out: &mut Vec<u32>) {
+    let limit = if t >= 65_535.0 { u16::MAX } else { t as u16 };
+    fn plain(x: &[i16], limit: u16, out: &mut Vec<u32>) {
+        for lo in (1..x.len()).step_by(JUMP_BLOCK) {
+            let hi = (lo + JUMP_BLOCK).min(x.len());
+            let (cur, prev) = (&x[lo..hi], &x[lo - 1..hi - 1]);
+            let any = cur
+                .iter()
+                .zip(prev)
+                .fold(false, |acc, (&a, &b)| acc | (a.abs_diff(b) > limit));
+            if any {
+                out.extend(
+                    (lo..hi)
+                        .filter(|&c| x[c].abs_diff(x[c - 1]) > limit)
+                        .map(|c| c as u32),
+                );
             }
-            (0..count.len())
-                .filter(|&k| count[k] >= need)
-                .map(|k| lo + k)
-                .collect()
-        })
-        .collect();
-    join_columns(pieces.into_iter().flatten(), gap)
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        fn avx2(x: &[i16], limit: u16, out: &mut Vec<u32>) {
+            plain(x, limit, out)
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { avx2(x, limit, out) };
+        }
+    }
+    plain(x, limit, out)
 }
 
 /// Robust sd of a row's first difference: median |d| / 0.6745 over every
@@ -104,6 +187,44 @@ fn robust_sd_of_difference<T: RawSample>(x: &[T]) -> f32 {
     let mid = d.len() / 2;
     let (_, m, _) = d.select_nth_unstable_by(mid, f32::total_cmp);
     *m / 0.6745
+}
+
+/// Values below this are counted in a histogram by
+/// [`robust_sd_of_difference_i16`]; larger ones are selected among.
+const SMALL_DIFF: usize = 1024;
+
+/// [`robust_sd_of_difference`] of an int16 row, in integers: |d| of two
+/// int16 values is an exact u16 and its f32 form is exact, so the median of
+/// the u16 values is the one the f32 path finds (every value is finite). The
+/// median is found by counting the values below [`SMALL_DIFF`] (a row's
+/// sample-to-sample differences nearly always are), selecting among the
+/// rest only when it lies there.
+fn robust_sd_of_difference_i16(x: &[i16]) -> f32 {
+    let mut hist = [0u32; SMALL_DIFF];
+    let mut large: Vec<u16> = Vec::new();
+    let mut n = 0usize;
+    for t in (1..x.len()).step_by(NOISE_STRIDE) {
+        let d = x[t].abs_diff(x[t - 1]);
+        match hist.get_mut(usize::from(d)) {
+            Some(h) => *h += 1,
+            None => large.push(d),
+        }
+        n += 1;
+    }
+    if n == 0 {
+        return 0.0;
+    }
+    // The value of rank n / 2 (from 0) in increasing order.
+    let mid = n / 2;
+    let mut below = 0usize;
+    for (v, &h) in hist.iter().enumerate() {
+        below += h as usize;
+        if below > mid {
+            return v as f32 / 0.6745;
+        }
+    }
+    let (_, m, _) = large.select_nth_unstable(mid - below);
+    f32::from(*m) / 0.6745
 }
 
 /// Joins increasing columns closer than `gap` into `[start, end)` ranges.
@@ -202,6 +323,83 @@ mod tests {
         assert!(find_transients(&x, (rows, cols, cols), 30).is_empty());
         let flat = vec![3.0f32; 12 * cols];
         assert!(find_transients(&flat, (12, cols, cols), 30).is_empty());
+    }
+
+    /// The definition, column by column: the rows with noise that jump past
+    /// their threshold, counted per column.
+    fn reference<T: RawSample>(
+        x: &[T],
+        (rows, cols, stride): (usize, usize, usize),
+        gap: usize,
+    ) -> Vec<(usize, usize)> {
+        let row = |r: usize| &x[r * stride..r * stride + cols];
+        let thr: Vec<f32> = (0..rows)
+            .map(|r| TRANSIENT_SD * robust_sd_of_difference(row(r)))
+            .collect();
+        let voters = thr.iter().filter(|&&t| t > 0.0).count();
+        if cols < 2 || rows < TRANSIENT_MIN_SITES || voters < TRANSIENT_MIN_SITES {
+            return Vec::new();
+        }
+        let need = ((TRANSIENT_FRACTION * voters as f64).ceil() as u32).max(1);
+        let hits = (1..cols).filter(|&c| {
+            let n = (0..rows)
+                .filter(|&r| {
+                    thr[r] > 0.0 && (row(r)[c].to_f32() - row(r)[c - 1].to_f32()).abs() > thr[r]
+                })
+                .count();
+            n as u32 >= need
+        });
+        join_columns(hits, gap)
+    }
+
+    #[test]
+    fn row_by_row_counts_equal_the_definition() {
+        for seed in 1..12u64 {
+            let (rows, cols, stride) = (24, 5000 + 37 * seed as usize, 5100 + 37 * seed as usize);
+            let mut x = vec![0f32; rows * stride];
+            let base = noise(rows, cols, seed);
+            for r in 0..rows {
+                // Rows of different noise, one flat, jumps near the threshold.
+                // Row 9's median |d| is past the int16 path's histogram.
+                let scale = match r {
+                    5 => 0.0,
+                    9 => 100.0,
+                    _ => 1.0 + (r % 7) as f32 * 3.5,
+                };
+                for c in 0..cols {
+                    x[r * stride + c] = (base[r * cols + c] * scale).round();
+                }
+            }
+            for (k, c0) in [(0usize, 900usize), (1, 2500), (2, 2530), (3, 4100)] {
+                for r in 0..rows - 2 * k {
+                    let scale = 1.0 + (r % 7) as f32 * 3.5;
+                    let jump =
+                        (scale * (150.0 + 60.0 * ((r + k) % 5) as f32)).round() + seed as f32;
+                    x[r * stride + c0 + (r % 2)] += jump;
+                }
+            }
+            // Large values near the int16 limits.
+            x[3 * stride + 77] = 32767.0;
+            x[3 * stride + 78] = -32768.0;
+            let x16: Vec<i16> = x.iter().map(|&v| v as i16).collect();
+            let want = reference(&x, (rows, cols, stride), 30);
+            assert!(!want.is_empty(), "seed {seed}");
+            assert_eq!(
+                find_transients(&x, (rows, cols, stride), 30),
+                want,
+                "f32, seed {seed}"
+            );
+            assert_eq!(
+                find_transients(&x16, (rows, cols, stride), 30),
+                want,
+                "i16, seed {seed}"
+            );
+            assert_eq!(
+                reference(&x16, (rows, cols, stride), 30),
+                want,
+                "i16 reference, seed {seed}"
+            );
+        }
     }
 
     #[test]

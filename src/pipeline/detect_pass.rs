@@ -86,8 +86,15 @@ pub(crate) fn detect_pass(
     let prepare =
         move |w: &mut crate::recording::Window| -> Result<(checks::WindowHealth, Vec<i64>)> {
             let cols = checks::WindowColumns::of(&plan, w.index);
-            let health = checks::precheck_window(w, &cols, min_run, mask_clipped).1;
-            Ok((health, window_transients(w, plan.nt as usize, gap)))
+            let (health, events) =
+                checks::precheck_window_with_transients(w, &cols, min_run, mask_clipped, gap);
+            let own = checks::transients::own_events(
+                &events,
+                w.first_sample,
+                plan.nt as usize,
+                w.own_len as usize,
+            );
+            Ok((health, own))
         };
     let merge = move |_: &mut crate::recording::Window,
                       (h, t): (checks::WindowHealth, Vec<i64>)|
@@ -131,25 +138,6 @@ pub(crate) fn detect_pass(
         health,
         transients,
     })
-}
-
-/// The transients common to most channels that start in window `w`'s own
-/// samples ([`checks::transients::find_transients`] on the values as read,
-/// int16 or f32), as absolute samples.
-fn window_transients(w: &crate::recording::Window, nt: usize, gap: usize) -> Vec<i64> {
-    use checks::transients::{find_transients, own_events};
-    let events = match &w.raw16 {
-        Some(raw) => find_transients(raw.values(), (raw.n_rows, raw.n_cols, raw.stride), gap),
-        None => match w.data.as_slice() {
-            Some(v) => find_transients(v, (w.data.nrows(), w.data.ncols(), w.data.ncols()), gap),
-            None => {
-                let d = w.data.as_standard_layout();
-                let v = d.as_slice().expect("standard layout");
-                find_transients(v, (d.nrows(), d.ncols(), d.ncols()), gap)
-            }
-        },
-    };
-    own_events(&events, w.first_sample, nt, w.own_len as usize)
 }
 
 /// The per-window stages' busy seconds, their wall time and overlap, and the
