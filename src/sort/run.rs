@@ -750,7 +750,9 @@ fn export_settings(run_info: &crate::output::RunInfo, fs: f64, s: &SortSettings)
 /// Where the clusterings' seeding screens its candidate pairs: on the sort's
 /// GPU when its back end is CUDA or wgpu (the labels are the same bytes as on
 /// the CPU), else on the CPU. `SPIKECUBE_SEED_SCREEN=cpu` keeps it on the
-/// CPU, for measuring.
+/// CPU, for measuring; `SPIKECUBE_SEED_DEVICE_MIN=N` sends only groups of at
+/// least N spikes to the device (default
+/// [`crate::sort::clustering::DEVICE_MIN_SPIKES`]), for measuring.
 fn seeding_device(backend: Backend) -> crate::sort::clustering::SeedingDevice {
     use crate::sort::clustering::SeedingDevice;
     if std::env::var("SPIKECUBE_SEED_SCREEN").as_deref() == Ok("cpu") {
@@ -763,7 +765,19 @@ fn seeding_device(backend: Backend) -> crate::sort::clustering::SeedingDevice {
         Ok(c) if c.backend == "wgpu" => SeedingDevice::wgpu(),
         _ => SeedingDevice::cpu(),
     };
-    tracing::info!("clustering: seeding pairs screened on {}", device.name());
+    let min = std::env::var("SPIKECUBE_SEED_DEVICE_MIN")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(crate::sort::clustering::DEVICE_MIN_SPIKES);
+    let device = device.with_min_spikes(min);
+    if device.is_device() {
+        tracing::info!(
+            "clustering: seeding pairs screened on {} for groups of at least {min} spikes, on the CPU for the others",
+            device.name()
+        );
+    } else {
+        tracing::info!("clustering: seeding pairs screened on the cpu");
+    }
     device
 }
 

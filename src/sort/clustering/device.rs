@@ -62,7 +62,12 @@ pub(crate) trait ScreenFactory: Send + Sync {
 /// way, so two settings that differ only here compare equal, and the choice
 /// is not serialised.
 #[derive(Clone, Default)]
-pub struct SeedingDevice(Option<Arc<dyn ScreenFactory>>);
+pub struct SeedingDevice(Option<Arc<dyn ScreenFactory>>, usize);
+
+/// Groups with fewer spikes than this are screened on the CPU even when a
+/// device is set ([`SeedingDevice::with_min_spikes`] sets another bound): a
+/// step's round trip to the device costs more than their screen there.
+pub const DEVICE_MIN_SPIKES: usize = 0;
 
 impl fmt::Debug for SeedingDevice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -83,7 +88,7 @@ impl PartialEq for SeedingDevice {
 impl SeedingDevice {
     /// The CPU screen.
     pub fn cpu() -> Self {
-        SeedingDevice(None)
+        SeedingDevice(None, 0)
     }
 
     /// Whether a GPU screens the pairs.
@@ -100,35 +105,53 @@ impl SeedingDevice {
     #[cfg(feature = "cuda")]
     pub fn cuda() -> Self {
         let device = cubecl::cuda::CudaDevice::new(0);
-        SeedingDevice(Some(Arc::new(
-            CubeScreens::<cubecl::cuda::CudaRuntime>::new(&device, "cuda"),
-        )))
+        SeedingDevice(
+            Some(Arc::new(CubeScreens::<cubecl::cuda::CudaRuntime>::new(
+                &device, "cuda",
+            ))),
+            DEVICE_MIN_SPIKES,
+        )
     }
 
     /// The screen on wgpu's default device.
     #[cfg(feature = "wgpu")]
     pub fn wgpu() -> Self {
         let device = cubecl::wgpu::WgpuDevice::DefaultDevice;
-        SeedingDevice(Some(Arc::new(
-            CubeScreens::<cubecl::wgpu::WgpuRuntime>::new(&device, "wgpu"),
-        )))
+        SeedingDevice(
+            Some(Arc::new(CubeScreens::<cubecl::wgpu::WgpuRuntime>::new(
+                &device, "wgpu",
+            ))),
+            DEVICE_MIN_SPIKES,
+        )
     }
 
     /// A device screen made by `factory` (tests: screens on the CPU).
     #[cfg(test)]
     pub(crate) fn from_factory(factory: Arc<dyn ScreenFactory>) -> Self {
-        SeedingDevice(Some(factory))
+        SeedingDevice(Some(factory), 0)
+    }
+
+    /// The same device, taking only groups of at least `n` spikes (the
+    /// others are screened on the CPU; the labels are the same).
+    pub fn with_min_spikes(self, n: usize) -> Self {
+        SeedingDevice(self.0, n)
+    }
+
+    /// Groups with fewer spikes are screened on the CPU.
+    pub fn min_spikes(&self) -> usize {
+        self.1
     }
 
     /// Whether a device is set and takes a group of features `xd` (n × `dim`):
-    /// not wider than [`MAX_DEVICE_DIM`], every feature finite and not too
-    /// large.
+    /// at least [`SeedingDevice::min_spikes`] spikes, not wider than
+    /// [`MAX_DEVICE_DIM`], every feature finite and not too large.
     pub(crate) fn takes(&self, xd: &[f32], dim: usize) -> bool {
         self.0.is_some()
             && dim > 0
             && dim <= MAX_DEVICE_DIM
             && xd.len().is_multiple_of(dim)
             && !xd.is_empty()
+            && xd.len() / dim >= self.1
             && xd.iter().all(|v| v.is_finite() && v.abs() <= MAX_ABS)
     }
 

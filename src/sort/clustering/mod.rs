@@ -37,7 +37,7 @@ pub mod tree;
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
 
-pub use device::SeedingDevice;
+pub use device::{DEVICE_MIN_SPIKES, SeedingDevice};
 pub use group::{GroupOutcome, cluster_group};
 pub use groups::{GroupData, Positions};
 pub use settings::{ClusteringSettings, MIN_GROUP_SPIKES, XCenters};
