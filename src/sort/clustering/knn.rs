@@ -8,9 +8,8 @@
 
 use rayon::prelude::*;
 
-/// Queries handled together (one rayon task), and the landmark block they share.
+/// Queries handled together (one rayon task).
 const QUERY_BLOCK: usize = 256;
-const LANDMARK_BLOCK: usize = 512;
 
 /// The landmarks of a group of `n` spikes: every `nskip`-th spike; when that
 /// leaves more than `max_sub`, `n1 − max_sub` of them are dropped at the
@@ -76,14 +75,23 @@ impl TopK {
         (self.dist.len() == self.k).then(|| self.dist[self.k - 1])
     }
 
-    /// Offers landmark `j`; landmarks arrive in increasing index, so a tie
-    /// keeps the earlier one (strictly smaller distances displace).
+    /// Offers landmark `j` at squared distance `d`. The k held are the
+    /// smallest by (distance, index), whatever the order of the offers: a
+    /// tie goes to the lower index.
     #[inline]
     fn offer(&mut self, d: f32, j: u32) {
-        if d.is_nan() || (self.dist.len() == self.k && d >= self.dist[self.k - 1]) {
+        if d.is_nan() {
             return;
         }
-        let p = self.dist.partition_point(|&e| e <= d);
+        // Whether (e, i) comes before the offer.
+        let before = |e: f32, i: u32| e < d || (e == d && i < j);
+        if self.dist.len() == self.k && before(self.dist[self.k - 1], self.idx[self.k - 1]) {
+            return;
+        }
+        let mut p = 0;
+        while p < self.dist.len() && before(self.dist[p], self.idx[p]) {
+            p += 1;
+        }
         self.dist.insert(p, d);
         self.idx.insert(p, j);
         if self.dist.len() > self.k {
@@ -108,7 +116,14 @@ const PARTS: usize = 8;
 /// [`PARTS`] interleaved partial sums (feature f in sum f mod 8, over the whole
 /// chunks of 8 features), combined as ((s0 + s4) + (s1 + s5)) + ((s2 + s6) +
 /// (s3 + s7)), plus the sum of the remaining features in order; computed
-/// [`TILE_Q`] queries × [`TILE_L`] landmarks at a time.
+/// [`TILE_Q`] queries × [`TILE_L`] landmarks at a time. Landmarks are
+/// visited in order of their norm, from those nearest in norm to a tile of
+/// queries outwards, and the visit stops on each side where the norm gap
+/// alone, (‖x‖ − ‖y‖)² ≤ ‖x − y‖², puts every further landmark above every
+/// query's k-th distance ([`beyond_bars`], with a margin for the float32
+/// rounding): the landmarks left out could not enter, and the k kept are the
+/// smallest by (distance, index) whatever the visiting order, so the result
+/// is that of the exhaustive search.
 pub fn knn(xd: &[f32], dim: usize, landmarks: &[usize], k: usize) -> Vec<u32> {
     let n = xd.len() / dim.max(1);
     assert!(
@@ -117,60 +132,128 @@ pub fn knn(xd: &[f32], dim: usize, landmarks: &[usize], k: usize) -> Vec<u32> {
         landmarks.len()
     );
     let nl = landmarks.len();
-    // Landmarks by tiles of TILE_L, each tile feature-major (dim × TILE_L,
-    // zero-padded): one feature of a tile's landmarks is one run.
-    let mut lt = vec![0f32; nl.div_ceil(TILE_L) * TILE_L * dim];
-    for (j, &s) in landmarks.iter().enumerate() {
-        let tile = &mut lt[(j / TILE_L) * dim * TILE_L..];
-        for (f, &v) in xd[s * dim..(s + 1) * dim].iter().enumerate() {
-            tile[f * TILE_L + j % TILE_L] = v;
+    let row = |i: usize| &xd[i * dim..(i + 1) * dim];
+    // Landmarks in increasing norm (ties by index), by tiles of TILE_L, each
+    // tile feature-major (dim × TILE_L, zero-padded): one feature of a
+    // tile's landmarks is one run.
+    let mut by_norm: Vec<(f64, u32)> = landmarks
+        .iter()
+        .enumerate()
+        .map(|(j, &s)| (norm(row(s)), j as u32))
+        .collect();
+    by_norm.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let n_tiles = nl.div_ceil(TILE_L);
+    let mut lt = vec![0f32; n_tiles * TILE_L * dim];
+    for (p, &(_, j)) in by_norm.iter().enumerate() {
+        let tile = &mut lt[(p / TILE_L) * dim * TILE_L..];
+        for (f, &v) in row(landmarks[j as usize]).iter().enumerate() {
+            tile[f * TILE_L + p % TILE_L] = v;
         }
     }
+    // Each tile's smallest and largest landmark norm.
+    let span: Vec<(f64, f64)> = by_norm
+        .chunks(TILE_L)
+        .map(|c| (c[0].0, c[c.len() - 1].0))
+        .collect();
     let zero = vec![0f32; dim];
+    let rel = float32_loss(dim);
     let mut kn = vec![0u32; n * k];
     kn.par_chunks_mut(QUERY_BLOCK * k)
         .enumerate()
         .for_each(|(b, out)| {
             let q0 = b * QUERY_BLOCK;
             let nq = out.len() / k;
-            let mut tops: Vec<TopK> = (0..nq).map(|_| TopK::new(k)).collect();
-            for l0 in (0..nl).step_by(LANDMARK_BLOCK) {
-                let l1 = (l0 + LANDMARK_BLOCK).min(nl);
-                for (g, group) in tops.chunks_mut(TILE_Q).enumerate() {
-                    let first = q0 + g * TILE_Q;
-                    // Rows past the queries read zeros (their results unused).
-                    let x: [&[f32]; TILE_Q] = std::array::from_fn(|r| {
-                        xd.get((first + r) * dim..(first + r + 1) * dim)
-                            .filter(|_| r < group.len())
-                            .unwrap_or(&zero)
-                    });
-                    for t in l0 / TILE_L..l1.div_ceil(TILE_L) {
-                        let d = tile_dists(&x, &lt[t * dim * TILE_L..(t + 1) * dim * TILE_L]);
-                        let lanes = (nl - t * TILE_L).min(TILE_L);
-                        for (top, d) in group.iter_mut().zip(&d) {
-                            // Only the lanes under the bar can enter (offer
-                            // checks again as the bar moves), in index order.
-                            let mut offered = match top.bar() {
-                                Some(bar) => d
-                                    .iter()
-                                    .enumerate()
-                                    .fold(0u32, |m, (l, &v)| m | (u32::from(v < bar) << l)),
-                                None => u32::MAX,
-                            } & ((1u32 << lanes) - 1);
-                            while offered != 0 {
-                                let l = offered.trailing_zeros() as usize;
-                                offered &= offered - 1;
-                                top.offer(d[l], (t * TILE_L + l) as u32);
-                            }
+            // The block's queries in increasing norm, TILE_Q at a time, so
+            // that a tile's queries have close norms.
+            let mut queries: Vec<(f64, usize)> = (q0..q0 + nq).map(|i| (norm(row(i)), i)).collect();
+            queries.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            for group in queries.chunks(TILE_Q) {
+                // Rows past the queries read zeros (their results unused).
+                let x: [&[f32]; TILE_Q] =
+                    std::array::from_fn(|r| group.get(r).map_or(&zero[..], |&(_, i)| row(i)));
+                let mut tops: Vec<TopK> = group.iter().map(|_| TopK::new(k)).collect();
+                let offer_tile = |tops: &mut [TopK], t: usize| {
+                    let d = tile_dists(&x, &lt[t * dim * TILE_L..(t + 1) * dim * TILE_L]);
+                    let lanes = (nl - t * TILE_L).min(TILE_L);
+                    for (top, d) in tops.iter_mut().zip(&d) {
+                        // Only the lanes not above the bar can enter.
+                        let mut offered = match top.bar() {
+                            Some(bar) => d
+                                .iter()
+                                .enumerate()
+                                .fold(0u32, |m, (l, &v)| m | (u32::from(v <= bar) << l)),
+                            None => u32::MAX,
+                        } & ((1u32 << lanes) - 1);
+                        while offered != 0 {
+                            let l = offered.trailing_zeros() as usize;
+                            offered &= offered - 1;
+                            top.offer(d[l], by_norm[t * TILE_L + l].1);
                         }
                     }
+                };
+                // From the tile at the group's middle norm outwards: past a
+                // tile whose landmarks are all too far in norm for every
+                // query of the group, the tiles further out are farther still.
+                let mid = group[group.len() / 2].0;
+                let start = span.partition_point(|&(_, hi)| hi < mid).min(n_tiles - 1);
+                for t in start..n_tiles {
+                    if beyond_bars(&tops, group, span[t], rel) {
+                        break;
+                    }
+                    offer_tile(&mut tops, t);
                 }
-            }
-            for (q, top) in tops.iter().enumerate() {
-                out[q * k..(q + 1) * k].copy_from_slice(&top.idx);
+                for t in (0..start).rev() {
+                    if beyond_bars(&tops, group, span[t], rel) {
+                        break;
+                    }
+                    offer_tile(&mut tops, t);
+                }
+                for (top, &(_, i)) in tops.iter().zip(group) {
+                    let q = i - q0;
+                    out[q * k..(q + 1) * k].copy_from_slice(&top.idx);
+                }
             }
         });
     kn
+}
+
+/// ‖x‖ in float64 (exact products, rounded sums in feature order).
+fn norm(x: &[f32]) -> f64 {
+    x.iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// Whether no landmark of a tile whose norms lie in `span` can enter the
+/// top k of any query of `group` (norm, spike): each query holds k and
+/// (‖x‖ − ‖y‖)² ≤ ‖x − y‖² puts the float32 distance of every landmark of
+/// the tile above its bar. `rel` allows for the float32 evaluation (each of
+/// the at most dim + 3 roundings of a sum of non-negative terms loses at
+/// most a relative 2⁻²⁴: [`float32_loss`]); the bound also allows for the
+/// norms' float64 rounding and for terms flushed to zero.
+fn beyond_bars(tops: &[TopK], group: &[(f64, usize)], (lo, hi): (f64, f64), rel: f64) -> bool {
+    tops.iter().zip(group).all(|(top, &(nx, _))| {
+        let Some(bar) = top.bar() else {
+            return false;
+        };
+        let gap = if nx < lo {
+            lo - nx
+        } else if nx > hi {
+            nx - hi
+        } else {
+            return false;
+        };
+        let gap = gap - 1e-12 * (nx + hi);
+        gap > 0.0 && gap * gap * (1.0 - rel) - 1e-30 > f64::from(bar)
+    })
+}
+
+/// An upper bound on the relative amount by which a float32 squared
+/// distance over `dim` features can fall below the exact one: dim + 3
+/// roundings of at most 2⁻²⁴ each (with a quarter more for their products).
+fn float32_loss(dim: usize) -> f64 {
+    (dim as f64 + 3.0) * f64::powi(2.0, -24) * 1.25
 }
 
 /// The squared distances (in the order [`knn`] describes) of [`TILE_Q`] rows
@@ -348,6 +431,46 @@ mod tests {
                 })
                 .collect();
             for (skip, k) in [(20, 10), (3, 17)] {
+                let lm = landmarks(n, skip, Some(600));
+                assert_eq!(
+                    knn(&xd, dim, &lm, k),
+                    literal(&xd, dim, &lm, k),
+                    "dim {dim}, skip {skip}"
+                );
+            }
+        }
+    }
+
+    /// Rows of very different norms (amplitudes from 1 to 60), so that most
+    /// landmarks are skipped by their norm, with repeated rows for ties: the
+    /// same neighbours as the exhaustive search.
+    #[test]
+    fn norm_skipped_knn_equals_literal_knn() {
+        let mut x = 11u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f32 / (1u64 << 53) as f32 - 0.5
+        };
+        for (dim, n) in [(6usize, 4000usize), (72, 3000), (84, 2500)] {
+            let shapes: Vec<Vec<f32>> = (0..12)
+                .map(|_| (0..dim).map(|_| next()).collect())
+                .collect();
+            let mut xd = Vec::with_capacity(n * dim);
+            for i in 0..n {
+                let amp = 1.0 + (i * 7919 % 60) as f32;
+                let shape = &shapes[i % 12];
+                if i % 97 == 5 {
+                    // A repeat of an earlier row: exact ties.
+                    let r = (i / 2) * dim;
+                    let prev: Vec<f32> = xd[r..r + dim].to_vec();
+                    xd.extend(prev);
+                } else {
+                    xd.extend(shape.iter().map(|&s| amp * s + 0.05 * next()));
+                }
+            }
+            for (skip, k) in [(20, 10), (7, 3)] {
                 let lm = landmarks(n, skip, Some(600));
                 assert_eq!(
                     knn(&xd, dim, &lm, k),
