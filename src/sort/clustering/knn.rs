@@ -196,14 +196,14 @@ pub fn knn(xd: &[f32], dim: usize, landmarks: &[usize], k: usize) -> Vec<u32> {
                 // query of the group, the tiles further out are farther still.
                 let mid = group[group.len() / 2].0;
                 let start = span.partition_point(|&(_, hi)| hi < mid).min(n_tiles - 1);
-                for t in start..n_tiles {
-                    if beyond_bars(&tops, group, span[t], rel) {
+                for (t, &sp) in span.iter().enumerate().skip(start) {
+                    if beyond_bars(&tops, group, sp, rel) {
                         break;
                     }
                     offer_tile(&mut tops, t);
                 }
-                for t in (0..start).rev() {
-                    if beyond_bars(&tops, group, span[t], rel) {
+                for (t, &sp) in span[..start].iter().enumerate().rev() {
+                    if beyond_bars(&tops, group, sp, rel) {
                         break;
                     }
                     offer_tile(&mut tops, t);
