@@ -476,10 +476,12 @@ fn check_values(
 /// `values[r·stride ..]`: per row, in parallel over rows, the stuck runs
 /// ([`stuck_runs`]), then (with `observe`) the row's channel facts over the
 /// own columns (on the values as read, [`RowWindow`]), then the filling of
-/// its runs when `mask`. The same runs, findings and values as
-/// [`find_stuck_runs_rows`], [`ChannelHealth::observe_rows`] and
-/// [`fill_stuck_runs_rows`] one after the other (each row's steps see only
-/// that row), in one pass over the window instead of three.
+/// its runs when `mask`, then (with `jumps`) the row's part of the
+/// transient check on the filled row ([`transients::row_jumps`]). The same
+/// runs, findings and values as [`find_stuck_runs_rows`],
+/// [`ChannelHealth::observe_rows`] and [`fill_stuck_runs_rows`] one after
+/// the other (each row's steps see only that row), in one pass over the
+/// window instead of three.
 fn check_rows<T: RawSample>(
     values: &mut [T],
     (n_rows, n_cols, stride): (usize, usize, usize),
