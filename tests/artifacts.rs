@@ -418,10 +418,7 @@ fn the_sort_blanks_as_the_detection_does() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn blanking_gives_the_same_spikes_on_cpu_and_wgpu() {
-    assert!(
-        !spikecube::backend::probe_wgpu().is_empty(),
-        "no Vulkan adapter: install a Vulkan driver (CI: apt-get install mesa-vulkan-drivers libvulkan1)"
-    );
+    crate::common::require_vulkan();
     let dir = tempfile::tempdir().unwrap();
     let probe = write_probe(dir.path(), 32, 2);
     let o = opto(dir.path(), Some(&probe), 2.0, 23);

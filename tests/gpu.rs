@@ -750,10 +750,7 @@ mod wgpu {
 
     /// lavapipe runs about 1 GFLOP/s: the 384-channel fixtures take a few seconds each.
     fn device() -> WgpuDevice {
-        assert!(
-            !spikecube::backend::probe_wgpu().is_empty(),
-            "no Vulkan adapter: install a Vulkan driver (CI: apt-get install mesa-vulkan-drivers libvulkan1)"
-        );
+        crate::common::require_vulkan();
         WgpuDevice::DefaultDevice
     }
 

@@ -358,10 +358,7 @@ mod wgpu {
     use cubecl::wgpu::{WgpuDevice, WgpuRuntime};
 
     fn device() -> WgpuDevice {
-        assert!(
-            !spikecube::backend::probe_wgpu().is_empty(),
-            "no Vulkan adapter: install a Vulkan driver (CI: apt-get install mesa-vulkan-drivers libvulkan1)"
-        );
+        crate::common::require_vulkan();
         WgpuDevice::DefaultDevice
     }
 

@@ -7,6 +7,8 @@
 //! machine with an NVIDIA GPU).
 #![cfg(any(feature = "cuda", feature = "wgpu"))]
 
+mod common;
+
 use spikecube::sort::clustering::SeedingDevice;
 use spikecube::sort::clustering::seeding::{kmeans_plusplus, kmeans_plusplus_on};
 
@@ -77,10 +79,7 @@ fn check(device: &SeedingDevice) {
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_screened_seeding_equals_cpu() {
-    assert!(
-        !spikecube::backend::probe_wgpu().is_empty(),
-        "no Vulkan adapter: install a Vulkan driver (CI: apt-get install mesa-vulkan-drivers libvulkan1)"
-    );
+    crate::common::require_vulkan();
     check(&SeedingDevice::wgpu());
 }
 

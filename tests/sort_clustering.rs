@@ -5,6 +5,7 @@
 //! started from Kilosort4's own initial labels, the label updates reproduce
 //! its labels per group.
 
+mod common;
 mod sort_fixture;
 
 use ndarray::{Array1, Array2, Array3, Ix1};
@@ -401,10 +402,7 @@ fn labels_are_identical_for_1_2_and_16_threads() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn labels_are_identical_with_the_seeding_on_wgpu() {
-    assert!(
-        !spikecube::backend::probe_wgpu().is_empty(),
-        "no Vulkan adapter: install a Vulkan driver (CI: apt-get install mesa-vulkan-drivers libvulkan1)"
-    );
+    crate::common::require_vulkan();
     for dir in cases() {
         let c = Case::load(&dir);
         let fi = first_inputs(&c);

@@ -114,26 +114,14 @@ pub fn events_of_rows(rows: &[RowJumps], n_cols: usize, gap: usize) -> Vec<(usiz
     join_columns((1..n_cols).filter(|&c| count[c] >= need), gap)
 }
 
-/// Columns `c` ≥ 1 checked a block at a time by [`jump_columns`]: a block
+/// Columns `c` ≥ 1 checked a block at a time by [`push_jumps`]: a block
 /// without a jump costs one vector pass.
 const JUMP_BLOCK: usize = 64;
 
 /// Appends to `out` every column `c` ≥ 1 of `x` where `|x[c] − x[c−1]| > t`
 /// (in f32, as the values' f32 forms), in order.
 fn jump_columns<T: RawSample>(x: &[T], t: f32, out: &mut Vec<u32>) {
-    let jumps = |c: usize| (x[c].to_f32() - x[c - 1].to_f32()).abs() > t;
-    for lo in (1..x.len()).step_by(JUMP_BLOCK) {
-        let hi = (lo + JUMP_BLOCK).min(x.len());
-        let any = x[lo..hi]
-            .iter()
-            .zip(&x[lo - 1..hi - 1])
-            .fold(false, |acc, (&a, &b)| {
-                acc | ((a.to_f32() - b.to_f32()).abs() > t)
-            });
-        if any {
-            out.extend((lo..hi).filter(|&c| jumps(c)).map(|c| c as u32));
-        }
-    }
+    push_jumps(x, |a, b| (a.to_f32() - b.to_f32()).abs() > t, out);
 }
 
 /// [`jump_columns`] of an int16 row, in integers: |d| of two int16 values
@@ -142,35 +130,41 @@ fn jump_columns<T: RawSample>(x: &[T], t: f32, out: &mut Vec<u32>) {
 /// |d|). The same columns; AVX2 when the CPU has it.
 fn jump_columns_i16(x: &[i16], t: f32, out: &mut Vec<u32>) {
     let limit = if t >= 65_535.0 { u16::MAX } else { t as u16 };
-    fn plain(x: &[i16], limit: u16, out: &mut Vec<u32>) {
-        for lo in (1..x.len()).step_by(JUMP_BLOCK) {
-            let hi = (lo + JUMP_BLOCK).min(x.len());
-            let (cur, prev) = (&x[lo..hi], &x[lo - 1..hi - 1]);
-            let any = cur
-                .iter()
-                .zip(prev)
-                .fold(false, |acc, (&a, &b)| acc | (a.abs_diff(b) > limit));
-            if any {
-                out.extend(
-                    (lo..hi)
-                        .filter(|&c| x[c].abs_diff(x[c - 1]) > limit)
-                        .map(|c| c as u32),
-                );
-            }
-        }
-    }
+    let plain = |x: &[i16], out: &mut Vec<u32>| push_jumps(x, |a, b| a.abs_diff(b) > limit, out);
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx2")]
         fn avx2(x: &[i16], limit: u16, out: &mut Vec<u32>) {
-            plain(x, limit, out)
+            push_jumps(x, |a, b| a.abs_diff(b) > limit, out)
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2.
             return unsafe { avx2(x, limit, out) };
         }
     }
-    plain(x, limit, out)
+    plain(x, out)
+}
+
+/// Appends to `out` every column `c` ≥ 1 of `x` where `jumps(x[c], x[c−1])`,
+/// in order, [`JUMP_BLOCK`] columns at a time: a block where none jumps
+/// costs one vector pass.
+#[inline(always)]
+fn push_jumps<S: Copy>(x: &[S], jumps: impl Fn(S, S) -> bool, out: &mut Vec<u32>) {
+    for lo in (1..x.len()).step_by(JUMP_BLOCK) {
+        let hi = (lo + JUMP_BLOCK).min(x.len());
+        let (cur, prev) = (&x[lo..hi], &x[lo - 1..hi - 1]);
+        let any = cur
+            .iter()
+            .zip(prev)
+            .fold(false, |acc, (&a, &b)| acc | jumps(a, b));
+        if any {
+            out.extend(
+                (lo..hi)
+                    .filter(|&c| jumps(x[c], x[c - 1]))
+                    .map(|c| c as u32),
+            );
+        }
+    }
 }
 
 /// Robust sd of a row's first difference: median |d| / 0.6745 over every

@@ -139,3 +139,12 @@ pub fn spikecube(args: &[&str]) -> Output {
 pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
+
+/// Fails (never skips) when no Vulkan adapter is there for the wgpu tests,
+/// saying what to install.
+pub fn require_vulkan() {
+    assert!(
+        !spikecube::backend::probe_wgpu().is_empty(),
+        "no Vulkan adapter: install a Vulkan driver (CI: apt-get install mesa-vulkan-drivers libvulkan1)"
+    );
+}

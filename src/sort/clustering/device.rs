@@ -137,13 +137,8 @@ impl SeedingDevice {
         SeedingDevice(self.0, n)
     }
 
-    /// Groups with fewer spikes are screened on the CPU.
-    pub fn min_spikes(&self) -> usize {
-        self.1
-    }
-
     /// Whether a device is set and takes a group of features `xd` (n × `dim`):
-    /// at least [`SeedingDevice::min_spikes`] spikes, not wider than
+    /// at least as many spikes as [`SeedingDevice::with_min_spikes`] asks, not wider than
     /// [`MAX_DEVICE_DIM`], every feature finite and not too large.
     pub(crate) fn takes(&self, xd: &[f32], dim: usize) -> bool {
         self.0.is_some()
