@@ -720,28 +720,24 @@ fn filter_bank_with_bound(
     out: &mut [f32],
     q: Option<&mut [f32]>,
 ) {
-    dispatch!(filter_bank_avx2, filter_bank_impl, (x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32], q: Option<&mut [f32]>));
-}
-
-#[inline(always)]
-fn filter_bank_impl(
-    x: &[f32],
-    wtemp: &[f32],
-    t0: usize,
-    out: &mut [f32],
-    mut q: Option<&mut [f32]>,
-) {
     let ntaps = wtemp.len() / NK;
     let half = ntaps / 2;
     // Input samples t0 − half .. t0 + TILE + half, zero outside the window:
-    // seg[i] = x[t0 + i − half] for half − t0 ≤ i < len + half − t0.
-    let mut seg = [0f32; TILE + 2 * 64];
-    let lo = half.saturating_sub(t0);
-    let hi = (x.len() + half).saturating_sub(t0).min(TILE + 2 * half);
-    if lo < hi {
-        let src = t0 + lo - half;
-        seg[lo..hi].copy_from_slice(&x[src..src + (hi - lo)]);
-    }
+    // seg[i] = x[t0 + i − half]. A tile inside the window reads x in place;
+    // one at an edge copies its part into a zero-padded buffer.
+    let need = TILE + ntaps - 1;
+    let mut pad = [0f32; TILE + 2 * 64];
+    let seg: &[f32] = if t0 >= half && t0 - half + need <= x.len() {
+        &x[t0 - half..t0 - half + need]
+    } else {
+        let lo = half.saturating_sub(t0);
+        let hi = (x.len() + half).saturating_sub(t0).min(need);
+        if lo < hi {
+            let src = t0 + lo - half;
+            pad[lo..hi].copy_from_slice(&x[src..src + (hi - lo)]);
+        }
+        &pad[..need]
+    };
     // The weights by tap, wt[m][k] = wTEMP[k, m]: one fixed-size row per tap.
     let mut wt = [[0f32; NK]; 2 * 64 + 1];
     for (m, w) in wt.iter_mut().take(ntaps).enumerate() {
@@ -750,6 +746,31 @@ fn filter_bank_impl(
         }
     }
     let wt = &wt[..ntaps];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            unsafe { filter_taps_avx512(seg, wt, out, q) };
+            return;
+        }
+        #[target_feature(enable = "avx2")]
+        fn avx2(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], q: Option<&mut [f32]>) {
+            filter_taps(seg, wt, out, q);
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            unsafe { avx2(seg, wt, out, q) };
+            return;
+        }
+    }
+    filter_taps(seg, wt, out, q);
+}
+
+/// The sums of [`filter_bank_with_bound`] over `seg` (TILE + taps − 1
+/// samples) with the weights by tap `wt`, in [`LANES`]-wide vectors.
+#[inline(always)]
+fn filter_taps(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], mut q: Option<&mut [f32]>) {
+    let ntaps = wt.len();
     // 16 samples (two vectors) per pass over the taps: each loaded weight
     // serves twice, and the 12 sums are independent. Every sum still adds its
     // terms in ascending m, so the bits do not depend on this arrangement.
@@ -781,6 +802,65 @@ fn filter_bank_impl(
             }
             q[tc..tc + LANES].copy_from_slice(&m0);
             q[tc + LANES..tc + 2 * LANES].copy_from_slice(&m1);
+        }
+    }
+}
+
+/// [`filter_taps`] on AVX-512: 32 samples (two 16-lane vectors) a pass over
+/// the taps, 12 running sums in registers. Each sum is the same chain of
+/// separate multiplies and adds in ascending tap order, so the same bits; the
+/// bound's max keeps the running value on a NaN as `f32::max` does.
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn filter_taps_avx512(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], mut q: Option<&mut [f32]>) {
+    use std::arch::x86_64::*;
+    const W: usize = 16;
+    let ntaps = wt.len();
+    assert!(seg.len() >= TILE + ntaps - 1 && out.len() >= NK * TILE);
+    assert!(q.as_ref().is_none_or(|q| q.len() >= TILE));
+    let sp = seg.as_ptr();
+    for tc in (0..TILE).step_by(2 * W) {
+        let mut acc0 = [_mm512_setzero_ps(); NK];
+        let mut acc1 = [_mm512_setzero_ps(); NK];
+        for (m, w) in wt.iter().enumerate() {
+            // SAFETY: tc + m + 2·W ≤ TILE + ntaps − 1 ≤ seg.len() (asserted).
+            let (x0, x1) = unsafe {
+                (
+                    _mm512_loadu_ps(sp.add(tc + m)),
+                    _mm512_loadu_ps(sp.add(tc + m + W)),
+                )
+            };
+            for k in 0..NK {
+                let wk = _mm512_set1_ps(w[k]);
+                acc0[k] = _mm512_add_ps(acc0[k], _mm512_mul_ps(wk, x0));
+                acc1[k] = _mm512_add_ps(acc1[k], _mm512_mul_ps(wk, x1));
+            }
+        }
+        let op = out.as_mut_ptr();
+        for k in 0..NK {
+            // SAFETY: k·TILE + tc + 2·W ≤ NK·TILE ≤ out.len() (asserted).
+            unsafe {
+                _mm512_storeu_ps(op.add(k * TILE + tc), acc0[k]);
+                _mm512_storeu_ps(op.add(k * TILE + tc + W), acc1[k]);
+            }
+        }
+        if let Some(q) = q.as_deref_mut() {
+            let (mut m0, mut m1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for k in 0..NK {
+                // max(v, m) returns m when v is NaN, as m.max(v) does; the
+                // squares are never −0, so ties cannot differ in sign.
+                m0 = _mm512_max_ps(_mm512_mul_ps(acc0[k], acc0[k]), m0);
+                m1 = _mm512_max_ps(_mm512_mul_ps(acc1[k], acc1[k]), m1);
+            }
+            let qp = q.as_mut_ptr();
+            // SAFETY: tc + 2·W ≤ TILE ≤ q.len() (asserted).
+            unsafe {
+                _mm512_storeu_ps(qp.add(tc), m0);
+                _mm512_storeu_ps(qp.add(tc + W), m1);
+            }
         }
     }
 }
@@ -1342,6 +1422,54 @@ mod tests {
                     m.max(b * b)
                 });
                 assert_eq!(v.to_bits(), m.to_bits(), "t0 {t0}, sample {t}");
+            }
+        }
+    }
+
+    /// Step 1, on whatever vector width this CPU dispatches to (AVX-512 where
+    /// it has it), equals the definition bit for bit: for each output, the
+    /// float32 sum from zero over the taps in ascending order of wTEMP·x, zero
+    /// outside the window. Tiles at both edges, inside, and one running past
+    /// the window's end; windows shorter than a tile too.
+    #[test]
+    fn filter_bank_equals_the_sum_in_tap_order() {
+        let wtemp = UniversalTemplates::builtin().wtemp;
+        let wtemp = wtemp.as_standard_layout();
+        let wtemp = wtemp.as_slice().unwrap();
+        let ntaps = wtemp.len() / NK;
+        let half = ntaps as i64 / 2;
+        let mut state = 9u64;
+        for len in [3 * TILE + 45, TILE - 7, 40] {
+            let x: Vec<f32> = (0..len)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 20.0
+                })
+                .collect();
+            for t0 in (0..len).step_by(TILE) {
+                let mut out = vec![f32::NAN; NK * TILE];
+                filter_bank(&x, wtemp, t0, &mut out);
+                for k in 0..NK {
+                    for i in 0..TILE {
+                        let mut sum = 0f32;
+                        for m in 0..ntaps {
+                            let t = (t0 + i) as i64 + m as i64 - half;
+                            let v = if t >= 0 && (t as usize) < len {
+                                x[t as usize]
+                            } else {
+                                0.0
+                            };
+                            sum += wtemp[k * ntaps + m] * v;
+                        }
+                        assert_eq!(
+                            out[k * TILE + i].to_bits(),
+                            sum.to_bits(),
+                            "len {len}, t0 {t0}, template {k}, sample {i}"
+                        );
+                    }
+                }
             }
         }
     }
