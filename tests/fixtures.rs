@@ -318,3 +318,58 @@ fn pruned_detector_equals_dense_oracle() {
         }
     }
 }
+
+/// A window holding a NaN or ±∞ anywhere (either edge, a tile boundary, the
+/// first and last channel) is an error naming its channel and sample, on the
+/// pruned and the dense path: the CPU detector learns of it from step 1's
+/// outputs instead of scanning the window first. Finite values so large
+/// that step 1 overflows are not an error, and the detector is usable after
+/// each error.
+#[test]
+fn non_finite_values_are_named_wherever_they_are() {
+    let case = Case::load("tetrode_like");
+    let mut det = CpuDetector::new(
+        case.kilosort_geometry(),
+        UniversalTemplates::builtin(),
+        case.settings.clone(),
+    )
+    .unwrap();
+    let (c, n) = case.x.dim();
+    let tile = spikecube::detect::cpu::TILE;
+    let clean = det.detect(case.x.view(), &case.probe.yc).unwrap();
+    for (ch, t) in [
+        (0, 0),
+        (c - 1, n - 1),
+        (c / 2, tile - 1),
+        (1, tile),
+        (c - 1, 0),
+        (0, n - 1),
+    ] {
+        for v in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x = case.x.clone();
+            x[[ch, t]] = v;
+            for dense in [false, true] {
+                let e = if dense {
+                    det.detect_dense(x.view(), &case.probe.yc)
+                } else {
+                    det.detect(x.view(), &case.probe.yc)
+                }
+                .unwrap_err()
+                .to_string();
+                assert!(
+                    e.contains(&format!(
+                        "non-finite value ({v}) at channel {ch}, sample {t}"
+                    )),
+                    "{e}"
+                );
+            }
+        }
+        assert_eq!(det.detect(case.x.view(), &case.probe.yc).unwrap(), clean);
+    }
+    let mut huge = case.x.clone();
+    for t in 0..n {
+        huge[[0, t]] = if t % 2 == 0 { 3e38 } else { -3e38 };
+    }
+    det.detect(huge.view(), &case.probe.yc).unwrap();
+    det.detect_dense(huge.view(), &case.probe.yc).unwrap();
+}

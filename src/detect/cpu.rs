@@ -308,9 +308,16 @@ impl CpuDetector {
         dense: bool,
     ) -> Result<Detections, DetectError> {
         let t0 = std::time::Instant::now();
-        self.check_input(x, yc)?;
-        let t1 = std::time::Instant::now();
-        self.steps_1_to_3(x, dense);
+        check_window_shape(&self.geometry, &self.settings, x, yc)?;
+        let mut t1 = std::time::Instant::now();
+        let suspect = self.steps_1_to_3(x, dense);
+        let t2 = std::time::Instant::now();
+        if suspect {
+            // Step 1 gave a non-finite output: the window holds a non-finite
+            // value (then this names it), or finite values overflowed.
+            check_finite(x)?;
+            t1 -= t2.elapsed();
+        }
         let t2 = std::time::Instant::now();
         let peaks = self.local_peaks(dense);
         let t3 = std::time::Instant::now();
@@ -409,7 +416,13 @@ impl CpuDetector {
     /// neighbour max (Kilosort4's arrays). Otherwise step 2 is computed exactly only
     /// where |A| can exceed Th_universal ([`centre_response_pruned`]) and step 3 is
     /// left to [`CpuDetector::local_peaks`].
-    fn steps_1_to_3(&mut self, x: ArrayView2<f32>, dense: bool) {
+    ///
+    /// Returns whether some step-1 output B\[0, t\] was not finite. Every
+    /// sample x\[c, t\] of the window is a factor of B\[c, 0, t\] (its centre
+    /// tap), and a NaN or ±∞ factor makes that sum NaN or ±∞, so a window
+    /// with a non-finite value always returns `true`; finite values that
+    /// overflow can too.
+    fn steps_1_to_3(&mut self, x: ArrayView2<f32>, dense: bool) -> bool {
         let x = x.as_standard_layout();
         let (n_ch, nt_w) = x.dim();
         let xs = x.as_slice().expect("standard layout");
@@ -438,7 +451,7 @@ impl CpuDetector {
         } else {
             (0..n_tiles).map(|_| &mut [][..]).collect()
         };
-        let per_tile: Vec<Vec<(u32, u64)>> = self
+        let per_tile: Vec<(Vec<(u32, u64)>, bool)> = self
             .as_buf
             .par_chunks_mut(nf * TILE)
             .zip(self.imax_buf.par_chunks_mut(nf * TILE))
@@ -452,17 +465,18 @@ impl CpuDetector {
                     b.resize(n_ch * NK * TILE, 0.0);
                     q.resize(pruned_scratch_len(n_ch), 0.0);
                     let t0 = tile * TILE;
+                    let mut non_finite = false;
                     for c in 0..n_ch {
                         let row = &xs[c * nt_w..(c + 1) * nt_w];
                         let out = &mut b[c * NK * TILE..(c + 1) * NK * TILE];
                         // The pruned step 2's bound terms come with the outputs.
                         let q_c = (!dense).then(|| &mut q[c * TILE..(c + 1) * TILE]);
-                        filter_bank_with_bound(row, wtemp, t0, out, q_c);
+                        non_finite |= filter_bank_with_bound(row, wtemp, t0, out, q_c);
                     }
                     if dense {
                         centre_response(b, sites, weights, nsz, as_t, imax_t);
                         neighbour_max(as_t, neighbours, nc2, amax_t);
-                        Vec::new()
+                        (Vec::new(), non_finite)
                     } else {
                         let mut cands = Vec::new();
                         let tile = PrunedTile {
@@ -484,15 +498,18 @@ impl CpuDetector {
                             Some(done_t),
                             &mut cands,
                         );
-                        cands
+                        (cands, non_finite)
                     }
                 })
             })
             .collect();
         self.candidates.clear();
-        for c in per_tile {
+        let mut non_finite = false;
+        for (c, nf) in per_tile {
             self.candidates.extend_from_slice(&c);
+            non_finite |= nf;
         }
+        non_finite
     }
 
     /// Steps 3–4. Dense: Kilosort4's order (neighbour max, edge zeroing, ±nt0min
@@ -613,6 +630,22 @@ pub(crate) fn check_window(
     x: ArrayView2<f32>,
     yc: &[f32],
 ) -> Result<(), DetectError> {
+    check_window_shape(geometry, settings, x, yc)?;
+    check_finite(x)
+}
+
+/// [`check_window`] without the scan for non-finite values (the CPU
+/// detector learns of those from step 1's outputs).
+///
+/// # Errors
+/// [`DetectError::Input`] when `x` has a different number of rows than the
+/// probe has sites or is shorter than 2·nt + 1 samples.
+fn check_window_shape(
+    geometry: &Geometry,
+    settings: &DetectionSettings,
+    x: ArrayView2<f32>,
+    yc: &[f32],
+) -> Result<(), DetectError> {
     let (c, nt_w) = x.dim();
     let n_sites = yc.len();
     let bad = |message: String| {
@@ -638,6 +671,13 @@ pub(crate) fn check_window(
             2 * nt + 1
         ));
     }
+    Ok(())
+}
+
+/// Fails with [`DetectError::Input`], naming the channel and sample, when the
+/// window `x` holds a NaN or ±∞.
+fn check_finite(x: ArrayView2<f32>) -> Result<(), DetectError> {
+    let nt_w = x.ncols();
     // A branch-free scan first (NaN and ±∞ have all exponent bits set); the
     // position is looked for only when there is one.
     let all_finite = match x.as_slice() {
@@ -649,11 +689,14 @@ pub(crate) fn check_window(
         None => x.iter().all(|v| v.is_finite()),
     };
     if !all_finite && let Some((i, v)) = x.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-        return bad(format!(
-            "holds a non-finite value ({v}) at channel {}, sample {}",
-            i / nt_w,
-            i % nt_w
-        ));
+        return Err(DetectError::Input {
+            what: "window".into(),
+            message: format!(
+                "holds a non-finite value ({v}) at channel {}, sample {}",
+                i / nt_w,
+                i % nt_w
+            ),
+        });
     }
     Ok(())
 }
@@ -713,13 +756,14 @@ pub fn filter_bank(x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]) {
 /// pruning bound's per-sample term `q[i]` = max_k B\[k, t0 + i\]² (k
 /// ascending, from 0) while the outputs are still in registers: the same
 /// operations [`centre_response_pruned`] does on the stored B, so the same bits.
+/// Returns whether some B\[0, t0 + i\] is NaN or ±∞.
 fn filter_bank_with_bound(
     x: &[f32],
     wtemp: &[f32],
     t0: usize,
     out: &mut [f32],
     q: Option<&mut [f32]>,
-) {
+) -> bool {
     let ntaps = wtemp.len() / NK;
     let half = ntaps / 2;
     // Input samples t0 − half .. t0 + TILE + half, zero outside the window:
@@ -750,27 +794,27 @@ fn filter_bank_with_bound(
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F, checked just above.
-            unsafe { filter_taps_avx512(seg, wt, out, q) };
-            return;
+            return unsafe { filter_taps_avx512(seg, wt, out, q) };
         }
         #[target_feature(enable = "avx2")]
-        fn avx2(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], q: Option<&mut [f32]>) {
-            filter_taps(seg, wt, out, q);
+        fn avx2(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], q: Option<&mut [f32]>) -> bool {
+            filter_taps(seg, wt, out, q)
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2, checked just above.
-            unsafe { avx2(seg, wt, out, q) };
-            return;
+            return unsafe { avx2(seg, wt, out, q) };
         }
     }
-    filter_taps(seg, wt, out, q);
+    filter_taps(seg, wt, out, q)
 }
 
 /// The sums of [`filter_bank_with_bound`] over `seg` (TILE + taps − 1
 /// samples) with the weights by tap `wt`, in [`LANES`]-wide vectors.
+/// Returns whether some output of template 0 is NaN or ±∞.
 #[inline(always)]
-fn filter_taps(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], mut q: Option<&mut [f32]>) {
+fn filter_taps(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], mut q: Option<&mut [f32]>) -> bool {
     let ntaps = wt.len();
+    let mut non_finite = 0u32;
     // 16 samples (two vectors) per pass over the taps: each loaded weight
     // serves twice, and the 12 sums are independent. Every sum still adds its
     // terms in ascending m, so the bits do not depend on this arrangement.
@@ -792,6 +836,10 @@ fn filter_taps(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], mut q: Option<&mu
             out[k * TILE + tc..k * TILE + tc + LANES].copy_from_slice(&acc0[k]);
             out[k * TILE + tc + LANES..k * TILE + tc + 2 * LANES].copy_from_slice(&acc1[k]);
         }
+        // NaN and ±∞ have every exponent bit set.
+        for v in acc0[0].iter().chain(&acc1[0]) {
+            non_finite |= u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000);
+        }
         if let Some(q) = q.as_deref_mut() {
             let (mut m0, mut m1) = ([0f32; LANES], [0f32; LANES]);
             for k in 0..NK {
@@ -804,20 +852,30 @@ fn filter_taps(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], mut q: Option<&mu
             q[tc + LANES..tc + 2 * LANES].copy_from_slice(&m1);
         }
     }
+    non_finite != 0
 }
 
 /// [`filter_taps`] on AVX-512: 32 samples (two 16-lane vectors) a pass over
 /// the taps, 12 running sums in registers. Each sum is the same chain of
 /// separate multiplies and adds in ascending tap order, so the same bits; the
 /// bound's max keeps the running value on a NaN as `f32::max` does.
+/// Returns whether some output of template 0 is NaN or ±∞.
 ///
 /// # Safety
 /// The CPU must have AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn filter_taps_avx512(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], mut q: Option<&mut [f32]>) {
+fn filter_taps_avx512(
+    seg: &[f32],
+    wt: &[[f32; NK]],
+    out: &mut [f32],
+    mut q: Option<&mut [f32]>,
+) -> bool {
     use std::arch::x86_64::*;
     const W: usize = 16;
+    // NaN and ±∞ have every exponent bit set.
+    let exponent = _mm512_set1_epi32(0x7f80_0000);
+    let mut non_finite: __mmask16 = 0;
     let ntaps = wt.len();
     assert!(seg.len() >= TILE + ntaps - 1 && out.len() >= NK * TILE);
     assert!(q.as_ref().is_none_or(|q| q.len() >= TILE));
@@ -838,6 +896,10 @@ fn filter_taps_avx512(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], mut q: Opt
                 acc0[k] = _mm512_add_ps(acc0[k], _mm512_mul_ps(wk, x0));
                 acc1[k] = _mm512_add_ps(acc1[k], _mm512_mul_ps(wk, x1));
             }
+        }
+        for a in [acc0[0], acc1[0]] {
+            let e = _mm512_and_si512(_mm512_castps_si512(a), exponent);
+            non_finite |= _mm512_cmpeq_epi32_mask(e, exponent);
         }
         let op = out.as_mut_ptr();
         for k in 0..NK {
@@ -863,6 +925,7 @@ fn filter_taps_avx512(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], mut q: Opt
             }
         }
     }
+    non_finite != 0
 }
 
 /// Step 2 for one tile: for every centre j (its nC sites `sites[j·nC ..]`, weights
