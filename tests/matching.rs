@@ -292,7 +292,24 @@ fn windows(
             )
             .unwrap()
         })
-        .collect();
+        .collect::<Vec<_>>();
+    // One buffer reused for every window, last first (as the CPU matching
+    // pass reuses its buffers): the same values as fresh buffers.
+    let mut reused = Array2::<f32>::zeros((0, 0));
+    for i in (0..plan.n_windows).rev() {
+        spikecube::sort::matching::preprocessed_window_into(
+            rec.as_ref(),
+            &plan,
+            &probe.chan_map,
+            &pre,
+            None,
+            i,
+            &mut reused,
+        )
+        .unwrap();
+        let bits = |a: &Array2<f32>| a.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&reused), bits(&windows[i as usize]), "window {i}");
+    }
     (windows, settings.batch_size)
 }
 

@@ -1334,18 +1334,42 @@ pub fn preprocessed_window(
     i: u64,
 ) -> anyhow::Result<Array2<f32>> {
     let mut x = Array2::<f32>::zeros((chan_map.len(), plan.window_len()));
-    crate::recording::read_window(rec, plan, i, chan_map, &mut x)?;
+    preprocessed_window_into(rec, plan, chan_map, pre, drift, i, &mut x)?;
+    Ok(x)
+}
+
+/// [`preprocessed_window`] into `x`, a buffer of a window's shape (C ×
+/// window length) or any other (it is then made anew). Every value is
+/// written, so a buffer from an earlier window can be reused: a fresh
+/// 92 MB buffer per window costs the kernel its pages' faults and zeroing.
+///
+/// # Errors
+/// As [`preprocessed_window`].
+pub fn preprocessed_window_into(
+    rec: &dyn crate::recording::Recording,
+    plan: &crate::recording::WindowPlan,
+    chan_map: &[u64],
+    pre: &crate::preprocess::Preprocessor,
+    drift: Option<&crate::drift::correct::DriftCorrection>,
+    i: u64,
+    x: &mut Array2<f32>,
+) -> anyhow::Result<()> {
+    let shape = (chan_map.len(), plan.window_len());
+    if x.dim() != shape {
+        *x = Array2::zeros(shape);
+    }
+    crate::recording::read_window(rec, plan, i, chan_map, x)?;
     // The preprocessor's blanking (`--artifact-times`, `--blank-transients`)
     // finds its stretches in the raw window, column 0 at this absolute sample.
     let first = (rec.first_sample() + plan.window_start(i)) as i64 - plan.nt as i64;
-    let blank = pre.blank_ranges(&x, first);
+    let blank = pre.blank_ranges(x, first);
     match drift {
-        None => pre.apply(&mut x)?,
+        None => pre.apply(x)?,
         Some(d) => {
-            pre.filter_only(&mut x)?;
-            d.window_whitening(i, pre.whitening())?.apply(&mut x)?;
+            pre.filter_only(x)?;
+            d.window_whitening(i, pre.whitening())?.apply(x)?;
         }
     }
-    crate::preprocess::zero_columns(&mut x, &blank);
-    Ok(x)
+    crate::preprocess::zero_columns(x, &blank);
+    Ok(())
 }

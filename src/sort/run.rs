@@ -33,7 +33,7 @@ use crate::preprocess::Preprocessor;
 use crate::recording::{Recording, WindowPlan};
 use crate::sort::clustering::{ClusteringSettings, final_clustering, first_clustering};
 use crate::sort::matching::backend::Matcher;
-use crate::sort::matching::{MatchingSettings, MatchingSetup, preprocessed_window};
+use crate::sort::matching::{MatchingSettings, MatchingSetup, preprocessed_window_into};
 use crate::sort::merge::MergeSettings;
 use crate::sort::phy::{ExportSettings, PhySummary, SortResult, save_sorting};
 use crate::sort::postprocess::ChannelSets;
@@ -577,9 +577,14 @@ fn host_fed(
     let chan_map = &input.probe.chan_map;
     std::thread::scope(|scope| -> Result<()> {
         let (tx, rx) = crossbeam_channel::bounded::<Result<Array2<f32>>>(1);
+        // Matched windows' buffers go back to the reader: at most three
+        // exist (one read, one queued, one matched).
+        let (free_tx, free_rx) = crossbeam_channel::unbounded::<Array2<f32>>();
         scope.spawn(move || {
             for i in 0..n_windows {
-                let x = preprocessed_window(rec, plan, chan_map, pre, drift, i)
+                let mut x = free_rx.try_recv().unwrap_or_else(|_| Array2::zeros((0, 0)));
+                let x = preprocessed_window_into(rec, plan, chan_map, pre, drift, i, &mut x)
+                    .map(|()| x)
                     .with_context(|| format!("matching: window {i}"));
                 let failed = x.is_err();
                 if tx.send(x).is_err() || failed {
@@ -594,6 +599,7 @@ fn host_fed(
             let w = matcher
                 .match_window(x.view())
                 .with_context(|| format!("matching: window {i}"))?;
+            let _ = free_tx.send(x);
             parts.push(w);
             done(i);
         }
