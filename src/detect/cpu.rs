@@ -1456,6 +1456,19 @@ pub fn detect_window(
 mod tests {
     use super::*;
 
+    /// `n` samples uniform in [−10, 10) from a seeded linear congruential
+    /// generator whose state is `state`.
+    fn uniform_samples(n: usize, state: &mut u64) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                *state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((*state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 20.0
+            })
+            .collect()
+    }
+
     /// The bound terms the filter bank writes equal those computed from its
     /// stored outputs, bit for bit, at the window's edges and inside.
     #[test]
@@ -1463,15 +1476,7 @@ mod tests {
         let wtemp = UniversalTemplates::builtin().wtemp;
         let wtemp = wtemp.as_standard_layout();
         let wtemp = wtemp.as_slice().unwrap();
-        let mut state = 5u64;
-        let x: Vec<f32> = (0..3 * TILE + 17)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 20.0
-            })
-            .collect();
+        let x = uniform_samples(3 * TILE + 17, &mut 5);
         for t0 in [0, TILE, 3 * TILE] {
             let mut plain = vec![0f32; NK * TILE];
             filter_bank(&x, wtemp, t0, &mut plain);
@@ -1503,14 +1508,7 @@ mod tests {
         let half = ntaps as i64 / 2;
         let mut state = 9u64;
         for len in [3 * TILE + 45, TILE - 7, 40] {
-            let x: Vec<f32> = (0..len)
-                .map(|_| {
-                    state = state
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 20.0
-                })
-                .collect();
+            let x = uniform_samples(len, &mut state);
             for t0 in (0..len).step_by(TILE) {
                 let mut out = vec![f32::NAN; NK * TILE];
                 filter_bank(&x, wtemp, t0, &mut out);
