@@ -309,26 +309,27 @@ impl CpuDetector {
     ) -> Result<Detections, DetectError> {
         let t0 = std::time::Instant::now();
         check_window_shape(&self.geometry, &self.settings, x, yc)?;
-        let mut t1 = std::time::Instant::now();
+        let t1 = std::time::Instant::now();
         let suspect = self.steps_1_to_3(x, dense);
         let t2 = std::time::Instant::now();
         if suspect {
             // Step 1 gave a non-finite output: the window holds a non-finite
             // value (then this names it), or finite values overflowed.
             check_finite(x)?;
-            t1 -= t2.elapsed();
         }
-        let t2 = std::time::Instant::now();
+        // The scan's seconds, if any, count as the input check's.
+        let scanned = std::time::Instant::now();
         let peaks = self.local_peaks(dense);
         let t3 = std::time::Instant::now();
         let det = self.features(x, yc, &peaks);
         let t4 = std::time::Instant::now();
-        for (acc, (a, b)) in
-            self.step_seconds
-                .iter_mut()
-                .zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4)])
+        let check = (t1 - t0) + (scanned - t2);
+        for (acc, d) in self
+            .step_seconds
+            .iter_mut()
+            .zip([check, t2 - t1, t3 - scanned, t4 - t3])
         {
-            *acc += (b - a).as_secs_f64();
+            *acc += d.as_secs_f64();
         }
         Ok(det)
     }
