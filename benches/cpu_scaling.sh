@@ -40,7 +40,7 @@ for r in $(seq "$rounds"); do
         out="$work/o_${n}_$r"
         rm -rf "$out"
         /usr/bin/time -f "%e %U %S %M" -o "$work/time_$n" \
-            "$bin" detect "$rec" "${extra[@]}" --tmax "$secs" --backend cpu --threads "$n" \
+            "$bin" detect "$rec" ${extra[@]+"${extra[@]}"} --tmax "$secs" --backend cpu --threads "$n" \
             --out "$out" -q >"$work/log_$n.txt" 2>&1
         python3 - "$n" "$secs" "$work/time_$n" "$out/spikecube.json" <<'PY'
 import json, sys

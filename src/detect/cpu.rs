@@ -1303,8 +1303,10 @@ fn neighbour_max_impl(as_t: &[f32], neighbours: &[u32], nc2: usize, amax_t: &mut
         out.copy_from_slice(&as_t[nb[0] as usize * TILE..][..TILE]);
         for &m in &nb[1..] {
             let row = &as_t[m as usize * TILE..][..TILE];
-            // `max` (no NaN can occur: the window is checked to be finite) keeps the
-            // loop a plain vector max with an unconditional store.
+            // `max` keeps the loop a plain vector max with an unconditional
+            // store. A window with a NaN or ±∞, or whose step 1 overflowed,
+            // can give NaN here; that is harmless (`max` never panics) and
+            // such a window is checked before its values are used.
             for (o, &v) in out.iter_mut().zip(row) {
                 *o = o.max(v);
             }
@@ -1534,6 +1536,63 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Both forms of step 1's inner loop (8 lanes, and AVX-512 where the CPU
+    /// has it) give the same outputs, bound terms and non-finite flag, bit
+    /// for bit, and the outputs equal the sum in tap order: on finite
+    /// samples, with a NaN, +∞ or −∞ among them, and on finite samples so
+    /// large that the sums overflow.
+    #[test]
+    fn both_filter_loops_agree_on_outputs_bounds_and_flags() {
+        let wtemp = UniversalTemplates::builtin().wtemp;
+        let ntaps = wtemp.ncols();
+        let wt: Vec<[f32; NK]> = (0..ntaps)
+            .map(|m| std::array::from_fn(|k| wtemp[[k, m]]))
+            .collect();
+        let need = TILE + ntaps - 1;
+        let mut state = 21u64;
+        let base = uniform_samples(need, &mut state);
+        let cases: Vec<(&str, Vec<f32>, bool)> = vec![
+            ("finite", base.clone(), false),
+            ("NaN", with(&base, 100, f32::NAN), true),
+            ("+inf", with(&base, 0, f32::INFINITY), true),
+            ("-inf", with(&base, need - 1, f32::NEG_INFINITY), true),
+            ("overflow", vec![3e38; need], true),
+        ];
+        for (name, seg, flagged) in cases {
+            let mut out = vec![0f32; NK * TILE];
+            let mut q = vec![0f32; TILE];
+            let flag = filter_taps(&seg, &wt, &mut out, Some(&mut q));
+            assert_eq!(flag, flagged, "{name}");
+            if name == "finite" {
+                for k in 0..NK {
+                    for i in 0..TILE {
+                        let sum = (0..ntaps).fold(0f32, |a, m| a + wt[m][k] * seg[i + m]);
+                        assert_eq!(out[k * TILE + i].to_bits(), sum.to_bits(), "{k} {i}");
+                    }
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                let mut out512 = vec![0f32; NK * TILE];
+                let mut q512 = vec![0f32; TILE];
+                // SAFETY: the CPU has AVX-512F, checked just above.
+                let flag512 =
+                    unsafe { filter_taps_avx512(&seg, &wt, &mut out512, Some(&mut q512)) };
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(flag512, flag, "{name}: flag");
+                assert_eq!(bits(&out512), bits(&out), "{name}: outputs");
+                assert_eq!(bits(&q512), bits(&q), "{name}: bound terms");
+            }
+        }
+    }
+
+    /// `base` with `v` at `i`.
+    fn with(base: &[f32], i: usize, v: f32) -> Vec<f32> {
+        let mut x = base.to_vec();
+        x[i] = v;
+        x
     }
 
     /// The coarse bound changes nothing: the pruned step 2 computes exactly the
