@@ -400,19 +400,24 @@ mod tests {
         kn
     }
 
+    /// Values uniform in [−0.5, 0.5) from a xorshift generator seeded with `seed`.
+    fn uniform(seed: u64) -> impl FnMut() -> f32 {
+        let mut x = seed;
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f32 / (1u64 << 53) as f32 - 0.5
+        }
+    }
+
     #[test]
     fn tiled_knn_equals_literal_knn() {
         // Dimensions under, at and over the 8 partial sums, with and without
         // a tail; landmark counts not multiples of the tiles; query blocks
         // not multiples of the query tile. Integer features make many exact
         // ties (the lower index must win), the others random distances.
-        let mut x = 5u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 11) as f32 / (1u64 << 53) as f32 - 0.5
-        };
+        let mut next = uniform(5);
         for (dim, n, integer) in [
             (1usize, 700usize, true),
             (7, 1300, false),
@@ -446,13 +451,7 @@ mod tests {
     /// same neighbours as the exhaustive search.
     #[test]
     fn norm_skipped_knn_equals_literal_knn() {
-        let mut x = 11u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 11) as f32 / (1u64 << 53) as f32 - 0.5
-        };
+        let mut next = uniform(11);
         for (dim, n) in [(6usize, 4000usize), (72, 3000), (84, 2500)] {
             let shapes: Vec<Vec<f32>> = (0..12)
                 .map(|_| (0..dim).map(|_| next()).collect())
