@@ -26,6 +26,22 @@ threads=("$@")
 work=${WORK:-/tmp/cpu_scaling}
 rounds=${ROUNDS:-1}
 mkdir -p "$work"
+# timed TIME_FILE LOG_FILE COMMAND...: runs COMMAND with its output in
+# LOG_FILE and writes "wall user sys peak_kB" to TIME_FILE (the child's
+# rusage through wait4, so no GNU time is needed on the machine).
+timed() {
+    python3 - "$@" <<'PY'
+import os, subprocess, sys, time
+time_file, log_file, cmd = sys.argv[1], sys.argv[2], sys.argv[3:]
+t0 = time.monotonic()
+with open(log_file, 'w') as log:
+    child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    _, status, ru = os.wait4(child.pid, 0)
+wall = time.monotonic() - t0
+open(time_file, 'w').write(f'{wall} {ru.ru_utime} {ru.ru_stime} {ru.ru_maxrss}\n')
+sys.exit(os.waitstatus_to_exitcode(status))
+PY
+}
 echo "== processors"
 lscpu | grep -E "^(Model name|CPU\(s\)|Thread\(s\) per core|Core\(s\) per socket|Socket\(s\)|NUMA node\(s\)|L3 cache|Flags)" \
     | sed -E 's/^(Flags:).*/\1 (avx512f: '"$(grep -c avx512f /proc/cpuinfo)"' processors)/'
@@ -39,9 +55,9 @@ for r in $(seq "$rounds"); do
     for n in "${threads[@]}"; do
         out="$work/o_${n}_$r"
         rm -rf "$out"
-        /usr/bin/time -f "%e %U %S %M" -o "$work/time_$n" \
+        timed "$work/time_$n" "$work/log_$n.txt" \
             "$bin" detect "$rec" ${extra[@]+"${extra[@]}"} --tmax "$secs" --backend cpu --threads "$n" \
-            --out "$out" -q >"$work/log_$n.txt" 2>&1
+            --out "$out" -q
         python3 - "$n" "$secs" "$work/time_$n" "$out/spikecube.json" <<'PY'
 import json, sys
 n, secs = int(sys.argv[1]), float(sys.argv[2])
