@@ -159,6 +159,42 @@ mod cuda_probe {
         }
     }
 
+    /// How a host thread waits for the GPU (`SPIKECUBE_CUDA_SYNC`): `spin`,
+    /// `yield`, `blocking`, or `auto` (the driver's default: spin while the
+    /// process has no more contexts than cores). Set on GPU 0's primary
+    /// context, which CubeCL then takes, before it is first made; a value the
+    /// driver refuses is logged and left as the driver has it.
+    fn set_sync_flags(lib: &libloading::Library, dev: c_int) {
+        type CuPrimaryCtxSetFlags = unsafe extern "C" fn(c_int, u32) -> c_int;
+        let Ok(mode) = std::env::var("SPIKECUBE_CUDA_SYNC") else {
+            return;
+        };
+        // CU_CTX_SCHED_AUTO, _SPIN, _YIELD, _BLOCKING_SYNC.
+        let flags = match mode.as_str() {
+            "auto" => 0u32,
+            "spin" => 1,
+            "yield" => 2,
+            "blocking" => 4,
+            other => {
+                tracing::warn!(
+                    "SPIKECUBE_CUDA_SYNC={other} is not one of auto, spin, yield, blocking: left as the driver has it"
+                );
+                return;
+            }
+        };
+        // SAFETY: the symbol has the driver API's signature; `dev` is a
+        // device the initialised driver handed out.
+        let rc = unsafe {
+            lib.get::<CuPrimaryCtxSetFlags>(b"cuDevicePrimaryCtxSetFlags_v2\0")
+                .map(|set| set(dev, flags))
+        };
+        match rc {
+            Ok(0) => tracing::debug!("CUDA host threads wait by {mode}"),
+            Ok(rc) => tracing::info!("SPIKECUBE_CUDA_SYNC={mode} refused by the driver (CUDA error {rc})"),
+            Err(e) => tracing::info!("SPIKECUBE_CUDA_SYNC={mode}: {e}"),
+        }
+    }
+
     pub(super) fn probe() -> super::Probe {
         // SAFETY: loading the NVIDIA driver library runs its initialisers, which
         // have no preconditions; the symbols below have the driver API's C signatures.
@@ -194,6 +230,7 @@ mod cuda_probe {
             if get(&mut dev, 0) != 0 {
                 return Err("the NVIDIA driver cannot open GPU 0".into());
             }
+            set_sync_flags(lib, dev);
             let mut buf = [0 as c_char; 256];
             if get_name(buf.as_mut_ptr(), buf.len() as c_int, dev) != 0 {
                 return Err("the NVIDIA driver cannot name GPU 0".into());
