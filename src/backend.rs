@@ -607,6 +607,28 @@ impl Detector {
         }
     }
 
+    /// One raw window preprocessed on the device as detection would see it
+    /// (channel means, median CAR, high-pass, the whitening set), C × N
+    /// row-major ([`crate::detect::gpu::GpuDetector::preprocess_only`]);
+    /// `Ok(None)` on the CPU.
+    ///
+    /// # Errors
+    /// As that method.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn preprocess_only(
+        &mut self,
+        raw: crate::detect::gpu::RawWindow,
+        yc: &[f32],
+    ) -> Result<Option<Vec<f32>>, DetectError> {
+        match self {
+            Detector::Cpu(_) => Ok(None),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.preprocess_only(raw, yc).map(Some),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.preprocess_only(raw, yc).map(Some),
+        }
+    }
+
     /// Replaces the device preprocessing's whitening by a C × C matrix in CSR
     /// form (see [`crate::detect::gpu::GpuDetector::set_whitening`]).
     ///
