@@ -190,9 +190,7 @@ mod cuda_probe {
         };
         match rc {
             Ok(0) => tracing::debug!("CUDA host threads wait by {mode}"),
-            Ok(rc) => {
-                tracing::info!("SPIKECUBE_CUDA_SYNC={mode} refused by the driver (CUDA error {rc})")
-            }
+            Ok(rc) => tracing::info!("SPIKECUBE_CUDA_SYNC={mode} refused by the driver (CUDA error {rc})"),
             Err(e) => tracing::info!("SPIKECUBE_CUDA_SYNC={mode}: {e}"),
         }
     }
@@ -604,28 +602,6 @@ impl Detector {
             Detector::Cuda(d) => d.take_wait_seconds(),
             #[cfg(feature = "wgpu")]
             Detector::Wgpu(d) => d.take_wait_seconds(),
-        }
-    }
-
-    /// One raw window preprocessed on the device as detection would see it
-    /// (channel means, median CAR, high-pass, the whitening set), C × N
-    /// row-major ([`crate::detect::gpu::GpuDetector::preprocess_only`]);
-    /// `Ok(None)` on the CPU.
-    ///
-    /// # Errors
-    /// As that method.
-    #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    pub fn preprocess_only(
-        &mut self,
-        raw: crate::detect::gpu::RawWindow,
-        yc: &[f32],
-    ) -> Result<Option<Vec<f32>>, DetectError> {
-        match self {
-            Detector::Cpu(_) => Ok(None),
-            #[cfg(feature = "cuda")]
-            Detector::Cuda(d) => d.preprocess_only(raw, yc).map(Some),
-            #[cfg(feature = "wgpu")]
-            Detector::Wgpu(d) => d.preprocess_only(raw, yc).map(Some),
         }
     }
 

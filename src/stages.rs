@@ -233,14 +233,6 @@ pub trait WindowPass: Send {
         Err(anyhow!("this pass has no detector"))
     }
 
-    /// The pass's device preprocessing for the template step's windows
-    /// ([`DeviceWindows`]); `None` when the pass preprocesses on the host (the
-    /// default: the caller preprocesses there as the pass would).
-    #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    fn device_windows(&mut self) -> Option<DeviceWindows<'_>> {
-        None
-    }
-
     /// Per-window medians of finer steps, seconds, measured on some windows
     /// (a device pass: upload, preprocess, each detection step, download), for
     /// `spikecube.json`; empty by default.
@@ -310,58 +302,6 @@ pub trait WindowPass: Send {
     fn drain(&mut self, times: &mut StageTimes) -> Result<Vec<(Window, Detections)>> {
         let _ = times;
         Ok(Vec::new())
-    }
-}
-
-/// A GPU's preprocessing of the template step's windows: they are read and
-/// packed on several threads and preprocessed one at a time on the device,
-/// each with the whitening it is given (W, or drift correction's matrix for
-/// the window). From [`WindowPass::device_windows`] or, before the first
-/// pass, the run's detector.
-#[cfg(any(feature = "cuda", feature = "wgpu"))]
-pub struct DeviceWindows<'a> {
-    detector: std::sync::Mutex<&'a mut Detector>,
-    packer: crate::detect::gpu::Packer,
-    yc: &'a [f32],
-}
-
-#[cfg(any(feature = "cuda", feature = "wgpu"))]
-impl<'a> DeviceWindows<'a> {
-    /// The windows of `detector`'s device, whose preprocessing is set;
-    /// `None` on the CPU.
-    pub fn new(detector: &'a mut Detector, yc: &'a [f32]) -> Option<Self> {
-        let packer = detector.packer()?;
-        Some(DeviceWindows {
-            detector: std::sync::Mutex::new(detector),
-            packer,
-            yc,
-        })
-    }
-
-    /// Raw window `x` (C × N, f32 raw values, stuck stretches masked as the
-    /// run masks them) preprocessed on the device with `whitening` in place
-    /// of W: the window a device pass with that whitening detects in.
-    ///
-    /// # Errors
-    /// When the device fails or its preprocessing is not set.
-    pub fn preprocess(
-        &self,
-        x: &Array2<f32>,
-        whitening: &crate::preprocess::Whitening,
-    ) -> Result<Array2<f32>> {
-        let (c, n) = x.dim();
-        let raw = self.packer.pack(x.view());
-        let (start, cols, vals) = whitening.csr();
-        let mut d = self
-            .detector
-            .lock()
-            .map_err(|_| anyhow!("the device's preprocessing failed on another thread"))?;
-        d.set_whitening(&start, &cols, &vals)?;
-        let v = d
-            .preprocess_only(raw, self.yc)?
-            .ok_or_else(|| anyhow!("the CPU back end preprocesses on the host"))?;
-        drop(d);
-        Ok(Array2::from_shape_vec((c, n), v)?)
     }
 }
 
@@ -804,14 +744,6 @@ impl WindowPass for DevicePass {
 
     fn stager(&mut self) -> Option<Box<dyn Stager>> {
         Some(Box::new(self.stager_now()))
-    }
-
-    fn device_windows(&mut self) -> Option<DeviceWindows<'_>> {
-        Some(DeviceWindows {
-            detector: std::sync::Mutex::new(&mut self.detector),
-            packer: self.packer.clone(),
-            yc: &self.yc,
-        })
     }
 
     fn raw16_buffers(&self) -> Option<Raw16Alloc> {

@@ -635,12 +635,10 @@ fn whole_recordings_with_kilosort4s_learned_templates_give_kilosort4s_spikes() {
     }
 }
 
-/// With `--preprocess-on host` the template step reads windows preprocessed on
-/// the CPU, and `--backend wgpu` writes the same `wTEMP.npy`, `wPCA.npy`,
-/// `templates.png` and `"templates"` record as `--backend cpu`, byte for byte.
-/// By default the device fits W and preprocesses the learning windows itself:
-/// the templates then agree with the CPU's to float32 rounding and the spikes
-/// are the same. In the wgpu test group (Mesa's lavapipe in CI, like tests/gpu.rs).
+/// The template step runs on the CPU whatever the back end (it reads the windows
+/// preprocessed on the CPU): `--backend wgpu` writes the same `wTEMP.npy`,
+/// `wPCA.npy`, `templates.png` and `"templates"` record as `--backend cpu`, byte
+/// for byte. In the wgpu test group (Mesa's lavapipe in CI, like tests/gpu.rs).
 #[cfg(feature = "wgpu")]
 #[test]
 fn the_template_step_gives_the_same_files_on_the_cpu_and_wgpu_back_ends() {
@@ -673,9 +671,8 @@ fn the_template_step_gives_the_same_files_on_the_cpu_and_wgpu_back_ends() {
         &["wTEMP.npy", "wPCA.npy", "templates.png", "spike_times.npy"],
     );
     // By default the device fits W (its covariance within float32 rounding of
-    // the host's, README "GPU back ends") and preprocesses the learning
-    // windows (within the device preprocessing's tolerance of the host's): the
-    // templates agree to that rounding, and the spikes are the same.
+    // the host's, README "GPU back ends"): the templates learned from windows
+    // whitened by it agree to that rounding, and the spikes are the same.
     let gpu = detect_locust(
         &d.join("wgpu"),
         &["--min-learn-clips", "60", "--backend", "wgpu"],

@@ -92,27 +92,6 @@ impl Device {
         Ok(())
     }
 
-    /// The device's preprocessing, set to `pre` (the fitted whitening), for
-    /// the template step's windows when the run preprocesses on a GPU that
-    /// has `pre`'s steps; `None` otherwise (the step preprocesses on the host).
-    ///
-    /// # Errors
-    /// When the device cannot take `pre`'s constants.
-    #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    pub fn learning_windows<'a>(
-        &'a mut self,
-        job: &'a DetectJob,
-        pre: &Preprocessor,
-    ) -> Result<Option<crate::stages::DeviceWindows<'a>>> {
-        if !job.device_preprocessing || !self.detector.set_preprocessing(pre)? {
-            return Ok(None);
-        }
-        Ok(crate::stages::DeviceWindows::new(
-            &mut self.detector,
-            &job.probe.yc,
-        ))
-    }
-
     /// The detector and the warm-up's preprocessing when the whitening fit
     /// runs on the device; `None` when it runs on the host.
     pub fn for_fit(&mut self) -> Option<(&mut Detector, &Preprocessor)> {

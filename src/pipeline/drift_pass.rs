@@ -92,38 +92,21 @@ fn relearn(
     pass: &mut dyn WindowPass,
 ) -> Result<ChosenTemplates> {
     let plan = run.plan;
-    let mut second = {
-        // A pass that preprocesses on a GPU preprocesses the learning
-        // windows there too, each with its drift-corrected whitening.
-        #[cfg(any(feature = "cuda", feature = "wgpu"))]
-        let on_device = pass.device_windows();
-        crate::universal::choose(
-            &job.templates,
-            plan.n_windows,
-            job.detection.nt,
-            job.detection.nt0min(),
-            |i| {
-                let mut w = read_masked(job, &plan, i)?;
-                let blank = pre.blank_ranges(&w, window_first_sample(job, &plan, i));
-                let context =
-                    || format!("preprocessing window {i} (drift-corrected) for learning templates");
-                #[cfg(any(feature = "cuda", feature = "wgpu"))]
-                if let Some(d) = &on_device {
-                    let g = drift
-                        .window_whitening(i, pre.whitening())
-                        .with_context(context)?;
-                    let mut x = d
-                        .preprocess(&w, g.as_deref().unwrap_or(pre.whitening()))
-                        .with_context(context)?;
-                    crate::preprocess::zero_columns(&mut x, &blank);
-                    return Ok(x);
-                }
-                drift.preprocess(pre, i, &mut w).with_context(context)?;
-                crate::preprocess::zero_columns(&mut w, &blank);
-                Ok(w)
-            },
-        )?
-    };
+    let mut second = crate::universal::choose(
+        &job.templates,
+        plan.n_windows,
+        job.detection.nt,
+        job.detection.nt0min(),
+        |i| {
+            let mut w = read_masked(job, &plan, i)?;
+            let blank = pre.blank_ranges(&w, window_first_sample(job, &plan, i));
+            drift.preprocess(pre, i, &mut w).with_context(|| {
+                format!("preprocessing window {i} (drift-corrected) for learning templates")
+            })?;
+            crate::preprocess::zero_columns(&mut w, &blank);
+            Ok(w)
+        },
+    )?;
     second.description["windows"] = "drift-corrected (second pass)".into();
     if let Some(w) = &second.warning {
         run.warnings

@@ -27,33 +27,18 @@ pub(crate) fn choose_templates(
     device: &mut Device,
 ) -> Result<ChosenTemplates> {
     let plan = run.plan;
-    let chosen = {
-        // On a GPU that preprocesses, the learning windows are preprocessed
-        // there, as the passes' windows are.
-        #[cfg(any(feature = "cuda", feature = "wgpu"))]
-        let on_device = match job.templates {
-            crate::universal::TemplateSource::Learned(_) => device.learning_windows(job, pre)?,
-            _ => None,
-        };
-        crate::universal::choose(
-            &job.templates,
-            plan.n_windows,
-            job.detection.nt,
-            job.detection.nt0min(),
-            |i| {
-                let mut w = read_masked(job, &plan, i)?;
-                #[cfg(any(feature = "cuda", feature = "wgpu"))]
-                if let Some(d) = &on_device {
-                    return d.preprocess(&w, pre.whitening()).with_context(|| {
-                        format!("preprocessing window {i} on the device for learning templates")
-                    });
-                }
-                pre.apply_at(&mut w, window_first_sample(job, &plan, i))
-                    .with_context(|| format!("preprocessing window {i} for learning templates"))?;
-                Ok(w)
-            },
-        )?
-    };
+    let chosen = crate::universal::choose(
+        &job.templates,
+        plan.n_windows,
+        job.detection.nt,
+        job.detection.nt0min(),
+        |i| {
+            let mut w = read_masked(job, &plan, i)?;
+            pre.apply_at(&mut w, window_first_sample(job, &plan, i))
+                .with_context(|| format!("preprocessing window {i} for learning templates"))?;
+            Ok(w)
+        },
+    )?;
     if let Some(w) = &chosen.warning {
         run.warnings.push(w.clone());
     }

@@ -252,13 +252,13 @@ fn work_folder(out: &Path) -> Result<PathBuf> {
 pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Result<SortReport> {
     // The matching may use the device again after detection: its context
     // must outlive the detection pass.
-    let last_device_use = std::mem::replace(&mut job.detect.last_device_use, false);
+    job.detect.last_device_use = false;
     let out = job.detect.out.clone();
     // An output folder that cannot take the Phy folder fails now, not after
     // the detection stage (the same check runs again when it is published).
     crate::output::folder::check_target(&out, "sort")?;
     let work = WorkFolder(work_folder(&out)?);
-    sort_into(job, &work.0, last_device_use, progress)
+    sort_into(job, &work.0, progress)
 }
 
 /// The detection stage's working folder, removed when the sort ends, also
@@ -274,13 +274,9 @@ impl Drop for WorkFolder {
     }
 }
 
-/// `last_device_use`: the process ends after this sort (the command line's
-/// `sort`), so that on CUDA the context can be ended while the merges and
-/// the export run, instead of at exit.
 fn sort_into(
     mut job: SortJob,
     work: &Path,
-    last_device_use: bool,
     progress: &mut dyn FnMut(SortProgress),
 ) -> Result<SortReport> {
     let t0 = Instant::now();
@@ -389,7 +385,6 @@ fn sort_into(
     let fin = final_stage(&ex, &icc, &iu, &probe, &geometry, rec.fs(), &s.clustering)?;
     lap(&mut timings, "final_clustering");
     let u1 = fin.wall.dim().0;
-    let teardown = end_device_beside_export(last_device_use, &det_json, &mut s);
 
     progress(stage("merges and export", u1));
     let mut export = export_settings(&run_info, rec.fs(), &s);
@@ -405,12 +400,7 @@ fn sort_into(
     );
     let n0 = det.tf0.len_of(Axis(0));
     let result = sort_result(ex, fin, det, icc, iu);
-    let phy = save_sorting(&out, result, &probe, &export, manifest, "sort");
-    if let Some(t) = teardown {
-        let ended = t.join().unwrap_or(false);
-        tracing::debug!("CUDA context ended before exit: {ended}");
-    }
-    let phy = phy?;
+    let phy = save_sorting(&out, result, &probe, &export, manifest, "sort")?;
     lap(&mut timings, "merges_export");
     if phy.n_good == 0 {
         warnings.push(format!(
@@ -749,29 +739,6 @@ fn device_fed(
         );
         Ok(())
     })
-}
-
-/// When the process ends after this sort (`last_device_use`) and the
-/// detection ran on CUDA, ends the CUDA context on a thread of its own (the
-/// device's last users, the matcher and the seeding's screens, are gone
-/// after the final clustering; the merges and the export use the host
-/// only): the work the driver otherwise does at exit, freeing the context's
-/// buffers and page-locked blocks, overlaps the export. Returns that thread.
-fn end_device_beside_export(
-    last_device_use: bool,
-    det_json: &serde_json::Value,
-    s: &mut SortSettings,
-) -> Option<std::thread::JoinHandle<bool>> {
-    if !last_device_use || det_json["versions"]["backend"] != "cuda" {
-        return None;
-    }
-    // The seeding's screen factory is the last handle on the device.
-    s.clustering.seeding_device = crate::sort::clustering::SeedingDevice::cpu();
-    Some(std::thread::spawn(|| {
-        // SAFETY: the process ends after this sort, and nothing uses the
-        // device after the final clustering.
-        unsafe { crate::backend::end_cuda_context() }
-    }))
 }
 
 /// The merges' and the Phy folder's settings from the run and the sort settings.
