@@ -190,7 +190,9 @@ mod cuda_probe {
         };
         match rc {
             Ok(0) => tracing::debug!("CUDA host threads wait by {mode}"),
-            Ok(rc) => tracing::info!("SPIKECUBE_CUDA_SYNC={mode} refused by the driver (CUDA error {rc})"),
+            Ok(rc) => {
+                tracing::info!("SPIKECUBE_CUDA_SYNC={mode} refused by the driver (CUDA error {rc})")
+            }
             Err(e) => tracing::info!("SPIKECUBE_CUDA_SYNC={mode}: {e}"),
         }
     }
