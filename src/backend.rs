@@ -162,11 +162,15 @@ mod cuda_probe {
     /// How a host thread waits for the GPU (`SPIKECUBE_CUDA_SYNC`): `spin`,
     /// `yield`, `blocking`, or `auto` (the driver's default: spin while the
     /// process has no more contexts than cores). Set on GPU 0's primary
-    /// context, which CubeCL then takes, before it is first made; a value the
-    /// driver refuses is logged and left as the driver has it.
+    /// context, which CubeCL then takes, at the process's first probe (before
+    /// the context is made; later probes leave it); a value the driver refuses
+    /// is logged and left as the driver has it.
     fn set_sync_flags(lib: &libloading::Library, dev: c_int) {
         type CuPrimaryCtxSetFlags = unsafe extern "C" fn(c_int, u32) -> c_int;
-        let Ok(mode) = std::env::var("SPIKECUBE_CUDA_SYNC") else {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        let mut first = false;
+        ONCE.call_once(|| first = true);
+        let (true, Ok(mode)) = (first, std::env::var("SPIKECUBE_CUDA_SYNC")) else {
             return;
         };
         // CU_CTX_SCHED_AUTO, _SPIN, _YIELD, _BLOCKING_SYNC.

@@ -32,6 +32,17 @@ fn detect(case: &Case, g: Geometry) -> Detections {
     det.detect(case.x.view(), &case.probe.yc).unwrap()
 }
 
+/// A CPU detector with Kilosort4's neighbourhoods of `case`, its built-in
+/// templates and `settings`.
+fn kilosort_detector(case: &Case, settings: spikecube::DetectionSettings) -> CpuDetector {
+    CpuDetector::new(
+        case.kilosort_geometry(),
+        UniversalTemplates::builtin(),
+        settings,
+    )
+    .unwrap()
+}
+
 fn pairs(d: &Detections) -> Vec<(i64, i64)> {
     d.centre
         .iter()
@@ -80,12 +91,7 @@ fn identical_to_kilosort_with_its_neighbourhoods() {
 #[test]
 fn tetrode_intermediates_match_kilosort_buffers() {
     let case = Case::load("tetrode_like");
-    let mut det = CpuDetector::new(
-        case.kilosort_geometry(),
-        UniversalTemplates::builtin(),
-        case.settings.clone(),
-    )
-    .unwrap();
+    let mut det = kilosort_detector(&case, case.settings.clone());
     let im = det.intermediates(case.x.view(), &case.probe.yc).unwrap();
     let as_ref: Array2<f32> = npy::read(&case.dir.join("As.npy")).unwrap();
     let imax_ref: Array2<i64> = npy::read(&case.dir.join("imax_signed.npy")).unwrap();
@@ -291,12 +297,7 @@ fn separate_shanks_only_changes_cross_shank_neighbourhoods() {
 fn pruned_detector_equals_dense_oracle() {
     for name in CASES {
         let case = Case::load(name);
-        let mut det = CpuDetector::new(
-            case.kilosort_geometry(),
-            UniversalTemplates::builtin(),
-            case.settings.clone(),
-        )
-        .unwrap();
+        let mut det = kilosort_detector(&case, case.settings.clone());
         let fast = det.detect(case.x.view(), &case.probe.yc).unwrap();
         let dense = det.detect_dense(case.x.view(), &case.probe.yc).unwrap();
         assert_eq!(fast, dense, "{name}");
@@ -306,12 +307,7 @@ fn pruned_detector_equals_dense_oracle() {
                 th_universal: th,
                 ..case.settings.clone()
             };
-            let mut det = CpuDetector::new(
-                case.kilosort_geometry(),
-                UniversalTemplates::builtin(),
-                settings,
-            )
-            .unwrap();
+            let mut det = kilosort_detector(&case, settings);
             let fast = det.detect(case.x.view(), &case.probe.yc).unwrap();
             let dense = det.detect_dense(case.x.view(), &case.probe.yc).unwrap();
             assert_eq!(fast, dense, "{name}, Th_universal {th}");
@@ -328,12 +324,7 @@ fn pruned_detector_equals_dense_oracle() {
 #[test]
 fn non_finite_values_are_named_wherever_they_are() {
     let case = Case::load("tetrode_like");
-    let mut det = CpuDetector::new(
-        case.kilosort_geometry(),
-        UniversalTemplates::builtin(),
-        case.settings.clone(),
-    )
-    .unwrap();
+    let mut det = kilosort_detector(&case, case.settings.clone());
     let (c, n) = case.x.dim();
     let tile = spikecube::detect::cpu::TILE;
     let clean = det.detect(case.x.view(), &case.probe.yc).unwrap();
