@@ -126,6 +126,19 @@ pub unsafe fn end_cuda_context() -> bool {
     }
 }
 
+/// Bytes free on CUDA GPU 0 now (`cuMemGetInfo` in its primary context,
+/// which CubeCL uses); `None` without a loaded driver or when it fails.
+pub fn cuda_free_memory() -> Option<u64> {
+    #[cfg(feature = "cuda")]
+    {
+        cuda_probe::free_memory()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        None
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda_probe {
     use std::ffi::{c_char, c_int};
@@ -156,6 +169,44 @@ mod cuda_probe {
         unsafe {
             lib.get::<CuPrimaryCtxReset>(b"cuDevicePrimaryCtxReset_v2\0")
                 .is_ok_and(|reset| reset(0) == 0)
+        }
+    }
+
+    /// Free bytes on GPU 0: its primary context is retained and made current
+    /// on this thread for `cuMemGetInfo_v2`, then released (CubeCL's own
+    /// reference keeps it alive).
+    pub(super) fn free_memory() -> Option<u64> {
+        type CuCtx = *mut std::ffi::c_void;
+        type Retain = unsafe extern "C" fn(*mut CuCtx, c_int) -> c_int;
+        type Release = unsafe extern "C" fn(c_int) -> c_int;
+        type Push = unsafe extern "C" fn(CuCtx) -> c_int;
+        type Pop = unsafe extern "C" fn(*mut CuCtx) -> c_int;
+        type MemInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> c_int;
+        let lib = DRIVER.get()?;
+        // SAFETY: the symbols have the driver API's signatures; GPU 0 is the
+        // device the probe found; the context pushed here is popped before
+        // returning and released once for the one retain.
+        unsafe {
+            let retain = lib.get::<Retain>(b"cuDevicePrimaryCtxRetain\0").ok()?;
+            let release = lib.get::<Release>(b"cuDevicePrimaryCtxRelease_v2\0").ok()?;
+            let push = lib.get::<Push>(b"cuCtxPushCurrent_v2\0").ok()?;
+            let pop = lib.get::<Pop>(b"cuCtxPopCurrent_v2\0").ok()?;
+            let info = lib.get::<MemInfo>(b"cuMemGetInfo_v2\0").ok()?;
+            let mut ctx: CuCtx = std::ptr::null_mut();
+            if retain(&mut ctx, 0) != 0 {
+                return None;
+            }
+            let mut out = None;
+            if push(ctx) == 0 {
+                let (mut free, mut total) = (0usize, 0usize);
+                if info(&mut free, &mut total) == 0 {
+                    out = Some(free as u64);
+                }
+                let mut popped: CuCtx = std::ptr::null_mut();
+                pop(&mut popped);
+            }
+            release(0);
+            out
         }
     }
 
@@ -632,6 +683,41 @@ impl Detector {
             Detector::Cuda(d) => d.set_whitening(start, cols, vals),
             #[cfg(feature = "wgpu")]
             Detector::Wgpu(d) => d.set_whitening(start, cols, vals),
+        }
+    }
+
+    /// A copy, in a device buffer of its own, of the whitened window the last
+    /// launched window left on the device (`n_sites × n_t` f32), queued after
+    /// that window's work; `None` on the CPU or before any window.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn keep_window(&mut self) -> Option<cubecl::server::Handle> {
+        match self {
+            Detector::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.keep_window(),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.keep_window(),
+        }
+    }
+
+    /// Bytes free on the device now (CUDA's `cuMemGetInfo`); `None` on the
+    /// CPU and wgpu, or when the driver does not say.
+    pub fn free_device_memory(&self) -> Option<u64> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(_) => cuda_free_memory(),
+            _ => None,
+        }
+    }
+
+    /// The back end's name: `cpu`, `cuda` or `wgpu`.
+    pub fn backend_name(&self) -> &'static str {
+        match self {
+            Detector::Cpu(_) => "cpu",
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(_) => "cuda",
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(_) => "wgpu",
         }
     }
 

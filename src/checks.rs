@@ -414,6 +414,19 @@ pub fn precheck_window_with_transients(
     (c.health, events)
 }
 
+/// Masks the stuck (clipped) stretches of a window as read, as
+/// [`precheck_window_with_transients`] with `mask` does, and nothing else:
+/// for a later pass over the windows the detection pass saw (the sort's
+/// learned-template matching), so that it sees the same samples.
+pub fn mask_stuck_window(w: &mut crate::recording::Window, cols: &WindowColumns, min_run: usize) {
+    let steps = RowSteps {
+        mask: true,
+        observe: false,
+        jumps: false,
+    };
+    check_any(w, cols, min_run, steps);
+}
+
 /// [`check_rows`] on the window's int16 values when it has them, else on
 /// its f32 values.
 fn check_any(

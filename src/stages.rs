@@ -303,6 +303,81 @@ pub trait WindowPass: Send {
         let _ = times;
         Ok(Vec::new())
     }
+
+    /// Keeps each later window's whitened samples on the device, from window
+    /// 0 on, while `budget` bytes hold them ([`KeepWindows::budget`]); a pass
+    /// on the host keeps nothing (the default).
+    fn keep_windows(&mut self, budget: Option<u64>) {
+        let _ = budget;
+    }
+
+    /// The windows kept since [`WindowPass::keep_windows`] (which stops
+    /// keeping); `None` when none were.
+    fn take_kept(&mut self) -> Option<KeptWindows> {
+        None
+    }
+}
+
+/// The final pass's whitened windows, kept on the device that made them for
+/// a later stage on the same device (the sort's learned-template matching,
+/// which would otherwise read and preprocess every window again): windows
+/// `0 .. len()` of the pass, each `n_sites × n_t` f32 row-major, drift-corrected
+/// as the pass detected on them.
+pub struct KeptWindows {
+    /// The runtime that holds them: `cuda` or `wgpu`.
+    pub backend: &'static str,
+    /// Rows of each window (sites, channel-map order).
+    pub n_sites: usize,
+    /// Samples of each window, padding included (`batch_size + 2·nt`).
+    pub n_t: usize,
+    /// Device buffers, one per window, in window order from window 0.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub handles: Vec<cubecl::server::Handle>,
+}
+
+impl KeptWindows {
+    /// Windows kept.
+    pub fn len(&self) -> usize {
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        {
+            self.handles.len()
+        }
+        #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+        {
+            0
+        }
+    }
+
+    /// Whether no window was kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::fmt::Debug for KeptWindows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "KeptWindows({} × {} × {} on {})",
+            self.len(),
+            self.n_sites,
+            self.n_t,
+            self.backend
+        )
+    }
+}
+
+/// A request to a run's final pass to keep its whitened windows on the device
+/// ([`KeptWindows`]), from window 0 on while they fit in the budget; the run
+/// leaves them in `slot`. A pass on the host keeps nothing.
+#[derive(Debug, Clone, Default)]
+pub struct KeepWindows {
+    /// Most device bytes the kept windows may take; `None`: half of the
+    /// device's free memory when the pass starts on CUDA, nothing on wgpu
+    /// (which cannot say how much memory its device has).
+    pub budget: Option<u64>,
+    /// Where the run leaves the kept windows.
+    pub slot: Arc<std::sync::Mutex<Option<KeptWindows>>>,
 }
 
 /// Makes storage for an int16 window of the given number of values
@@ -512,6 +587,8 @@ pub struct DevicePass {
     window_s: Vec<f64>,
     /// Windows queued on the device ([`WindowPass::push`]), oldest first.
     queued: std::collections::VecDeque<Window>,
+    /// The whitened windows kept so far ([`WindowPass::keep_windows`]).
+    keep: Option<Keeping>,
     /// Whether windows sent ahead are queued on the device (true unless the
     /// environment variable `SPIKECUBE_DEVICE_QUEUE` is `0`, for measuring).
     queue_windows: bool,
@@ -553,8 +630,48 @@ impl DevicePass {
             first_window_s: 0.0,
             window_s: Vec::new(),
             queued: Default::default(),
+            keep: None,
             queue_windows: std::env::var("SPIKECUBE_DEVICE_QUEUE").as_deref() != Ok("0"),
         }))
+    }
+}
+
+/// What a [`DevicePass`] keeps of its windows ([`WindowPass::keep_windows`]).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+struct Keeping {
+    /// Most bytes the kept windows may take.
+    budget: u64,
+    kept: Vec<cubecl::server::Handle>,
+    /// Bytes of one window (0 until the first is kept).
+    window_bytes: u64,
+    /// Set when a window was not kept (past the budget, or out of order):
+    /// only windows 0 .. k are ever kept.
+    stopped: bool,
+}
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl DevicePass {
+    /// Keeps a copy of window `index`'s whitened samples, just launched on the
+    /// device (the copy follows them in the device's order), when it is the
+    /// next window to keep and fits in the budget.
+    fn keep_one(&mut self, index: u64) {
+        let Some(k) = self.keep.as_mut() else {
+            return;
+        };
+        let (c, n) = self.pre.window_shape();
+        let bytes = (c * n * 4) as u64;
+        let fits = (k.kept.len() as u64 + 1) * bytes <= k.budget;
+        if k.stopped || index != k.kept.len() as u64 || !fits {
+            k.stopped = true;
+            return;
+        }
+        match self.detector.keep_window() {
+            Some(h) => {
+                k.kept.push(h);
+                k.window_bytes = bytes;
+            }
+            None => k.stopped = true,
+        }
     }
 }
 
@@ -634,6 +751,7 @@ impl DevicePass {
             .detector
             .detect_raw(raw, &self.yc, timed.then_some(&mut step))
             .with_context(|| device_work(w))?;
+        self.keep_one(w.index);
         self.window_done(w.index, timed, t1, times);
         if timed {
             self.timed_windows.push(step);
@@ -725,6 +843,7 @@ impl DevicePass {
         self.detector
             .submit_raw(raw, &self.yc)
             .with_context(|| device_work(&w))?;
+        self.keep_one(index);
         self.queued.push_back(w);
         let mut done = Vec::new();
         while self.queued.len() > DEVICE_QUEUE {
@@ -817,6 +936,36 @@ impl WindowPass for DevicePass {
 
     fn preprocess_on(&self) -> &'static str {
         "device"
+    }
+
+    fn keep_windows(&mut self, budget: Option<u64>) {
+        let budget = budget.unwrap_or_else(|| self.detector.free_device_memory().unwrap_or(0) / 2);
+        tracing::debug!("keeping whitened windows on the device within {budget} bytes");
+        self.keep = Some(Keeping {
+            budget,
+            kept: Vec::new(),
+            window_bytes: 0,
+            stopped: false,
+        });
+    }
+
+    fn take_kept(&mut self) -> Option<KeptWindows> {
+        let k = self.keep.take()?;
+        if k.kept.is_empty() {
+            return None;
+        }
+        let (n_sites, n_t) = self.pre.window_shape();
+        tracing::info!(
+            "{} whitened windows kept on the device ({:.1} GB)",
+            k.kept.len(),
+            (k.kept.len() as u64 * k.window_bytes) as f64 / 1e9
+        );
+        Some(KeptWindows {
+            backend: self.detector.backend_name(),
+            n_sites,
+            n_t,
+            handles: k.kept,
+        })
     }
 
     fn device_highpass(&self) -> Option<&'static str> {

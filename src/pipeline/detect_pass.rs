@@ -76,6 +76,9 @@ pub(crate) fn detect_pass(
     let mut seconds_done = 0f64;
     let mut windows_done = 0u64;
     pass.set_drift(Some(drift.run.clone()))?;
+    if let Some(keep) = &job.keep_windows {
+        pass.keep_windows(keep.budget);
+    }
     let mask_clipped = job.checks.mask_clipped;
     let health_ref = &mut health;
     // The checks' work on the reading threads; only adding each window's
@@ -130,6 +133,10 @@ pub(crate) fn detect_pass(
         )?
     };
     out.flush()?;
+    if let Some(keep) = &job.keep_windows {
+        let kept = pass.take_kept();
+        *keep.slot.lock().unwrap_or_else(|e| e.into_inner()) = kept;
+    }
     record_stages(&stages, pass, timer);
     Ok(PassDetections {
         dropped: out.dropped,

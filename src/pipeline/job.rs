@@ -46,6 +46,9 @@ pub struct DetectJob {
     /// process's exit. False wherever CUDA may run again in the process
     /// (Python, benches, tests).
     pub last_device_use: bool,
+    /// Keep the detection pass's whitened windows on the device for a later
+    /// stage (the sort's matching); `None` (the default) keeps none.
+    pub keep_windows: Option<crate::stages::KeepWindows>,
 }
 
 /// Input checks of a run and the corrections spikecube makes where Kilosort4

@@ -1354,11 +1354,37 @@ pub fn preprocessed_window_into(
     i: u64,
     x: &mut Array2<f32>,
 ) -> anyhow::Result<()> {
+    preprocessed_window_masked_into(rec, plan, chan_map, pre, drift, i, None, x)
+}
+
+/// [`preprocessed_window_into`] with the raw window's stuck (clipped)
+/// stretches of at least `mask_min_run` samples masked first, as the
+/// detection pass masks them (`--mask-clipped`,
+/// [`crate::checks::check_array`]); `None` masks nothing (Kilosort4).
+///
+/// # Errors
+/// As [`preprocessed_window`].
+#[allow(clippy::too_many_arguments)]
+pub fn preprocessed_window_masked_into(
+    rec: &dyn crate::recording::Recording,
+    plan: &crate::recording::WindowPlan,
+    chan_map: &[u64],
+    pre: &crate::preprocess::Preprocessor,
+    drift: Option<&crate::drift::correct::DriftCorrection>,
+    i: u64,
+    mask_min_run: Option<usize>,
+    x: &mut Array2<f32>,
+) -> anyhow::Result<()> {
     let shape = (chan_map.len(), plan.window_len());
     if x.dim() != shape {
         *x = Array2::zeros(shape);
     }
     crate::recording::read_window(rec, plan, i, chan_map, x)?;
+    if let Some(min_run) = mask_min_run {
+        let cols = crate::checks::WindowColumns::of(plan, i);
+        let first = (rec.first_sample() + plan.window_start(i)) as i64 - plan.nt as i64;
+        crate::checks::check_array(x, first, &cols, min_run, None, true);
+    }
     // The preprocessor's blanking (`--artifact-times`, `--blank-transients`)
     // finds its stretches in the raw window, column 0 at this absolute sample.
     let first = (rec.first_sample() + plan.window_start(i)) as i64 - plan.nt as i64;

@@ -33,7 +33,7 @@ use crate::preprocess::Preprocessor;
 use crate::recording::{Recording, WindowPlan};
 use crate::sort::clustering::{ClusteringSettings, final_clustering, first_clustering};
 use crate::sort::matching::backend::Matcher;
-use crate::sort::matching::{MatchingSettings, MatchingSetup, preprocessed_window_into};
+use crate::sort::matching::{MatchingSettings, MatchingSetup, preprocessed_window_masked_into};
 use crate::sort::merge::MergeSettings;
 use crate::sort::phy::{ExportSettings, PhySummary, SortResult, save_sorting};
 use crate::sort::postprocess::ChannelSets;
@@ -54,6 +54,12 @@ pub struct SortSettings {
     pub acg_threshold: f64,
     /// `ccg_threshold` (0.25): two units merge when their CCG's R12 is below it.
     pub ccg_threshold: f64,
+    /// Device bytes for keeping the detection pass's whitened windows for the
+    /// matching ([`crate::stages::KeepWindows::budget`]; `None`: half of the
+    /// GPU's free memory on CUDA, none on wgpu). The sort is the same bytes
+    /// whatever it is, so it is not recorded.
+    #[serde(skip)]
+    pub keep_windows_bytes: Option<u64>,
 }
 
 impl SortSettings {
@@ -65,6 +71,7 @@ impl SortSettings {
             duplicate_spike_ms: 0.25,
             acg_threshold: 0.2,
             ccg_threshold: 0.25,
+            keep_windows_bytes: None,
         }
     }
 }
@@ -112,6 +119,21 @@ pub struct SortFlags {
     /// (Kilosort issue #1042). Off by default: spikecube runs the intended test.
     #[arg(long)]
     pub ks4_swarm_ccg_bug: bool,
+    /// GPU memory, GB, for keeping the detection pass's whitened windows for
+    /// the matching, which then neither reads nor preprocesses them again
+    /// (default: half of the GPU's free memory with CUDA, none with wgpu; 0:
+    /// none). Windows past it are read again. The sort is the same either way.
+    #[arg(long, value_name = "GB", value_parser = gigabytes)]
+    #[serde(default)]
+    pub keep_windows_gb: Option<f64>,
+}
+
+/// A memory size in GB of `--keep-windows-gb`: finite and not negative.
+fn gigabytes(v: &str) -> std::result::Result<f64, String> {
+    match v.parse::<f64>() {
+        Ok(gb) if gb.is_finite() && gb >= 0.0 => Ok(gb),
+        _ => Err(format!("{v} is not a size in GB (a number, 0 or more)")),
+    }
 }
 
 impl SortFlags {
@@ -119,6 +141,14 @@ impl SortFlags {
     /// `nearest_chans` (the detection's) for the matching's features.
     pub fn settings(&self, nearest_chans: usize) -> SortSettings {
         let mut s = SortSettings::kilosort();
+        // The command line refuses other values; any other keeps nothing.
+        s.keep_windows_bytes = self.keep_windows_gb.map(|gb| {
+            if gb.is_finite() && gb > 0.0 {
+                (gb * 1e9) as u64
+            } else {
+                0
+            }
+        });
         s.matching.th_learned = self.th_learned;
         s.matching.max_peels = self.max_peels;
         s.matching.position_limit = self.position_limit;
@@ -292,6 +322,21 @@ fn sort_into(
     let run_info = job.detect.run_info.clone();
     let mut s = job.sort.clone();
     s.clustering.seeding_device = seeding_device(backend);
+    // The matching reads the windows as the detection pass read them: stuck
+    // stretches masked when the detection masked them.
+    let mask_min_run = job
+        .detect
+        .checks
+        .mask_clipped
+        .then(|| crate::checks::stuck_min_run(rec.fs()));
+    // On a GPU that preprocesses, the detection pass's whitened windows stay
+    // on the device for the matching (not with a blanking, which runs on
+    // the host).
+    let keep = (device_preprocessing && blanking.is_none()).then(|| crate::stages::KeepWindows {
+        budget: s.keep_windows_bytes,
+        slot: Default::default(),
+    });
+    job.detect.keep_windows = keep.clone();
     let mut timings: Vec<(&'static str, f64)> = Vec::new();
     let mut lap = {
         let mut t = Instant::now();
@@ -312,6 +357,7 @@ fn sort_into(
         })
     })?;
     lap(&mut timings, "detection");
+    let kept = keep.and_then(|k| k.slot.lock().unwrap_or_else(|e| e.into_inner()).take());
     if detection.summary.n_spikes == 0 {
         bail!(
             "no spike was detected in {}: nothing to sort",
@@ -358,8 +404,9 @@ fn sort_into(
         backend,
         device_preprocessing,
         blanking,
+        mask_min_run,
     };
-    let (ex, matching_warnings) = matching_pass(&input, &mut |done, total, seconds_done| {
+    let (ex, matching_warnings) = matching_pass(&input, kept, &mut |done, total, seconds_done| {
         progress(SortProgress {
             stage: "matching",
             done,
@@ -464,19 +511,26 @@ struct MatchingInput<'a> {
     #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
     device_preprocessing: bool,
     blanking: Option<Arc<crate::preprocess::Blanking>>,
+    /// Stuck stretches of at least this many samples are masked in each raw
+    /// window, as the detection pass masked them (`--mask-clipped`).
+    mask_min_run: Option<usize>,
 }
 
 /// The learned-template matching over every window of the recording,
 /// preprocessed as the detection's second pass was (same whitening, same
-/// drift correction), on the input's back end ([`Matcher`]), with the
-/// warnings of choosing it. On a GPU that preprocessed the detection's
-/// windows, the raw windows go to the device and are preprocessed and
-/// matched there ([`Matcher::match_raw`]); otherwise each window is
-/// preprocessed on the host and handed to the matcher. Either way a reader
-/// thread prepares window i + 1 while window i is matched, and the windows
-/// and their order are the same as read one by one, so the results are too.
+/// drift correction, same masking), on the input's back end ([`Matcher`]),
+/// with the warnings of choosing it. On a GPU that preprocessed the
+/// detection's windows, the windows the detection pass kept on the device
+/// (`kept`, from window 0 on) are matched as they are, and the others go to
+/// the device raw as read and are preprocessed and matched there
+/// ([`Matcher::match_raw`]); otherwise each window is preprocessed on the
+/// host and handed to the matcher. Either way a reader thread prepares
+/// window i + 1 while window i is matched, and the windows and their order
+/// are the same as read one by one, so the results are too: the kept windows
+/// hold the bits the device's preprocessing of the same raw window gives.
 fn matching_pass(
     input: &MatchingInput,
+    kept: Option<crate::stages::KeptWindows>,
     progress: &mut dyn FnMut(u64, u64, f64),
 ) -> Result<(crate::sort::matching::Extracted, Vec<String>)> {
     let mut warnings = Vec::new();
@@ -535,20 +589,40 @@ fn matching_pass(
         )
     };
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    if let Some(feed) = device_feed(input, &chosen, &pre, &matcher)? {
-        tracing::info!("learned-template matching: windows preprocessed on the device");
-        device_fed(
-            input,
-            &plan,
-            &pre,
-            drift.as_ref(),
-            feed,
-            &mut matcher,
-            &mut parts,
-            &mut done,
-        )?;
-        return Ok((crate::sort::matching::assemble(&setup, &parts), warnings));
+    if device_feed_allowed(input, &matcher) {
+        let kept = kept.filter(|k| matcher.holds(k) && (k.n_sites, k.n_t) == pre.window_shape());
+        let n_kept = kept
+            .as_ref()
+            .map_or(0, |k| k.len() as u64)
+            .min(plan.n_windows);
+        let feed = if n_kept < plan.n_windows {
+            device_feed(input, &chosen, &pre, &matcher)?
+        } else {
+            None
+        };
+        if n_kept == plan.n_windows || feed.is_some() {
+            tracing::info!(
+                "learned-template matching: {n_kept} of {} windows kept on the device by the detection pass, the others preprocessed on the device",
+                plan.n_windows
+            );
+            let kept = kept.map(|k| k.handles).unwrap_or_default();
+            device_fed(
+                input,
+                &plan,
+                &pre,
+                drift.as_ref(),
+                feed,
+                kept,
+                &mut matcher,
+                &mut parts,
+                &mut done,
+            )?;
+            return Ok((crate::sort::matching::assemble(&setup, &parts), warnings));
+        }
     }
+    // Windows kept on the device are used only where the device preprocesses.
+    #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+    drop(kept);
     host_fed(
         input,
         &plan,
@@ -583,9 +657,18 @@ fn host_fed(
         scope.spawn(move || {
             for i in 0..n_windows {
                 let mut x = free_rx.try_recv().unwrap_or_else(|_| Array2::zeros((0, 0)));
-                let x = preprocessed_window_into(rec, plan, chan_map, pre, drift, i, &mut x)
-                    .map(|()| x)
-                    .with_context(|| format!("matching: window {i}"));
+                let x = preprocessed_window_masked_into(
+                    rec,
+                    plan,
+                    chan_map,
+                    pre,
+                    drift,
+                    i,
+                    input.mask_min_run,
+                    &mut x,
+                )
+                .map(|()| x)
+                .with_context(|| format!("matching: window {i}"));
                 let failed = x.is_err();
                 if tx.send(x).is_err() || failed {
                     break;
@@ -607,6 +690,17 @@ fn host_fed(
     })
 }
 
+/// Whether the matching's windows may be preprocessed on the matcher's
+/// device ([`device_feed`]): a GPU matcher, a detection that preprocessed on
+/// its device, no blanking, and not `SPIKECUBE_MATCH_FEED=host`.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn device_feed_allowed(input: &MatchingInput, matcher: &Matcher) -> bool {
+    matcher.is_gpu()
+        && input.device_preprocessing
+        && input.blanking.is_none()
+        && std::env::var("SPIKECUBE_MATCH_FEED").as_deref() != Ok("host")
+}
+
 /// The preprocessing on the matcher's GPU: a detector there with the
 /// detection's preprocessing, and its packer of raw windows; `None` when the
 /// detection preprocessed on the host (`--preprocess-on host`), a blanking
@@ -620,11 +714,7 @@ fn device_feed(
     pre: &Preprocessor,
     matcher: &Matcher,
 ) -> Result<Option<(crate::backend::Detector, crate::detect::gpu::Packer)>> {
-    if !matcher.is_gpu()
-        || !input.device_preprocessing
-        || input.blanking.is_some()
-        || std::env::var("SPIKECUBE_MATCH_FEED").as_deref() == Ok("host")
-    {
+    if !device_feed_allowed(input, matcher) {
         return Ok(None);
     }
     let mut feed = crate::backend::Detector::new(
@@ -648,12 +738,14 @@ fn device_feed(
     Ok(Some((feed, packer)))
 }
 
-/// The matching pass with each raw window sent to the device as read (int16
-/// values when the file holds them), preprocessed there with the window's
-/// drift-corrected whitening and matched there ([`Matcher::match_raw`]).
-/// The reader thread reads and packs the next window, copies it into one of
-/// the device's two upload buffers (CUDA, page-locked memory), and makes its
-/// whitening matrix.
+/// The matching pass on the device: windows `0 .. kept.len()` from the
+/// detection pass's kept buffers, the others sent to the device raw as read
+/// (int16 values when the file holds them), preprocessed there with the
+/// window's drift-corrected whitening by `feed` and matched there
+/// ([`Matcher::match_raw`]). A reader thread reads, masks and packs the next
+/// unkept window, copies it into one of the device's two upload buffers
+/// (CUDA, page-locked memory), and makes its whitening matrix. Each kept
+/// buffer is freed once its window is matched.
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 #[allow(clippy::too_many_arguments)]
 fn device_fed(
@@ -661,63 +753,92 @@ fn device_fed(
     plan: &WindowPlan,
     pre: &Preprocessor,
     drift: Option<&DriftCorrection>,
-    (mut feed, packer): (crate::backend::Detector, crate::detect::gpu::Packer),
+    feed: Option<(crate::backend::Detector, crate::detect::gpu::Packer)>,
+    kept: Vec<cubecl::server::Handle>,
     matcher: &mut Matcher,
     parts: &mut Vec<crate::sort::matching::WindowSpikes>,
     done: &mut dyn FnMut(u64),
 ) -> Result<()> {
     type Csr = (Vec<u32>, Vec<u32>, Vec<f32>);
     let n_windows = plan.n_windows;
+    let n_kept = (kept.len() as u64).min(n_windows);
+    let n_t = pre.window_shape().1;
     let rec = input.rec;
     let chan_map = &input.probe.chan_map;
     let yc = &input.probe.yc;
+    let mask_min_run = input.mask_min_run;
+    let (mut feed, packer) = match feed {
+        Some((d, p)) => (Some(d), Some(p)),
+        None => (None, None),
+    };
     std::thread::scope(|scope| -> Result<()> {
         let (tx, rx) =
             crossbeam_channel::bounded::<Result<(crate::detect::gpu::RawWindow, Option<Csr>)>>(2);
-        let reader = scope.spawn(move || {
-            let (mut read_s, mut whiten_s, mut upload_s) = (0f64, 0f64, 0f64);
-            let alloc_packer = packer.clone();
-            let mut raw16: Option<crate::stages::Raw16Alloc> =
-                Some(Box::new(move |n| Box::new(alloc_packer.raw16_buffer(n))));
-            let mut data = Array2::<f32>::zeros((0, 0));
-            for i in 0..n_windows {
-                let item = (|| -> Result<_> {
-                    let t0 = Instant::now();
-                    let r16 =
-                        crate::stages::read_any(rec, plan, i, chan_map, &mut data, &mut raw16)?;
-                    let mut w = crate::recording::Window::of(
-                        rec.first_sample(),
-                        plan,
-                        i,
-                        std::mem::replace(&mut data, Array2::zeros((0, 0))),
-                        r16,
-                    );
-                    let raw = packer.raw_window(&mut w);
-                    let t_up = Instant::now();
-                    let raw = packer.send_ahead(raw);
-                    upload_s += t_up.elapsed().as_secs_f64();
-                    let t1 = Instant::now();
-                    let csr = match drift {
-                        Some(d) => Some(d.window_whitening(i, pre.whitening())?.csr()),
-                        None => None,
-                    };
-                    read_s += t_up.duration_since(t0).as_secs_f64();
-                    whiten_s += t1.elapsed().as_secs_f64();
-                    Ok((raw, csr))
-                })()
-                .with_context(|| format!("matching: window {i}"));
-                let failed = item.is_err();
-                if tx.send(item).is_err() || failed {
-                    break;
+        let reader = packer.map(|packer| {
+            scope.spawn(move || {
+                let (mut read_s, mut whiten_s, mut upload_s) = (0f64, 0f64, 0f64);
+                let alloc_packer = packer.clone();
+                let mut raw16: Option<crate::stages::Raw16Alloc> =
+                    Some(Box::new(move |n| Box::new(alloc_packer.raw16_buffer(n))));
+                let mut data = Array2::<f32>::zeros((0, 0));
+                for i in n_kept..n_windows {
+                    let item = (|| -> Result<_> {
+                        let t0 = Instant::now();
+                        let r16 =
+                            crate::stages::read_any(rec, plan, i, chan_map, &mut data, &mut raw16)?;
+                        let mut w = crate::recording::Window::of(
+                            rec.first_sample(),
+                            plan,
+                            i,
+                            std::mem::replace(&mut data, Array2::zeros((0, 0))),
+                            r16,
+                        );
+                        if let Some(min_run) = mask_min_run {
+                            let cols = crate::checks::WindowColumns::of(plan, i);
+                            crate::checks::mask_stuck_window(&mut w, &cols, min_run);
+                        }
+                        let raw = packer.raw_window(&mut w);
+                        let t_up = Instant::now();
+                        let raw = packer.send_ahead(raw);
+                        upload_s += t_up.elapsed().as_secs_f64();
+                        let t1 = Instant::now();
+                        let csr = match drift {
+                            Some(d) => Some(d.window_whitening(i, pre.whitening())?.csr()),
+                            None => None,
+                        };
+                        read_s += t_up.duration_since(t0).as_secs_f64();
+                        whiten_s += t1.elapsed().as_secs_f64();
+                        Ok((raw, csr))
+                    })()
+                    .with_context(|| format!("matching: window {i}"));
+                    let failed = item.is_err();
+                    if tx.send(item).is_err() || failed {
+                        break;
+                    }
                 }
-            }
-            (read_s, whiten_s, upload_s)
+                (read_s, whiten_s, upload_s)
+            })
         });
         // Seconds waiting for the reader, and on the device (preprocessing,
         // matching, the download), for the log: which side bounds the pass.
         let (mut waited, mut on_device) = (0f64, 0f64);
+        let mut kept = kept.into_iter();
         for i in 0..n_windows {
             let t0 = Instant::now();
+            if i < n_kept {
+                let x = kept.next().expect("n_kept buffers");
+                let w = matcher
+                    .match_kept(&x, n_t)
+                    .with_context(|| format!("matching: window {i} kept on the device"))?;
+                drop(x);
+                on_device += t0.elapsed().as_secs_f64();
+                parts.push(w);
+                done(i);
+                continue;
+            }
+            let feed = feed.as_mut().ok_or_else(|| {
+                anyhow::anyhow!("matching: window {i} was not kept on the device")
+            })?;
             let (raw, csr) = rx
                 .recv()
                 .with_context(|| format!("matching: window {i} was not read"))??;
@@ -726,16 +847,19 @@ fn device_fed(
                 feed.set_whitening(start, cols, vals)?;
             }
             let w = matcher
-                .match_raw(&mut feed, raw, yc)
+                .match_raw(feed, raw, yc)
                 .with_context(|| format!("matching: window {i} on the device"))?;
             waited += t1.duration_since(t0).as_secs_f64();
             on_device += t1.elapsed().as_secs_f64();
             parts.push(w);
             done(i);
         }
-        let (read_s, whiten_s, upload_s) = reader.join().unwrap_or_default();
+        drop(rx);
+        let (read_s, whiten_s, upload_s) = reader
+            .map(|r| r.join().unwrap_or_default())
+            .unwrap_or_default();
         tracing::info!(
-            "matching pass: {n_windows} windows, {on_device:.2} s on the device, {waited:.2} s waiting for the reader (its reading {read_s:.2} s, sending ahead {upload_s:.2} s, drift-corrected whitening {whiten_s:.2} s)"
+            "matching pass: {n_windows} windows ({n_kept} kept on the device), {on_device:.2} s on the device, {waited:.2} s waiting for the reader (its reading {read_s:.2} s, sending ahead {upload_s:.2} s, drift-corrected whitening {whiten_s:.2} s)"
         );
         Ok(())
     })

@@ -1171,6 +1171,37 @@ impl<R: Runtime> GpuDetector<R> {
         Ok(self.window.as_ref().expect("allocated").x.clone())
     }
 
+    /// A copy of the whitened window X the last launched window left (C × N
+    /// f32 row-major), in a new device buffer, queued after that window's
+    /// work; `None` before any window. Copied as 32-bit words, so the bits
+    /// are X's.
+    pub fn keep_window(&mut self) -> Option<Handle> {
+        let w = self.window.as_ref()?;
+        let len = self.pre.as_ref()?.form.n_sites * w.n_t;
+        let src = w.x.clone();
+        let dst = self.client.empty(len.max(1) * 4);
+        let chunk = upload::CHUNK;
+        for start in (0..len).step_by(chunk) {
+            let part = chunk.min(len - start);
+            let piece = src.clone().offset_start((start * 4) as u64);
+            // SAFETY: the kernel reads piece[j] (= X[start + j]) and writes
+            // dst[start + j] for j < part, and start + part ≤ len, which both
+            // buffers hold.
+            unsafe {
+                upload::copy_words_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(part.div_ceil(256) as u32, 1, 1),
+                    CubeDim::new_1d(256),
+                    ArrayArg::from_raw_parts(piece, part),
+                    ArrayArg::from_raw_parts(dst.clone(), len),
+                    start as u32,
+                    part as u32,
+                );
+            }
+        }
+        Some(dst)
+    }
+
     /// Preprocesses the window of the last [`GpuDetector::preprocess_to_device`]
     /// again, into the same buffer, with the whitening it had then: for a
     /// caller that overwrote that buffer and needs the window again. Its raw

@@ -114,6 +114,46 @@ impl Matcher {
         }
     }
 
+    /// Whether `kept`'s windows are on this matcher's device (both CUDA or
+    /// both wgpu: each back end uses its first device).
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn holds(&self, kept: &crate::stages::KeptWindows) -> bool {
+        match self {
+            #[cfg(feature = "cuda")]
+            Matcher::Cuda(_) => kept.backend == "cuda",
+            #[cfg(feature = "wgpu")]
+            Matcher::Wgpu(_) => kept.backend == "wgpu",
+            Matcher::Cpu(_) => false,
+        }
+    }
+
+    /// Matches a whitened window already on this matcher's device (one the
+    /// detection pass kept, [`crate::stages::KeptWindows`]), `n_t` samples;
+    /// the buffer is copied, not changed ([`GpuMatcher::match_device`]).
+    ///
+    /// # Errors
+    /// [`MatchError::Device`] on the CPU or when the device fails; as
+    /// [`Matcher::match_window`].
+    ///
+    /// [`GpuMatcher::match_device`]: super::gpu::GpuMatcher::match_device
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn match_kept(
+        &mut self,
+        x: &cubecl::server::Handle,
+        n_t: usize,
+    ) -> Result<WindowSpikes, MatchError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Matcher::Cuda(m) => m.match_device(x, n_t),
+            #[cfg(feature = "wgpu")]
+            Matcher::Wgpu(m) => m.match_device(x, n_t),
+            Matcher::Cpu(_) => Err(MatchError::Device {
+                device: "cpu".into(),
+                message: "a window kept on a GPU cannot be matched on the CPU".into(),
+            }),
+        }
+    }
+
     /// Preprocesses the raw window `raw` on `feed`'s device (its
     /// preprocessing and whitening as set) and matches it there, with no
     /// copy of the window through the host: the same spikes as

@@ -1,0 +1,125 @@
+//! The sort on a GPU keeps the detection pass's whitened windows on the
+//! device for the learned-template matching (`--keep-windows-gb`). Whatever
+//! the budget — none kept, some, all — the Phy folder's arrays are the same
+//! bytes: a kept window holds the bits the device's preprocessing of that raw
+//! window gives, and the windows read again are masked (stuck stretches) as
+//! the detection pass masked them. Run on wgpu (Mesa's lavapipe in CI) on a
+//! 10-s 32-site simulation with a stuck stretch on one channel.
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{s, spikecube};
+
+/// A 10-s 32-site simulation (5 windows) whose channel 5 is stuck at one
+/// value for 600 samples inside window 2, and its SpikeGLX binary.
+fn simulate(dir: &Path) -> PathBuf {
+    let probe = common::data("sort/probe32.json");
+    let out = dir.join("sim");
+    let o = spikecube(&[
+        "simulate",
+        "--probe",
+        s(&probe),
+        "--seconds",
+        "10",
+        "--n-units",
+        "24",
+        "--rate",
+        "15",
+        "--seed",
+        "11",
+        "--out",
+        s(&out),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let bin = out.join("sim_g0_t0.imec0.ap.bin");
+    let mut bytes = std::fs::read(&bin).unwrap();
+    let n_chan = bytes.len() / 2 / 300_000;
+    assert_eq!(bytes.len(), n_chan * 2 * 300_000, "10 s at 30 kHz");
+    for t in 130_000..130_600 {
+        let at = (t * n_chan + 5) * 2;
+        bytes[at..at + 2].copy_from_slice(&1234i16.to_le_bytes());
+    }
+    std::fs::write(&bin, bytes).unwrap();
+    bin
+}
+
+/// Sorts `bin` on wgpu with `--keep-windows-gb gb` into `out`; returns the
+/// log line saying how many windows the matching found kept.
+fn sort(bin: &Path, out: &Path, gb: &str) -> String {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_spikecube"))
+        .args([
+            "sort",
+            s(bin),
+            "--backend",
+            "wgpu",
+            "--keep-windows-gb",
+            gb,
+            "--out",
+            s(out),
+            "-q",
+        ])
+        .env("SPIKECUBE_LOG", "spikecube=info")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "sort failed: {err}");
+    err.lines()
+        .find(|l| l.contains("kept on the device by the detection pass"))
+        .unwrap_or("")
+        .to_string()
+}
+
+const ARRAYS: [&str; 9] = [
+    "spike_times.npy",
+    "spike_clusters.npy",
+    "spike_templates.npy",
+    "spike_detection_templates.npy",
+    "amplitudes.npy",
+    "templates.npy",
+    "pc_features.npy",
+    "pc_feature_ind.npy",
+    "similar_templates.npy",
+];
+
+#[test]
+fn the_sort_is_the_same_whatever_the_windows_kept_on_the_device() {
+    common::require_vulkan();
+    let dir = tempfile::tempdir().unwrap();
+    let bin = simulate(dir.path());
+    // A window is 32 × 60 122 f32 = 7.7 MB: 0.02 GB holds two of the five.
+    let runs = [("0", "0 of 5"), ("0.02", "2 of 5"), ("1", "5 of 5")];
+    let mut outs = Vec::new();
+    for (gb, kept) in runs {
+        let out = dir.path().join(format!("out_{gb}"));
+        let line = sort(&bin, &out, gb);
+        assert!(line.contains(kept), "--keep-windows-gb {gb}: {line:?}");
+        outs.push(out);
+    }
+    let n_spikes = std::fs::metadata(outs[0].join("spike_times.npy"))
+        .unwrap()
+        .len();
+    assert!(n_spikes > 1000, "spike_times.npy is {n_spikes} bytes");
+    for name in ARRAYS {
+        let a = std::fs::read(outs[0].join(name)).unwrap();
+        for o in &outs[1..] {
+            assert!(
+                a == std::fs::read(o.join(name)).unwrap(),
+                "{name} differs between {} and {}",
+                outs[0].display(),
+                o.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_negative_budget_is_refused() {
+    let o = spikecube(&["sort", "x.bin", "--keep-windows-gb=-1"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--keep-windows-gb"), "{err}");
+}
