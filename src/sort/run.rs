@@ -364,7 +364,12 @@ fn sort_into(
             rec.describe()
         );
     }
+    let t_read = Instant::now();
     let det = read_detected(work).context("reading the detection stage's arrays")?;
+    tracing::debug!(
+        "the detection stage's arrays read back in {:.3} s",
+        t_read.elapsed().as_secs_f64()
+    );
     let det_json = read_manifest(work)?;
     let geometry = Geometry::new(&probe, &detection_settings)?;
     let stage = |name: &'static str, units: usize| SortProgress {
@@ -537,6 +542,7 @@ fn matching_pass(
     let mut matching = input.settings.clone();
     matching.nt = input.detection.nt;
     matching.batch_size = input.pre_settings.batch_size;
+    let t_setup = Instant::now();
     let setup = Arc::new(
         MatchingSetup::new(
             input.wall3.view(),
@@ -547,8 +553,13 @@ fn matching_pass(
         )
         .context("learned-template matching set-up")?,
     );
+    let setup_s = t_setup.elapsed().as_secs_f64();
     let (mut matcher, chosen) = Matcher::open(input.backend, setup.clone(), &mut warnings)
         .context("learned-template matching back end")?;
+    tracing::debug!(
+        "matching: set-up {setup_s:.3} s, back end opened {:.3} s",
+        t_setup.elapsed().as_secs_f64() - setup_s
+    );
     tracing::info!(
         "learned-template matching on {} ({}): {}",
         chosen.backend,
@@ -617,7 +628,10 @@ fn matching_pass(
                 &mut parts,
                 &mut done,
             )?;
-            return Ok((crate::sort::matching::assemble(&setup, &parts), warnings));
+            let t_asm = Instant::now();
+            let ex = crate::sort::matching::assemble(&setup, &parts);
+            tracing::debug!("matching: spikes assembled {:.3} s", t_asm.elapsed().as_secs_f64());
+            return Ok((ex, warnings));
         }
     }
     // Windows kept on the device are used only where the device preprocesses.
