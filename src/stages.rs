@@ -318,13 +318,14 @@ pub trait WindowPass: Send {
     }
 }
 
-/// The final pass's whitened windows, kept on the device that made them for
-/// a later stage on the same device (the sort's learned-template matching,
-/// which would otherwise read and preprocess every window again): windows
-/// `0 .. len()` of the pass, each `n_sites × n_t` f32 row-major, drift-corrected
-/// as the pass detected on them.
+/// The final pass's whitened windows, kept where the pass preprocessed them
+/// (on its GPU, or in host memory) for a later stage (the sort's
+/// learned-template matching, which would otherwise read and preprocess every
+/// window again): windows `0 .. len()` of the pass, each `n_sites × n_t` f32
+/// row-major, drift-corrected as the pass detected on them.
 pub struct KeptWindows {
-    /// The runtime that holds them: `cuda` or `wgpu`.
+    /// Where they are: `cuda` or `wgpu` (device buffers, `handles`), or `cpu`
+    /// (host arrays, `host`).
     pub backend: &'static str,
     /// Rows of each window (sites, channel-map order).
     pub n_sites: usize,
@@ -333,19 +334,19 @@ pub struct KeptWindows {
     /// Device buffers, one per window, in window order from window 0.
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     pub handles: Vec<cubecl::server::Handle>,
+    /// Host arrays (`n_sites × n_t`), one per window, in window order from
+    /// window 0.
+    pub host: Vec<Array2<f32>>,
 }
 
 impl KeptWindows {
     /// Windows kept.
     pub fn len(&self) -> usize {
         #[cfg(any(feature = "cuda", feature = "wgpu"))]
-        {
-            self.handles.len()
-        }
+        let on_device = self.handles.len();
         #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
-        {
-            0
-        }
+        let on_device = 0;
+        on_device + self.host.len()
     }
 
     /// Whether no window was kept.
@@ -367,17 +368,56 @@ impl std::fmt::Debug for KeptWindows {
     }
 }
 
-/// A request to a run's final pass to keep its whitened windows on the device
-/// ([`KeptWindows`]), from window 0 on while they fit in the budget; the run
-/// leaves them in `slot`. A pass on the host keeps nothing.
+/// A request to a run's final pass to keep its whitened windows where it
+/// preprocessed them ([`KeptWindows`]), from window 0 on while they fit in
+/// the budget; the run leaves them in `slot`.
 #[derive(Debug, Clone, Default)]
 pub struct KeepWindows {
-    /// Most device bytes the kept windows may take; `None`: half of the
-    /// device's free memory when the pass starts on CUDA, nothing on wgpu
-    /// (which cannot say how much memory its device has).
+    /// Most bytes the kept windows may take; `None`: for a pass on a GPU,
+    /// half of the device's free memory when the pass starts on CUDA, nothing
+    /// on wgpu (which cannot say how much memory its device has); nothing for
+    /// a pass on the host.
     pub budget: Option<u64>,
     /// Where the run leaves the kept windows.
     pub slot: Arc<std::sync::Mutex<Option<KeptWindows>>>,
+}
+
+/// What a [`HostPass`] keeps of its windows ([`WindowPass::keep_windows`]).
+#[derive(Debug, Default)]
+pub struct HostKeeping {
+    budget: u64,
+    kept: Vec<Array2<f32>>,
+    /// Set when a window was not kept: only windows 0 .. k are ever kept.
+    stopped: bool,
+}
+
+impl HostKeeping {
+    /// Keeps a copy of preprocessed window `index` when it is the next one to
+    /// keep and fits in the budget (copied in parallel, row by row).
+    fn keep(&mut self, index: u64, x: &Array2<f32>) {
+        use rayon::prelude::*;
+        let bytes = (x.len() * 4) as u64;
+        let fits = (self.kept.len() as u64 + 1) * bytes <= self.budget;
+        if self.stopped || index != self.kept.len() as u64 || !fits || !x.is_standard_layout() {
+            self.stopped = true;
+            return;
+        }
+        let src = x.as_slice().expect("standard layout");
+        let mut v: Vec<f32> = Vec::with_capacity(src.len());
+        let n = x.ncols().max(1);
+        v.spare_capacity_mut()
+            .par_chunks_mut(n)
+            .zip(src.par_chunks(n))
+            .for_each(|(d, s)| {
+                for (d, &s) in d.iter_mut().zip(s) {
+                    d.write(s);
+                }
+            });
+        // SAFETY: every one of the src.len() values was written just above.
+        unsafe { v.set_len(src.len()) };
+        self.kept
+            .push(Array2::from_shape_vec(x.dim(), v).expect("the window's shape"));
+    }
 }
 
 /// Makes storage for an int16 window of the given number of values
@@ -427,6 +467,7 @@ pub fn window_pass(
         detector,
         yc,
         drift: None,
+        keep: None,
     }))
 }
 
@@ -444,6 +485,9 @@ pub struct HostPass {
     /// Drift correction, when on: each high-passed window is
     /// multiplied by `G_b = M_b·W` instead of W ([`WindowWhitening::preprocess`]).
     pub drift: Option<Arc<dyn WindowWhitening>>,
+    /// The preprocessed windows kept so far ([`WindowPass::keep_windows`]);
+    /// `None` when not keeping.
+    pub keep: Option<HostKeeping>,
 }
 
 /// The preprocessing half of a [`HostPass`], run one window ahead of its
@@ -523,6 +567,11 @@ impl HostPass {
         for (part, s) in self.detector.take_step_seconds() {
             times.add(&format!("detect.{part}"), s);
         }
+        if let Some(k) = self.keep.as_mut() {
+            let t2 = Instant::now();
+            k.keep(w.index, &w.data);
+            times.lap("keep", t2);
+        }
         Ok(det)
     }
 }
@@ -562,6 +611,36 @@ impl WindowPass for HostPass {
         // The drift step's first pass goes without (it needs only times,
         // depths and amplitudes).
         self.detector.set_pc_features(on);
+    }
+
+    fn keep_windows(&mut self, budget: Option<u64>) {
+        // Nothing by default: on the development VM the copies into fresh
+        // memory cost more than the matching saved (BENCHMARKS.md).
+        let budget = budget.unwrap_or(0);
+        tracing::debug!("keeping preprocessed windows in host memory within {budget} bytes");
+        self.keep = Some(HostKeeping {
+            budget,
+            ..HostKeeping::default()
+        });
+    }
+
+    fn take_kept(&mut self) -> Option<KeptWindows> {
+        let k = self.keep.take()?;
+        let first = k.kept.first()?;
+        let (n_sites, n_t) = first.dim();
+        tracing::info!(
+            "{} preprocessed windows kept in host memory ({:.1} GB)",
+            k.kept.len(),
+            (k.kept.len() * first.len() * 4) as f64 / 1e9
+        );
+        Some(KeptWindows {
+            backend: "cpu",
+            n_sites,
+            n_t,
+            #[cfg(any(feature = "cuda", feature = "wgpu"))]
+            handles: Vec::new(),
+            host: k.kept,
+        })
     }
 }
 
@@ -965,6 +1044,7 @@ impl WindowPass for DevicePass {
             n_sites,
             n_t,
             handles: k.kept,
+            host: Vec::new(),
         })
     }
 

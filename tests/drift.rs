@@ -813,6 +813,7 @@ fn first_pass_without_pc_features_gives_the_same_spikes_and_drift() {
             detector,
             yc: probe.yc.clone(),
             drift: None,
+            keep: None,
         };
         let fp = FirstPass {
             recording: &opened.recording,

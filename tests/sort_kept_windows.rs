@@ -1,11 +1,11 @@
-//! The sort on a GPU keeps the detection pass's whitened windows on the
-//! device for the learned-template matching (`--keep-windows-gb`). Whatever
-//! the budget — none kept, some, all — the Phy folder's arrays are the same
-//! bytes: a kept window holds the bits the device's preprocessing of that raw
-//! window gives, and the windows read again are masked (stuck stretches) as
-//! the detection pass masked them. Run on wgpu (Mesa's lavapipe in CI) on a
-//! 10-s 32-site simulation with a stuck stretch on one channel.
-#![cfg(feature = "wgpu")]
+//! The sort keeps the detection pass's preprocessed windows where they were
+//! made — on the GPU, or in host memory — for the learned-template matching
+//! (`--keep-windows-gb`). Whatever the budget (none kept, some, all) the Phy
+//! folder's arrays are the same bytes: a kept window holds the bits the same
+//! preprocessing of that raw window gives, and the windows read again are
+//! masked (stuck stretches) as the detection pass masked them. On the CPU
+//! and on wgpu (Mesa's lavapipe in CI), on a 10-s 32-site simulation with a
+//! stuck stretch on one channel.
 
 mod common;
 
@@ -47,15 +47,15 @@ fn simulate(dir: &Path) -> PathBuf {
     bin
 }
 
-/// Sorts `bin` on wgpu with `--keep-windows-gb gb` into `out`; returns the
-/// log line saying how many windows the matching found kept.
-fn sort(bin: &Path, out: &Path, gb: &str) -> String {
+/// Sorts `bin` on `backend` with `--keep-windows-gb gb` into `out`; returns
+/// the log line saying how many windows the matching found kept.
+fn sort(bin: &Path, out: &Path, backend: &str, gb: &str) -> String {
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_spikecube"))
         .args([
             "sort",
             s(bin),
             "--backend",
-            "wgpu",
+            backend,
             "--keep-windows-gb",
             gb,
             "--out",
@@ -68,7 +68,10 @@ fn sort(bin: &Path, out: &Path, gb: &str) -> String {
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "sort failed: {err}");
     err.lines()
-        .find(|l| l.contains("kept on the device by the detection pass"))
+        .find(|l| {
+            l.contains("kept on the device by the detection pass")
+                || l.contains("kept in host memory by the detection pass")
+        })
         .unwrap_or("")
         .to_string()
 }
@@ -85,18 +88,21 @@ const ARRAYS: [&str; 9] = [
     "similar_templates.npy",
 ];
 
-#[test]
-fn the_sort_is_the_same_whatever_the_windows_kept_on_the_device() {
-    common::require_vulkan();
+/// Sorts with budgets for none, two and all five windows and checks the
+/// folders' arrays are the same bytes; `kept` says which log line each run
+/// must print (`None`: none, as when nothing is kept in host memory).
+fn same_whatever_kept(backend: &str, kept: [Option<&str>; 3]) {
     let dir = tempfile::tempdir().unwrap();
     let bin = simulate(dir.path());
     // A window is 32 × 60 122 f32 = 7.7 MB: 0.02 GB holds two of the five.
-    let runs = [("0", "0 of 5"), ("0.02", "2 of 5"), ("1", "5 of 5")];
     let mut outs = Vec::new();
-    for (gb, kept) in runs {
+    for (gb, kept) in ["0", "0.02", "1"].into_iter().zip(kept) {
         let out = dir.path().join(format!("out_{gb}"));
-        let line = sort(&bin, &out, gb);
-        assert!(line.contains(kept), "--keep-windows-gb {gb}: {line:?}");
+        let line = sort(&bin, &out, backend, gb);
+        match kept {
+            Some(k) => assert!(line.contains(k), "--keep-windows-gb {gb}: {line:?}"),
+            None => assert!(line.is_empty(), "--keep-windows-gb {gb}: {line:?}"),
+        }
         outs.push(out);
     }
     let n_spikes = std::fs::metadata(outs[0].join("spike_times.npy"))
@@ -114,6 +120,18 @@ fn the_sort_is_the_same_whatever_the_windows_kept_on_the_device() {
             );
         }
     }
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn the_sort_is_the_same_whatever_the_windows_kept_on_the_device() {
+    common::require_vulkan();
+    same_whatever_kept("wgpu", [Some("0 of 5"), Some("2 of 5"), Some("5 of 5")]);
+}
+
+#[test]
+fn the_sort_is_the_same_whatever_the_windows_kept_in_host_memory() {
+    same_whatever_kept("cpu", [None, Some("2 of 5"), Some("5 of 5")]);
 }
 
 #[test]

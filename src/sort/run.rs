@@ -54,10 +54,10 @@ pub struct SortSettings {
     pub acg_threshold: f64,
     /// `ccg_threshold` (0.25): two units merge when their CCG's R12 is below it.
     pub ccg_threshold: f64,
-    /// Device bytes for keeping the detection pass's whitened windows for the
-    /// matching ([`crate::stages::KeepWindows::budget`]; `None`: half of the
-    /// GPU's free memory on CUDA, none on wgpu). The sort is the same bytes
-    /// whatever it is, so it is not recorded.
+    /// Bytes for keeping the detection pass's preprocessed windows for the
+    /// matching ([`crate::stages::KeepWindows::budget`]; `None`: that
+    /// field's defaults). The sort is the same bytes whatever it is, so it is
+    /// not recorded.
     #[serde(skip)]
     pub keep_windows_bytes: Option<u64>,
 }
@@ -119,10 +119,12 @@ pub struct SortFlags {
     /// (Kilosort issue #1042). Off by default: spikecube runs the intended test.
     #[arg(long)]
     pub ks4_swarm_ccg_bug: bool,
-    /// GPU memory, GB, for keeping the detection pass's whitened windows for
-    /// the matching, which then neither reads nor preprocesses them again
-    /// (default: half of the GPU's free memory with CUDA, none with wgpu; 0:
-    /// none). Windows past it are read again. The sort is the same either way.
+    /// Memory, GB, for keeping the detection pass's preprocessed windows for
+    /// the matching, which then neither reads nor preprocesses them again:
+    /// the GPU's when the detection preprocessed there (default: half of its
+    /// free memory with CUDA, none with wgpu), else the host's (default:
+    /// none). 0: none. Windows past it are read again. The sort is the same
+    /// either way.
     #[arg(long, value_name = "GB", value_parser = gigabytes)]
     #[serde(default)]
     pub keep_windows_gb: Option<f64>,
@@ -329,14 +331,13 @@ fn sort_into(
         .checks
         .mask_clipped
         .then(|| crate::checks::stuck_min_run(rec.fs()));
-    // On a GPU that preprocesses, the detection pass's whitened windows stay
-    // on the device for the matching (not with a blanking, which runs on
-    // the host).
-    let keep = (device_preprocessing && blanking.is_none()).then(|| crate::stages::KeepWindows {
+    // The detection pass's preprocessed windows stay where they were made (on
+    // the GPU, or in host memory) for the matching, within the budget.
+    let keep = crate::stages::KeepWindows {
         budget: s.keep_windows_bytes,
         slot: Default::default(),
-    });
-    job.detect.keep_windows = keep.clone();
+    };
+    job.detect.keep_windows = Some(keep.clone());
     let mut timings: Vec<(&'static str, f64)> = Vec::new();
     let mut lap = {
         let mut t = Instant::now();
@@ -357,7 +358,7 @@ fn sort_into(
         })
     })?;
     lap(&mut timings, "detection");
-    let kept = keep.and_then(|k| k.slot.lock().unwrap_or_else(|e| e.into_inner()).take());
+    let kept = keep.slot.lock().unwrap_or_else(|e| e.into_inner()).take();
     if detection.summary.n_spikes == 0 {
         bail!(
             "no spike was detected in {}: nothing to sort",
@@ -599,9 +600,19 @@ fn matching_pass(
             ((i + 1) * plan.batch_size).min(plan.n_samples) as f64 / input.rec.fs(),
         )
     };
+    // Windows kept in host memory are the host path's; those on a GPU, the
+    // device path's.
+    let shape = pre.window_shape();
+    let (kept, host_kept) = match kept {
+        Some(k) if k.backend == "cpu" => {
+            let fits = (k.n_sites, k.n_t) == shape;
+            (None, if fits { k.host } else { Vec::new() })
+        }
+        k => (k, Vec::new()),
+    };
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if device_feed_allowed(input, &matcher) {
-        let kept = kept.filter(|k| matcher.holds(k) && (k.n_sites, k.n_t) == pre.window_shape());
+        let kept = kept.filter(|k| matcher.holds(k) && (k.n_sites, k.n_t) == shape);
         let n_kept = kept
             .as_ref()
             .map_or(0, |k| k.len() as u64)
@@ -630,7 +641,10 @@ fn matching_pass(
             )?;
             let t_asm = Instant::now();
             let ex = crate::sort::matching::assemble(&setup, &parts);
-            tracing::debug!("matching: spikes assembled {:.3} s", t_asm.elapsed().as_secs_f64());
+            tracing::debug!(
+                "matching: spikes assembled {:.3} s",
+                t_asm.elapsed().as_secs_f64()
+            );
             return Ok((ex, warnings));
         }
     }
@@ -642,6 +656,7 @@ fn matching_pass(
         &plan,
         &pre,
         drift.as_ref(),
+        host_kept,
         &mut matcher,
         &mut parts,
         &mut done,
@@ -649,18 +664,28 @@ fn matching_pass(
     Ok((crate::sort::matching::assemble(&setup, &parts), warnings))
 }
 
-/// The matching pass with each window preprocessed on the host (reader
-/// thread) and matched by `matcher`.
+/// The matching pass on windows preprocessed on the host, matched by
+/// `matcher`: windows `0 .. kept.len()` as the detection pass kept them
+/// (each freed once matched), the others read and preprocessed on a reader
+/// thread.
+#[allow(clippy::too_many_arguments)]
 fn host_fed(
     input: &MatchingInput,
     plan: &WindowPlan,
     pre: &Preprocessor,
     drift: Option<&DriftCorrection>,
+    kept: Vec<Array2<f32>>,
     matcher: &mut Matcher,
     parts: &mut Vec<crate::sort::matching::WindowSpikes>,
     done: &mut dyn FnMut(u64),
 ) -> Result<()> {
     let n_windows = plan.n_windows;
+    let n_kept = (kept.len() as u64).min(n_windows);
+    if n_kept > 0 {
+        tracing::info!(
+            "learned-template matching: {n_kept} of {n_windows} windows kept in host memory by the detection pass"
+        );
+    }
     let rec = input.rec;
     let chan_map = &input.probe.chan_map;
     std::thread::scope(|scope| -> Result<()> {
@@ -669,7 +694,7 @@ fn host_fed(
         // exist (one read, one queued, one matched).
         let (free_tx, free_rx) = crossbeam_channel::unbounded::<Array2<f32>>();
         scope.spawn(move || {
-            for i in 0..n_windows {
+            for i in n_kept..n_windows {
                 let mut x = free_rx.try_recv().unwrap_or_else(|_| Array2::zeros((0, 0)));
                 let x = preprocessed_window_masked_into(
                     rec,
@@ -689,7 +714,18 @@ fn host_fed(
                 }
             }
         });
+        let mut kept = kept.into_iter();
         for i in 0..n_windows {
+            if i < n_kept {
+                let x = kept.next().expect("n_kept windows");
+                let w = matcher
+                    .match_window(x.view())
+                    .with_context(|| format!("matching: window {i} kept in host memory"))?;
+                drop(x);
+                parts.push(w);
+                done(i);
+                continue;
+            }
             let x = rx
                 .recv()
                 .with_context(|| format!("matching: window {i} was not read"))??;
