@@ -62,6 +62,10 @@ SETTINGS: dict[str, tuple[str, object]] = {
     "ccg_threshold": ("sort", 0.25),
     # Kilosort4 4.1.5-4.1.7's check_CCG guard (README, "Where spikecube differs")
     "ks4_swarm_ccg_bug": ("sort", False),
+    # memory (GB) for keeping the detection pass's preprocessed windows for the
+    # matching: None is the command line's default (half the free CUDA memory
+    # on a GPU that preprocesses, none elsewhere); 0 keeps none
+    "keep_windows_gb": ("sort", None),
 }
 
 #: Every setting but the sort's: what ``detect`` takes.
@@ -105,6 +109,12 @@ def sort_json(d: dict) -> str:
     # 0 (or None): no limit, as the command line's --max-cluster-subset 0.
     s["max_cluster_subset"] = int(s["max_cluster_subset"] or 0)
     s["ks4_swarm_ccg_bug"] = bool(s["ks4_swarm_ccg_bug"])
+    gb = s.get("keep_windows_gb")
+    if gb is not None:
+        gb = float(gb)
+        if not math.isfinite(gb) or gb < 0:
+            raise ValueError(f"keep_windows_gb = {s['keep_windows_gb']!r}: a size in GB, 0 or more (or None)")
+        s["keep_windows_gb"] = gb
     return json.dumps(s)
 
 

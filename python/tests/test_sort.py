@@ -75,6 +75,8 @@ def test_sort_settings_by_kilosort_names(sim32_bin, sorted_cli, tmp_path):
     assert 0 < len(s) < np.load(sorted_cli / "spike_times.npy").size
     with pytest.raises(ValueError, match="unknown setting 'Th_learnt'.*Th_learned"):
         spikecube.sort(sim32_bin, out=tmp_path / "x", Th_learnt=9)
+    with pytest.raises(ValueError, match="keep_windows_gb"):
+        spikecube.sort(sim32_bin, out=tmp_path / "x", keep_windows_gb=-1)
     # The sort's settings are not detect's.
     with pytest.raises(ValueError, match="unknown setting 'max_peels'"):
         spikecube.detect(sim32_bin, max_peels=10)
