@@ -304,6 +304,7 @@ fn windows(
             &pre,
             None,
             i,
+            None,
             &mut reused,
         )
         .unwrap();

@@ -13,26 +13,7 @@ use ndarray::{Array1, Array2};
 use spikecube::npy;
 
 fn simulate(dir: &Path) -> PathBuf {
-    let probe = common::data("sort/probe32.json");
-    let out = dir.join("sim");
-    let o = spikecube(&[
-        "simulate",
-        "--probe",
-        s(&probe),
-        "--seconds",
-        "30",
-        "--n-units",
-        "36",
-        "--rate",
-        "15",
-        "--seed",
-        "7",
-        "--out",
-        s(&out),
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    out
+    common::simulate32(dir, "30", "36", "7")
 }
 
 fn sort(rec: &Path, out: &Path, threads: &str) {

@@ -16,25 +16,7 @@ use common::{s, spikecube};
 /// A 10-s 32-site simulation (5 windows) whose channel 5 is stuck at one
 /// value for 600 samples inside window 2, and its SpikeGLX binary.
 fn simulate(dir: &Path) -> PathBuf {
-    let probe = common::data("sort/probe32.json");
-    let out = dir.join("sim");
-    let o = spikecube(&[
-        "simulate",
-        "--probe",
-        s(&probe),
-        "--seconds",
-        "10",
-        "--n-units",
-        "24",
-        "--rate",
-        "15",
-        "--seed",
-        "11",
-        "--out",
-        s(&out),
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = common::simulate32(dir, "10", "24", "11");
     let bin = out.join("sim_g0_t0.imec0.ap.bin");
     let mut bytes = std::fs::read(&bin).unwrap();
     let n_chan = bytes.len() / 2 / 300_000;

@@ -1298,15 +1298,24 @@ pub fn assemble(setup: &MatchingSetup, parts: &[WindowSpikes]) -> Extracted {
             }
         }
     }
-    rows.sort_by_key(|r| r.0);
+    // Stable: spikes at one sample stay in window and peel order, whatever
+    // the thread count.
+    rows.par_sort_by_key(|r| r.0);
     let mut st = Array2::<f64>::zeros((rows.len(), 3));
-    let mut tf = Array3::<f32>::zeros((rows.len(), nc, npc));
-    let flat = tf.as_slice_mut().expect("standard layout");
-    for (o, &(sample, j, th, i, r)) in rows.iter().enumerate() {
+    for (o, &(sample, j, th, _, _)) in rows.iter().enumerate() {
         st[[o, 0]] = sample as f64;
         st[[o, 1]] = f64::from(j);
         st[[o, 2]] = f64::from(th);
-        flat[o * per..(o + 1) * per].copy_from_slice(&parts[i].tf[r * per..(r + 1) * per]);
+    }
+    let mut tf = Array3::<f32>::zeros((rows.len(), nc, npc));
+    if per > 0 {
+        tf.as_slice_mut()
+            .expect("standard layout")
+            .par_chunks_mut(per)
+            .zip(rows.par_iter())
+            .for_each(|(out, &(_, _, _, i, r))| {
+                out.copy_from_slice(&parts[i].tf[r * per..(r + 1) * per]);
+            });
     }
     Extracted {
         st,
@@ -1334,38 +1343,23 @@ pub fn preprocessed_window(
     i: u64,
 ) -> anyhow::Result<Array2<f32>> {
     let mut x = Array2::<f32>::zeros((chan_map.len(), plan.window_len()));
-    preprocessed_window_into(rec, plan, chan_map, pre, drift, i, &mut x)?;
+    preprocessed_window_into(rec, plan, chan_map, pre, drift, i, None, &mut x)?;
     Ok(x)
 }
 
 /// [`preprocessed_window`] into `x`, a buffer of a window's shape (C ×
-/// window length) or any other (it is then made anew). Every value is
-/// written, so a buffer from an earlier window can be reused: a fresh
-/// 92 MB buffer per window costs the kernel its pages' faults and zeroing.
-///
-/// # Errors
-/// As [`preprocessed_window`].
-pub fn preprocessed_window_into(
-    rec: &dyn crate::recording::Recording,
-    plan: &crate::recording::WindowPlan,
-    chan_map: &[u64],
-    pre: &crate::preprocess::Preprocessor,
-    drift: Option<&crate::drift::correct::DriftCorrection>,
-    i: u64,
-    x: &mut Array2<f32>,
-) -> anyhow::Result<()> {
-    preprocessed_window_masked_into(rec, plan, chan_map, pre, drift, i, None, x)
-}
-
-/// [`preprocessed_window_into`] with the raw window's stuck (clipped)
-/// stretches of at least `mask_min_run` samples masked first, as the
-/// detection pass masks them (`--mask-clipped`,
-/// [`crate::checks::check_array`]); `None` masks nothing (Kilosort4).
+/// window length) or any other (it is then made anew), with the raw window's
+/// stuck (clipped) stretches of at least `mask_min_run` samples masked first,
+/// as the detection pass masks them (`--mask-clipped`,
+/// [`crate::checks::check_array`]; `None` masks nothing, as Kilosort4).
+/// Every value is written, so a buffer from an earlier window can be reused:
+/// a fresh 92 MB buffer per window costs the kernel its pages' faults and
+/// zeroing.
 ///
 /// # Errors
 /// As [`preprocessed_window`].
 #[allow(clippy::too_many_arguments)]
-pub fn preprocessed_window_masked_into(
+pub fn preprocessed_window_into(
     rec: &dyn crate::recording::Recording,
     plan: &crate::recording::WindowPlan,
     chan_map: &[u64],

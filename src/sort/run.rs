@@ -33,7 +33,7 @@ use crate::preprocess::Preprocessor;
 use crate::recording::{Recording, WindowPlan};
 use crate::sort::clustering::{ClusteringSettings, final_clustering, first_clustering};
 use crate::sort::matching::backend::Matcher;
-use crate::sort::matching::{MatchingSettings, MatchingSetup, preprocessed_window_masked_into};
+use crate::sort::matching::{MatchingSettings, MatchingSetup, preprocessed_window_into};
 use crate::sort::merge::MergeSettings;
 use crate::sort::phy::{ExportSettings, PhySummary, SortResult, save_sorting};
 use crate::sort::postprocess::ChannelSets;
@@ -639,13 +639,7 @@ fn matching_pass(
                 &mut parts,
                 &mut done,
             )?;
-            let t_asm = Instant::now();
-            let ex = crate::sort::matching::assemble(&setup, &parts);
-            tracing::debug!(
-                "matching: spikes assembled {:.3} s",
-                t_asm.elapsed().as_secs_f64()
-            );
-            return Ok((ex, warnings));
+            return Ok((assembled(&setup, &parts), warnings));
         }
     }
     // Windows kept on the device are used only where the device preprocesses.
@@ -661,7 +655,21 @@ fn matching_pass(
         &mut parts,
         &mut done,
     )?;
-    Ok((crate::sort::matching::assemble(&setup, &parts), warnings))
+    Ok((assembled(&setup, &parts), warnings))
+}
+
+/// [`crate::sort::matching::assemble`], its time logged (debug).
+fn assembled(
+    setup: &MatchingSetup,
+    parts: &[crate::sort::matching::WindowSpikes],
+) -> crate::sort::matching::Extracted {
+    let t = Instant::now();
+    let ex = crate::sort::matching::assemble(setup, parts);
+    tracing::debug!(
+        "matching: spikes assembled {:.3} s",
+        t.elapsed().as_secs_f64()
+    );
+    ex
 }
 
 /// The matching pass on windows preprocessed on the host, matched by
@@ -696,7 +704,7 @@ fn host_fed(
         scope.spawn(move || {
             for i in n_kept..n_windows {
                 let mut x = free_rx.try_recv().unwrap_or_else(|_| Array2::zeros((0, 0)));
-                let x = preprocessed_window_masked_into(
+                let x = preprocessed_window_into(
                     rec,
                     plan,
                     chan_map,

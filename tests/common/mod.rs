@@ -148,3 +148,30 @@ pub fn require_vulkan() {
         "no Vulkan adapter: install a Vulkan driver (CI: apt-get install mesa-vulkan-drivers libvulkan1)"
     );
 }
+
+/// `spikecube simulate` on the 32-site probe of `tests/data/sort/probe32.json`
+/// (`seconds`, `n_units` units at 15 Hz, `seed`) into `dir/sim`; returns that
+/// folder (its binary is `sim_g0_t0.imec0.ap.bin`).
+#[allow(dead_code)]
+pub fn simulate32(dir: &Path, seconds: &str, n_units: &str, seed: &str) -> PathBuf {
+    let probe = data("sort/probe32.json");
+    let out = dir.join("sim");
+    let o = spikecube(&[
+        "simulate",
+        "--probe",
+        s(&probe),
+        "--seconds",
+        seconds,
+        "--n-units",
+        n_units,
+        "--rate",
+        "15",
+        "--seed",
+        seed,
+        "--out",
+        s(&out),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    out
+}

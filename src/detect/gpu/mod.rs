@@ -1178,27 +1178,8 @@ impl<R: Runtime> GpuDetector<R> {
     pub fn keep_window(&mut self) -> Option<Handle> {
         let w = self.window.as_ref()?;
         let len = self.pre.as_ref()?.form.n_sites * w.n_t;
-        let src = w.x.clone();
         let dst = self.client.empty(len.max(1) * 4);
-        let chunk = upload::CHUNK;
-        for start in (0..len).step_by(chunk) {
-            let part = chunk.min(len - start);
-            let piece = src.clone().offset_start((start * 4) as u64);
-            // SAFETY: the kernel reads piece[j] (= X[start + j]) and writes
-            // dst[start + j] for j < part, and start + part ≤ len, which both
-            // buffers hold.
-            unsafe {
-                upload::copy_words_kernel::launch_unchecked::<R>(
-                    &self.client,
-                    CubeCount::Static(part.div_ceil(256) as u32, 1, 1),
-                    CubeDim::new_1d(256),
-                    ArrayArg::from_raw_parts(piece, part),
-                    ArrayArg::from_raw_parts(dst.clone(), len),
-                    start as u32,
-                    part as u32,
-                );
-            }
-        }
+        upload::copy_on_device(&self.client, &w.x, &dst, len);
         Some(dst)
     }
 

@@ -28,3 +28,33 @@ pub(crate) fn copy_words_kernel(src: &Array<u32>, dst: &mut Array<u32>, offset: 
         dst[offset as usize + i] = src[i];
     }
 }
+
+/// Copies the first `len` 32-bit words of device buffer `src` into `dst` (which
+/// holds at least `len`) on the device, in [`CHUNK`]-word launches (a launch's
+/// cube count stays within every back end's limit), queued in stream order.
+/// Bits are copied as they are.
+pub(crate) fn copy_on_device<R: Runtime>(
+    client: &ComputeClient<R>,
+    src: &cubecl::server::Handle,
+    dst: &cubecl::server::Handle,
+    len: usize,
+) {
+    for start in (0..len).step_by(CHUNK) {
+        let part = CHUNK.min(len - start);
+        let piece = src.clone().offset_start((start * 4) as u64);
+        // SAFETY: the kernel reads piece[j] (= src[start + j]) and writes
+        // dst[start + j] for j < part, and start + part ≤ len, which both
+        // buffers hold.
+        unsafe {
+            copy_words_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(part.div_ceil(256) as u32, 1, 1),
+                CubeDim::new_1d(256),
+                ArrayArg::from_raw_parts(piece, part),
+                ArrayArg::from_raw_parts(dst.clone(), len),
+                start as u32,
+                part as u32,
+            );
+        }
+    }
+}

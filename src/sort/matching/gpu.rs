@@ -759,29 +759,11 @@ impl<R: Runtime> GpuMatcher<R> {
     }
 
     /// Copies the `len` floats of device buffer `src` into the persistent
-    /// window buffer, in [`crate::detect::gpu::upload::CHUNK`]-float pieces
-    /// (a launch's cube count stays within every back end's limit).
+    /// window buffer, bits unchanged
+    /// ([`crate::detect::gpu::upload::copy_on_device`]).
     fn copy_on_device(&mut self, src: &Handle, len: usize) -> Handle {
         let dst = self.window_x();
-        let chunk = crate::detect::gpu::upload::CHUNK;
-        for start in (0..len).step_by(chunk) {
-            let part = chunk.min(len - start);
-            let piece = src.clone().offset_start((start * 4) as u64);
-            // SAFETY: the kernel reads piece[j] (= src[start + j]) and writes
-            // dst[start + j] for j < part, and start + part ≤ len, which both
-            // buffers hold.
-            unsafe {
-                crate::detect::gpu::upload::copy_chunk_kernel::launch_unchecked::<R>(
-                    &self.client,
-                    CubeCount::Static(part.div_ceil(256) as u32, 1, 1),
-                    CubeDim::new_1d(256),
-                    ArrayArg::from_raw_parts(piece, part),
-                    ArrayArg::from_raw_parts(dst.clone(), len),
-                    start as u32,
-                    part as u32,
-                );
-            }
-        }
+        crate::detect::gpu::upload::copy_on_device(&self.client, src, &dst, len);
         dst
     }
 
