@@ -118,8 +118,17 @@ fn the_sort_is_the_same_whatever_the_windows_kept_in_host_memory() {
 
 #[test]
 fn a_negative_budget_is_refused() {
-    let o = spikecube(&["sort", "x.bin", "--keep-windows-gb=-1"]);
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("--keep-windows-gb"), "{err}");
+    for args in [
+        &["--keep-windows-gb=-1"][..],
+        &["--keep-windows-gb", "-1"],
+        &["--keep-windows-gb", "nan"],
+    ] {
+        let o = spikecube(&[&["sort", "x.bin"][..], args].concat());
+        assert!(!o.status.success());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            err.contains("--keep-windows-gb") && err.contains("not a size in GB"),
+            "{err}"
+        );
+    }
 }

@@ -125,7 +125,7 @@ pub struct SortFlags {
     /// free memory with CUDA, none with wgpu), else the host's (default:
     /// none). 0: none. Windows past it are read again. The sort is the same
     /// either way.
-    #[arg(long, value_name = "GB", value_parser = gigabytes)]
+    #[arg(long, value_name = "GB", value_parser = gigabytes, allow_negative_numbers = true)]
     #[serde(default)]
     pub keep_windows_gb: Option<f64>,
 }
