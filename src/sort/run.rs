@@ -958,11 +958,13 @@ fn seeding_device(backend: Backend) -> crate::sort::clustering::SeedingDevice {
         .and_then(|v| v.parse::<usize>().ok())
         .unwrap_or(crate::sort::clustering::DEVICE_MIN_SPIKES);
     let device = device.with_min_spikes(min);
-    if device.is_device() {
+    if device.is_device() && min > 0 {
         tracing::info!(
             "clustering: seeding pairs screened on {} for groups of at least {min} spikes, on the CPU for the others",
             device.name()
         );
+    } else if device.is_device() {
+        tracing::info!("clustering: seeding pairs screened on {}", device.name());
     } else {
         tracing::info!("clustering: seeding pairs screened on the cpu");
     }
