@@ -85,6 +85,24 @@ fn same_whatever_kept(backend: &str, kept: [Option<&str>; 3]) {
             Some(k) => assert!(line.contains(k), "--keep-windows-gb {gb}: {line:?}"),
             None => assert!(line.is_empty(), "--keep-windows-gb {gb}: {line:?}"),
         }
+        // spikecube.json says how many windows were kept, and where.
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("spikecube.json")).unwrap())
+                .unwrap();
+        let m = &json["matching"];
+        let n_kept = kept.map_or(0, |k| k.split(' ').next().unwrap().parse::<u64>().unwrap());
+        assert_eq!(m["windows"], 5, "{m}");
+        assert_eq!(m["windows_kept"], n_kept, "{m}");
+        let place = if backend == "cpu" { "host" } else { backend };
+        assert_eq!(
+            m["kept_in"],
+            if n_kept > 0 {
+                serde_json::json!(place)
+            } else {
+                serde_json::Value::Null
+            },
+            "{m}"
+        );
         outs.push(out);
     }
     let n_spikes = std::fs::metadata(outs[0].join("spike_times.npy"))

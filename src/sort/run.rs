@@ -412,16 +412,17 @@ fn sort_into(
         blanking,
         mask_min_run,
     };
-    let (ex, matching_warnings) = matching_pass(&input, kept, &mut |done, total, seconds_done| {
-        progress(SortProgress {
-            stage: "matching",
-            done,
-            total,
-            seconds_done,
-            elapsed: t0.elapsed().as_secs_f64(),
-            units: k,
-        })
-    })?;
+    let (ex, matching_warnings, matching_run) =
+        matching_pass(&input, kept, &mut |done, total, seconds_done| {
+            progress(SortProgress {
+                stage: "matching",
+                done,
+                total,
+                seconds_done,
+                elapsed: t0.elapsed().as_secs_f64(),
+                units: k,
+            })
+        })?;
     lap(&mut timings, "matching");
     let n = ex.st.nrows();
     if n == 0 {
@@ -450,6 +451,7 @@ fn sort_into(
         [k0, k, n, u1],
         [&detection.warnings, &warnings],
         &timings,
+        matching_run,
     );
     let n0 = det.tf0.len_of(Axis(0));
     let result = sort_result(ex, fin, det, icc, iu);
@@ -538,7 +540,11 @@ fn matching_pass(
     input: &MatchingInput,
     kept: Option<crate::stages::KeptWindows>,
     progress: &mut dyn FnMut(u64, u64, f64),
-) -> Result<(crate::sort::matching::Extracted, Vec<String>)> {
+) -> Result<(
+    crate::sort::matching::Extracted,
+    Vec<String>,
+    serde_json::Value,
+)> {
     let mut warnings = Vec::new();
     let mut matching = input.settings.clone();
     matching.nt = input.detection.nt;
@@ -627,6 +633,12 @@ fn matching_pass(
                 "learned-template matching: {n_kept} of {} windows kept on the device by the detection pass, the others preprocessed on the device",
                 plan.n_windows
             );
+            let run = matching_run(
+                &chosen,
+                plan.n_windows,
+                n_kept,
+                kept.as_ref().map(|k| k.backend),
+            );
             let kept = kept.map(|k| k.handles).unwrap_or_default();
             device_fed(
                 input,
@@ -639,12 +651,19 @@ fn matching_pass(
                 &mut parts,
                 &mut done,
             )?;
-            return Ok((assembled(&setup, &parts), warnings));
+            return Ok((assembled(&setup, &parts), warnings, run));
         }
     }
     // Windows kept on the device are used only where the device preprocesses.
     #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
     drop(kept);
+    let n_kept = (host_kept.len() as u64).min(plan.n_windows);
+    let run = matching_run(
+        &chosen,
+        plan.n_windows,
+        n_kept,
+        (n_kept > 0).then_some("host"),
+    );
     host_fed(
         input,
         &plan,
@@ -655,7 +674,24 @@ fn matching_pass(
         &mut parts,
         &mut done,
     )?;
-    Ok((assembled(&setup, &parts), warnings))
+    Ok((assembled(&setup, &parts), warnings, run))
+}
+
+/// How the matching pass ran, for `spikecube.json`: its back end, its
+/// windows, and how many of them the detection pass kept and where (`cuda`,
+/// `wgpu`, `host`; `null` when none).
+fn matching_run(
+    chosen: &crate::backend::Chosen,
+    n_windows: u64,
+    n_kept: u64,
+    kept_in: Option<&str>,
+) -> serde_json::Value {
+    serde_json::json!({
+        "backend": chosen.backend,
+        "windows": n_windows,
+        "windows_kept": n_kept,
+        "kept_in": if n_kept > 0 { kept_in } else { None },
+    })
 }
 
 /// [`crate::sort::matching::assemble`], its time logged (debug).
@@ -1044,6 +1080,7 @@ fn manifest(
     [k0, k, n, u1]: [usize; 4],
     [detection_warnings, warnings]: [&[String]; 2],
     timings: &[(&'static str, f64)],
+    matching: serde_json::Value,
 ) -> serde_json::Value {
     serde_json::json!({
         "program": "spikecube",
@@ -1055,6 +1092,7 @@ fn manifest(
         "detection": { "counts": det_json["counts"], "timings_s": det_json["timings_s"] },
         "stage_counts": { "universal_spikes": det.tf0.len_of(Axis(0)), "first_clusters": k0,
                     "learned_templates": k, "learned_spikes": n, "final_clusters": u1 },
+        "matching": matching,
         "detection_warnings": detection_warnings,
         "warnings": warnings,
         "timings_s": timings.iter().map(|(k, v)| ((*k).to_string(), serde_json::json!(v)))
