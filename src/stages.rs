@@ -304,9 +304,10 @@ pub trait WindowPass: Send {
         Ok(Vec::new())
     }
 
-    /// Keeps each later window's whitened samples on the device, from window
-    /// 0 on, while `budget` bytes hold them ([`KeepWindows::budget`]); a pass
-    /// on the host keeps nothing (the default).
+    /// Keeps each later window's preprocessed samples where the pass made
+    /// them (a device pass on its GPU, a host pass in host memory), from
+    /// window 0 on, while `budget` bytes hold them ([`KeepWindows::budget`]);
+    /// a pass that cannot keeps nothing (the default).
     fn keep_windows(&mut self, budget: Option<u64>) {
         let _ = budget;
     }
