@@ -383,23 +383,47 @@ pub struct KeepWindows {
     pub slot: Arc<std::sync::Mutex<Option<KeptWindows>>>,
 }
 
-/// What a [`HostPass`] keeps of its windows ([`WindowPass::keep_windows`]).
-#[derive(Debug, Default)]
-pub struct HostKeeping {
+/// The windows a pass keeps ([`WindowPass::keep_windows`]): windows 0 .. k,
+/// in order, while they fit in the budget.
+#[derive(Debug)]
+pub struct Keeping<T> {
+    /// Most bytes the kept windows may take.
     budget: u64,
-    kept: Vec<Array2<f32>>,
-    /// Set when a window was not kept: only windows 0 .. k are ever kept.
+    kept: Vec<T>,
+    /// Set when a window was not kept (past the budget, or out of order):
+    /// no later one is.
     stopped: bool,
 }
+
+impl<T> Keeping<T> {
+    fn new(budget: u64) -> Self {
+        Keeping {
+            budget,
+            kept: Vec::new(),
+            stopped: false,
+        }
+    }
+
+    /// Whether window `index`, of `bytes` bytes, is the next one to keep and
+    /// fits in the budget; once one is not, keeping stops.
+    fn admits(&mut self, index: u64, bytes: u64) -> bool {
+        let fits = (self.kept.len() as u64 + 1) * bytes <= self.budget;
+        if self.stopped || index != self.kept.len() as u64 || !fits {
+            self.stopped = true;
+        }
+        !self.stopped
+    }
+}
+
+/// What a [`HostPass`] keeps: copies of its preprocessed windows.
+pub type HostKeeping = Keeping<Array2<f32>>;
 
 impl HostKeeping {
     /// Keeps a copy of preprocessed window `index` when it is the next one to
     /// keep and fits in the budget (copied in parallel, row by row).
     fn keep(&mut self, index: u64, x: &Array2<f32>) {
         use rayon::prelude::*;
-        let bytes = (x.len() * 4) as u64;
-        let fits = (self.kept.len() as u64 + 1) * bytes <= self.budget;
-        if self.stopped || index != self.kept.len() as u64 || !fits || !x.is_standard_layout() {
+        if !self.admits(index, (x.len() * 4) as u64) || !x.is_standard_layout() {
             self.stopped = true;
             return;
         }
@@ -619,10 +643,7 @@ impl WindowPass for HostPass {
         // memory cost more than the matching saved (BENCHMARKS.md).
         let budget = budget.unwrap_or(0);
         tracing::debug!("keeping preprocessed windows in host memory within {budget} bytes");
-        self.keep = Some(HostKeeping {
-            budget,
-            ..HostKeeping::default()
-        });
+        self.keep = Some(Keeping::new(budget));
     }
 
     fn take_kept(&mut self) -> Option<KeptWindows> {
@@ -668,7 +689,7 @@ pub struct DevicePass {
     /// Windows queued on the device ([`WindowPass::push`]), oldest first.
     queued: std::collections::VecDeque<Window>,
     /// The whitened windows kept so far ([`WindowPass::keep_windows`]).
-    keep: Option<Keeping>,
+    keep: Option<Keeping<cubecl::server::Handle>>,
     /// Whether windows sent ahead are queued on the device (true unless the
     /// environment variable `SPIKECUBE_DEVICE_QUEUE` is `0`, for measuring).
     queue_windows: bool,
@@ -716,19 +737,6 @@ impl DevicePass {
     }
 }
 
-/// What a [`DevicePass`] keeps of its windows ([`WindowPass::keep_windows`]).
-#[cfg(any(feature = "cuda", feature = "wgpu"))]
-struct Keeping {
-    /// Most bytes the kept windows may take.
-    budget: u64,
-    kept: Vec<cubecl::server::Handle>,
-    /// Bytes of one window (0 until the first is kept).
-    window_bytes: u64,
-    /// Set when a window was not kept (past the budget, or out of order):
-    /// only windows 0 .. k are ever kept.
-    stopped: bool,
-}
-
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 impl DevicePass {
     /// Keeps a copy of window `index`'s whitened samples, just launched on the
@@ -739,17 +747,11 @@ impl DevicePass {
             return;
         };
         let (c, n) = self.pre.window_shape();
-        let bytes = (c * n * 4) as u64;
-        let fits = (k.kept.len() as u64 + 1) * bytes <= k.budget;
-        if k.stopped || index != k.kept.len() as u64 || !fits {
-            k.stopped = true;
+        if !k.admits(index, (c * n * 4) as u64) {
             return;
         }
         match self.detector.keep_window() {
-            Some(h) => {
-                k.kept.push(h);
-                k.window_bytes = bytes;
-            }
+            Some(h) => k.kept.push(h),
             None => k.stopped = true,
         }
     }
@@ -1021,12 +1023,7 @@ impl WindowPass for DevicePass {
     fn keep_windows(&mut self, budget: Option<u64>) {
         let budget = budget.unwrap_or_else(|| self.detector.free_device_memory().unwrap_or(0) / 2);
         tracing::debug!("keeping whitened windows on the device within {budget} bytes");
-        self.keep = Some(Keeping {
-            budget,
-            kept: Vec::new(),
-            window_bytes: 0,
-            stopped: false,
-        });
+        self.keep = Some(Keeping::new(budget));
     }
 
     fn take_kept(&mut self) -> Option<KeptWindows> {
@@ -1038,7 +1035,7 @@ impl WindowPass for DevicePass {
         tracing::info!(
             "{} whitened windows kept on the device ({:.1} GB)",
             k.kept.len(),
-            (k.kept.len() as u64 * k.window_bytes) as f64 / 1e9
+            (k.kept.len() * n_sites * n_t * 4) as f64 / 1e9
         );
         Some(KeptWindows {
             backend: self.detector.backend_name(),

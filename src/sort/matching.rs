@@ -1351,7 +1351,7 @@ pub fn preprocessed_window(
 /// window length) or any other (it is then made anew), with the raw window's
 /// stuck (clipped) stretches of at least `mask_min_run` samples masked first,
 /// as the detection pass masks them (`--mask-clipped`,
-/// [`crate::checks::check_array`]; `None` masks nothing, as Kilosort4).
+/// [`crate::checks::mask_stuck_runs`]; `None` masks nothing, as Kilosort4).
 /// Every value is written, so a buffer from an earlier window can be reused:
 /// a fresh 92 MB buffer per window costs the kernel its pages' faults and
 /// zeroing.
@@ -1376,8 +1376,7 @@ pub fn preprocessed_window_into(
     crate::recording::read_window(rec, plan, i, chan_map, x)?;
     if let Some(min_run) = mask_min_run {
         let cols = crate::checks::WindowColumns::of(plan, i);
-        let first = (rec.first_sample() + plan.window_start(i)) as i64 - plan.nt as i64;
-        crate::checks::check_array(x, first, &cols, min_run, None, true);
+        crate::checks::mask_stuck_runs(x, cols.lo, cols.hi, cols.pad_repeats, min_run);
     }
     // The preprocessor's blanking (`--artifact-times`, `--blank-transients`)
     // finds its stretches in the raw window, column 0 at this absolute sample.
