@@ -566,7 +566,12 @@ impl CpuDetector {
                 let lo = t.saturating_sub(half).max(lo_valid);
                 let hi = (t + half + 1).min(hi_valid);
                 let row_max = |n: usize| self.row_max(n, lo, hi);
-                // The own row first: most candidates fail there.
+                // The samples beside t first, then the own row: most
+                // candidates lie on a spike's flank and fail there. (A
+                // subset's max above v puts the whole max above v.)
+                if self.row_max(j, t.saturating_sub(1).max(lo), (t + 2).min(hi)) > v {
+                    return false;
+                }
                 let mut m = row_max(j);
                 if m > v {
                     return false;
@@ -717,7 +722,7 @@ pub const GROUP: usize = 32;
 const N_GROUPS: usize = TILE / GROUP;
 /// Chunks of [`LANES`] samples per tile.
 const CHUNKS: usize = TILE / LANES;
-const _: () = assert!(TILE.is_multiple_of(GROUP) && GROUP.is_multiple_of(LANES));
+const _: () = assert!(TILE.is_multiple_of(GROUP) && GROUP.is_multiple_of(2 * LANES));
 
 /// Scratch values [`centre_response_pruned`] needs for `n_ch` channels: the
 /// per-sample bound terms (C·TILE) and the per-group ones (C·TILE/[`GROUP`]).
@@ -1134,11 +1139,189 @@ fn centre_response_pruned_into(
     done: Option<&mut [u8]>,
     cands: &mut Vec<(u32, u64)>,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(wide) = Lanes16::detect() {
+        #[target_feature(enable = "avx512f")]
+        #[allow(clippy::too_many_arguments)]
+        fn avx512(
+            b: &[f32],
+            q: &mut [f32],
+            tile: &PrunedTile,
+            as_t: &mut [f32],
+            imax_t: &mut [i8],
+            done: Option<&mut [u8]>,
+            cands: &mut Vec<(u32, u64)>,
+            wide: Lanes16,
+        ) {
+            centre_response_pruned_sizes(b, q, tile, as_t, imax_t, done, cands, wide)
+        }
+        // SAFETY: the CPU supports AVX-512F (`Lanes16::detect`).
+        unsafe { avx512(b, q, tile, as_t, imax_t, done, cands, wide) };
+        return;
+    }
+    let narrow = Lanes8;
     dispatch!(
         centre_response_pruned_avx2,
         centre_response_pruned_sizes,
-        (b: &[f32], q: &mut [f32], tile: &PrunedTile, as_t: &mut [f32], imax_t: &mut [i8], done: Option<&mut [u8]>, cands: &mut Vec<(u32, u64)>)
+        (b: &[f32], q: &mut [f32], tile: &PrunedTile, as_t: &mut [f32], imax_t: &mut [i8], done: Option<&mut [u8]>, cands: &mut Vec<(u32, u64)>, narrow: Lanes8)
     );
+}
+
+/// Step 2's exact values for two adjacent chunks of one centre: samples
+/// `tc .. tc + 2·LANES` of the tile, written to `as_out` and `imax_out` as
+/// [`respond_chunk`] writes them. Only the chunks whose `pass` flag is set
+/// need be written.
+trait PairResponse: Copy {
+    #[allow(clippy::too_many_arguments)]
+    fn respond_pair<const NSZ: usize>(
+        self,
+        b: &[f32],
+        s_j: &[u32],
+        w_j: &[f32],
+        tc: usize,
+        pass: [bool; 2],
+        as_out: &mut [f32; 2 * LANES],
+        imax_out: &mut [i8; 2 * LANES],
+    );
+}
+
+/// [`respond_chunk`] on each chunk that passed.
+#[derive(Clone, Copy)]
+struct Lanes8;
+
+impl PairResponse for Lanes8 {
+    #[inline(always)]
+    fn respond_pair<const NSZ: usize>(
+        self,
+        b: &[f32],
+        s_j: &[u32],
+        w_j: &[f32],
+        tc: usize,
+        pass: [bool; 2],
+        as_out: &mut [f32; 2 * LANES],
+        imax_out: &mut [i8; 2 * LANES],
+    ) {
+        for (h, &p) in pass.iter().enumerate() {
+            if p {
+                let r = h * LANES..(h + 1) * LANES;
+                respond_chunk::<NSZ>(
+                    b,
+                    s_j,
+                    w_j,
+                    tc + h * LANES,
+                    &mut as_out[r.clone()],
+                    &mut imax_out[r],
+                );
+            }
+        }
+    }
+}
+
+/// Both chunks at once in 16-lane AVX-512 vectors ([`respond16_avx512`]).
+/// Only [`Lanes16::detect`] makes one, so holding one proves the CPU has
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Lanes16(());
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes16 {
+    fn detect() -> Option<Lanes16> {
+        std::arch::is_x86_feature_detected!("avx512f").then_some(Lanes16(()))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl PairResponse for Lanes16 {
+    #[inline(always)]
+    fn respond_pair<const NSZ: usize>(
+        self,
+        b: &[f32],
+        s_j: &[u32],
+        w_j: &[f32],
+        tc: usize,
+        _pass: [bool; 2],
+        as_out: &mut [f32; 2 * LANES],
+        imax_out: &mut [i8; 2 * LANES],
+    ) {
+        // SAFETY: a Lanes16 exists only on a CPU with AVX-512F.
+        unsafe { respond16_avx512::<NSZ>(b, s_j, w_j, tc, as_out, imax_out) }
+    }
+}
+
+/// [`respond_chunk`] for 16 samples `tc ..` in AVX-512 vectors: every lane
+/// is the same chain of separate multiplies and adds over the sites in
+/// ascending order, and the same strict-greater scan over r ascending, so
+/// the same bits as two calls of [`respond_chunk`].
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn respond16_avx512<const NSZ: usize>(
+    b: &[f32],
+    s_j: &[u32],
+    w_j: &[f32],
+    tc: usize,
+    as_out: &mut [f32; 2 * LANES],
+    imax_out: &mut [i8; 2 * LANES],
+) {
+    use std::arch::x86_64::*;
+    const W: usize = 2 * LANES;
+    const KS: usize = 3;
+    const _: () = assert!(W == 16 && NK.is_multiple_of(KS));
+    assert!(tc + W <= TILE && w_j.len() >= s_j.len() * NSZ);
+    let mut a = [_mm512_setzero_ps(); 8 * NK];
+    // Three templates at a time: 3·nsz independent sums in registers.
+    for k in (0..NK).step_by(KS) {
+        let mut acc = [[_mm512_setzero_ps(); NSZ]; KS];
+        for (c, &site) in s_j.iter().enumerate() {
+            let off = (site as usize * NK + k) * TILE + tc;
+            let rows: &[f32] = &b[off..off + (KS - 1) * TILE + W];
+            // SAFETY: each load reads W values of `rows`: i·TILE + W ≤ its length.
+            let x: [__m512; KS] =
+                std::array::from_fn(|i| unsafe { _mm512_loadu_ps(rows.as_ptr().add(i * TILE)) });
+            for s in 0..NSZ {
+                let w = _mm512_set1_ps(w_j[c * NSZ + s]);
+                for i in 0..KS {
+                    acc[i][s] = _mm512_add_ps(acc[i][s], _mm512_mul_ps(w, x[i]));
+                }
+            }
+        }
+        for s in 0..NSZ {
+            for i in 0..KS {
+                a[s * NK + k + i] = acc[i][s];
+            }
+        }
+    }
+    // The largest |A|, first r among equals (a strict > in ascending r; an
+    // unordered comparison is false, as `>` is on a NaN).
+    let mut best = _mm512_abs_ps(a[0]);
+    let mut value = a[0];
+    let mut r_best = _mm512_setzero_ps();
+    for (r, &a_r) in a.iter().enumerate().take(NSZ * NK).skip(1) {
+        let v = _mm512_abs_ps(a_r);
+        let take = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(v, best);
+        best = _mm512_mask_blend_ps(take, best, v);
+        r_best = _mm512_mask_blend_ps(take, r_best, _mm512_set1_ps(r as f32));
+        value = _mm512_mask_blend_ps(take, value, a_r);
+    }
+    let zero = _mm512_setzero_ps();
+    let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(value, zero);
+    let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(value, zero);
+    let r1 = _mm512_add_epi32(_mm512_cvttps_epi32(r_best), _mm512_set1_epi32(1));
+    let signed = _mm512_or_si512(
+        _mm512_maskz_mov_epi32(positive, r1),
+        _mm512_maskz_sub_epi32(negative, _mm512_setzero_si512(), r1),
+    );
+    // SAFETY: both outputs hold W values.
+    unsafe {
+        _mm512_storeu_ps(as_out.as_mut_ptr(), best);
+        _mm_storeu_si128(
+            imax_out.as_mut_ptr().cast::<__m128i>(),
+            _mm512_cvtepi32_epi8(signed),
+        );
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1151,6 +1334,7 @@ fn centre_response_pruned_sizes(
     imax_t: &mut [i8],
     done: Option<&mut [u8]>,
     cands: &mut Vec<(u32, u64)>,
+    respond: impl PairResponse,
 ) {
     let n_ch = b.len() / (NK * TILE);
     let (q, qg) = q[..pruned_scratch_len(n_ch)].split_at_mut(n_ch * TILE);
@@ -1179,14 +1363,14 @@ fn centre_response_pruned_sizes(
     }
     let (q, qg) = (&*q, &*qg);
     match tile.nsz {
-        1 => pruned_impl::<1>(b, q, qg, tile, as_t, imax_t, done, cands),
-        2 => pruned_impl::<2>(b, q, qg, tile, as_t, imax_t, done, cands),
-        3 => pruned_impl::<3>(b, q, qg, tile, as_t, imax_t, done, cands),
-        4 => pruned_impl::<4>(b, q, qg, tile, as_t, imax_t, done, cands),
-        5 => pruned_impl::<5>(b, q, qg, tile, as_t, imax_t, done, cands),
-        6 => pruned_impl::<6>(b, q, qg, tile, as_t, imax_t, done, cands),
-        7 => pruned_impl::<7>(b, q, qg, tile, as_t, imax_t, done, cands),
-        8 => pruned_impl::<8>(b, q, qg, tile, as_t, imax_t, done, cands),
+        1 => pruned_impl::<1>(b, q, qg, tile, as_t, imax_t, done, cands, respond),
+        2 => pruned_impl::<2>(b, q, qg, tile, as_t, imax_t, done, cands, respond),
+        3 => pruned_impl::<3>(b, q, qg, tile, as_t, imax_t, done, cands, respond),
+        4 => pruned_impl::<4>(b, q, qg, tile, as_t, imax_t, done, cands, respond),
+        5 => pruned_impl::<5>(b, q, qg, tile, as_t, imax_t, done, cands, respond),
+        6 => pruned_impl::<6>(b, q, qg, tile, as_t, imax_t, done, cands, respond),
+        7 => pruned_impl::<7>(b, q, qg, tile, as_t, imax_t, done, cands, respond),
+        8 => pruned_impl::<8>(b, q, qg, tile, as_t, imax_t, done, cands, respond),
         _ => unreachable!("template_sizes is validated to 1..=8"),
     }
 }
@@ -1202,6 +1386,7 @@ fn pruned_impl<const NSZ: usize>(
     imax_t: &mut [i8],
     mut done: Option<&mut [u8]>,
     cands: &mut Vec<(u32, u64)>,
+    respond: impl PairResponse,
 ) {
     let PrunedTile {
         sites,
@@ -1216,6 +1401,8 @@ fn pruned_impl<const NSZ: usize>(
     let nf = as_t.len() / TILE;
     let nc = sites.len() / nf;
     let th2 = th * th;
+    let mut as_pair = [0f32; 2 * LANES];
+    let mut imax_pair = [0i8; 2 * LANES];
     for j in 0..nf {
         let s_j = &sites[j * nc..(j + 1) * nc];
         let w_j = &weights[j * nc * nsz..(j + 1) * nc * nsz];
@@ -1230,53 +1417,52 @@ fn pruned_impl<const NSZ: usize>(
                 *s += *v;
             }
         }
-        for tc in (0..TILE).step_by(LANES) {
-            let at = j * TILE + tc;
-            let flag = j * CHUNKS + tc / LANES;
-            if coarse[tc / GROUP] * scale < th2 {
-                match done.as_deref_mut() {
-                    Some(d) => d[flag] = 0,
-                    None => {
-                        as_t[at..at + LANES].fill(0.0);
-                        imax_t[at..at + LANES].fill(0);
+        // Two chunks at a time (one group holds both): each chunk is
+        // computed exactly when its own bound lets it through.
+        for tp in (0..TILE).step_by(2 * LANES) {
+            let mut pass = [false; 2];
+            if coarse[tp / GROUP] * scale >= th2 {
+                for (h, p) in pass.iter_mut().enumerate() {
+                    let tc = tp + h * LANES;
+                    let mut sum = [0f32; LANES];
+                    for &c in s_j {
+                        let qc: &[f32; LANES] = q[c as usize * TILE + tc..][..LANES]
+                            .try_into()
+                            .expect("8 lanes");
+                        for l in 0..LANES {
+                            sum[l] += qc[l];
+                        }
                     }
-                }
-                continue;
-            }
-            let mut sum = [0f32; LANES];
-            for &c in s_j {
-                let qc: &[f32; LANES] = q[c as usize * TILE + tc..][..LANES]
-                    .try_into()
-                    .expect("8 lanes");
-                for l in 0..LANES {
-                    sum[l] += qc[l];
+                    *p = sum.iter().any(|&v| v * scale >= th2);
                 }
             }
-            let at = j * TILE + tc;
-            if sum.iter().any(|&v| v * scale >= th2) {
-                respond_chunk::<NSZ>(
-                    b,
-                    s_j,
-                    w_j,
-                    tc,
-                    &mut as_t[at..at + LANES],
-                    &mut imax_t[at..at + LANES],
-                );
-                for (l, &v) in as_t[at..at + LANES].iter().enumerate() {
-                    let t = t0 + tc + l;
-                    if v > th && t < nt_w {
-                        cands.push((j as u32, t as u64));
+            if pass.iter().any(|&p| p) {
+                respond.respond_pair::<NSZ>(b, s_j, w_j, tp, pass, &mut as_pair, &mut imax_pair);
+            }
+            for (h, &p) in pass.iter().enumerate() {
+                let tc = tp + h * LANES;
+                let at = j * TILE + tc;
+                let flag = j * CHUNKS + tc / LANES;
+                if p {
+                    let r = h * LANES..(h + 1) * LANES;
+                    as_t[at..at + LANES].copy_from_slice(&as_pair[r.clone()]);
+                    imax_t[at..at + LANES].copy_from_slice(&imax_pair[r]);
+                    for (l, &v) in as_t[at..at + LANES].iter().enumerate() {
+                        let t = t0 + tc + l;
+                        if v > th && t < nt_w {
+                            cands.push((j as u32, t as u64));
+                        }
                     }
-                }
-                if let Some(d) = done.as_deref_mut() {
-                    d[flag] = 1;
-                }
-            } else {
-                match done.as_deref_mut() {
-                    Some(d) => d[flag] = 0,
-                    None => {
-                        as_t[at..at + LANES].fill(0.0);
-                        imax_t[at..at + LANES].fill(0);
+                    if let Some(d) = done.as_deref_mut() {
+                        d[flag] = 1;
+                    }
+                } else {
+                    match done.as_deref_mut() {
+                        Some(d) => d[flag] = 0,
+                        None => {
+                            as_t[at..at + LANES].fill(0.0);
+                            imax_t[at..at + LANES].fill(0);
+                        }
                     }
                 }
             }
@@ -1712,5 +1898,94 @@ mod tests {
         );
         assert!(!want.is_empty());
         assert_eq!(cands, want);
+    }
+
+    /// One [`PairResponse::respond_pair`] call with both chunks asked for.
+    fn pair_of(
+        r: impl PairResponse,
+        nsz: usize,
+        b: &[f32],
+        sites: &[u32],
+        w: &[f32],
+        tc: usize,
+    ) -> ([f32; 16], [i8; 16]) {
+        let (mut a, mut i) = ([7f32; 16], [7i8; 16]);
+        let pass = [true; 2];
+        match nsz {
+            1 => r.respond_pair::<1>(b, sites, w, tc, pass, &mut a, &mut i),
+            2 => r.respond_pair::<2>(b, sites, w, tc, pass, &mut a, &mut i),
+            3 => r.respond_pair::<3>(b, sites, w, tc, pass, &mut a, &mut i),
+            4 => r.respond_pair::<4>(b, sites, w, tc, pass, &mut a, &mut i),
+            5 => r.respond_pair::<5>(b, sites, w, tc, pass, &mut a, &mut i),
+            6 => r.respond_pair::<6>(b, sites, w, tc, pass, &mut a, &mut i),
+            7 => r.respond_pair::<7>(b, sites, w, tc, pass, &mut a, &mut i),
+            _ => r.respond_pair::<8>(b, sites, w, tc, pass, &mut a, &mut i),
+        }
+        (a, i)
+    }
+
+    /// The 16-lane AVX-512 step 2 gives the bits of the 8-lane code on every
+    /// lane: random sums, exact ties between (size, template) pairs (equal
+    /// weights and equal rows), zeros, and NaN and ±∞ in B.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn wide_step_2_has_the_bits_of_the_narrow_one() {
+        let Some(wide) = Lanes16::detect() else {
+            eprintln!("no AVX-512F: nothing to compare");
+            return;
+        };
+        let (n_ch, nc) = (12usize, 5usize);
+        let mut state = 7u64;
+        let mut rnd = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        let mut b: Vec<f32> = (0..n_ch * NK * TILE).map(|_| rnd() * 8.0).collect();
+        // Channel 3: templates 0 and 1 equal (ties across k); channel 4: zero.
+        for t in 0..TILE {
+            b[(3 * NK + 1) * TILE + t] = b[(3 * NK) * TILE + t];
+            for k in 0..NK {
+                b[(4 * NK + k) * TILE + t] = 0.0;
+            }
+        }
+        b[(5 * NK + 2) * TILE + 17] = f32::NAN;
+        b[(6 * NK) * TILE + 40] = f32::INFINITY;
+        b[(6 * NK + 3) * TILE + 41] = f32::NEG_INFINITY;
+        b[(7 * NK + 5) * TILE + 66] = f32::INFINITY;
+        b[(7 * NK + 5) * TILE + 67] = f32::NAN;
+        let site_sets: [[u32; 5]; 5] = [
+            [0, 1, 2, 3, 4],
+            [3, 3, 4, 4, 4],
+            [4, 4, 4, 4, 4],
+            [5, 6, 7, 8, 9],
+            [11, 10, 9, 6, 5],
+        ];
+        for nsz in 1..=8usize {
+            for (si, sites) in site_sets.iter().enumerate() {
+                // Set 1 repeats one weight across sizes: ties across s.
+                let w: Vec<f32> = (0..nc * nsz)
+                    .map(|i| if si == 1 { 0.5 } else { rnd() + (i % 3) as f32 })
+                    .collect();
+                for tc in (0..TILE).step_by(2 * LANES) {
+                    let (a8, im8) = pair_of(Lanes8, nsz, &b, sites, &w, tc);
+                    let (a16, im16) = pair_of(wide, nsz, &b, sites, &w, tc);
+                    let bits = |a: &[f32; 16]| a.map(f32::to_bits);
+                    assert_eq!(im16, im8, "nsz {nsz}, sites {si}, samples {tc}..");
+                    // NaN's payload may differ; every other value bit for bit.
+                    for l in 0..16 {
+                        if !(a8[l].is_nan() && a16[l].is_nan()) {
+                            assert_eq!(
+                                bits(&a16)[l],
+                                bits(&a8)[l],
+                                "nsz {nsz}, sites {si}, sample {}",
+                                tc + l
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }
