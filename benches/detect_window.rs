@@ -10,7 +10,7 @@
 //!
 //! Prints the median, minimum and maximum wall time of `CpuDetector::detect` on a
 //! detector whose buffers persist across calls (as in a streaming run), after one
-//! warm-up call.
+//! warm-up call, and the mean busy seconds of each of its steps per call.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -110,6 +110,7 @@ fn main() -> anyhow::Result<()> {
     let warm = Instant::now();
     let first = det.detect(x.view(), &probe.yc)?;
     let warm = warm.elapsed().as_secs_f64();
+    det.take_step_seconds();
     let mut times = Vec::with_capacity(repeat);
     for _ in 0..repeat {
         let t = Instant::now();
@@ -131,6 +132,15 @@ fn main() -> anyhow::Result<()> {
         times[0],
         times[times.len() - 1],
         (x.ncols() - 122) as f64 / 30_000.0 / median
+    );
+    let steps: Vec<String> = det
+        .take_step_seconds()
+        .into_iter()
+        .map(|(name, s)| format!("{name} {:.3} s", s / repeat as f64))
+        .collect();
+    println!(
+        "detect_window: busy seconds per call by step: {}",
+        steps.join(", ")
     );
     if let Some(o) = out {
         std::fs::create_dir_all(&o)?;

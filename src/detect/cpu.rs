@@ -193,6 +193,9 @@ pub struct CpuDetector {
     /// the pruned step 2 computed As and imax, 0 where it skipped them (their
     /// values there are stale and stand for 0). All 1 after dense steps.
     chunk_done: Vec<u8>,
+    /// Per tile, centre and chunk ([tile][j][chunk]), after pruned steps: the
+    /// largest As of a computed chunk (NaN passed over), 0 for a skipped one.
+    chunk_max: Vec<f32>,
     amax_buf: Vec<f32>,
     /// (centre, sample) where As > Th_universal, from the last pruned steps 1–3.
     candidates: Vec<(u32, u64)>,
@@ -263,6 +266,7 @@ impl CpuDetector {
             as_buf: Vec::new(),
             imax_buf: Vec::new(),
             chunk_done: Vec::new(),
+            chunk_max: Vec::new(),
             amax_buf: Vec::new(),
             candidates: Vec::new(),
             nt_window: 0,
@@ -379,31 +383,45 @@ impl CpuDetector {
         check_window(&self.geometry, &self.settings, x, yc)
     }
 
-    /// The largest As of centre `j` over samples `lo..hi` (0 when empty), read
-    /// tile by tile as contiguous runs.
+    /// How the As of centre `j` over samples `lo..hi` compare with `v` > 0:
+    /// some value above it, else some value equal to it, else all below (a
+    /// skipped chunk stands for zeros; NaN is neither above nor equal). Each
+    /// chunk's maximum ([`chunk_maxima`]) settles most chunks; only a chunk
+    /// cut by `lo..hi` whose maximum reaches `v` is read value by value.
     #[inline]
-    fn row_max(&self, j: usize, lo: usize, hi: usize) -> f32 {
+    fn row_against(&self, j: usize, lo: usize, hi: usize, v: f32) -> Against {
         let nf = self.geometry.n_centres();
-        let mut m = 0f32;
+        let mut equal = false;
         let mut t = lo;
         while t < hi {
-            // One chunk of LANES samples (or its part in lo..hi) at a time;
-            // a skipped chunk stands for zeros, which cannot raise m ≥ 0.
             let tile = t / TILE;
             let chunk = (t % TILE) / LANES;
-            let end = hi.min(tile * TILE + (chunk + 1) * LANES);
-            if self.chunk_done[(tile * nf + j) * CHUNKS + chunk] != 0 {
-                let base = tile * nf * TILE + j * TILE;
-                let run = &self.as_buf[base + t % TILE..base + (end - tile * TILE)];
-                // `v > m` picks as `f32::max` does here (m is never NaN: it
-                // starts at 0 and takes only values above it; a NaN v is
-                // passed over by both; As = |A| holds no −0) and compiles to
-                // one `maxss`, without `max`'s NaN blend.
-                m = run.iter().fold(m, |m, &v| if v > m { v } else { m });
+            let start = tile * TILE + chunk * LANES;
+            let end = start + LANES;
+            let cm = self.chunk_max[(tile * nf + j) * CHUNKS + chunk];
+            if cm >= v {
+                if lo <= start && end <= hi {
+                    if cm > v {
+                        return Against::Above;
+                    }
+                    equal = true;
+                } else {
+                    let base = tile * nf * TILE + j * TILE - tile * TILE;
+                    for &x in &self.as_buf[base + t..base + end.min(hi)] {
+                        if x > v {
+                            return Against::Above;
+                        }
+                        equal |= x == v;
+                    }
+                }
             }
             t = end;
         }
-        m
+        if equal {
+            Against::Equal
+        } else {
+            Against::Below
+        }
     }
 
     #[inline]
@@ -437,6 +455,13 @@ impl CpuDetector {
         if dense {
             self.chunk_done.fill(1);
         }
+        self.chunk_max
+            .resize(if dense { 0 } else { n_tiles * nf * CHUNKS }, 0.0);
+        let mut cmax_chunks: Vec<&mut [f32]> = if dense {
+            (0..n_tiles).map(|_| &mut [][..]).collect()
+        } else {
+            self.chunk_max.chunks_mut(nf * CHUNKS).collect()
+        };
         self.amax_buf.resize(if dense { len } else { 0 }, 0.0);
         let nsz = self.geometry.n_sizes();
         let nc2 = self.geometry.n_neighbours();
@@ -458,8 +483,9 @@ impl CpuDetector {
             .zip(self.imax_buf.par_chunks_mut(nf * TILE))
             .zip(amax_chunks.par_iter_mut())
             .zip(self.chunk_done.par_chunks_mut(nf * CHUNKS))
+            .zip(cmax_chunks.par_iter_mut())
             .enumerate()
-            .map(|(tile, (((as_t, imax_t), amax_t), done_t))| {
+            .map(|(tile, ((((as_t, imax_t), amax_t), done_t), cmax_t))| {
                 // Per-thread scratch that outlives the window (no fresh pages
                 // per job); every value is written before it is read.
                 TILE_SCRATCH.with_borrow_mut(|(b, q)| {
@@ -496,9 +522,10 @@ impl CpuDetector {
                             &tile,
                             as_t,
                             imax_t,
-                            Some(done_t),
+                            Some(&mut *done_t),
                             &mut cands,
                         );
+                        chunk_maxima(as_t, done_t, cmax_t);
                         (cands, non_finite)
                     }
                 })
@@ -541,52 +568,44 @@ impl CpuDetector {
                 .collect();
             return per_centre.into_iter().flatten().collect();
         }
-        // Candidates: every (j, t) with As > Th, gathered per tile by steps 1–3.
-        // By centre, then sample: the tiles' lists come in sample order and
-        // each is in (centre, sample) order, so a stable placement by centre
-        // sorts them (the pairs are distinct).
-        let mut start = vec![0usize; nf + 1];
-        for &(j, _) in &self.candidates {
-            start[j as usize + 1] += 1;
-        }
-        for j in 0..nf {
-            start[j + 1] += start[j];
-        }
-        let mut candidates = vec![(0u32, 0u64); self.candidates.len()];
-        for &(j, t) in &self.candidates {
-            candidates[start[j as usize]] = (j, t);
-            start[j as usize] += 1;
-        }
+        // Candidates: every (j, t) with As > Th, gathered per tile by steps
+        // 1–3. Each is tested on its own; the few detections are then put
+        // in (centre, sample) order (the pairs are distinct).
         let (lo_valid, hi_valid) = (nt.min(nt_w), nt_w.saturating_sub(nt));
-        candidates
-            .into_par_iter()
+        let mut peaks: Vec<(u32, u64)> = self
+            .candidates
+            .par_iter()
+            .copied()
             .filter(|&(j, t)| {
                 let (j, t) = (j as usize, t as usize);
                 let v = self.as_buf[self.index(j, t)];
                 let lo = t.saturating_sub(half).max(lo_valid);
                 let hi = (t + half + 1).min(hi_valid);
-                let row_max = |n: usize| self.row_max(n, lo, hi);
                 // The samples beside t first, then the own row: most
-                // candidates lie on a spike's flank and fail there. (A
-                // subset's max above v puts the whole max above v.)
-                if self.row_max(j, t.saturating_sub(1).max(lo), (t + 2).min(hi)) > v {
+                // candidates lie on a spike's flank and fail there.
+                if let Against::Above =
+                    self.row_against(j, t.saturating_sub(1).max(lo), (t + 2).min(hi), v)
+                {
                     return false;
                 }
-                let mut m = row_max(j);
-                if m > v {
-                    return false;
-                }
-                for &n in &self.neighbours[j * nc2..(j + 1) * nc2] {
-                    if n as usize != j {
-                        m = m.max(row_max(n as usize));
-                        if m > v {
-                            return false;
-                        }
+                let mut equal = false;
+                for n in std::iter::once(j).chain(
+                    self.neighbours[j * nc2..(j + 1) * nc2]
+                        .iter()
+                        .map(|&n| n as usize)
+                        .filter(|&n| n != j),
+                ) {
+                    match self.row_against(n, lo, hi, v) {
+                        Against::Above => return false,
+                        Against::Equal => equal = true,
+                        Against::Below => {}
                     }
                 }
-                m == v
+                equal
             })
-            .collect()
+            .collect();
+        peaks.par_sort_unstable();
+        peaks
     }
 
     fn features(&self, x: ArrayView2<f32>, yc: &[f32], peaks: &[(u32, u64)]) -> Detections {
@@ -1467,6 +1486,26 @@ fn pruned_impl<const NSZ: usize>(
                 }
             }
         }
+    }
+}
+
+/// How a row of As compares with a candidate's value ([`CpuDetector::row_against`]).
+enum Against {
+    Above,
+    Equal,
+    Below,
+}
+
+/// The largest As of each chunk of one tile (`as_t`: nf × TILE; `done`,
+/// `cmax`: nf × [`CHUNKS`]) where the pruned step 2 computed it, 0 where it
+/// did not. The `v > m` fold passes over NaN, and As = |A| holds no −0.
+fn chunk_maxima(as_t: &[f32], done: &[u8], cmax: &mut [f32]) {
+    for ((m, &d), run) in cmax.iter_mut().zip(done).zip(as_t.chunks_exact(LANES)) {
+        *m = if d != 0 {
+            run.iter().fold(0f32, |m, &v| if v > m { v } else { m })
+        } else {
+            0.0
+        };
     }
 }
 
