@@ -1611,40 +1611,46 @@ pub fn features(
     let sign = code.signum();
     let k = r % nk;
     let nt_w = x.ncols();
-    let snippet = |c: u32| -> Vec<f32> {
-        (0..ntaps)
-            .map(|i| {
-                let s = t as isize + i as isize - half as isize;
-                if s >= 0 && (s as usize) < nt_w {
-                    x[[c as usize, s as usize]]
-                } else {
-                    0.0
-                }
-            })
-            .collect()
-    };
+    let wk = templates.wtemp.row(k);
+    let wk = wk.as_standard_layout();
+    let wk = wk.as_slice().expect("standard layout");
+    let wpca = templates.wpca.as_standard_layout();
+    let wpca = wpca.as_slice().expect("standard layout");
     let mut adist = Vec::with_capacity(sites.len());
-    let mut tf = Vec::with_capacity(sites.len() * npc);
-    for &c in sites {
-        let snip = snippet(c);
-        // Same terms in the same order as step 1, so the same bits as B.
-        let acc = templates
-            .wtemp
-            .row(k)
-            .iter()
-            .zip(&snip)
-            .fold(0f32, |a, (&w, &v)| a + w * v);
-        adist.push(acc * sign as f32);
-        for p in 0..npc {
-            tf.push(
-                templates
-                    .wpca
-                    .row(p)
-                    .iter()
-                    .zip(&snip)
-                    .fold(0f32, |a, (&w, &v)| a + v * w),
-            );
+    // One row per site (a placeholder row when npc is 0, cleared below).
+    let mut tf = vec![0f32; sites.len() * npc.max(1)];
+    let wstride = templates.wpca.ncols();
+    // The site's ntaps samples centred on t, zero outside the window.
+    let mut snip = vec![0f32; ntaps];
+    let inside = t >= half && t - half + ntaps <= nt_w;
+    for (&c, tf_c) in sites.iter().zip(tf.chunks_exact_mut(npc.max(1))) {
+        let row = x.row(c as usize);
+        match row.as_slice() {
+            Some(r) if inside => snip.copy_from_slice(&r[t - half..t - half + ntaps]),
+            _ => {
+                for (i, v) in snip.iter_mut().enumerate() {
+                    let s = t as isize + i as isize - half as isize;
+                    *v = if s >= 0 && (s as usize) < nt_w {
+                        row[s as usize]
+                    } else {
+                        0.0
+                    };
+                }
+            }
         }
+        // Each sum over the taps ascending, as step 1 sums (so the same bits
+        // as B); the 1 + npc sums are independent and run side by side.
+        let mut acc = 0f32;
+        for (i, &v) in snip.iter().enumerate() {
+            acc += wk[i] * v;
+            for (p, f) in tf_c.iter_mut().take(npc).enumerate() {
+                *f += v * wpca[p * wstride + i];
+            }
+        }
+        adist.push(acc * sign as f32);
+    }
+    if npc == 0 {
+        tf.clear();
     }
     let wsum: f32 = adist.iter().map(|&a| a.max(0.0)).sum();
     let yct = sites
@@ -2023,6 +2029,71 @@ mod tests {
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// Step 5 sums each of adist's and tF's dot products over the taps in
+    /// ascending order from zero, with zeros outside the window: the plain
+    /// per-sum code below, bit for bit, at the window's edges and inside,
+    /// with and without PC features.
+    #[test]
+    fn features_equal_the_plain_sums() {
+        let templates = UniversalTemplates::builtin();
+        let (nk, ntaps) = templates.wtemp.dim();
+        let half = ntaps / 2;
+        let (n_ch, nt_w) = (9usize, 300usize);
+        let mut state = 3u64;
+        let x = Array2::from_shape_fn((n_ch, nt_w), |_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        });
+        let yc: Vec<f32> = (0..n_ch).map(|c| 15.0 * c as f32).collect();
+        let sites = [4u32, 3, 5, 2, 6, 0];
+        let plain_dot = |w: &[f32], c: u32, t: usize| -> f32 {
+            let mut a = 0f32;
+            for (i, &wv) in w.iter().enumerate() {
+                let s = t as isize + i as isize - half as isize;
+                let v = if s >= 0 && (s as usize) < nt_w {
+                    x[[c as usize, s as usize]]
+                } else {
+                    0.0
+                };
+                a += wv * v;
+            }
+            a
+        };
+        for npc in [0usize, 1, templates.wpca.nrows()] {
+            for t in [
+                0usize,
+                5,
+                half - 1,
+                half,
+                100,
+                nt_w - half - 1,
+                nt_w - half,
+                nt_w - 1,
+            ] {
+                for code in [1i8, -3, 30, -(nk as i8) - 2] {
+                    let f = features(x.view(), &templates, &sites, &yc, t, code, npc);
+                    let k = (code.unsigned_abs() as usize - 1) % nk;
+                    let wk: Vec<f32> = templates.wtemp.row(k).to_vec();
+                    for (i, &c) in sites.iter().enumerate() {
+                        let want = plain_dot(&wk, c, t) * code.signum() as f32;
+                        assert_eq!(f.adist[i].to_bits(), want.to_bits(), "adist, t {t}");
+                        for p in 0..npc {
+                            let wp: Vec<f32> = templates.wpca.row(p).to_vec();
+                            assert_eq!(
+                                f.tf[i * npc + p].to_bits(),
+                                plain_dot(&wp, c, t).to_bits(),
+                                "tF, t {t}, pc {p}"
+                            );
+                        }
+                    }
+                    assert_eq!(f.tf.len(), sites.len() * npc);
                 }
             }
         }
