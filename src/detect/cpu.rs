@@ -1896,6 +1896,27 @@ mod tests {
             &mut cands_f,
         );
         assert_eq!(cands_f, cands);
+        // The 8-lane code (what a CPU without AVX-512 runs) does the same.
+        let (mut as_8, mut im_8) = (vec![7f32; nf * TILE], vec![7i8; nf * TILE]);
+        let mut done_8 = vec![9u8; nf * CHUNKS];
+        let mut cands_8 = Vec::new();
+        centre_response_pruned_sizes(
+            &b,
+            &mut q,
+            &tile,
+            &mut as_8,
+            &mut im_8,
+            Some(&mut done_8),
+            &mut cands_8,
+            Lanes8,
+        );
+        assert_eq!(cands_8, cands);
+        assert_eq!(done_8, done);
+        assert_eq!(im_8, im_f);
+        assert_eq!(
+            as_8.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            as_f.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
         let qs = |c: usize, t: usize| {
             (0..NK).fold(0f32, |m, k| m.max(b[(c * NK + k) * TILE + t].powi(2)))
         };
