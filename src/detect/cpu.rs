@@ -197,8 +197,9 @@ pub struct CpuDetector {
     /// largest As of a computed chunk (NaN passed over), 0 for a skipped one.
     chunk_max: Vec<f32>,
     amax_buf: Vec<f32>,
-    /// (centre, sample) where As > Th_universal, from the last pruned steps 1–3.
-    candidates: Vec<(u32, u64)>,
+    /// (centre, sample) where As > Th_universal, from the last pruned steps
+    /// 1–3: one list per tile, as the tile gathered them.
+    candidates: Vec<Vec<(u32, u64)>>,
     nt_window: usize,
     /// Busy seconds per step since the last [`CpuDetector::take_step_seconds`].
     step_seconds: [f64; 4],
@@ -531,12 +532,14 @@ impl CpuDetector {
                 })
             })
             .collect();
-        self.candidates.clear();
         let mut non_finite = false;
-        for (c, nf) in per_tile {
-            self.candidates.extend_from_slice(&c);
-            non_finite |= nf;
-        }
+        self.candidates = per_tile
+            .into_iter()
+            .map(|(c, nf)| {
+                non_finite |= nf;
+                c
+            })
+            .collect();
         non_finite
     }
 
@@ -575,7 +578,7 @@ impl CpuDetector {
         let mut peaks: Vec<(u32, u64)> = self
             .candidates
             .par_iter()
-            .copied()
+            .flat_map_iter(|tile| tile.iter().copied())
             .filter(|&(j, t)| {
                 let (j, t) = (j as usize, t as usize);
                 let v = self.as_buf[self.index(j, t)];
