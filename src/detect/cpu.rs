@@ -189,12 +189,10 @@ pub struct CpuDetector {
     /// Tile-major buffers: [tile][j][tt].
     as_buf: Vec<f32>,
     imax_buf: Vec<i8>,
-    /// Per tile, centre and chunk of [`LANES`] samples ([tile][j][chunk]): 1 where
-    /// the pruned step 2 computed As and imax, 0 where it skipped them (their
-    /// values there are stale and stand for 0). All 1 after dense steps.
-    chunk_done: Vec<u8>,
-    /// Per tile, centre and chunk ([tile][j][chunk]), after pruned steps: the
-    /// largest As of a computed chunk (NaN passed over), 0 for a skipped one.
+    /// Per tile, centre and chunk of [`LANES`] samples ([tile][j][chunk]),
+    /// after pruned steps: the largest As of a chunk step 2 computed (NaN
+    /// passed over), 0 for a chunk it skipped (whose As and imax are then
+    /// stale and stand for 0).
     chunk_max: Vec<f32>,
     amax_buf: Vec<f32>,
     /// (centre, sample) where As > Th_universal, from the last pruned steps
@@ -208,9 +206,10 @@ pub struct CpuDetector {
 }
 
 thread_local! {
-    /// Step 1's output B and the pruning bound's terms for one tile, per thread.
-    static TILE_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// Step 1's output B, the pruning bound's terms and the pruned step 2's
+    /// chunk flags for one tile, per thread.
+    static TILE_SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<u8>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// Names of the parts [`CpuDetector::take_step_seconds`] reports.
@@ -266,7 +265,6 @@ impl CpuDetector {
             weight_norm2,
             as_buf: Vec::new(),
             imax_buf: Vec::new(),
-            chunk_done: Vec::new(),
             chunk_max: Vec::new(),
             amax_buf: Vec::new(),
             candidates: Vec::new(),
@@ -452,10 +450,6 @@ impl CpuDetector {
         self.nt_window = nt_w;
         self.as_buf.resize(len, 0.0);
         self.imax_buf.resize(len, 0);
-        self.chunk_done.resize(n_tiles * nf * CHUNKS, 0);
-        if dense {
-            self.chunk_done.fill(1);
-        }
         self.chunk_max
             .resize(if dense { 0 } else { n_tiles * nf * CHUNKS }, 0.0);
         let mut cmax_chunks: Vec<&mut [f32]> = if dense {
@@ -483,13 +477,12 @@ impl CpuDetector {
             .par_chunks_mut(nf * TILE)
             .zip(self.imax_buf.par_chunks_mut(nf * TILE))
             .zip(amax_chunks.par_iter_mut())
-            .zip(self.chunk_done.par_chunks_mut(nf * CHUNKS))
             .zip(cmax_chunks.par_iter_mut())
             .enumerate()
-            .map(|(tile, ((((as_t, imax_t), amax_t), done_t), cmax_t))| {
+            .map(|(tile, (((as_t, imax_t), amax_t), cmax_t))| {
                 // Per-thread scratch that outlives the window (no fresh pages
                 // per job); every value is written before it is read.
-                TILE_SCRATCH.with_borrow_mut(|(b, q)| {
+                TILE_SCRATCH.with_borrow_mut(|(b, q, done)| {
                     b.resize(n_ch * NK * TILE, 0.0);
                     q.resize(pruned_scratch_len(n_ch), 0.0);
                     let t0 = tile * TILE;
@@ -507,6 +500,7 @@ impl CpuDetector {
                         (Vec::new(), non_finite)
                     } else {
                         let mut cands = Vec::new();
+                        done.resize(nf * CHUNKS, 0);
                         let tile = PrunedTile {
                             sites,
                             weights,
@@ -523,10 +517,10 @@ impl CpuDetector {
                             &tile,
                             as_t,
                             imax_t,
-                            Some(&mut *done_t),
+                            Some(&mut done[..]),
                             &mut cands,
                         );
-                        chunk_maxima(as_t, done_t, cmax_t);
+                        chunk_maxima(as_t, done, cmax_t);
                         (cands, non_finite)
                     }
                 })
@@ -1620,13 +1614,13 @@ pub fn features(
     let wpca = templates.wpca.as_standard_layout();
     let wpca = wpca.as_slice().expect("standard layout");
     let mut adist = Vec::with_capacity(sites.len());
-    // One row per site (a placeholder row when npc is 0, cleared below).
-    let mut tf = vec![0f32; sites.len() * npc.max(1)];
+    let mut tf = vec![0f32; sites.len() * npc];
     let wstride = templates.wpca.ncols();
     // The site's ntaps samples centred on t, zero outside the window.
     let mut snip = vec![0f32; ntaps];
     let inside = t >= half && t - half + ntaps <= nt_w;
-    for (&c, tf_c) in sites.iter().zip(tf.chunks_exact_mut(npc.max(1))) {
+    for (si, &c) in sites.iter().enumerate() {
+        let tf_c = &mut tf[si * npc..(si + 1) * npc];
         let row = x.row(c as usize);
         match row.as_slice() {
             Some(r) if inside => snip.copy_from_slice(&r[t - half..t - half + ntaps]),
@@ -1646,14 +1640,11 @@ pub fn features(
         let mut acc = 0f32;
         for (i, &v) in snip.iter().enumerate() {
             acc += wk[i] * v;
-            for (p, f) in tf_c.iter_mut().take(npc).enumerate() {
+            for (p, f) in tf_c.iter_mut().enumerate() {
                 *f += v * wpca[p * wstride + i];
             }
         }
         adist.push(acc * sign as f32);
-    }
-    if npc == 0 {
-        tf.clear();
     }
     let wsum: f32 = adist.iter().map(|&a| a.max(0.0)).sum();
     let yct = sites
