@@ -50,6 +50,7 @@ fn run<R: Runtime>(device: &R::Device, name: &str, ks: &[usize], check: bool) {
                 setup.clone(),
                 GpuMatchOptions {
                     peels_per_check: every,
+                    peels_from_last: false,
                     ..GpuMatchOptions::from_env()
                 },
             )

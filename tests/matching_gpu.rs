@@ -110,6 +110,7 @@ fn matcher<R: Runtime>(
     device: &R::Device,
     setup: &Arc<MatchingSetup>,
     peels_per_check: usize,
+    peels_from_last: bool,
 ) -> GpuMatcher<R> {
     GpuMatcher::<R>::new(
         device,
@@ -117,6 +118,7 @@ fn matcher<R: Runtime>(
         setup.clone(),
         GpuMatchOptions {
             peels_per_check,
+            peels_from_last,
             ..GpuMatchOptions::from_env()
         },
     )
@@ -124,19 +126,22 @@ fn matcher<R: Runtime>(
 }
 
 /// Every window of the unit case (precomputed ctc and UtU-only set-ups, one
-/// and all peels per state read) equals the CPU; two runs give the same bytes.
+/// and all peels per state read, or the first read after one peel more than
+/// the previous window's) equals the CPU; two runs give the same bytes.
 fn check_unit<R: Runtime>(device: &R::Device) {
     let u = load_unit();
     for budget in [512usize << 20, 0] {
         let setup = unit_setup(&u, budget);
         assert_eq!(setup.ctc_precomputed(), budget > 0);
-        for every in [1usize, 4, 100] {
-            let mut m = matcher::<R>(device, &setup, every);
+        for (every, from_last) in [(1usize, false), (4, false), (100, false), (1, true)] {
+            let mut m = matcher::<R>(device, &setup, every, from_last);
             for (i, x) in u.x.axis_iter(Axis(0)).enumerate() {
                 let cpu = match_window(&setup, x).unwrap();
                 let gpu = m.match_window(x).unwrap();
                 same(
-                    &format!("unit window {i} (budget {budget}, every {every})"),
+                    &format!(
+                        "unit window {i} (budget {budget}, every {every}, from last {from_last})"
+                    ),
                     &cpu,
                     &gpu,
                 );
@@ -175,7 +180,7 @@ fn check_sim32<R: Runtime>(device: &R::Device) {
     let x: ArrayView2<f32> = x.slice(ndarray::s![.., ..20_000]);
     let cpu = match_window(&setup, x).unwrap();
     assert!(cpu.len() > 100, "sim32: only {} spikes", cpu.len());
-    let mut m = matcher::<R>(device, &setup, 4);
+    let mut m = matcher::<R>(device, &setup, 4, false);
     let gpu = m.match_window(x).unwrap();
     same("sim32 window 0", &cpu, &gpu);
     assert_eq!(gpu, m.match_window(x).unwrap(), "sim32: second run");
@@ -188,6 +193,7 @@ fn check_sim32<R: Runtime>(device: &R::Device) {
             setup.clone(),
             GpuMatchOptions {
                 peels_per_check: 4,
+                peels_from_last: false,
                 simple_kernels,
                 copy_window: false,
             },
@@ -257,7 +263,7 @@ fn check_sim32_device_fed<R: Runtime>(device: &R::Device) {
     let x_dev = det
         .preprocess_to_device(packer.pack(raw.view()), &probe.yc)
         .unwrap();
-    let mut m = matcher::<R>(device, &setup, 4);
+    let mut m = matcher::<R>(device, &setup, 4, false);
     let fed = m.match_device(&x_dev, n).unwrap();
     assert!(fed.len() > 300, "sim32: only {} spikes", fed.len());
     // The device's window, read back and matched from the host.

@@ -20,8 +20,8 @@
 //!    ([`kernels::subtract_kernel`]), Cf again around them
 //!    ([`kernels::best_sparse_kernel`]). A device state (spike count, stop
 //!    flag, peels) lets later peels do nothing once a peel finds no spike; the
-//!    host reads it every [`GpuMatchOptions::peels_per_check`] peels and stops
-//!    launching;
+//!    host reads it after as many peels as the previous window needed, then
+//!    every few peels ([`GpuMatchOptions`]), and stops launching;
 //! 5. the features of every spike from the final residual
 //!    ([`kernels::features_kernel`]), then one download.
 //!
@@ -75,6 +75,13 @@ pub struct GpuMatchOptions {
     /// BENCHMARKS.md needs 19 peels a window on average, and of 2, 4, 8 and
     /// 16 on the H200, 8 gave the shortest peel phase.
     pub peels_per_check: usize,
+    /// Whether a window's first read comes after one peel more than the
+    /// previous window needed, and later reads every
+    /// [`FOLLOW_UP_PEELS`] peels (`peels_per_check` then serves the first
+    /// window only): neighbouring windows need about as many peels, so
+    /// fewer peels are launched after the last one that finds a spike, and
+    /// fewer reads wait for the device. The results do not depend on it.
+    pub peels_from_last: bool,
     /// The first, one-unit-per-sample forms of the wPCA filter (`.0`) and of
     /// the best-template scans (`.1`) instead of the tiled ones (the same
     /// results; for checking a device against them).
@@ -89,6 +96,7 @@ impl Default for GpuMatchOptions {
     fn default() -> Self {
         GpuMatchOptions {
             peels_per_check: 8,
+            peels_from_last: true,
             simple_kernels: (false, false),
             copy_window: false,
         }
@@ -97,8 +105,9 @@ impl Default for GpuMatchOptions {
 
 impl GpuMatchOptions {
     /// The defaults, with `peels_per_check` from `SPIKECUBE_MATCH_PEELS_PER_CHECK`
-    /// when it holds a positive integer (a tuning knob: the spikes do not
-    /// depend on it), the simple kernels with `SPIKECUBE_MATCH_KERNELS`
+    /// when it holds a positive integer (then every read comes after that
+    /// many peels; a tuning knob: the spikes do not depend on it), the simple
+    /// kernels with `SPIKECUBE_MATCH_KERNELS`
     /// = `simple`, `simple-filter` or `simple-best`, and the copied window
     /// with `SPIKECUBE_MATCH_COPY` set (diagnostics).
     pub fn from_env() -> Self {
@@ -109,6 +118,7 @@ impl GpuMatchOptions {
             .filter(|&v| v > 0)
         {
             o.peels_per_check = v;
+            o.peels_from_last = false;
         }
         match std::env::var("SPIKECUBE_MATCH_KERNELS").as_deref() {
             Ok("simple") => o.simple_kernels = (true, true),
@@ -179,7 +189,14 @@ pub struct GpuMatcher<R: Runtime> {
     /// Per-kernel device times of the peels, when `SPIKECUBE_MATCH_PROFILE`
     /// is `kernels` (a sync after every launch).
     kernel_clock: Option<std::sync::Mutex<KernelClock>>,
+    /// Peels the previous window ran (the last one finding no spike
+    /// included), for [`GpuMatchOptions::peels_from_last`].
+    last_peels: Option<usize>,
 }
+
+/// Peels between two reads of the device state after a window's first read,
+/// with [`GpuMatchOptions::peels_from_last`].
+pub const FOLLOW_UP_PEELS: usize = 4;
 
 /// Device seconds of each peel kernel, split between the first peel of a
 /// window and the later ones (a diagnostic; logged when the matcher is
@@ -423,6 +440,7 @@ impl<R: Runtime> GpuMatcher<R> {
                         per: std::collections::BTreeMap::new(),
                     })
                 }),
+            last_peels: None,
             setup,
             client,
         };
@@ -681,10 +699,19 @@ impl<R: Runtime> GpuMatcher<R> {
         let mut launch_s = 0.0;
         let max_peels = self.setup.settings.max_peels;
         let every = self.options.peels_per_check.max(1);
+        let mut batch = match (self.options.peels_from_last, self.last_peels) {
+            (true, Some(last)) => last + 1,
+            _ => every,
+        };
         let mut st = [0u32; S_LEN];
         let mut peel = 0;
         while peel < max_peels {
-            let end = (peel + every).min(max_peels);
+            let end = (peel + batch).min(max_peels);
+            batch = if self.options.peels_from_last {
+                FOLLOW_UP_PEELS
+            } else {
+                every
+            };
             let launching = std::time::Instant::now();
             for p in peel..end {
                 self.launch_peel(&xres, &state, n, p);
@@ -703,6 +730,7 @@ impl<R: Runtime> GpuMatcher<R> {
         }
         let count = st[S_TOTAL] as usize;
         let peels = st[S_PEELS] as usize;
+        self.last_peels = Some(peels);
         let peels_s = self.lap();
         if let Some(p) = self.profile.as_mut() {
             p.windows += 1;
