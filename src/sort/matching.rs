@@ -998,13 +998,29 @@ pub fn match_window(setup: &MatchingSetup, x: ArrayView2<f32>) -> Result<WindowS
     match_window_with(setup, x, Simd::detect())
 }
 
-/// [`match_window`] with its loops compiled for `simd`.
-fn match_window_with(
+/// [`match_window`] on a window the caller no longer needs: `x` itself
+/// becomes the residual (the spikes' templates subtracted), instead of a copy
+/// of it. The same spikes, bit for bit.
+///
+/// # Errors
+/// As [`match_window`].
+pub fn match_window_in_place(
     setup: &MatchingSetup,
-    x: ArrayView2<f32>,
-    simd: Simd,
+    x: &mut Array2<f32>,
 ) -> Result<WindowSpikes, MatchError> {
-    let (k, _, n_c) = setup.u.dim();
+    check_window(setup, x.view())?;
+    if !x.is_standard_layout() {
+        *x = x.as_standard_layout().into_owned();
+    }
+    let simd = Simd::detect();
+    let b = filter_product(setup, simd, x.view());
+    Ok(peel(setup, simd, b, x))
+}
+
+/// [`MatchError::Shape`] unless `x` has the set-up's sites as rows and more
+/// than 2·nt columns.
+fn check_window(setup: &MatchingSetup, x: ArrayView2<f32>) -> Result<(), MatchError> {
+    let n_c = setup.u.dim().2;
     let nt = setup.settings.nt;
     let n = x.ncols();
     if x.nrows() != n_c || n <= 2 * nt {
@@ -1017,8 +1033,35 @@ fn match_window_with(
             ),
         ));
     }
-    let mut b = filter_product(setup, simd, x);
+    Ok(())
+}
+
+/// [`match_window`] with its loops compiled for `simd`.
+fn match_window_with(
+    setup: &MatchingSetup,
+    x: ArrayView2<f32>,
+    simd: Simd,
+) -> Result<WindowSpikes, MatchError> {
+    check_window(setup, x)?;
+    let b = filter_product(setup, simd, x);
     let mut xres = residual_copy(x, Scratch::take(&setup.scratch.x, x.len()));
+    let out = peel(setup, simd, b, &mut xres);
+    Scratch::give(&setup.scratch.x, xres.into_raw_vec_and_offset().0);
+    Ok(out)
+}
+
+/// The peels of a window whose filter product is `b` (NT × K) and whose
+/// residual starts as the window itself (`xres`, C × NT, standard layout),
+/// then the features of the final residual.
+fn peel(
+    setup: &MatchingSetup,
+    simd: Simd,
+    mut b: Vec<f32>,
+    xres: &mut Array2<f32>,
+) -> WindowSpikes {
+    let k = setup.n_templates();
+    let nt = setup.settings.nt;
+    let n = xres.ncols();
     let th2 = (setup.settings.th_learned * setup.settings.th_learned) as f32;
     let mut cfmax = vec![0f32; n];
     let mut imax = vec![0u32; n];
@@ -1047,7 +1090,7 @@ fn match_window_with(
         for parity in 0..2 {
             let half_spikes: Vec<(usize, usize, f32)> =
                 found.iter().copied().skip(parity).step_by(2).collect();
-            subtract(setup, &half_spikes, &mut b, &mut xres, n);
+            subtract(setup, &half_spikes, &mut b, xres, n);
         }
         let dirty = merge_intervals(
             found
@@ -1087,8 +1130,7 @@ fn match_window_with(
     }
     out.tf = features(setup, xres.view(), &out);
     Scratch::give(&setup.scratch.b, b);
-    Scratch::give(&setup.scratch.x, xres.into_raw_vec_and_offset().0);
-    Ok(out)
+    out
 }
 
 /// A standard-layout copy of the window (C × NT) in `buf` (C·NT floats), one

@@ -761,20 +761,20 @@ fn host_fed(
         let mut kept = kept.into_iter();
         for i in 0..n_windows {
             if i < n_kept {
-                let x = kept.next().expect("n_kept windows");
+                let mut x = kept.next().expect("n_kept windows");
                 let w = matcher
-                    .match_window(x.view())
+                    .match_window_in_place(&mut x)
                     .with_context(|| format!("matching: window {i} kept in host memory"))?;
                 drop(x);
                 parts.push(w);
                 done(i);
                 continue;
             }
-            let x = rx
+            let mut x = rx
                 .recv()
                 .with_context(|| format!("matching: window {i} was not read"))??;
             let w = matcher
-                .match_window(x.view())
+                .match_window_in_place(&mut x)
                 .with_context(|| format!("matching: window {i}"))?;
             let _ = free_tx.send(x);
             parts.push(w);

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use ndarray::ArrayView2;
+use ndarray::{Array2, ArrayView2};
 
 use super::{MatchError, MatchingSetup, WindowSpikes};
 use crate::backend::{Backend, Chosen};
@@ -100,6 +100,26 @@ impl Matcher {
             Matcher::Wgpu(m) => m.match_window(x),
         }
     }
+
+    /// [`Matcher::match_window`] on a window the caller no longer needs: on
+    /// the CPU it becomes the residual ([`super::match_window_in_place`]),
+    /// saving a copy; a GPU leaves it as it was.
+    ///
+    /// # Errors
+    /// As [`Matcher::match_window`].
+    pub fn match_window_in_place(
+        &mut self,
+        x: &mut Array2<f32>,
+    ) -> Result<WindowSpikes, MatchError> {
+        match self {
+            Matcher::Cpu(s) => super::match_window_in_place(s, x),
+            #[cfg(feature = "cuda")]
+            Matcher::Cuda(m) => m.match_window(x.view()),
+            #[cfg(feature = "wgpu")]
+            Matcher::Wgpu(m) => m.match_window(x.view()),
+        }
+    }
+
     /// Whether [`Matcher::match_raw`] can take its windows preprocessed on
     /// `feed`'s device: both on the same GPU back end.
     #[cfg(any(feature = "cuda", feature = "wgpu"))]

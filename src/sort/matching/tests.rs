@@ -3,7 +3,7 @@
 //! windows, with overlapping and exactly tied spikes, both must give the same
 //! spikes with the same bits, on any thread count.
 
-use ndarray::{Array2, Array3};
+use ndarray::{Array2, Array3, ShapeBuilder};
 
 use super::*;
 
@@ -444,6 +444,14 @@ fn check(setup: &MatchingSetup, x: &Array2<f32>, what: &str) -> WindowSpikes {
             }
         }
     }
+    // In place (the window becomes the residual), in either memory order.
+    let mut own = x.clone();
+    let got = match_window_in_place(setup, &mut own).unwrap();
+    assert_same(&got, &want, &format!("{what}, in place"));
+    let mut fortran = Array2::zeros(x.raw_dim().f());
+    fortran.assign(x);
+    let got = match_window_in_place(setup, &mut fortran).unwrap();
+    assert_same(&got, &want, &format!("{what}, in place, column-major"));
     want
 }
 
