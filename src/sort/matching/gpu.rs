@@ -699,19 +699,16 @@ impl<R: Runtime> GpuMatcher<R> {
         let mut launch_s = 0.0;
         let max_peels = self.setup.settings.max_peels;
         let every = self.options.peels_per_check.max(1);
-        let mut batch = match (self.options.peels_from_last, self.last_peels) {
-            (true, Some(last)) => last + 1,
-            _ => every,
+        let (mut batch, follow_up) = match (self.options.peels_from_last, self.last_peels) {
+            (true, Some(last)) => (last + 1, FOLLOW_UP_PEELS),
+            (true, None) => (every, FOLLOW_UP_PEELS),
+            (false, _) => (every, every),
         };
         let mut st = [0u32; S_LEN];
         let mut peel = 0;
         while peel < max_peels {
             let end = (peel + batch).min(max_peels);
-            batch = if self.options.peels_from_last {
-                FOLLOW_UP_PEELS
-            } else {
-                every
-            };
+            batch = follow_up;
             let launching = std::time::Instant::now();
             for p in peel..end {
                 self.launch_peel(&xres, &state, n, p);
