@@ -10,7 +10,9 @@
 mod common;
 
 use spikecube::sort::clustering::SeedingDevice;
-use spikecube::sort::clustering::seeding::{kmeans_plusplus, kmeans_plusplus_on};
+use spikecube::sort::clustering::seeding::{
+    kmeans_plusplus, kmeans_plusplus_on, kmeans_plusplus_on_device,
+};
 
 /// A xorshift generator of uniform numbers in [−0.5, 0.5).
 fn uniform_gen(mut x: u64) -> impl FnMut() -> f32 {
@@ -76,11 +78,59 @@ fn check(device: &SeedingDevice) {
     }
 }
 
+/// The seeding with every gain on the device, all groups in lockstep:
+/// blobs over several blocks of 2048 spikes, integer features with exact
+/// ties (gains equal to v0, equal totals), a group of spikes at the origin
+/// (no step) and a group of identical spikes.
+fn check_lockstep(device: &SeedingDevice) {
+    let mut next = uniform_gen(9);
+    let mut groups: Vec<(Vec<f32>, usize)> = vec![
+        (blobs(4500, 84, 25, 1), 84),
+        (blobs(4100, 60, 18, 2), 60),
+        ((0..3000 * 4).map(|_| (next() * 5.0).round()).collect(), 4),
+        (blobs(1200, 72, 30, 3), 72),
+        (vec![0f32; 1000 * 6], 6),
+        (blobs(1, 12, 1, 5).repeat(1500), 12),
+    ];
+    groups.push((blobs(2100, 256, 12, 6), 256));
+    let views: Vec<(&[f32], usize)> = groups.iter().map(|(x, d)| (x.as_slice(), *d)).collect();
+    // Draws on 3 threads, then on 1 (the labels do not depend on it).
+    for (seed, threads) in [(5u64, 3usize), (8, 1)] {
+        let got = kmeans_plusplus_on_device(&views, 200, seed, device, threads)
+            .expect("the device seeds these groups");
+        for (g, &(xd, dim)) in views.iter().enumerate() {
+            let want = kmeans_plusplus(xd, dim, 200, seed);
+            let diff = want.iter().zip(&got[g]).filter(|(a, b)| a != b).count();
+            assert_eq!(
+                diff, 0,
+                "group {g} ({dim} features), seed {seed}: {diff} labels differ"
+            );
+        }
+    }
+    // A group wider than the device takes: not seeded there.
+    let wide = blobs(1500, 300, 10, 4);
+    assert!(kmeans_plusplus_on_device(&[(&wide, 300)], 200, 5, device, 2).is_none());
+}
+
 #[cfg(feature = "wgpu")]
 #[test]
 fn wgpu_screened_seeding_equals_cpu() {
     crate::common::require_vulkan();
     check(&SeedingDevice::wgpu());
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_lockstep_seeding_equals_cpu() {
+    crate::common::require_vulkan();
+    check_lockstep(&SeedingDevice::wgpu());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs an NVIDIA GPU"]
+fn cuda_lockstep_seeding_equals_cpu() {
+    check_lockstep(&SeedingDevice::cuda());
 }
 
 #[cfg(feature = "cuda")]

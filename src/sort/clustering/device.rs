@@ -15,6 +15,8 @@
 use std::fmt;
 use std::sync::Arc;
 
+use super::lockstep::ExactSteps;
+
 /// Candidates per tile of the device screen: one bit of a spike's flags
 /// (the CPU seeding's tile width).
 pub(crate) const SCREEN_TILE: usize = 16;
@@ -55,6 +57,12 @@ pub(crate) trait ScreenFactory: Send + Sync {
     fn batch(&self, groups: &[(&[f32], usize, &[f32])], taken: &[bool]) -> Box<dyn BatchScreen>;
     /// The device, in words.
     fn name(&self) -> String;
+    /// The seeding of the groups `(features n × dim, dim)` with every gain
+    /// on the device ([`super::lockstep`]); `None` where the device cannot
+    /// (no float64).
+    fn exact(&self, _groups: &[(&[f32], usize)]) -> Option<Box<dyn ExactSteps>> {
+        None
+    }
 }
 
 /// Where the seeding screens its pairs: on the CPU (default) or on a GPU
@@ -148,6 +156,17 @@ impl SeedingDevice {
             && !xd.is_empty()
             && xd.len() / dim >= self.1
             && xd.iter().all(|v| v.is_finite() && v.abs() <= MAX_ABS)
+    }
+
+    /// The device's seeding of `groups` with every gain computed there
+    /// ([`super::lockstep`]), when a device is set, can, and each group is
+    /// one it [`takes`](SeedingDevice::takes).
+    pub(crate) fn exact(&self, groups: &[(&[f32], usize)]) -> Option<Box<dyn ExactSteps>> {
+        let d = self.0.as_ref()?;
+        if groups.iter().any(|&(x, dim)| !self.takes(x, dim)) {
+            return None;
+        }
+        d.exact(groups)
     }
 
     /// The device screens of the groups `taken` ([`SeedingDevice::takes`]);
@@ -392,6 +411,11 @@ mod cube {
 
         fn name(&self) -> String {
             self.name.clone()
+        }
+
+        fn exact(&self, groups: &[(&[f32], usize)]) -> Option<Box<dyn super::ExactSteps>> {
+            let s = super::super::lockstep::CubeSteps::<R>::new(&self.client, groups)?;
+            Some(Box::new(s))
         }
     }
 

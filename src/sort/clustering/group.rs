@@ -50,14 +50,16 @@ pub fn cluster_group(
     init: Option<&[u32]>,
     settings: &ClusteringSettings,
 ) -> GroupOutcome {
-    cluster_group_clocked(xd, dim, times, init, settings, &mut None)
+    cluster_group_clocked(xd, dim, times, None, init, settings, &mut None)
 }
 
-/// [`cluster_group`], its stages timed on `clock` when profiling.
+/// [`cluster_group`] with its neighbour graph when already built ([`build_graph`]),
+/// its stages timed on `clock` when profiling.
 pub(crate) fn cluster_group_clocked(
     xd: &[f32],
     dim: usize,
     times: Option<&[f64]>,
+    graph: Option<Graph>,
     init: Option<&[u32]>,
     settings: &ClusteringSettings,
     clock: &mut Option<GroupClock>,
@@ -65,7 +67,7 @@ pub(crate) fn cluster_group_clocked(
     if clock.is_some() {
         dump_features(xd, dim, init.is_none());
     }
-    let g = build_graph(xd, dim, settings);
+    let g = graph.unwrap_or_else(|| build_graph(xd, dim, settings));
     lap(clock, 0);
     let seeded;
     let init = match init {

@@ -29,6 +29,7 @@ pub mod group;
 pub mod groups;
 pub mod knn;
 pub mod labels;
+mod lockstep;
 mod profile;
 pub mod seeding;
 pub mod settings;
@@ -40,6 +41,7 @@ use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
 pub use device::{DEVICE_MIN_SPIKES, SeedingDevice};
 pub use group::{GroupOutcome, cluster_group};
 pub use groups::{GroupData, Positions};
+use settings::N_CLUSTERS_INIT;
 pub use settings::{ClusteringSettings, MIN_GROUP_SPIKES, XCenters};
 
 /// Errors of the clustering.
@@ -223,10 +225,12 @@ struct GroupResult {
     summary: GroupSummary,
 }
 
-/// Clusters one group: whole when under 1000 spikes, else the graph clustering.
+/// Clusters one group: whole when under 1000 spikes, else the graph clustering
+/// (with its neighbour graph and initial labels when made beforehand).
 fn run_group(
     inp: &ClusterInput<'_>,
     data: GroupData,
+    pre: Prepared,
     settings: &ClusteringSettings,
     prof: &profile::Profile,
 ) -> GroupResult {
@@ -242,7 +246,8 @@ fn run_group(
             &data.xd,
             data.dim,
             times.as_deref(),
-            None,
+            pre.graph,
+            pre.init.as_deref(),
             settings,
             &mut clock,
         );
@@ -271,6 +276,196 @@ fn run_group(
     }
 }
 
+/// What a group's clustering can start from: its neighbour graph and its
+/// initial labels, when made beforehand (by [`run_groups_lockstep`]).
+#[derive(Default)]
+struct Prepared {
+    graph: Option<labels::Graph>,
+    init: Option<Vec<u32>>,
+}
+
+/// Most spikes seeded on the device at once: the groups are seeded in
+/// batches of at most this many spikes (a larger group alone), which bounds
+/// the device memory of the seeding (features, v0, labels and block sums:
+/// about 4·(dim + 3) bytes a spike, under 1.3 GB at 72 features).
+const LOCKSTEP_MAX_SPIKES: usize = 4_000_000;
+
+/// Host threads drawing the candidates of the device seeding's steps
+/// (`SPIKECUBE_SEED_DRAW_THREADS` sets another number; the labels do not
+/// depend on it).
+const DRAW_THREADS: usize = 4;
+
+/// Whether the seeding may run with every gain on the device: yes unless
+/// `SPIKECUBE_SEED_LOCKSTEP=0` (then the device only screens the pairs of
+/// each group, group by group; the same labels).
+fn lockstep_enabled() -> bool {
+    std::env::var("SPIKECUBE_SEED_LOCKSTEP").map_or(true, |v| v != "0")
+}
+
+/// [`run_groups`] with the seeding of every group on the device
+/// ([`lockstep`]): the groups' data first; then, at the same time, the
+/// seeding of the groups the device takes (a thread of its own, in batches
+/// of [`LOCKSTEP_MAX_SPIKES`], the draws on [`DRAW_THREADS`] threads) and
+/// every group's neighbour graph (the current pool, largest first); then
+/// the rest of each group's clustering (label updates, tree, cuts; largest
+/// first). The labels are those of [`run_groups`]. `None` (nothing done)
+/// without a device seeding.
+fn run_groups_lockstep(
+    inp: &ClusterInput<'_>,
+    plan: &GroupPlan,
+    settings: &ClusteringSettings,
+) -> Option<Vec<GroupResult>> {
+    use rayon::prelude::*;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Instant;
+    let device = &settings.seeding_device;
+    if !device.is_device() || !lockstep_enabled() {
+        return None;
+    }
+    let t0 = Instant::now();
+    let members = groups::group_members(&plan.centres, &plan.nearest, inp.spike_template);
+    let datas: Vec<Option<GroupData>> = members
+        .into_par_iter()
+        .enumerate()
+        .with_max_len(1)
+        .map(|(g, spikes)| {
+            groups::group_data_of(
+                plan.centres[g],
+                spikes,
+                &plan.nearest,
+                inp.spike_template,
+                inp.tf,
+                inp.chans,
+            )
+        })
+        .collect();
+    let size = |g: usize| datas[g].as_ref().map_or(0, |d| d.spikes.len());
+    let mut order: Vec<usize> = (0..datas.len()).filter(|&g| size(g) > 0).collect();
+    order.sort_by_key(|&g| std::cmp::Reverse(size(g)));
+    let clustered: Vec<usize> = order
+        .iter()
+        .copied()
+        .filter(|&g| size(g) >= MIN_GROUP_SPIKES)
+        .collect();
+    // Batches of the groups the device takes (the others are seeded on the
+    // CPU with the rest of their clustering).
+    let mut batches: Vec<Vec<usize>> = Vec::new();
+    let mut in_batch = 0usize;
+    for &g in &clustered {
+        let d = datas[g].as_ref().expect("clustered groups have data");
+        if !device.takes(&d.xd, d.dim) {
+            continue;
+        }
+        if batches.is_empty() || in_batch + size(g) > LOCKSTEP_MAX_SPIKES {
+            batches.push(Vec::new());
+            in_batch = 0;
+        }
+        in_batch += size(g);
+        batches.last_mut().expect("pushed").push(g);
+    }
+    let draw_threads = std::env::var("SPIKECUBE_SEED_DRAW_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or(DRAW_THREADS);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(draw_threads)
+        .thread_name(|i| format!("seed-draws-{i}"))
+        .build()
+        .ok()?;
+    let t_data = t0.elapsed().as_secs_f64();
+    let (seeds, graphs, t_seed, t_graphs) = std::thread::scope(|sc| {
+        let seeding = sc.spawn(|| {
+            let t = Instant::now();
+            let mut out: Vec<(usize, Vec<u32>)> = Vec::new();
+            for batch in &batches {
+                let views: Vec<(&[f32], usize)> = batch
+                    .iter()
+                    .map(|&g| {
+                        let d = datas[g].as_ref().expect("batched groups have data");
+                        (d.xd.as_slice(), d.dim)
+                    })
+                    .collect();
+                // A batch the device cannot seed is seeded on the CPU later.
+                if let Some(mut steps) = device.exact(&views) {
+                    let labels = lockstep::seed_lockstep(
+                        &views,
+                        N_CLUSTERS_INIT,
+                        settings.cluster_init_seed,
+                        steps.as_mut(),
+                        &pool,
+                    );
+                    out.extend(batch.iter().copied().zip(labels));
+                }
+            }
+            (out, t.elapsed().as_secs_f64())
+        });
+        let t = Instant::now();
+        let graphs: Vec<(usize, labels::Graph)> = clustered
+            .par_iter()
+            .with_max_len(1)
+            .map(|&g| {
+                let d = datas[g].as_ref().expect("clustered groups have data");
+                (g, group::build_graph(&d.xd, d.dim, settings))
+            })
+            .collect();
+        let t_graphs = t.elapsed().as_secs_f64();
+        let (seeds, t_seed) = seeding
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e));
+        (seeds, graphs, t_seed, t_graphs)
+    });
+    let t_tail = Instant::now();
+    let mut pre: Vec<Prepared> = (0..datas.len()).map(|_| Prepared::default()).collect();
+    for (g, graph) in graphs {
+        pre[g].graph = Some(graph);
+    }
+    let n_seeded = seeds.len();
+    for (g, init) in seeds {
+        pre[g].init = Some(init);
+    }
+    let work: Vec<Mutex<Option<(GroupData, Prepared)>>> = datas
+        .into_iter()
+        .zip(pre)
+        .map(|(d, p)| Mutex::new(d.map(|d| (d, p))))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let prof = profile::Profile::default();
+    let per_thread: Vec<Vec<(usize, GroupResult)>> = rayon::broadcast(|_| {
+        let mut done = Vec::new();
+        loop {
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&g) = order.get(k) else {
+                break;
+            };
+            let item = work[g]
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            if let Some((d, p)) = item {
+                done.push((g, run_group(inp, d, p, settings, &prof)));
+            }
+        }
+        done
+    });
+    let msg = format!(
+        "clustering on the device's seeding: {} groups, data {t_data:.2} s, then graphs {t_graphs:.2} s beside the seeding of {n_seeded} groups {t_seed:.2} s, then the rest {:.2} s; {:.2} s in all",
+        order.len(),
+        t_tail.elapsed().as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    );
+    if profile::enabled() {
+        tracing::info!("{msg}");
+        prof.log(t0.elapsed().as_secs_f64(), rayon::current_num_threads());
+    } else {
+        tracing::debug!("{msg}");
+    }
+    let mut results: Vec<(usize, GroupResult)> = per_thread.into_iter().flatten().collect();
+    results.sort_unstable_by_key(|r| r.0);
+    Some(results.into_iter().map(|r| r.1).collect())
+}
+
 /// Clusters every group of `plan` with spikes, largest first; the results
 /// in `plan.centres` order.
 ///
@@ -294,6 +489,9 @@ fn run_groups(
     plan: &GroupPlan,
     settings: &ClusteringSettings,
 ) -> Vec<GroupResult> {
+    if let Some(r) = run_groups_lockstep(inp, plan, settings) {
+        return r;
+    }
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
     let members = groups::group_members(&plan.centres, &plan.nearest, inp.spike_template);
@@ -327,7 +525,7 @@ fn run_groups(
                 inp.chans,
             );
             if let Some(d) = data {
-                done.push((g, run_group(inp, d, settings, &prof)));
+                done.push((g, run_group(inp, d, Prepared::default(), settings, &prof)));
             }
         }
         done

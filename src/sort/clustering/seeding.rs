@@ -30,7 +30,7 @@ use super::settings::N_CANDIDATES;
 
 /// Spikes per block of the gain sums (fixed, so totals do not depend on the
 /// thread count).
-const SPIKE_BLOCK: usize = 2048;
+pub(super) const SPIKE_BLOCK: usize = 2048;
 /// Rejected (already drawn) candidates in a row before the weights are rebuilt
 /// without the drawn ones.
 const MAX_REJECTS: usize = 64;
@@ -38,7 +38,7 @@ const MAX_REJECTS: usize = 64;
 /// x·c summed in float32 in feature order (the one order used everywhere here,
 /// so that a spike's gain from itself equals its own ‖x‖²).
 #[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut s = 0f32;
     for (x, y) in a.iter().zip(b) {
         s += x * y;
@@ -55,7 +55,7 @@ fn uniform(rng: &mut ChaCha8Rng) -> f64 {
 /// one after another without replacement (a drawn index is redrawn; after many
 /// redraws in a row the weights are rebuilt without the drawn ones, which
 /// gives the same distribution). Indices with weight 0 are never drawn.
-fn draw_without_replacement(w: &[f32], ntry: usize, rng: &mut ChaCha8Rng) -> Vec<usize> {
+pub(super) fn draw_without_replacement(w: &[f32], ntry: usize, rng: &mut ChaCha8Rng) -> Vec<usize> {
     let positive = w.iter().filter(|&&v| v > 0.0).count();
     let ntry = ntry.min(positive);
     let mut chosen: Vec<usize> = Vec::with_capacity(ntry);
@@ -143,6 +143,34 @@ pub fn kmeans_plusplus_on(
     kmeans_plusplus_many(&[(xd, dim)], n_clusters, seed, device)
         .pop()
         .unwrap_or_default()
+}
+
+/// [`kmeans_plusplus`] of several groups (`(xd, dim)` each) at once with
+/// every gain computed on `device` (all groups' steps in lockstep, the
+/// draws on `draw_threads` host threads): each group's labels are those of
+/// [`kmeans_plusplus`] on it alone. `None` when the device cannot (no GPU,
+/// no float64, or a group it does not take: wider than
+/// [`MAX_DEVICE_DIM`](super::device::MAX_DEVICE_DIM) or with a non-finite
+/// feature).
+pub fn kmeans_plusplus_on_device(
+    groups: &[(&[f32], usize)],
+    n_clusters: usize,
+    seed: u64,
+    device: &SeedingDevice,
+    draw_threads: usize,
+) -> Option<Vec<Vec<u32>>> {
+    let mut steps = device.exact(groups)?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(draw_threads.max(1))
+        .build()
+        .ok()?;
+    Some(super::lockstep::seed_lockstep(
+        groups,
+        n_clusters,
+        seed,
+        steps.as_mut(),
+        &pool,
+    ))
 }
 
 /// [`kmeans_plusplus`] of several groups (`(xd, dim)` each) at once, step by

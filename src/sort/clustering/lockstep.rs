@@ -1,0 +1,639 @@
+//! The seeding of many groups at once with every gain on a GPU
+//! ([`seed_lockstep`]): Kilosort4's greedy k-means++ seeding
+//! (`clustering_qr.py:kmeans_plusplus`, as [`super::seeding`] states it),
+//! one step of every group a round trip.
+//!
+//! At each step the host draws each group's candidates (ChaCha8, as the CPU
+//! seeding draws them) and the device does the rest for all groups in three
+//! launches: every spike's gain t = 2x·c − ‖c‖² from every candidate and the
+//! positive parts of t − v0 summed per candidate ([`ExactSteps`]); each
+//! group's best candidate; the update of v0 and of the labels. The host then
+//! reads v0 back (4 bytes a spike) for the next draws.
+//!
+//! The device computes the CPU seeding's bits: each x·c is summed in float32
+//! in feature order with every product rounded before its addition (each
+//! product goes through an integer xor with a zero that the compiler cannot
+//! see, so it cannot be fused into a multiply-add), the positive gains are
+//! added in float64 in spike order within blocks of 2048 spikes, the blocks
+//! in order, and the first of equal totals wins. So the labels equal
+//! [`super::seeding::kmeans_plusplus`]'s on every device that has float64
+//! (tested on lavapipe and CUDA); a device without it is not used.
+//!
+//! Unlike the CPU seeding, which skips what cannot change (a memo of gains
+//! and a screen of pairs), the device computes every pair at every step:
+//! 100 candidates × every spike × the feature length, a dense product that a
+//! GPU does in about a millisecond for a million spikes.
+
+use rand_chacha::ChaCha8Rng;
+use rand_chacha::rand_core::SeedableRng;
+use rayon::prelude::*;
+
+use super::seeding::{dot, draw_without_replacement};
+use super::settings::N_CANDIDATES;
+
+/// One step's candidates of one group: their rows in the group (draw order)
+/// and their ‖c‖² (float32, feature order).
+pub(crate) type Candidates = (Vec<u32>, Vec<f32>);
+
+/// The seeding's steps of several groups on a device, with every gain
+/// computed there in the CPU seeding's arithmetic.
+pub(crate) trait ExactSteps: Send {
+    /// Takes step `j` of every group with candidates in `cand` (the others
+    /// are over): each group's best candidate (largest summed positive gain
+    /// Σ relu(t − v0), the first of equal ones), whose improved spikes
+    /// (t > v0) take label `j` and v0 = t; then writes every group's v0
+    /// into `v0[g]`.
+    fn step(&mut self, cand: &[Option<Candidates>], j: u32, v0: &mut [Vec<f32>]);
+    /// Every group's labels.
+    fn labels(&mut self) -> Vec<Vec<u32>>;
+}
+
+/// One group's host state between steps.
+struct Draws {
+    vtot: Vec<f32>,
+    rng: ChaCha8Rng,
+    done: bool,
+}
+
+/// Initial labels (0‥`n_clusters`) of each group (`(xd, dim)`, rows of
+/// float32 features) by Kilosort4's seeding with our generator seeded with
+/// `seed`, every gain computed by `steps` (made for these groups); the draws
+/// run on `pool`. Each group's labels are those of
+/// [`super::seeding::kmeans_plusplus`] on it alone.
+pub(crate) fn seed_lockstep(
+    groups: &[(&[f32], usize)],
+    n_clusters: usize,
+    seed: u64,
+    steps: &mut dyn ExactSteps,
+    pool: &rayon::ThreadPool,
+) -> Vec<Vec<u32>> {
+    let mut state: Vec<Draws> = pool.install(|| {
+        groups
+            .par_iter()
+            .map(|&(xd, dim)| {
+                let vtot: Vec<f32> = xd.chunks_exact(dim.max(1)).map(|r| dot(r, r)).collect();
+                Draws {
+                    done: vtot.is_empty(),
+                    vtot,
+                    rng: ChaCha8Rng::seed_from_u64(seed),
+                }
+            })
+            .collect()
+    });
+    let mut v0: Vec<Vec<f32>> = state.iter().map(|s| vec![0f32; s.vtot.len()]).collect();
+    for j in 0..n_clusters {
+        let cand: Vec<Option<Candidates>> = pool.install(|| {
+            state
+                .par_iter_mut()
+                .zip(&v0)
+                .map(|(s, v0)| {
+                    if s.done {
+                        return None;
+                    }
+                    let w: Vec<f32> = s
+                        .vtot
+                        .iter()
+                        .zip(v0)
+                        .map(|(&t, &e)| (t - e).max(0.0))
+                        .collect();
+                    let c = draw_without_replacement(&w, N_CANDIDATES, &mut s.rng);
+                    if c.is_empty() {
+                        s.done = true;
+                        return None;
+                    }
+                    let cn = c.iter().map(|&i| s.vtot[i]).collect();
+                    Some((c.into_iter().map(|i| i as u32).collect(), cn))
+                })
+                .collect()
+        });
+        if cand.iter().all(Option::is_none) {
+            break;
+        }
+        steps.step(&cand, j as u32, &mut v0);
+    }
+    steps.labels()
+}
+
+/// The device's steps evaluated on the CPU, literally, pair by pair: the
+/// reference the kernels are checked against in the library's tests.
+#[cfg(test)]
+pub(crate) struct CpuSteps {
+    groups: Vec<(Vec<f32>, usize)>,
+    v0: Vec<Vec<f32>>,
+    labels: Vec<Vec<u32>>,
+}
+
+#[cfg(test)]
+impl CpuSteps {
+    pub(crate) fn new(groups: &[(&[f32], usize)]) -> Self {
+        let n = |&(x, d): &(&[f32], usize)| x.len() / d.max(1);
+        CpuSteps {
+            groups: groups.iter().map(|&(x, d)| (x.to_vec(), d)).collect(),
+            v0: groups.iter().map(|g| vec![0f32; n(g)]).collect(),
+            labels: groups.iter().map(|g| vec![0u32; n(g)]).collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+impl ExactSteps for CpuSteps {
+    fn step(&mut self, cand: &[Option<Candidates>], j: u32, v0_out: &mut [Vec<f32>]) {
+        for (g, c) in cand.iter().enumerate() {
+            let Some((rows, cn)) = c else { continue };
+            let (xd, dim) = (&self.groups[g].0, self.groups[g].1);
+            let v0 = &mut self.v0[g];
+            let row = |i: usize| &xd[i * dim..(i + 1) * dim];
+            use super::seeding::SPIKE_BLOCK;
+            let gain = |s: usize, k: usize| 2.0 * dot(row(s), row(rows[k] as usize)) - cn[k];
+            let totals: Vec<f64> = (0..rows.len())
+                .map(|k| {
+                    let mut total = 0f64;
+                    for b in (0..v0.len()).step_by(SPIKE_BLOCK) {
+                        let mut bs = 0f64;
+                        for (s, &e) in v0.iter().enumerate().skip(b).take(SPIKE_BLOCK) {
+                            let d = gain(s, k) - e;
+                            if d > 0.0 {
+                                bs += f64::from(d);
+                            }
+                        }
+                        total += bs;
+                    }
+                    total
+                })
+                .collect();
+            let mut best = 0;
+            for k in 1..totals.len() {
+                if totals[k] > totals[best] {
+                    best = k;
+                }
+            }
+            for s in 0..v0.len() {
+                let t = gain(s, best);
+                if t > v0[s] {
+                    v0[s] = t;
+                    self.labels[g][s] = j;
+                }
+            }
+        }
+        for (o, v) in v0_out.iter_mut().zip(&self.v0) {
+            o.copy_from_slice(v);
+        }
+    }
+
+    fn labels(&mut self) -> Vec<Vec<u32>> {
+        self.labels.clone()
+    }
+}
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub(crate) use cube::CubeSteps;
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+mod cube {
+    use cubecl::prelude::*;
+    use cubecl::server::Handle;
+
+    use super::super::seeding::SPIKE_BLOCK;
+    use super::super::settings::N_CANDIDATES;
+    use super::{Candidates, ExactSteps};
+
+    /// Spikes per chunk of a block and units per cube.
+    const UNITS: usize = 128;
+    /// Candidates per cube of [`gains_kernel`].
+    const TILE: usize = 16;
+    /// Candidate slots per group (a whole number of tiles).
+    const SLOTS: usize = N_CANDIDATES.div_ceil(TILE) * TILE;
+    /// Chunks of [`UNITS`] spikes in a block.
+    const CHUNKS: usize = SPIKE_BLOCK / UNITS;
+    const _: () = assert!(SPIKE_BLOCK.is_multiple_of(UNITS));
+    /// No candidate (a group whose seeding is over).
+    const NONE: u32 = u32::MAX;
+
+    /// x·c in float32, feature order, each product rounded before the sum:
+    /// the xor with `zero` (0 at run time) keeps the compiler from fusing
+    /// the product into the addition.
+    #[cube]
+    fn product(x: f32, c: f32, zero: u32) -> f32 {
+        f32::reinterpret(u32::reinterpret(x * c) ^ zero)
+    }
+
+    /// bsum\[b·SLOTS + c\] = Σ over the spikes s of block b in order (float64)
+    /// of relu(2·(x_s·c) − cn\[c\] − v0\[s\]), for the candidates c of tile
+    /// `CUBE_POS_Y` of the block's group.
+    ///
+    /// Cube (b, tile): block b (`blocks[2b]` = its group, `blocks[2b + 1]`
+    /// = its index in the group) of [`SPIKE_BLOCK`] spikes, in chunks of
+    /// [`UNITS`] (one unit a spike: 16 gains, written to shared memory; then
+    /// unit l < 16 adds candidate l's column in spike order). `table` per
+    /// group: row0 (its first row in `v0`), n, dim, x_off (its features,
+    /// feature-major dim × n), number of candidates. Candidates (rows of the
+    /// group) in `cand[g·SLOTS..]`, their ‖c‖² in `cn`; staged in shared
+    /// memory (`TILE` × `max_dim`).
+    #[cube(launch_unchecked)]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gains_kernel(
+        x: &Array<f32>,
+        v0: &Array<f32>,
+        cand: &Array<u32>,
+        cn: &Array<f32>,
+        blocks: &Array<u32>,
+        table: &Array<u32>,
+        bsum: &mut Array<f64>,
+        zero: u32,
+        #[comptime] max_dim: usize,
+    ) {
+        let mut cs = SharedMemory::<f32>::new(comptime!(TILE * max_dim));
+        let mut dsh = SharedMemory::<f32>::new(comptime!(UNITS * TILE));
+        let u = UNIT_POS_X as usize;
+        let blk = CUBE_POS_X as usize;
+        let tile = CUBE_POS_Y as usize;
+        let g = blocks[blk * 2] as usize;
+        let b = blocks[blk * 2 + 1] as usize;
+        let row0 = table[g * 5] as usize;
+        let n = table[g * 5 + 1] as usize;
+        let dim = table[g * 5 + 2] as usize;
+        let x_off = table[g * 5 + 3] as usize;
+        let nc = table[g * 5 + 4] as usize;
+        let c0 = tile * TILE;
+        if c0 < nc {
+            let mut i = u;
+            while i < TILE * dim {
+                let l = i % TILE;
+                let k = i / TILE;
+                let mut v = 0.0f32;
+                if c0 + l < nc {
+                    v = x[x_off + k * n + cand[g * SLOTS + c0 + l] as usize];
+                }
+                cs[i] = v;
+                i += UNITS;
+            }
+            let mut cc = Array::<f32>::new(TILE);
+            #[unroll]
+            for l in 0..TILE {
+                cc[l] = 0.0f32;
+                if c0 + l < nc {
+                    cc[l] = cn[g * SLOTS + c0 + l];
+                }
+            }
+            sync_cube();
+            let mut bs = 0.0f64;
+            let first = b * SPIKE_BLOCK;
+            let mut chunk = 0usize;
+            while chunk < CHUNKS && first + chunk * UNITS < n {
+                let s = first + chunk * UNITS + u;
+                if s < n {
+                    let mut acc = Array::<f32>::new(TILE);
+                    #[unroll]
+                    for l in 0..TILE {
+                        acc[l] = 0.0f32;
+                    }
+                    for k in 0..dim {
+                        let xv = x[x_off + k * n + s];
+                        #[unroll]
+                        for l in 0..TILE {
+                            acc[l] += product(xv, cs[k * TILE + l], zero);
+                        }
+                    }
+                    let e = v0[row0 + s];
+                    #[unroll]
+                    for l in 0..TILE {
+                        let d = (2.0f32 * acc[l] - cc[l]) - e;
+                        let mut w = 0.0f32;
+                        if d > 0.0f32 {
+                            w = d;
+                        }
+                        dsh[u * TILE + l] = w;
+                    }
+                } else {
+                    #[unroll]
+                    for l in 0..TILE {
+                        dsh[u * TILE + l] = 0.0f32;
+                    }
+                }
+                sync_cube();
+                if u < TILE {
+                    for i in 0..UNITS {
+                        bs += f64::cast_from(dsh[i * TILE + u]);
+                    }
+                }
+                sync_cube();
+                chunk += 1;
+            }
+            if u < TILE {
+                bsum[blk * SLOTS + c0 + u] = bs;
+            }
+        }
+    }
+
+    /// best\[g\] = the row of group g's candidate with the largest total
+    /// (block sums `bsum` added in block order, float64; the first of equal
+    /// ones), bestcn\[g\] its ‖c‖²; [`NONE`] for a group without candidates.
+    /// One cube (of [`UNITS`] ≥ `SLOTS` units) a group; `gblocks` per group:
+    /// its first block and block count.
+    #[cube(launch_unchecked)]
+    pub(crate) fn best_kernel(
+        bsum: &Array<f64>,
+        cand: &Array<u32>,
+        cn: &Array<f32>,
+        table: &Array<u32>,
+        gblocks: &Array<u32>,
+        best: &mut Array<u32>,
+        bestcn: &mut Array<f32>,
+    ) {
+        let mut tot = SharedMemory::<f64>::new(SLOTS);
+        let u = UNIT_POS_X as usize;
+        let g = CUBE_POS_X as usize;
+        let nc = table[g * 5 + 4] as usize;
+        let b0 = gblocks[g * 2] as usize;
+        let nb = gblocks[g * 2 + 1] as usize;
+        if u < nc {
+            let mut t = 0.0f64;
+            for b in 0..nb {
+                t += bsum[(b0 + b) * SLOTS + u];
+            }
+            tot[u] = t;
+        }
+        sync_cube();
+        if u == 0 {
+            if nc == 0 {
+                best[g] = NONE;
+            } else {
+                let mut k = 0usize;
+                for c in 1..nc {
+                    if tot[c] > tot[k] {
+                        k = c;
+                    }
+                }
+                best[g] = cand[g * SLOTS + k];
+                bestcn[g] = cn[g * SLOTS + k];
+            }
+        }
+    }
+
+    /// For each spike of a group with a best candidate c: t = 2·(x·c) −
+    /// ‖c‖² (as [`gains_kernel`]); where t > v0, v0 = t and the label is `j`.
+    /// One unit a row; `cube_group` gives each cube's group (rows padded to
+    /// whole cubes per group).
+    #[cube(launch_unchecked)]
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn update_kernel(
+        x: &Array<f32>,
+        table: &Array<u32>,
+        cube_group: &Array<u32>,
+        best: &Array<u32>,
+        bestcn: &Array<f32>,
+        v0: &mut Array<f32>,
+        labels: &mut Array<u32>,
+        j: u32,
+        zero: u32,
+    ) {
+        let cube = CUBE_POS_X as usize;
+        let g = cube_group[cube] as usize;
+        let row0 = table[g * 5] as usize;
+        let n = table[g * 5 + 1] as usize;
+        let dim = table[g * 5 + 2] as usize;
+        let x_off = table[g * 5 + 3] as usize;
+        let s = (cube - row0 / UNITS) * UNITS + UNIT_POS_X as usize;
+        let c = best[g];
+        if s < n && c != NONE {
+            let c = c as usize;
+            let mut acc = 0.0f32;
+            for k in 0..dim {
+                acc += product(x[x_off + k * n + s], x[x_off + k * n + c], zero);
+            }
+            let t = 2.0f32 * acc - bestcn[g];
+            let r = row0 + s;
+            if t > v0[r] {
+                v0[r] = t;
+                labels[r] = j;
+            }
+        }
+    }
+
+    /// A group's place on the device.
+    struct Slot {
+        row0: usize,
+        n: usize,
+        dim: usize,
+        x_off: usize,
+    }
+
+    /// The groups' features, v0 and labels on one CubeCL device.
+    pub(crate) struct CubeSteps<R: Runtime> {
+        client: ComputeClient<R>,
+        x: Handle,
+        x_len: usize,
+        v0: Handle,
+        labels: Handle,
+        bsum: Handle,
+        best: Handle,
+        bestcn: Handle,
+        blocks: Handle,
+        n_blocks: usize,
+        gblocks: Handle,
+        cube_group: Handle,
+        n_cubes: usize,
+        rows: usize,
+        max_dim: usize,
+        slots: Vec<Slot>,
+    }
+
+    impl<R: Runtime> CubeSteps<R> {
+        /// Uploads the groups (`(xd, dim)`: finite features, dim ≤ `max_dim`
+        /// rounded up to 32); `None` when the device has no float64.
+        pub(crate) fn new(client: &ComputeClient<R>, groups: &[(&[f32], usize)]) -> Option<Self> {
+            if !crate::detect::gpu::highpass_iir::supports_f64(client) {
+                return None;
+            }
+            let mut slots = Vec::with_capacity(groups.len());
+            let (mut rows, mut max_dim) = (0usize, 32usize);
+            let (mut x, mut blocks, mut gblocks, mut cube_group) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for (g, &(xd, dim)) in groups.iter().enumerate() {
+                let n = xd.len() / dim.max(1);
+                let cubes = n.div_ceil(UNITS);
+                slots.push(Slot {
+                    row0: rows,
+                    n,
+                    dim,
+                    x_off: x.len(),
+                });
+                for k in 0..dim {
+                    x.extend(xd.iter().skip(k).step_by(dim));
+                }
+                let nb = n.div_ceil(SPIKE_BLOCK);
+                gblocks.extend_from_slice(&[(blocks.len() / 2) as u32, nb as u32]);
+                for b in 0..nb {
+                    blocks.extend_from_slice(&[g as u32, b as u32]);
+                }
+                cube_group.extend(std::iter::repeat_n(g as u32, cubes));
+                rows += cubes * UNITS;
+                max_dim = max_dim.max(dim.div_ceil(32) * 32);
+            }
+            let n_blocks = blocks.len() / 2;
+            let c = client;
+            Some(CubeSteps {
+                x: c.create_from_slice(f32::as_bytes(&x)),
+                x_len: x.len().max(1),
+                v0: c.create_from_slice(f32::as_bytes(&vec![0f32; rows.max(1)])),
+                labels: c.create_from_slice(u32::as_bytes(&vec![0u32; rows.max(1)])),
+                bsum: c.empty(n_blocks.max(1) * SLOTS * 8),
+                best: c.empty(slots.len().max(1) * 4),
+                bestcn: c.empty(slots.len().max(1) * 4),
+                blocks: c.create_from_slice(u32::as_bytes(&blocks)),
+                n_blocks,
+                gblocks: c.create_from_slice(u32::as_bytes(&gblocks)),
+                n_cubes: cube_group.len(),
+                cube_group: c.create_from_slice(u32::as_bytes(&cube_group)),
+                rows,
+                max_dim,
+                slots,
+                client: c.clone(),
+            })
+        }
+    }
+
+    impl<R: Runtime> ExactSteps for CubeSteps<R> {
+        fn step(&mut self, cand: &[Option<Candidates>], j: u32, v0_out: &mut [Vec<f32>]) {
+            let ng = self.slots.len();
+            let mut rows = vec![0u32; ng * SLOTS];
+            let mut cns = vec![0f32; ng * SLOTS];
+            let mut table = Vec::with_capacity(ng * 5);
+            let mut max_nc = 0;
+            for (g, s) in self.slots.iter().enumerate() {
+                let nc = cand[g].as_ref().map_or(0, |c| c.0.len().min(SLOTS));
+                if let Some((r, cn)) = &cand[g] {
+                    rows[g * SLOTS..g * SLOTS + nc].copy_from_slice(&r[..nc]);
+                    cns[g * SLOTS..g * SLOTS + nc].copy_from_slice(&cn[..nc]);
+                }
+                max_nc = max_nc.max(nc);
+                table.extend_from_slice(&[
+                    s.row0 as u32,
+                    s.n as u32,
+                    s.dim as u32,
+                    s.x_off as u32,
+                    nc as u32,
+                ]);
+            }
+            let c = &self.client;
+            let ch = c.create_from_slice(u32::as_bytes(&rows));
+            let cnh = c.create_from_slice(f32::as_bytes(&cns));
+            let th = c.create_from_slice(u32::as_bytes(&table));
+            let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+            if max_nc > 0 && self.n_blocks > 0 {
+                // SAFETY: a cube reads its block's group's rows (< n), its
+                // features (x_off + dim·n ≤ x_len), candidate slots and table
+                // entries, and writes its own SLOTS-wide row of bsum.
+                unsafe {
+                    gains_kernel::launch_unchecked::<R>(
+                        c,
+                        CubeCount::Static(self.n_blocks as u32, max_nc.div_ceil(TILE) as u32, 1),
+                        CubeDim::new_1d(UNITS as u32),
+                        arr(&self.x, self.x_len),
+                        arr(&self.v0, self.rows.max(1)),
+                        arr(&ch, rows.len()),
+                        arr(&cnh, cns.len()),
+                        arr(&self.blocks, self.n_blocks * 2),
+                        arr(&th, table.len()),
+                        arr(&self.bsum, self.n_blocks * SLOTS),
+                        0u32,
+                        self.max_dim,
+                    );
+                }
+            }
+            // SAFETY: one cube a group, reading that group's blocks' sums.
+            unsafe {
+                best_kernel::launch_unchecked::<R>(
+                    c,
+                    CubeCount::Static(ng as u32, 1, 1),
+                    CubeDim::new_1d(UNITS as u32),
+                    arr(&self.bsum, self.n_blocks.max(1) * SLOTS),
+                    arr(&ch, rows.len()),
+                    arr(&cnh, cns.len()),
+                    arr(&th, table.len()),
+                    arr(&self.gblocks, ng * 2),
+                    arr(&self.best, ng.max(1)),
+                    arr(&self.bestcn, ng.max(1)),
+                );
+            }
+            if self.n_cubes > 0 {
+                // SAFETY: each unit reads and writes its own row (below rows)
+                // and reads its group's features.
+                unsafe {
+                    update_kernel::launch_unchecked::<R>(
+                        c,
+                        CubeCount::Static(self.n_cubes as u32, 1, 1),
+                        CubeDim::new_1d(UNITS as u32),
+                        arr(&self.x, self.x_len),
+                        arr(&th, table.len()),
+                        arr(&self.cube_group, self.n_cubes),
+                        arr(&self.best, ng.max(1)),
+                        arr(&self.bestcn, ng.max(1)),
+                        arr(&self.v0, self.rows.max(1)),
+                        arr(&self.labels, self.rows.max(1)),
+                        j,
+                        0u32,
+                    );
+                }
+            }
+            let data = c.read(vec![self.v0.clone()]);
+            let all = f32::from_bytes(&data[0]);
+            for (s, o) in self.slots.iter().zip(v0_out.iter_mut()) {
+                o.copy_from_slice(&all[s.row0..s.row0 + s.n]);
+            }
+        }
+
+        fn labels(&mut self) -> Vec<Vec<u32>> {
+            let data = self.client.read(vec![self.labels.clone()]);
+            let all = u32::from_bytes(&data[0]);
+            self.slots
+                .iter()
+                .map(|s| all[s.row0..s.row0 + s.n].to_vec())
+                .collect()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sort::clustering::seeding::kmeans_plusplus;
+
+    fn uniform_gen(mut x: u64) -> impl FnMut() -> f32 {
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f32 / (1u64 << 53) as f32 - 0.5
+        }
+    }
+
+    #[test]
+    fn lockstep_with_literal_steps_equals_cpu_seeding() {
+        // Groups of different sizes (one over two blocks of 2048 spikes) and
+        // feature lengths, integer features with exact ties, one group of
+        // spikes all at the origin (no step).
+        let mut next = uniform_gen(31);
+        let mut groups: Vec<(Vec<f32>, usize)> = Vec::new();
+        for (n, dim) in [(4300usize, 12usize), (900, 30), (1500, 5)] {
+            groups.push((
+                (0..n * dim)
+                    .map(|i| next() * (1 + i % 5) as f32 * 8.0)
+                    .collect(),
+                dim,
+            ));
+        }
+        groups.push(((0..800 * 3).map(|_| (next() * 5.0).round()).collect(), 3));
+        groups.push((vec![0f32; 50 * 3], 3));
+        let views: Vec<(&[f32], usize)> = groups.iter().map(|(x, d)| (x.as_slice(), *d)).collect();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let mut steps = CpuSteps::new(&views);
+        let got = seed_lockstep(&views, 60, 5, &mut steps, &pool);
+        for (g, &(x, d)) in views.iter().enumerate() {
+            assert_eq!(got[g], kmeans_plusplus(x, d, 60, 5), "group {g}");
+        }
+    }
+}
