@@ -167,11 +167,11 @@ impl ExactSteps for CpuSteps {
                     best = k;
                 }
             }
-            for s in 0..v0.len() {
+            for (s, (e, l)) in v0.iter_mut().zip(&mut self.labels[g]).enumerate() {
                 let t = gain(s, best);
-                if t > v0[s] {
-                    v0[s] = t;
-                    self.labels[g][s] = j;
+                if t > *e {
+                    *e = t;
+                    *l = j;
                 }
             }
         }
