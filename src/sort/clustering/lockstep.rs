@@ -46,6 +46,10 @@ pub(crate) trait ExactSteps: Send {
     fn step(&mut self, cand: &[Option<Candidates>], j: u32, v0: &mut [Vec<f32>]);
     /// Every group's labels.
     fn labels(&mut self) -> Vec<Vec<u32>>;
+    /// Where the device's time went, when profiling (`SPIKECUBE_SEED_PROFILE`).
+    fn report(&self) -> String {
+        String::new()
+    }
 }
 
 /// One group's host state between steps.
@@ -81,7 +85,9 @@ pub(crate) fn seed_lockstep(
             .collect()
     });
     let mut v0: Vec<Vec<f32>> = state.iter().map(|s| vec![0f32; s.vtot.len()]).collect();
+    let (mut t_draws, mut t_steps, mut n_steps) = (0f64, 0f64, 0usize);
     for j in 0..n_clusters {
+        let t = std::time::Instant::now();
         let cand: Vec<Option<Candidates>> = pool.install(|| {
             state
                 .par_iter_mut()
@@ -109,7 +115,18 @@ pub(crate) fn seed_lockstep(
         if cand.iter().all(Option::is_none) {
             break;
         }
+        t_draws += t.elapsed().as_secs_f64();
+        let t = std::time::Instant::now();
         steps.step(&cand, j as u32, &mut v0);
+        t_steps += t.elapsed().as_secs_f64();
+        n_steps += 1;
+    }
+    if super::profile::enabled() {
+        tracing::info!(
+            "device seeding: {} groups, {n_steps} steps: draws {t_draws:.3} s, device steps {t_steps:.3} s{}",
+            groups.len(),
+            steps.report()
+        );
     }
     steps.labels()
 }
@@ -436,9 +453,29 @@ mod cube {
         rows: usize,
         max_dim: usize,
         slots: Vec<Slot>,
+        /// Seconds in: preparing and uploading the candidates, the gains
+        /// kernel, the best kernel, the update kernel, reading v0 (the
+        /// kernels timed apart only with `SPIKECUBE_SEED_PROFILE=kernels`,
+        /// which waits for each).
+        clock: Option<([f64; 5], bool)>,
     }
 
     impl<R: Runtime> CubeSteps<R> {
+        /// Waits for the device and books the time since `t` to phase `i`
+        /// (profiling only).
+        fn lap(&mut self, i: usize, t: &mut std::time::Instant) {
+            if let Some((secs, kernels)) = self.clock.as_mut() {
+                if *kernels || i == 0 || i == 4 {
+                    if *kernels {
+                        let _ = cubecl::future::block_on(self.client.sync());
+                    }
+                    let now = std::time::Instant::now();
+                    secs[i] += now.duration_since(*t).as_secs_f64();
+                    *t = now;
+                }
+            }
+        }
+
         /// Uploads the groups (`(xd, dim)`: finite features, dim ≤ `max_dim`
         /// rounded up to 32); `None` when the device has no float64.
         pub(crate) fn new(client: &ComputeClient<R>, groups: &[(&[f32], usize)]) -> Option<Self> {
@@ -489,12 +526,16 @@ mod cube {
                 max_dim,
                 slots,
                 client: c.clone(),
+                clock: std::env::var("SPIKECUBE_SEED_PROFILE")
+                    .ok()
+                    .map(|v| ([0.0; 5], v == "kernels")),
             })
         }
     }
 
     impl<R: Runtime> ExactSteps for CubeSteps<R> {
         fn step(&mut self, cand: &[Option<Candidates>], j: u32, v0_out: &mut [Vec<f32>]) {
+            let mut t = std::time::Instant::now();
             let ng = self.slots.len();
             let mut rows = vec![0u32; ng * SLOTS];
             let mut cns = vec![0f32; ng * SLOTS];
@@ -520,6 +561,8 @@ mod cube {
             let cnh = c.create_from_slice(f32::as_bytes(&cns));
             let th = c.create_from_slice(u32::as_bytes(&table));
             let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+            self.lap(0, &mut t);
+            let c = &self.client;
             if max_nc > 0 && self.n_blocks > 0 {
                 // SAFETY: a cube reads its block's group's rows (< n), its
                 // features (x_off + dim·n ≤ x_len), candidate slots and table
@@ -541,6 +584,8 @@ mod cube {
                     );
                 }
             }
+            self.lap(1, &mut t);
+            let c = &self.client;
             // SAFETY: one cube a group, reading that group's blocks' sums.
             unsafe {
                 best_kernel::launch_unchecked::<R>(
@@ -556,6 +601,8 @@ mod cube {
                     arr(&self.bestcn, ng.max(1)),
                 );
             }
+            self.lap(2, &mut t);
+            let c = &self.client;
             if self.n_cubes > 0 {
                 // SAFETY: each unit reads and writes its own row (below rows)
                 // and reads its group's features.
@@ -576,10 +623,22 @@ mod cube {
                     );
                 }
             }
-            let data = c.read(vec![self.v0.clone()]);
+            self.lap(3, &mut t);
+            let data = self.client.read(vec![self.v0.clone()]);
             let all = f32::from_bytes(&data[0]);
             for (s, o) in self.slots.iter().zip(v0_out.iter_mut()) {
                 o.copy_from_slice(&all[s.row0..s.row0 + s.n]);
+            }
+            self.lap(4, &mut t);
+        }
+
+        fn report(&self) -> String {
+            match &self.clock {
+                Some((s, _)) => format!(
+                    " (candidates {:.3}, gains {:.3}, best {:.3}, update {:.3}, read v0 {:.3} s)",
+                    s[0], s[1], s[2], s[3], s[4]
+                ),
+                None => String::new(),
             }
         }
 
