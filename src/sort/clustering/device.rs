@@ -162,11 +162,16 @@ impl SeedingDevice {
     /// ([`super::lockstep`]), when a device is set, can, and each group is
     /// one it [`takes`](SeedingDevice::takes).
     pub(crate) fn exact(&self, groups: &[(&[f32], usize)]) -> Option<Box<dyn ExactSteps>> {
-        let d = self.0.as_ref()?;
         if groups.iter().any(|&(x, dim)| !self.takes(x, dim)) {
             return None;
         }
-        d.exact(groups)
+        self.exact_taken(groups)
+    }
+
+    /// [`SeedingDevice::exact`] of groups already checked with
+    /// [`SeedingDevice::takes`].
+    pub(crate) fn exact_taken(&self, groups: &[(&[f32], usize)]) -> Option<Box<dyn ExactSteps>> {
+        self.0.as_ref()?.exact(groups)
     }
 
     /// The device screens of the groups `taken` ([`SeedingDevice::takes`]);

@@ -220,9 +220,9 @@ mod cube {
     const TILE: usize = 16;
     /// Candidate slots per group (a whole number of tiles).
     const SLOTS: usize = N_CANDIDATES.div_ceil(TILE) * TILE;
-    /// Chunks of [`UNITS`] spikes in a block.
-    const CHUNKS: usize = SPIKE_BLOCK / UNITS;
-    const _: () = assert!(SPIKE_BLOCK.is_multiple_of(UNITS));
+    /// Chunks of 2·[`UNITS`] spikes in a block.
+    const CHUNKS: usize = SPIKE_BLOCK / (2 * UNITS);
+    const _: () = assert!(SPIKE_BLOCK.is_multiple_of(2 * UNITS));
     /// No candidate (a group whose seeding is over).
     const NONE: u32 = u32::MAX;
 
@@ -240,12 +240,13 @@ mod cube {
     ///
     /// Cube (b, tile): block b (`blocks[2b]` = its group, `blocks[2b + 1]`
     /// = its index in the group) of [`SPIKE_BLOCK`] spikes, in chunks of
-    /// [`UNITS`] (one unit a spike: 16 gains, written to shared memory; then
-    /// unit l < 16 adds candidate l's column in spike order). `table` per
-    /// group: row0 (its first row in `v0`), n, dim, x_off (its features,
-    /// feature-major dim × n), number of candidates. Candidates (rows of the
-    /// group) in `cand[g·SLOTS..]`, their ‖c‖² in `cn`; staged in shared
-    /// memory (`TILE` × `max_dim`).
+    /// 2·[`UNITS`] (two spikes a unit, u and u + UNITS, so that each staged
+    /// candidate value serves two products: 16 gains each, written to shared
+    /// memory; then unit l < 16 adds candidate l's column in spike order).
+    /// `table` per group: row0 (its first row in `v0`), n, dim, x_off (its
+    /// features, feature-major dim × n), number of candidates. Candidates
+    /// (rows of the group) in `cand[g·SLOTS..]`, their ‖c‖² in `cn`; staged
+    /// in shared memory (`TILE` × `max_dim`).
     #[cube(launch_unchecked)]
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gains_kernel(
@@ -260,7 +261,7 @@ mod cube {
         #[comptime] max_dim: usize,
     ) {
         let mut cs = SharedMemory::<f32>::new(comptime!(TILE * max_dim));
-        let mut dsh = SharedMemory::<f32>::new(comptime!(UNITS * TILE));
+        let mut dsh = SharedMemory::<f32>::new(comptime!(2 * UNITS * TILE));
         let u = UNIT_POS_X as usize;
         let blk = CUBE_POS_X as usize;
         let tile = CUBE_POS_Y as usize;
@@ -296,40 +297,55 @@ mod cube {
             let mut bs = 0.0f64;
             let first = b * SPIKE_BLOCK;
             let mut chunk = 0usize;
-            while chunk < CHUNKS && first + chunk * UNITS < n {
-                let s = first + chunk * UNITS + u;
-                if s < n {
-                    let mut acc = Array::<f32>::new(TILE);
+            while chunk < CHUNKS && first + chunk * 2 * UNITS < n {
+                let s0 = first + chunk * 2 * UNITS + u;
+                let s1 = s0 + UNITS;
+                // Rows past the group's end compute row n − 1 (not used).
+                let mut r0 = s0;
+                let mut r1 = s1;
+                if r0 >= n {
+                    r0 = n - 1;
+                }
+                if r1 >= n {
+                    r1 = n - 1;
+                }
+                let mut a0 = Array::<f32>::new(TILE);
+                let mut a1 = Array::<f32>::new(TILE);
+                #[unroll]
+                for l in 0..TILE {
+                    a0[l] = 0.0f32;
+                    a1[l] = 0.0f32;
+                }
+                for k in 0..dim {
+                    let x0 = x[x_off + k * n + r0];
+                    let x1 = x[x_off + k * n + r1];
                     #[unroll]
                     for l in 0..TILE {
-                        acc[l] = 0.0f32;
+                        let cv = cs[k * TILE + l];
+                        a0[l] += product(x0, cv, zero);
+                        a1[l] += product(x1, cv, zero);
                     }
-                    for k in 0..dim {
-                        let xv = x[x_off + k * n + s];
-                        #[unroll]
-                        for l in 0..TILE {
-                            acc[l] += product(xv, cs[k * TILE + l], zero);
-                        }
+                }
+                let e0 = v0[row0 + r0];
+                let e1 = v0[row0 + r1];
+                #[unroll]
+                for l in 0..TILE {
+                    let d0 = (2.0f32 * a0[l] - cc[l]) - e0;
+                    let d1 = (2.0f32 * a1[l] - cc[l]) - e1;
+                    let mut w0 = 0.0f32;
+                    let mut w1 = 0.0f32;
+                    if d0 > 0.0f32 && s0 < n {
+                        w0 = d0;
                     }
-                    let e = v0[row0 + s];
-                    #[unroll]
-                    for l in 0..TILE {
-                        let d = (2.0f32 * acc[l] - cc[l]) - e;
-                        let mut w = 0.0f32;
-                        if d > 0.0f32 {
-                            w = d;
-                        }
-                        dsh[u * TILE + l] = w;
+                    if d1 > 0.0f32 && s1 < n {
+                        w1 = d1;
                     }
-                } else {
-                    #[unroll]
-                    for l in 0..TILE {
-                        dsh[u * TILE + l] = 0.0f32;
-                    }
+                    dsh[u * TILE + l] = w0;
+                    dsh[(u + UNITS) * TILE + l] = w1;
                 }
                 sync_cube();
                 if u < TILE {
-                    for i in 0..UNITS {
+                    for i in 0..2 * UNITS {
                         bs += f64::cast_from(dsh[i * TILE + u]);
                     }
                 }
@@ -339,6 +355,25 @@ mod cube {
             if u < TILE {
                 bsum[blk * SLOTS + c0 + u] = bs;
             }
+        }
+    }
+
+    /// dst\[x_off + k·n + s\] = src\[s·dim + k\]: one group's features from
+    /// rows (n × dim) to feature-major (dim × n). One unit an element.
+    #[cube(launch_unchecked)]
+    pub(crate) fn transpose_kernel(
+        src: &Array<f32>,
+        dst: &mut Array<f32>,
+        n: u32,
+        dim: u32,
+        x_off: u32,
+    ) {
+        let i = ABSOLUTE_POS_X as usize;
+        let (n, dim) = (n as usize, dim as usize);
+        if i < n * dim {
+            let s = i / dim;
+            let k = i % dim;
+            dst[x_off as usize + k * n + s] = src[i];
         }
     }
 
@@ -483,9 +518,8 @@ mod cube {
                 return None;
             }
             let mut slots = Vec::with_capacity(groups.len());
-            let (mut rows, mut max_dim) = (0usize, 32usize);
-            let (mut x, mut blocks, mut gblocks, mut cube_group) =
-                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut rows, mut max_dim, mut x_len) = (0usize, 32usize, 0usize);
+            let (mut blocks, mut gblocks, mut cube_group) = (Vec::new(), Vec::new(), Vec::new());
             for (g, &(xd, dim)) in groups.iter().enumerate() {
                 let n = xd.len() / dim.max(1);
                 let cubes = n.div_ceil(UNITS);
@@ -493,11 +527,9 @@ mod cube {
                     row0: rows,
                     n,
                     dim,
-                    x_off: x.len(),
+                    x_off: x_len,
                 });
-                for k in 0..dim {
-                    x.extend(xd.iter().skip(k).step_by(dim));
-                }
+                x_len += n * dim;
                 let nb = n.div_ceil(SPIKE_BLOCK);
                 gblocks.extend_from_slice(&[(blocks.len() / 2) as u32, nb as u32]);
                 for b in 0..nb {
@@ -509,9 +541,33 @@ mod cube {
             }
             let n_blocks = blocks.len() / 2;
             let c = client;
+            // Each group's rows uploaded as they are, made feature-major on
+            // the device (so that a warp's loads of one feature are one run).
+            let x = c.empty(x_len.max(1) * 4);
+            for (slot, &(xd, _)) in slots.iter().zip(groups) {
+                let len = slot.n * slot.dim;
+                if len == 0 {
+                    continue;
+                }
+                let src = c.create_from_slice(f32::as_bytes(&xd[..len]));
+                // SAFETY: reads src[..n·dim], writes x[x_off..x_off + n·dim]
+                // (x_off + n·dim ≤ x_len).
+                unsafe {
+                    transpose_kernel::launch_unchecked::<R>(
+                        c,
+                        CubeCount::Static(len.div_ceil(256) as u32, 1, 1),
+                        CubeDim::new_1d(256),
+                        ArrayArg::from_raw_parts(src, len),
+                        ArrayArg::from_raw_parts(x.clone(), x_len.max(1)),
+                        slot.n as u32,
+                        slot.dim as u32,
+                        slot.x_off as u32,
+                    );
+                }
+            }
             Some(CubeSteps {
-                x: c.create_from_slice(f32::as_bytes(&x)),
-                x_len: x.len().max(1),
+                x,
+                x_len: x_len.max(1),
                 v0: c.create_from_slice(f32::as_bytes(&vec![0f32; rows.max(1)])),
                 labels: c.create_from_slice(u32::as_bytes(&vec![0u32; rows.max(1)])),
                 bsum: c.empty(n_blocks.max(1) * SLOTS * 8),

@@ -290,10 +290,6 @@ struct Prepared {
 /// about 4·(dim + 3) bytes a spike, under 1.3 GB at 72 features).
 const LOCKSTEP_MAX_SPIKES: usize = 4_000_000;
 
-/// Host threads drawing the candidates of the device seeding's steps
-/// (`SPIKECUBE_SEED_DRAW_THREADS` sets another number; the labels do not
-/// depend on it).
-const DRAW_THREADS: usize = 4;
 
 /// Whether the seeding may run with every gain on the device: yes unless
 /// `SPIKECUBE_SEED_LOCKSTEP=0` (then the device only screens the pairs of
@@ -305,7 +301,9 @@ fn lockstep_enabled() -> bool {
 /// [`run_groups`] with the seeding of every group on the device
 /// ([`lockstep`]): the groups' data first; then, at the same time, the
 /// seeding of the groups the device takes (a thread of its own, in batches
-/// of [`LOCKSTEP_MAX_SPIKES`], the draws on [`DRAW_THREADS`] threads) and
+/// of [`LOCKSTEP_MAX_SPIKES`], the draws on as many threads as the current
+/// pool has, or `SPIKECUBE_SEED_DRAW_THREADS`; the labels do not depend on
+/// it) and
 /// every group's neighbour graph (the current pool, largest first); then
 /// the rest of each group's clustering (label updates, tree, cuts; largest
 /// first). The labels are those of [`run_groups`]. `None` (nothing done)
@@ -350,13 +348,16 @@ fn run_groups_lockstep(
         .collect();
     // Batches of the groups the device takes (the others are seeded on the
     // CPU with the rest of their clustering).
+    let taken: Vec<bool> = clustered
+        .par_iter()
+        .map(|&g| {
+            let d = datas[g].as_ref().expect("clustered groups have data");
+            device.takes(&d.xd, d.dim)
+        })
+        .collect();
     let mut batches: Vec<Vec<usize>> = Vec::new();
     let mut in_batch = 0usize;
-    for &g in &clustered {
-        let d = datas[g].as_ref().expect("clustered groups have data");
-        if !device.takes(&d.xd, d.dim) {
-            continue;
-        }
+    for (&g, _) in clustered.iter().zip(&taken).filter(|(_, t)| **t) {
         if batches.is_empty() || in_batch + size(g) > LOCKSTEP_MAX_SPIKES {
             batches.push(Vec::new());
             in_batch = 0;
@@ -368,7 +369,7 @@ fn run_groups_lockstep(
         .ok()
         .and_then(|v| v.parse().ok())
         .filter(|&n: &usize| n > 0)
-        .unwrap_or(DRAW_THREADS);
+        .unwrap_or_else(rayon::current_num_threads);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(draw_threads)
         .thread_name(|i| format!("seed-draws-{i}"))
@@ -388,7 +389,7 @@ fn run_groups_lockstep(
                     })
                     .collect();
                 // A batch the device cannot seed is seeded on the CPU later.
-                if let Some(mut steps) = device.exact(&views) {
+                if let Some(mut steps) = device.exact_taken(&views) {
                     let labels = lockstep::seed_lockstep(
                         &views,
                         N_CLUSTERS_INIT,
