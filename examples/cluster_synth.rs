@@ -9,6 +9,7 @@
 //! cargo build --release --locked --example cluster_synth
 //! target/release/examples/cluster_synth --spikes 1200000 [--final-spikes N]
 //!     [--units 400] [--minutes 10] [--threads T] [--stages] [--only first|final]
+//!     [--backend cpu|cuda|wgpu]   (where the seeding runs)
 //! /usr/bin/time -v target/release/examples/cluster_synth --spikes 20000000 --minutes 240
 //! ```
 //!
@@ -49,6 +50,7 @@ struct Args {
     threads: usize,
     stages: bool,
     only: Option<String>,
+    backend: String,
 }
 
 fn parse() -> Args {
@@ -60,6 +62,7 @@ fn parse() -> Args {
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         stages: false,
         only: None,
+        backend: "cpu".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -72,6 +75,7 @@ fn parse() -> Args {
             "--threads" => a.threads = val().parse().expect("--threads"),
             "--stages" => a.stages = true,
             "--only" => a.only = Some(val()),
+            "--backend" => a.backend = val(),
             _ => panic!("unknown argument {k}"),
         }
     }
@@ -438,7 +442,8 @@ fn run_one(what: &str, d: &Data, with_times: bool, a: &Args) {
         n_chan: N_CHAN,
         times: with_times.then_some(d.times.as_slice()),
     };
-    let s = ClusteringSettings::ks4_compatible();
+    let mut s = ClusteringSettings::ks4_compatible();
+    s.seeding_device = seeding_device(&a.backend);
     let (t0, c0) = (Instant::now(), cpu_seconds());
     let out = clustering::run(&inp, &s).expect("clustering");
     let wall = t0.elapsed().as_secs_f64();
@@ -456,6 +461,18 @@ fn run_one(what: &str, d: &Data, with_times: bool, a: &Args) {
     );
     if a.stages {
         stages(&inp, &s);
+    }
+}
+
+/// The seeding's device for `--backend` (cpu, cuda or wgpu).
+fn seeding_device(backend: &str) -> clustering::SeedingDevice {
+    match backend {
+        #[cfg(feature = "cuda")]
+        "cuda" => clustering::SeedingDevice::cuda(),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => clustering::SeedingDevice::wgpu(),
+        "cpu" => clustering::SeedingDevice::cpu(),
+        b => panic!("--backend {b}: cpu, cuda or wgpu (with their features)"),
     }
 }
 

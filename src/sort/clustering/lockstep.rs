@@ -8,7 +8,7 @@
 //! launches: every spike's gain t = 2x·c − ‖c‖² from every candidate and the
 //! positive parts of t − v0 summed per candidate ([`ExactSteps`]); each
 //! group's best candidate; the update of v0 and of the labels. The host then
-//! reads v0 back (4 bytes a spike) for the next draws.
+//! reads back the spikes whose v0 changed, for the next draws.
 //!
 //! The device computes the CPU seeding's bits: each x·c is summed in float32
 //! in feature order with every product rounded before its addition (each
@@ -41,8 +41,8 @@ pub(crate) trait ExactSteps: Send {
     /// Takes step `j` of every group with candidates in `cand` (the others
     /// are over): each group's best candidate (largest summed positive gain
     /// Σ relu(t − v0), the first of equal ones), whose improved spikes
-    /// (t > v0) take label `j` and v0 = t; then writes every group's v0
-    /// into `v0[g]`.
+    /// (t > v0) take label `j` and v0 = t; then brings `v0[g]` (every
+    /// group's v0 as the previous step left it) up to date.
     fn step(&mut self, cand: &[Option<Candidates>], j: u32, v0: &mut [Vec<f32>]);
     /// Every group's labels.
     fn labels(&mut self) -> Vec<Vec<u32>>;
@@ -380,6 +380,7 @@ mod cube {
     /// best\[g\] = the row of group g's candidate with the largest total
     /// (block sums `bsum` added in block order, float64; the first of equal
     /// ones), bestcn\[g\] its ‖c‖²; [`NONE`] for a group without candidates.
+    /// Also zeroes the count of changes for [`update_kernel`].
     /// One cube (of [`UNITS`] ≥ `SLOTS` units) a group; `gblocks` per group:
     /// its first block and block count.
     #[cube(launch_unchecked)]
@@ -391,10 +392,14 @@ mod cube {
         gblocks: &Array<u32>,
         best: &mut Array<u32>,
         bestcn: &mut Array<f32>,
+        changes: &mut Array<Atomic<u32>>,
     ) {
         let mut tot = SharedMemory::<f64>::new(SLOTS);
         let u = UNIT_POS_X as usize;
         let g = CUBE_POS_X as usize;
+        if g == 0 && u == 0 {
+            changes[0].store(0u32);
+        }
         let nc = table[g * 5 + 4] as usize;
         let b0 = gblocks[g * 2] as usize;
         let nb = gblocks[g * 2 + 1] as usize;
@@ -423,7 +428,9 @@ mod cube {
     }
 
     /// For each spike of a group with a best candidate c: t = 2·(x·c) −
-    /// ‖c‖² (as [`gains_kernel`]); where t > v0, v0 = t and the label is `j`.
+    /// ‖c‖² (as [`gains_kernel`]); where t > v0, v0 = t and the label is `j`,
+    /// and (row, t) is listed in `chg_row`, `chg_val` (at a slot taken from
+    /// the count `changes[0]`: in any order, each row at most once).
     /// One unit a row; `cube_group` gives each cube's group (rows padded to
     /// whole cubes per group).
     #[cube(launch_unchecked)]
@@ -436,6 +443,9 @@ mod cube {
         bestcn: &Array<f32>,
         v0: &mut Array<f32>,
         labels: &mut Array<u32>,
+        changes: &mut Array<Atomic<u32>>,
+        chg_row: &mut Array<u32>,
+        chg_val: &mut Array<f32>,
         j: u32,
         zero: u32,
     ) {
@@ -458,6 +468,9 @@ mod cube {
             if t > v0[r] {
                 v0[r] = t;
                 labels[r] = j;
+                let slot = changes[0].fetch_add(1u32) as usize;
+                chg_row[slot] = r as u32;
+                chg_val[slot] = t;
             }
         }
     }
@@ -484,12 +497,18 @@ mod cube {
         n_blocks: usize,
         gblocks: Handle,
         cube_group: Handle,
+        /// Each cube's group, on the host.
+        cube_group_host: Vec<u32>,
+        /// The count of changed rows of a step, and their rows and v0.
+        changes: Handle,
+        chg_row: Handle,
+        chg_val: Handle,
         n_cubes: usize,
         rows: usize,
         max_dim: usize,
         slots: Vec<Slot>,
         /// Seconds in: preparing and uploading the candidates, the gains
-        /// kernel, the best kernel, the update kernel, reading v0 (the
+        /// kernel, the best kernel, the update kernel, reading the changes (the
         /// kernels timed apart only with `SPIKECUBE_SEED_PROFILE=kernels`,
         /// which waits for each).
         clock: Option<([f64; 5], bool)>,
@@ -578,6 +597,10 @@ mod cube {
                 gblocks: c.create_from_slice(u32::as_bytes(&gblocks)),
                 n_cubes: cube_group.len(),
                 cube_group: c.create_from_slice(u32::as_bytes(&cube_group)),
+                cube_group_host: cube_group,
+                changes: c.create_from_slice(u32::as_bytes(&[0u32])),
+                chg_row: c.empty(rows.max(1) * 4),
+                chg_val: c.empty(rows.max(1) * 4),
                 rows,
                 max_dim,
                 slots,
@@ -655,6 +678,7 @@ mod cube {
                     arr(&self.gblocks, ng * 2),
                     arr(&self.best, ng.max(1)),
                     arr(&self.bestcn, ng.max(1)),
+                    arr(&self.changes, 1),
                 );
             }
             self.lap(2, &mut t);
@@ -674,16 +698,32 @@ mod cube {
                         arr(&self.bestcn, ng.max(1)),
                         arr(&self.v0, self.rows.max(1)),
                         arr(&self.labels, self.rows.max(1)),
+                        arr(&self.changes, 1),
+                        arr(&self.chg_row, self.rows.max(1)),
+                        arr(&self.chg_val, self.rows.max(1)),
                         j,
                         0u32,
                     );
                 }
             }
             self.lap(3, &mut t);
-            let data = self.client.read(vec![self.v0.clone()]);
-            let all = f32::from_bytes(&data[0]);
-            for (s, o) in self.slots.iter().zip(v0_out.iter_mut()) {
-                o.copy_from_slice(&all[s.row0..s.row0 + s.n]);
+            // Only the changed rows come back: their count, then the rows
+            // and values (each row once, so the order does not matter).
+            let data = self.client.read(vec![self.changes.clone()]);
+            let k = (u32::from_bytes(&data[0])[0] as usize).min(self.rows);
+            if k > 0 {
+                let cut = ((self.rows.max(1) - k) * 4) as u64;
+                let data = self.client.read(vec![
+                    self.chg_row.clone().offset_end(cut),
+                    self.chg_val.clone().offset_end(cut),
+                ]);
+                let rows = u32::from_bytes(&data[0]);
+                let vals = f32::from_bytes(&data[1]);
+                for (&r, &v) in rows.iter().zip(vals).take(k) {
+                    let r = r as usize;
+                    let g = self.cube_group_host[r / UNITS] as usize;
+                    v0_out[g][r - self.slots[g].row0] = v;
+                }
             }
             self.lap(4, &mut t);
         }
@@ -691,7 +731,7 @@ mod cube {
         fn report(&self) -> String {
             match &self.clock {
                 Some((s, _)) => format!(
-                    " (candidates {:.3}, gains {:.3}, best {:.3}, update {:.3}, read v0 {:.3} s)",
+                    " (candidates {:.3}, gains {:.3}, best {:.3}, update {:.3}, read changes {:.3} s)",
                     s[0], s[1], s[2], s[3], s[4]
                 ),
                 None => String::new(),

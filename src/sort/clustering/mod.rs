@@ -290,7 +290,6 @@ struct Prepared {
 /// about 4·(dim + 3) bytes a spike, under 1.3 GB at 72 features).
 const LOCKSTEP_MAX_SPIKES: usize = 4_000_000;
 
-
 /// Whether the seeding may run with every gain on the device: yes unless
 /// `SPIKECUBE_SEED_LOCKSTEP=0` (then the device only screens the pairs of
 /// each group, group by group; the same labels).
