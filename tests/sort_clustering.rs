@@ -397,8 +397,9 @@ fn labels_are_identical_for_1_2_and_16_threads() {
     }
 }
 
-/// Both clusterings with the seeding's pairs screened on a GPU give the
-/// CPU's labels and Wall, bit for bit: wgpu (Mesa lavapipe in CI).
+/// Both clusterings with the seeding on a GPU (every gain there, the groups
+/// in one batch or in several) give the CPU's labels and Wall, bit for bit:
+/// wgpu (Mesa lavapipe in CI).
 #[cfg(feature = "wgpu")]
 #[test]
 fn labels_are_identical_with_the_seeding_on_wgpu() {
@@ -412,8 +413,20 @@ fn labels_are_identical_with_the_seeding_on_wgpu() {
             seeding_device: spikecube::sort::clustering::SeedingDevice::wgpu(),
             ..ClusteringSettings::default()
         };
+        // The groups in batches of at most 3000 spikes (several batches).
+        let batched = ClusteringSettings {
+            seeding_device: spikecube::sort::clustering::SeedingDevice::wgpu()
+                .with_batch_spikes(3000),
+            ..ClusteringSettings::default()
+        };
         for (what, input) in [("first", fi.input()), ("final", fl.input())] {
             let a = clustering::run(&input, &cpu).unwrap();
+            let in_batches = clustering::run(&input, &batched).unwrap();
+            assert!(
+                a.clu == in_batches.clu,
+                "{}: {what} clustering labels differ with the groups in batches",
+                c.name
+            );
             let b = clustering::run(&input, &gpu).unwrap();
             assert!(
                 a.clu == b.clu,

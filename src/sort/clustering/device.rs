@@ -70,7 +70,11 @@ pub(crate) trait ScreenFactory: Send + Sync {
 /// way, so two settings that differ only here compare equal, and the choice
 /// is not serialised.
 #[derive(Clone, Default)]
-pub struct SeedingDevice(Option<Arc<dyn ScreenFactory>>, usize);
+pub struct SeedingDevice(Option<Arc<dyn ScreenFactory>>, usize, usize);
+
+/// Most spikes a device seeds at once by default
+/// ([`SeedingDevice::with_batch_spikes`]).
+pub const DEVICE_BATCH_SPIKES: usize = 4_000_000;
 
 /// Groups with fewer spikes than this are screened on the CPU even when a
 /// device is set ([`SeedingDevice::with_min_spikes`] sets another bound): a
@@ -96,7 +100,7 @@ impl PartialEq for SeedingDevice {
 impl SeedingDevice {
     /// The CPU screen.
     pub fn cpu() -> Self {
-        SeedingDevice(None, 0)
+        SeedingDevice(None, 0, DEVICE_BATCH_SPIKES)
     }
 
     /// Whether a GPU screens the pairs.
@@ -118,6 +122,7 @@ impl SeedingDevice {
                 &device, "cuda",
             ))),
             DEVICE_MIN_SPIKES,
+            DEVICE_BATCH_SPIKES,
         )
     }
 
@@ -130,19 +135,34 @@ impl SeedingDevice {
                 &device, "wgpu",
             ))),
             DEVICE_MIN_SPIKES,
+            DEVICE_BATCH_SPIKES,
         )
     }
 
     /// A device screen made by `factory` (tests: screens on the CPU).
     #[cfg(test)]
     pub(crate) fn from_factory(factory: Arc<dyn ScreenFactory>) -> Self {
-        SeedingDevice(Some(factory), 0)
+        SeedingDevice(Some(factory), 0, DEVICE_BATCH_SPIKES)
     }
 
     /// The same device, taking only groups of at least `n` spikes (the
     /// others are screened on the CPU; the labels are the same).
     pub fn with_min_spikes(self, n: usize) -> Self {
-        SeedingDevice(self.0, n)
+        SeedingDevice(self.0, n, self.2)
+    }
+
+    /// The same device, clustering at most `n` spikes at once when it seeds
+    /// every gain (default [`DEVICE_BATCH_SPIKES`]: the groups, largest
+    /// first, go in batches of at most n spikes, a larger group alone; the
+    /// labels are the same). Bounds the device and host memory of a
+    /// clustering.
+    pub fn with_batch_spikes(self, n: usize) -> Self {
+        SeedingDevice(self.0, self.1, n.max(1))
+    }
+
+    /// Most spikes clustered at once ([`SeedingDevice::with_batch_spikes`]).
+    pub fn batch_spikes(&self) -> usize {
+        self.2
     }
 
     /// Whether a device is set and takes a group of features `xd` (n × `dim`):

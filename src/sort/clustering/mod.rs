@@ -38,7 +38,7 @@ pub mod tree;
 
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
 
-pub use device::{DEVICE_MIN_SPIKES, SeedingDevice};
+pub use device::{DEVICE_BATCH_SPIKES, DEVICE_MIN_SPIKES, SeedingDevice};
 pub use group::{GroupOutcome, cluster_group};
 pub use groups::{GroupData, Positions};
 use settings::N_CLUSTERS_INIT;
@@ -284,12 +284,6 @@ struct Prepared {
     init: Option<Vec<u32>>,
 }
 
-/// Most spikes seeded on the device at once: the groups are seeded in
-/// batches of at most this many spikes (a larger group alone), which bounds
-/// the device memory of the seeding (features, v0, labels and block sums:
-/// about 4·(dim + 3) bytes a spike, under 1.3 GB at 72 features).
-const LOCKSTEP_MAX_SPIKES: usize = 4_000_000;
-
 /// Whether the seeding may run with every gain on the device: yes unless
 /// `SPIKECUBE_SEED_LOCKSTEP=0` (then the device only screens the pairs of
 /// each group, group by group; the same labels).
@@ -298,71 +292,28 @@ fn lockstep_enabled() -> bool {
 }
 
 /// [`run_groups`] with the seeding of every group on the device
-/// ([`lockstep`]): the groups' data first; then, at the same time, the
-/// seeding of the groups the device takes (a thread of its own, in batches
-/// of [`LOCKSTEP_MAX_SPIKES`], the draws on as many threads as the current
-/// pool has, or `SPIKECUBE_SEED_DRAW_THREADS`; the labels do not depend on
-/// it) and
-/// every group's neighbour graph (the current pool, largest first); then
-/// the rest of each group's clustering (label updates, tree, cuts; largest
-/// first). The labels are those of [`run_groups`]. `None` (nothing done)
-/// without a device seeding.
+/// ([`lockstep`]), by batches of at most
+/// [`SeedingDevice::batch_spikes`] spikes (largest groups first; default
+/// [`DEVICE_BATCH_SPIKES`]), each clustered whole before the next starts,
+/// which bounds the seeding's device memory (features, v0, labels, changes:
+/// about 4·(dim + 4) bytes a spike, 1.4 GB at 84 features, beside the
+/// uploads) and the host memory of the groups' features and neighbour
+/// graphs. In each batch: the groups' data; then, at the
+/// same time, the seeding of the groups the device takes (on a thread of
+/// its own; the draws on as many threads as the current pool has, or
+/// `SPIKECUBE_SEED_DRAW_THREADS`; the labels do not depend on it) and every
+/// group's neighbour graph (the current pool, largest first); then the rest
+/// of each group's clustering (label updates, tree, cuts; largest first).
+/// The labels are those of [`run_groups`]. `None` (nothing done) without a
+/// device seeding.
 fn run_groups_lockstep(
     inp: &ClusterInput<'_>,
     plan: &GroupPlan,
     settings: &ClusteringSettings,
 ) -> Option<Vec<GroupResult>> {
-    use rayon::prelude::*;
-    use std::sync::Mutex;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::Instant;
     let device = &settings.seeding_device;
     if !device.is_device() || !lockstep_enabled() {
         return None;
-    }
-    let t0 = Instant::now();
-    let members = groups::group_members(&plan.centres, &plan.nearest, inp.spike_template);
-    let datas: Vec<Option<GroupData>> = members
-        .into_par_iter()
-        .enumerate()
-        .with_max_len(1)
-        .map(|(g, spikes)| {
-            groups::group_data_of(
-                plan.centres[g],
-                spikes,
-                &plan.nearest,
-                inp.spike_template,
-                inp.tf,
-                inp.chans,
-            )
-        })
-        .collect();
-    let size = |g: usize| datas[g].as_ref().map_or(0, |d| d.spikes.len());
-    let mut order: Vec<usize> = (0..datas.len()).filter(|&g| size(g) > 0).collect();
-    order.sort_by_key(|&g| std::cmp::Reverse(size(g)));
-    let clustered: Vec<usize> = order
-        .iter()
-        .copied()
-        .filter(|&g| size(g) >= MIN_GROUP_SPIKES)
-        .collect();
-    // Batches of the groups the device takes (the others are seeded on the
-    // CPU with the rest of their clustering).
-    let taken: Vec<bool> = clustered
-        .par_iter()
-        .map(|&g| {
-            let d = datas[g].as_ref().expect("clustered groups have data");
-            device.takes(&d.xd, d.dim)
-        })
-        .collect();
-    let mut batches: Vec<Vec<usize>> = Vec::new();
-    let mut in_batch = 0usize;
-    for (&g, _) in clustered.iter().zip(&taken).filter(|(_, t)| **t) {
-        if batches.is_empty() || in_batch + size(g) > LOCKSTEP_MAX_SPIKES {
-            batches.push(Vec::new());
-            in_batch = 0;
-        }
-        in_batch += size(g);
-        batches.last_mut().expect("pushed").push(g);
     }
     let draw_threads = std::env::var("SPIKECUBE_SEED_DRAW_THREADS")
         .ok()
@@ -374,41 +325,112 @@ fn run_groups_lockstep(
         .thread_name(|i| format!("seed-draws-{i}"))
         .build()
         .ok()?;
+    let members = groups::group_members(&plan.centres, &plan.nearest, inp.spike_template);
+    let mut order: Vec<usize> = (0..members.len())
+        .filter(|&g| !members[g].is_empty())
+        .collect();
+    // Stable: equal sizes keep centre order (the order only affects timing).
+    order.sort_by_key(|&g| std::cmp::Reverse(members[g].len()));
+    let mut batches: Vec<Vec<usize>> = Vec::new();
+    let mut in_batch = 0usize;
+    for &g in &order {
+        let n = members[g].len();
+        if batches.is_empty() || in_batch + n > device.batch_spikes() {
+            batches.push(Vec::new());
+            in_batch = 0;
+        }
+        in_batch += n;
+        batches.last_mut().expect("pushed").push(g);
+    }
+    let mut members: Vec<Option<Vec<usize>>> = members.into_iter().map(Some).collect();
+    let mut results: Vec<(usize, GroupResult)> = Vec::with_capacity(order.len());
+    for batch in &batches {
+        let spikes: Vec<(usize, Vec<usize>)> = batch
+            .iter()
+            .map(|&g| (g, members[g].take().unwrap_or_default()))
+            .collect();
+        results.extend(lockstep_batch(inp, plan, settings, spikes, &pool));
+    }
+    results.sort_unstable_by_key(|r| r.0);
+    Some(results.into_iter().map(|r| r.1).collect())
+}
+
+/// One batch of [`run_groups_lockstep`]: the groups `(g, spikes)`, largest
+/// first; returns `(g, result)` of each group with data.
+fn lockstep_batch(
+    inp: &ClusterInput<'_>,
+    plan: &GroupPlan,
+    settings: &ClusteringSettings,
+    spikes: Vec<(usize, Vec<usize>)>,
+    pool: &rayon::ThreadPool,
+) -> Vec<(usize, GroupResult)> {
+    use rayon::prelude::*;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Instant;
+    let device = &settings.seeding_device;
+    let t0 = Instant::now();
+    let datas: Vec<(usize, Option<GroupData>)> = spikes
+        .into_par_iter()
+        .with_max_len(1)
+        .map(|(g, spikes)| {
+            let d = groups::group_data_of(
+                plan.centres[g],
+                spikes,
+                &plan.nearest,
+                inp.spike_template,
+                inp.tf,
+                inp.chans,
+            );
+            (g, d)
+        })
+        .collect();
+    // Positions in `datas` (largest first) of the groups to cluster, and
+    // whether the device takes each (the others are seeded on the CPU with
+    // the rest of their clustering).
+    let clustered: Vec<usize> = (0..datas.len())
+        .filter(|&i| {
+            datas[i]
+                .1
+                .as_ref()
+                .is_some_and(|d| d.spikes.len() >= MIN_GROUP_SPIKES)
+        })
+        .collect();
+    let data = |i: usize| datas[i].1.as_ref().expect("clustered groups have data");
+    let taken: Vec<usize> = clustered
+        .par_iter()
+        .copied()
+        .filter(|&i| device.takes(&data(i).xd, data(i).dim))
+        .collect();
     let t_data = t0.elapsed().as_secs_f64();
     let (seeds, graphs, t_seed, t_graphs) = std::thread::scope(|sc| {
         let seeding = sc.spawn(|| {
             let t = Instant::now();
-            let mut out: Vec<(usize, Vec<u32>)> = Vec::new();
-            for batch in &batches {
-                let views: Vec<(&[f32], usize)> = batch
-                    .iter()
-                    .map(|&g| {
-                        let d = datas[g].as_ref().expect("batched groups have data");
-                        (d.xd.as_slice(), d.dim)
-                    })
-                    .collect();
-                // A batch the device cannot seed is seeded on the CPU later.
-                if let Some(mut steps) = device.exact_taken(&views) {
-                    let labels = lockstep::seed_lockstep(
-                        &views,
-                        N_CLUSTERS_INIT,
-                        settings.cluster_init_seed,
-                        steps.as_mut(),
-                        &pool,
-                    );
-                    out.extend(batch.iter().copied().zip(labels));
-                }
-            }
+            let views: Vec<(&[f32], usize)> = taken
+                .iter()
+                .map(|&i| (data(i).xd.as_slice(), data(i).dim))
+                .collect();
+            // Groups the device cannot seed are seeded on the CPU later.
+            let labels = device.exact_taken(&views).map(|mut steps| {
+                lockstep::seed_lockstep(
+                    &views,
+                    N_CLUSTERS_INIT,
+                    settings.cluster_init_seed,
+                    steps.as_mut(),
+                    pool,
+                )
+            });
+            let out: Vec<(usize, Vec<u32>)> = match labels {
+                Some(l) => taken.iter().copied().zip(l).collect(),
+                None => Vec::new(),
+            };
             (out, t.elapsed().as_secs_f64())
         });
         let t = Instant::now();
         let graphs: Vec<(usize, labels::Graph)> = clustered
             .par_iter()
             .with_max_len(1)
-            .map(|&g| {
-                let d = datas[g].as_ref().expect("clustered groups have data");
-                (g, group::build_graph(&d.xd, d.dim, settings))
-            })
+            .map(|&i| (i, group::build_graph(&data(i).xd, data(i).dim, settings)))
             .collect();
         let t_graphs = t.elapsed().as_secs_f64();
         let (seeds, t_seed) = seeding
@@ -418,17 +440,18 @@ fn run_groups_lockstep(
     });
     let t_tail = Instant::now();
     let mut pre: Vec<Prepared> = (0..datas.len()).map(|_| Prepared::default()).collect();
-    for (g, graph) in graphs {
-        pre[g].graph = Some(graph);
+    for (i, graph) in graphs {
+        pre[i].graph = Some(graph);
     }
     let n_seeded = seeds.len();
-    for (g, init) in seeds {
-        pre[g].init = Some(init);
+    for (i, init) in seeds {
+        pre[i].init = Some(init);
     }
-    let work: Vec<Mutex<Option<(GroupData, Prepared)>>> = datas
+    let n_groups = datas.len();
+    let work: Vec<Mutex<Option<(usize, GroupData, Prepared)>>> = datas
         .into_iter()
         .zip(pre)
-        .map(|(d, p)| Mutex::new(d.map(|d| (d, p))))
+        .map(|((g, d), p)| Mutex::new(d.map(|d| (g, d, p))))
         .collect();
     let next = AtomicUsize::new(0);
     let prof = profile::Profile::default();
@@ -436,22 +459,21 @@ fn run_groups_lockstep(
         let mut done = Vec::new();
         loop {
             let k = next.fetch_add(1, Ordering::Relaxed);
-            let Some(&g) = order.get(k) else {
+            let Some(slot) = work.get(k) else {
                 break;
             };
-            let item = work[g]
+            let item = slot
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .take();
-            if let Some((d, p)) = item {
+            if let Some((g, d, p)) = item {
                 done.push((g, run_group(inp, d, p, settings, &prof)));
             }
         }
         done
     });
     let msg = format!(
-        "clustering on the device's seeding: {} groups, data {t_data:.2} s, then graphs {t_graphs:.2} s beside the seeding of {n_seeded} groups {t_seed:.2} s, then the rest {:.2} s; {:.2} s in all",
-        order.len(),
+        "clustering on the device's seeding: {n_groups} groups, data {t_data:.2} s, then graphs {t_graphs:.2} s beside the seeding of {n_seeded} groups {t_seed:.2} s, then the rest {:.2} s; {:.2} s in all",
         t_tail.elapsed().as_secs_f64(),
         t0.elapsed().as_secs_f64()
     );
@@ -461,9 +483,7 @@ fn run_groups_lockstep(
     } else {
         tracing::debug!("{msg}");
     }
-    let mut results: Vec<(usize, GroupResult)> = per_thread.into_iter().flatten().collect();
-    results.sort_unstable_by_key(|r| r.0);
-    Some(results.into_iter().map(|r| r.1).collect())
+    per_thread.into_iter().flatten().collect()
 }
 
 /// Clusters every group of `plan` with spikes, largest first; the results
