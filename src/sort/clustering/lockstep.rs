@@ -518,15 +518,15 @@ mod cube {
         /// Waits for the device and books the time since `t` to phase `i`
         /// (profiling only).
         fn lap(&mut self, i: usize, t: &mut std::time::Instant) {
-            if let Some((secs, kernels)) = self.clock.as_mut() {
-                if *kernels || i == 0 || i == 4 {
-                    if *kernels {
-                        let _ = cubecl::future::block_on(self.client.sync());
-                    }
-                    let now = std::time::Instant::now();
-                    secs[i] += now.duration_since(*t).as_secs_f64();
-                    *t = now;
+            if let Some((secs, kernels)) = self.clock.as_mut()
+                && (*kernels || i == 0 || i == 4)
+            {
+                if *kernels {
+                    let _ = cubecl::future::block_on(self.client.sync());
                 }
+                let now = std::time::Instant::now();
+                secs[i] += now.duration_since(*t).as_secs_f64();
+                *t = now;
             }
         }
 
