@@ -971,12 +971,14 @@ fn export_settings(run_info: &crate::output::RunInfo, fs: f64, s: &SortSettings)
     export
 }
 
-/// Where the clusterings' seeding screens its candidate pairs: on the sort's
-/// GPU when its back end is CUDA or wgpu (the labels are the same bytes as on
-/// the CPU), else on the CPU. `SPIKECUBE_SEED_SCREEN=cpu` keeps it on the
-/// CPU, for measuring; `SPIKECUBE_SEED_DEVICE_MIN=N` sends only groups of at
-/// least N spikes to the device (default
-/// [`crate::sort::clustering::DEVICE_MIN_SPIKES`]), for measuring.
+/// Where the clusterings' seeding runs: on the sort's GPU when its back end
+/// is CUDA or wgpu (every gain there, all groups in lockstep, or with
+/// `SPIKECUBE_SEED_LOCKSTEP=0` only the candidate pairs screened there; the
+/// labels are the same bytes as on the CPU), else on the CPU.
+/// `SPIKECUBE_SEED_SCREEN=cpu` keeps it on the CPU, for measuring;
+/// `SPIKECUBE_SEED_DEVICE_MIN=N` sends only groups of at least N spikes to
+/// the device (default [`crate::sort::clustering::DEVICE_MIN_SPIKES`]), for
+/// measuring.
 fn seeding_device(backend: Backend) -> crate::sort::clustering::SeedingDevice {
     use crate::sort::clustering::SeedingDevice;
     if std::env::var("SPIKECUBE_SEED_SCREEN").as_deref() == Ok("cpu") {
@@ -996,13 +998,13 @@ fn seeding_device(backend: Backend) -> crate::sort::clustering::SeedingDevice {
     let device = device.with_min_spikes(min);
     if device.is_device() && min > 0 {
         tracing::info!(
-            "clustering: seeding pairs screened on {} for groups of at least {min} spikes, on the CPU for the others",
+            "clustering: seeding on {} for groups of at least {min} spikes, on the CPU for the others",
             device.name()
         );
     } else if device.is_device() {
-        tracing::info!("clustering: seeding pairs screened on {}", device.name());
+        tracing::info!("clustering: seeding on {}", device.name());
     } else {
-        tracing::info!("clustering: seeding pairs screened on the cpu");
+        tracing::info!("clustering: seeding on the cpu");
     }
     device
 }

@@ -12,9 +12,14 @@
 //! [`ccg`] in the final clustering). Groups run in parallel (rayon), the
 //! largest first; every decision uses integer counts or fixed-order sums, so
 //! the labels are the same bytes for any thread count. With a GPU
-//! ([`ClusteringSettings::seeding_device`], the sort's CUDA or wgpu device) the
-//! seeding's candidate pairs are screened on the device ([`device`]): the CPU
-//! then computes only the gains the device flags, with the same bits.
+//! ([`ClusteringSettings::seeding_device`], the sort's CUDA or wgpu device)
+//! the seeding of every group runs there, all groups' steps in lockstep with
+//! every gain computed in the CPU's arithmetic ([`lockstep`]), beside the
+//! neighbour graphs on the CPU threads, by batches of groups
+//! ([`SeedingDevice::with_batch_spikes`]); where the device has no float64,
+//! or with `SPIKECUBE_SEED_LOCKSTEP=0`, the device only screens each group's
+//! candidate pairs ([`device`]) and the CPU computes the gains it flags. The
+//! labels are the same bytes either way.
 //!
 //! Where it differs from Kilosort4 4.1.7 (see README, "Where spikecube
 //! differs"): the seeding draws from ChaCha8 (seed `cluster_init_seed`), not
