@@ -531,7 +531,8 @@ mod cube {
         }
 
         /// Uploads the groups (`(xd, dim)`: finite features, dim ≤ `max_dim`
-        /// rounded up to 32); `None` when the device has no float64.
+        /// rounded up to 32); `None` when the device has no float64 or the
+        /// groups hold 2³¹ features or more (32-bit indices).
         pub(crate) fn new(client: &ComputeClient<R>, groups: &[(&[f32], usize)]) -> Option<Self> {
             if !crate::detect::gpu::highpass_iir::supports_f64(client) {
                 return None;
@@ -559,6 +560,10 @@ mod cube {
                 max_dim = max_dim.max(dim.div_ceil(32) * 32);
             }
             let n_blocks = blocks.len() / 2;
+            // The kernels index with 32-bit integers.
+            if x_len.max(rows) > (u32::MAX / 2) as usize {
+                return None;
+            }
             let c = client;
             // Each group's rows uploaded as they are, made feature-major on
             // the device (so that a warp's loads of one feature are one run).
