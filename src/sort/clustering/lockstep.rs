@@ -16,8 +16,11 @@
 //! see, so it cannot be fused into a multiply-add), the positive gains are
 //! added in float64 in spike order within blocks of 2048 spikes, the blocks
 //! in order, and the first of equal totals wins. So the labels equal
-//! [`super::seeding::kmeans_plusplus`]'s on every device that has float64
-//! (tested on lavapipe and CUDA); a device without it is not used.
+//! [`super::seeding::kmeans_plusplus`]'s (tested on CUDA and on Mesa's
+//! lavapipe), provided the device keeps subnormal floats (CUDA does: NVRTC
+//! runs without flush-to-zero; a Vulkan driver that flushes them could
+//! differ where a product or a gain falls below 2⁻¹²⁶, which features of
+//! real spikes do not reach). A device without float64 is not used.
 //!
 //! Unlike the CPU seeding, which skips what cannot change (a memo of gains
 //! and a screen of pairs), the device computes every pair at every step:
@@ -225,6 +228,23 @@ mod cube {
     const _: () = assert!(SPIKE_BLOCK.is_multiple_of(2 * UNITS));
     /// No candidate (a group whose seeding is over).
     const NONE: u32 = u32::MAX;
+    /// [`best_kernel`] has a unit per candidate slot.
+    const _: () = assert!(UNITS >= SLOTS);
+    /// Most cubes along one axis of a launch (wgpu allows 65 535): longer
+    /// launches are folded onto a second axis ([`fold`]).
+    const DISPATCH_X: usize = 32_768;
+
+    /// `count` cubes as (x, y) with x ≤ [`DISPATCH_X`] (or the smaller
+    /// `SPIKECUBE_SEED_DISPATCH_X`, with which the tests fold small
+    /// launches): cube x + y·x_count.
+    fn fold(count: usize) -> (u32, u32) {
+        let limit = std::env::var("SPIKECUBE_SEED_DISPATCH_X")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .map_or(DISPATCH_X, |v| v.clamp(1, DISPATCH_X));
+        let x = count.clamp(1, limit);
+        (x as u32, count.div_ceil(x).max(1) as u32)
+    }
 
     /// x·c in float32, feature order, each product rounded before the sum:
     /// the xor with `zero` (0 at run time) keeps the compiler from fusing
@@ -238,7 +258,8 @@ mod cube {
     /// of relu(2·(x_s·c) − cn\[c\] − v0\[s\]), for the candidates c of tile
     /// `CUBE_POS_Y` of the block's group.
     ///
-    /// Cube (b, tile): block b (`blocks[2b]` = its group, `blocks[2b + 1]`
+    /// Cube (b, tile) (b folded: `CUBE_POS_X + CUBE_POS_Z·cubes_x`, cubes
+    /// past `n_blocks` idle): block b (`blocks[2b]` = its group, `blocks[2b + 1]`
     /// = its index in the group) of [`SPIKE_BLOCK`] spikes, in chunks of
     /// 2·[`UNITS`] (two spikes a unit, u and u + UNITS, so that each staged
     /// candidate value serves two products: 16 gains each, written to shared
@@ -258,12 +279,18 @@ mod cube {
         table: &Array<u32>,
         bsum: &mut Array<f64>,
         zero: u32,
+        cubes_x: u32,
+        n_blocks: u32,
         #[comptime] max_dim: usize,
     ) {
         let mut cs = SharedMemory::<f32>::new(comptime!(TILE * max_dim));
         let mut dsh = SharedMemory::<f32>::new(comptime!(2 * UNITS * TILE));
         let u = UNIT_POS_X as usize;
-        let blk = CUBE_POS_X as usize;
+        let mut blk = (CUBE_POS_Z * cubes_x + CUBE_POS_X) as usize;
+        let live_cube = blk < n_blocks as usize;
+        if !live_cube {
+            blk = 0;
+        }
         let tile = CUBE_POS_Y as usize;
         let g = blocks[blk * 2] as usize;
         let b = blocks[blk * 2 + 1] as usize;
@@ -273,7 +300,7 @@ mod cube {
         let x_off = table[g * 5 + 3] as usize;
         let nc = table[g * 5 + 4] as usize;
         let c0 = tile * TILE;
-        if c0 < nc {
+        if live_cube && c0 < nc {
             let mut i = u;
             while i < TILE * dim {
                 let l = i % TILE;
@@ -359,7 +386,8 @@ mod cube {
     }
 
     /// dst\[x_off + k·n + s\] = src\[s·dim + k\]: one group's features from
-    /// rows (n × dim) to feature-major (dim × n). One unit an element.
+    /// rows (n × dim) to feature-major (dim × n). One unit an element, 256
+    /// units a cube, cubes folded (`CUBE_POS_X + CUBE_POS_Y·cubes_x`).
     #[cube(launch_unchecked)]
     pub(crate) fn transpose_kernel(
         src: &Array<f32>,
@@ -367,8 +395,9 @@ mod cube {
         n: u32,
         dim: u32,
         x_off: u32,
+        cubes_x: u32,
     ) {
-        let i = ABSOLUTE_POS_X as usize;
+        let i = ((CUBE_POS_Y * cubes_x + CUBE_POS_X) * 256 + UNIT_POS_X) as usize;
         let (n, dim) = (n as usize, dim as usize);
         if i < n * dim {
             let s = i / dim;
@@ -432,7 +461,8 @@ mod cube {
     /// and (row, t) is listed in `chg_row`, `chg_val` (at a slot taken from
     /// the count `changes[0]`: in any order, each row at most once).
     /// One unit a row; `cube_group` gives each cube's group (rows padded to
-    /// whole cubes per group).
+    /// whole cubes per group); cubes folded (`CUBE_POS_X + CUBE_POS_Y·cubes_x`,
+    /// those past `n_cubes` idle).
     #[cube(launch_unchecked)]
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn update_kernel(
@@ -448,8 +478,14 @@ mod cube {
         chg_val: &mut Array<f32>,
         j: u32,
         zero: u32,
+        cubes_x: u32,
+        n_cubes: u32,
     ) {
-        let cube = CUBE_POS_X as usize;
+        let mut cube = (CUBE_POS_Y * cubes_x + CUBE_POS_X) as usize;
+        let live_cube = cube < n_cubes as usize;
+        if !live_cube {
+            cube = 0;
+        }
         let g = cube_group[cube] as usize;
         let row0 = table[g * 5] as usize;
         let n = table[g * 5 + 1] as usize;
@@ -457,7 +493,7 @@ mod cube {
         let x_off = table[g * 5 + 3] as usize;
         let s = (cube - row0 / UNITS) * UNITS + UNIT_POS_X as usize;
         let c = best[g];
-        if s < n && c != NONE {
+        if live_cube && s < n && c != NONE {
             let c = c as usize;
             let mut acc = 0.0f32;
             for k in 0..dim {
@@ -574,18 +610,20 @@ mod cube {
                     continue;
                 }
                 let src = c.create_from_slice(f32::as_bytes(&xd[..len]));
+                let (fx, fy) = fold(len.div_ceil(256));
                 // SAFETY: reads src[..n·dim], writes x[x_off..x_off + n·dim]
                 // (x_off + n·dim ≤ x_len).
                 unsafe {
                     transpose_kernel::launch_unchecked::<R>(
                         c,
-                        CubeCount::Static(len.div_ceil(256) as u32, 1, 1),
+                        CubeCount::Static(fx, fy, 1),
                         CubeDim::new_1d(256),
                         ArrayArg::from_raw_parts(src, len),
                         ArrayArg::from_raw_parts(x.clone(), x_len.max(1)),
                         slot.n as u32,
                         slot.dim as u32,
                         slot.x_off as u32,
+                        fx,
                     );
                 }
             }
@@ -648,13 +686,14 @@ mod cube {
             self.lap(0, &mut t);
             let c = &self.client;
             if max_nc > 0 && self.n_blocks > 0 {
+                let (bx, bz) = fold(self.n_blocks);
                 // SAFETY: a cube reads its block's group's rows (< n), its
                 // features (x_off + dim·n ≤ x_len), candidate slots and table
                 // entries, and writes its own SLOTS-wide row of bsum.
                 unsafe {
                     gains_kernel::launch_unchecked::<R>(
                         c,
-                        CubeCount::Static(self.n_blocks as u32, max_nc.div_ceil(TILE) as u32, 1),
+                        CubeCount::Static(bx, max_nc.div_ceil(TILE) as u32, bz),
                         CubeDim::new_1d(UNITS as u32),
                         arr(&self.x, self.x_len),
                         arr(&self.v0, self.rows.max(1)),
@@ -664,6 +703,8 @@ mod cube {
                         arr(&th, table.len()),
                         arr(&self.bsum, self.n_blocks * SLOTS),
                         0u32,
+                        bx,
+                        self.n_blocks as u32,
                         self.max_dim,
                     );
                 }
@@ -689,12 +730,13 @@ mod cube {
             self.lap(2, &mut t);
             let c = &self.client;
             if self.n_cubes > 0 {
+                let (ux, uy) = fold(self.n_cubes);
                 // SAFETY: each unit reads and writes its own row (below rows)
                 // and reads its group's features.
                 unsafe {
                     update_kernel::launch_unchecked::<R>(
                         c,
-                        CubeCount::Static(self.n_cubes as u32, 1, 1),
+                        CubeCount::Static(ux, uy, 1),
                         CubeDim::new_1d(UNITS as u32),
                         arr(&self.x, self.x_len),
                         arr(&th, table.len()),
@@ -708,6 +750,8 @@ mod cube {
                         arr(&self.chg_val, self.rows.max(1)),
                         j,
                         0u32,
+                        ux,
+                        self.n_cubes as u32,
                     );
                 }
             }

@@ -416,7 +416,12 @@ fn lockstep_batch(
                 .map(|&i| (data(i).xd.as_slice(), data(i).dim))
                 .collect();
             // Groups the device cannot seed are seeded on the CPU later.
-            let labels = device.exact_taken(&views).map(|mut steps| {
+            let steps = if views.is_empty() {
+                None
+            } else {
+                device.exact_taken(&views)
+            };
+            let labels = steps.map(|mut steps| {
                 lockstep::seed_lockstep(
                     &views,
                     N_CLUSTERS_INIT,
