@@ -802,15 +802,7 @@ mod cube {
 mod tests {
     use super::*;
     use crate::sort::clustering::seeding::kmeans_plusplus;
-
-    fn uniform_gen(mut x: u64) -> impl FnMut() -> f32 {
-        move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 11) as f32 / (1u64 << 53) as f32 - 0.5
-        }
-    }
+    use crate::sort::clustering::seeding::tests::uniform_gen;
 
     #[test]
     fn lockstep_with_literal_steps_equals_cpu_seeding() {

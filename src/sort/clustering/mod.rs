@@ -208,6 +208,19 @@ impl<'a> ClusterInput<'a> {
         })
     }
 
+    /// The data of the group `g` of `plan.centres` made of `spikes` (its
+    /// members, ascending; `None` when empty).
+    fn group_of(&self, plan: &GroupPlan, g: usize, spikes: Vec<usize>) -> Option<GroupData> {
+        groups::group_data_of(
+            plan.centres[g],
+            spikes,
+            &plan.nearest,
+            self.spike_template,
+            self.tf,
+            self.chans,
+        )
+    }
+
     /// The data of the group around `centre` (`None` when it has no spikes).
     pub fn group(&self, plan: &GroupPlan, centre: usize) -> Option<GroupData> {
         groups::group_data(
@@ -378,17 +391,7 @@ fn lockstep_batch(
     let datas: Vec<(usize, Option<GroupData>)> = spikes
         .into_par_iter()
         .with_max_len(1)
-        .map(|(g, spikes)| {
-            let d = groups::group_data_of(
-                plan.centres[g],
-                spikes,
-                &plan.nearest,
-                inp.spike_template,
-                inp.tf,
-                inp.chans,
-            );
-            (g, d)
-        })
+        .map(|(g, spikes)| (g, inp.group_of(plan, g, spikes)))
         .collect();
     // Positions in `datas` (largest first) of the groups to cluster, and
     // whether the device takes each (the others are seeded on the CPU with
@@ -546,15 +549,7 @@ fn run_groups(
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner),
             );
-            let data = groups::group_data_of(
-                plan.centres[g],
-                spikes,
-                &plan.nearest,
-                inp.spike_template,
-                inp.tf,
-                inp.chans,
-            );
-            if let Some(d) = data {
+            if let Some(d) = inp.group_of(plan, g, spikes) {
                 done.push((g, run_group(inp, d, Prepared::default(), settings, &prof)));
             }
         }

@@ -1354,7 +1354,7 @@ fn screen_masks(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     #[test]
@@ -1491,7 +1491,7 @@ mod tests {
     }
 
     /// A xorshift generator of uniform numbers in [−0.5, 0.5).
-    fn uniform_gen(mut x: u64) -> impl FnMut() -> f32 {
+    pub(crate) fn uniform_gen(mut x: u64) -> impl FnMut() -> f32 {
         move || {
             x ^= x << 13;
             x ^= x >> 7;
