@@ -31,8 +31,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::SeedableRng;
 use rayon::prelude::*;
 
-use super::seeding::{dot, draw_without_replacement};
-use super::settings::N_CANDIDATES;
+use super::seeding::{dot, draw_candidates};
 
 /// One step's candidates of one group: their rows in the group (draw order)
 /// and their ‖c‖² (float32, feature order).
@@ -99,13 +98,7 @@ pub(crate) fn seed_lockstep(
                     if s.done {
                         return None;
                     }
-                    let w: Vec<f32> = s
-                        .vtot
-                        .iter()
-                        .zip(v0)
-                        .map(|(&t, &e)| (t - e).max(0.0))
-                        .collect();
-                    let c = draw_without_replacement(&w, N_CANDIDATES, &mut s.rng);
+                    let c = draw_candidates(&s.vtot, v0, &mut s.rng);
                     if c.is_empty() {
                         s.done = true;
                         return None;
@@ -234,14 +227,17 @@ mod cube {
     /// launches are folded onto a second axis ([`fold`]).
     const DISPATCH_X: usize = 32_768;
 
-    /// `count` cubes as (x, y) with x ≤ [`DISPATCH_X`] (or the smaller
-    /// `SPIKECUBE_SEED_DISPATCH_X`, with which the tests fold small
-    /// launches): cube x + y·x_count.
-    fn fold(count: usize) -> (u32, u32) {
-        let limit = std::env::var("SPIKECUBE_SEED_DISPATCH_X")
+    /// The most cubes along one axis: [`DISPATCH_X`], or the smaller
+    /// `SPIKECUBE_SEED_DISPATCH_X`, with which the tests fold small launches.
+    fn dispatch_limit() -> usize {
+        std::env::var("SPIKECUBE_SEED_DISPATCH_X")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
-            .map_or(DISPATCH_X, |v| v.clamp(1, DISPATCH_X));
+            .map_or(DISPATCH_X, |v| v.clamp(1, DISPATCH_X))
+    }
+
+    /// `count` cubes as (x, y) with x ≤ `limit`: cube x + y·x_count.
+    fn fold(count: usize, limit: usize) -> (u32, u32) {
         let x = count.clamp(1, limit);
         (x as u32, count.div_ceil(x).max(1) as u32)
     }
@@ -543,6 +539,8 @@ mod cube {
         rows: usize,
         max_dim: usize,
         slots: Vec<Slot>,
+        /// Most cubes along one launch axis ([`dispatch_limit`]).
+        dispatch: usize,
         /// Seconds in: preparing and uploading the candidates, the gains
         /// kernel, the best kernel, the update kernel, reading the changes (the
         /// kernels timed apart only with `SPIKECUBE_SEED_PROFILE=kernels`,
@@ -601,6 +599,7 @@ mod cube {
                 return None;
             }
             let c = client;
+            let dispatch = dispatch_limit();
             // Each group's rows uploaded as they are, made feature-major on
             // the device (so that a warp's loads of one feature are one run).
             let x = c.empty(x_len.max(1) * 4);
@@ -610,7 +609,7 @@ mod cube {
                     continue;
                 }
                 let src = c.create_from_slice(f32::as_bytes(&xd[..len]));
-                let (fx, fy) = fold(len.div_ceil(256));
+                let (fx, fy) = fold(len.div_ceil(256), dispatch);
                 // SAFETY: reads src[..n·dim], writes x[x_off..x_off + n·dim]
                 // (x_off + n·dim ≤ x_len).
                 unsafe {
@@ -647,6 +646,7 @@ mod cube {
                 rows,
                 max_dim,
                 slots,
+                dispatch,
                 client: c.clone(),
                 clock: std::env::var("SPIKECUBE_SEED_PROFILE")
                     .ok()
@@ -686,7 +686,7 @@ mod cube {
             self.lap(0, &mut t);
             let c = &self.client;
             if max_nc > 0 && self.n_blocks > 0 {
-                let (bx, bz) = fold(self.n_blocks);
+                let (bx, bz) = fold(self.n_blocks, self.dispatch);
                 // SAFETY: a cube reads its block's group's rows (< n), its
                 // features (x_off + dim·n ≤ x_len), candidate slots and table
                 // entries, and writes its own SLOTS-wide row of bsum.
@@ -730,7 +730,7 @@ mod cube {
             self.lap(2, &mut t);
             let c = &self.client;
             if self.n_cubes > 0 {
-                let (ux, uy) = fold(self.n_cubes);
+                let (ux, uy) = fold(self.n_cubes, self.dispatch);
                 // SAFETY: each unit reads and writes its own row (below rows)
                 // and reads its group's features.
                 unsafe {

@@ -343,12 +343,8 @@ fn run_groups_lockstep(
         .thread_name(|i| format!("seed-draws-{i}"))
         .build()
         .ok()?;
-    let members = groups::group_members(&plan.centres, &plan.nearest, inp.spike_template);
-    let mut order: Vec<usize> = (0..members.len())
-        .filter(|&g| !members[g].is_empty())
-        .collect();
-    // Stable: equal sizes keep centre order (the order only affects timing).
-    order.sort_by_key(|&g| std::cmp::Reverse(members[g].len()));
+    let mut members = groups::group_members(&plan.centres, &plan.nearest, inp.spike_template);
+    let order = largest_first(&members);
     let mut batches: Vec<Vec<usize>> = Vec::new();
     let mut in_batch = 0usize;
     for &g in &order {
@@ -360,17 +356,15 @@ fn run_groups_lockstep(
         in_batch += n;
         batches.last_mut().expect("pushed").push(g);
     }
-    let mut members: Vec<Option<Vec<usize>>> = members.into_iter().map(Some).collect();
     let mut results: Vec<(usize, GroupResult)> = Vec::with_capacity(order.len());
     for batch in &batches {
         let spikes: Vec<(usize, Vec<usize>)> = batch
             .iter()
-            .map(|&g| (g, members[g].take().unwrap_or_default()))
+            .map(|&g| (g, std::mem::take(&mut members[g])))
             .collect();
         results.extend(lockstep_batch(inp, plan, settings, spikes, &pool));
     }
-    results.sort_unstable_by_key(|r| r.0);
-    Some(results.into_iter().map(|r| r.1).collect())
+    Some(in_centre_order(results))
 }
 
 /// One batch of [`run_groups_lockstep`]: the groups `(g, spikes)`, largest
@@ -383,8 +377,6 @@ fn lockstep_batch(
     pool: &rayon::ThreadPool,
 ) -> Vec<(usize, GroupResult)> {
     use rayon::prelude::*;
-    use std::sync::Mutex;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Instant;
     let device = &settings.seeding_device;
     let t0 = Instant::now();
@@ -461,29 +453,9 @@ fn lockstep_batch(
         pre[i].init = Some(init);
     }
     let n_groups = datas.len();
-    let work: Vec<Mutex<Option<(usize, GroupData, Prepared)>>> = datas
-        .into_iter()
-        .zip(pre)
-        .map(|((g, d), p)| Mutex::new(d.map(|d| (g, d, p))))
-        .collect();
-    let next = AtomicUsize::new(0);
     let prof = profile::Profile::default();
-    let per_thread: Vec<Vec<(usize, GroupResult)>> = rayon::broadcast(|_| {
-        let mut done = Vec::new();
-        loop {
-            let k = next.fetch_add(1, Ordering::Relaxed);
-            let Some(slot) = work.get(k) else {
-                break;
-            };
-            let item = slot
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take();
-            if let Some((g, d, p)) = item {
-                done.push((g, run_group(inp, d, p, settings, &prof)));
-            }
-        }
-        done
+    let results = pull_in_order(datas.into_iter().zip(pre).collect(), |((g, d), p)| {
+        Some((g, run_group(inp, d?, p, settings, &prof)))
     });
     let msg = format!(
         "clustering on the device's seeding: {n_groups} groups, data {t_data:.2} s, then graphs {t_graphs:.2} s beside the seeding of {n_seeded} groups {t_seed:.2} s, then the rest {:.2} s; {:.2} s in all",
@@ -496,27 +468,11 @@ fn lockstep_batch(
     } else {
         tracing::debug!("{msg}");
     }
-    per_thread.into_iter().flatten().collect()
+    results
 }
 
-/// Clusters every group of `plan` with spikes, largest first; the results
-/// in `plan.centres` order.
-///
-/// Each thread of the current rayon pool (`rayon::broadcast`, one pull loop a
-/// thread) takes the next group of a shared list sorted by spike count,
-/// descending, until the list is empty. The groups' own stages still split
-/// their work with rayon: that costs little while every thread has a group,
-/// and lets a thread that has run out of groups help the ones still running
-/// (at the end, the largest, started first). A thread waiting inside its
-/// group can only pick up pieces of other groups' stages, never a whole
-/// group (unless another clustering runs in the same pool at the same time):
-/// the pull loops are not jobs that can be stolen, so the largest groups are
-/// not held back behind small ones (with a parallel iterator over the
-/// groups, a thread waiting inside one group can steal and run a whole range
-/// of others first). Which thread runs a group does not change its result.
-///
-/// The call returns once every thread of the pool has seen the list empty:
-/// the pool should not be busy with long unrelated jobs meanwhile.
+/// Clusters every group of `plan` with spikes, largest first ([`pull_in_order`]);
+/// the results in `plan.centres` order.
 fn run_groups(
     inp: &ClusterInput<'_>,
     plan: &GroupPlan,
@@ -525,42 +481,81 @@ fn run_groups(
     if let Some(r) = run_groups_lockstep(inp, plan, settings) {
         return r;
     }
-    use std::sync::Mutex;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    let members = groups::group_members(&plan.centres, &plan.nearest, inp.spike_template);
-    let mut order: Vec<usize> = (0..members.len())
-        .filter(|&g| !members[g].is_empty())
+    let mut members = groups::group_members(&plan.centres, &plan.nearest, inp.spike_template);
+    let items: Vec<(usize, Vec<usize>)> = largest_first(&members)
+        .into_iter()
+        .map(|g| (g, std::mem::take(&mut members[g])))
         .collect();
-    // Stable: equal sizes keep centre order (the order only affects timing).
-    order.sort_by_key(|&g| std::cmp::Reverse(members[g].len()));
-    let members: Vec<Mutex<Vec<usize>>> = members.into_iter().map(Mutex::new).collect();
-    let next = AtomicUsize::new(0);
     let t0 = std::time::Instant::now();
     let prof = profile::Profile::default();
-    let per_thread: Vec<Vec<(usize, GroupResult)>> = rayon::broadcast(|_| {
-        let mut done = Vec::new();
-        loop {
-            let k = next.fetch_add(1, Ordering::Relaxed);
-            let Some(&g) = order.get(k) else {
-                break;
-            };
-            let spikes = std::mem::take(
-                &mut *members[g]
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner),
-            );
-            if let Some(d) = inp.group_of(plan, g, spikes) {
-                done.push((g, run_group(inp, d, Prepared::default(), settings, &prof)));
-            }
-        }
-        done
+    let results = pull_in_order(items, |(g, spikes)| {
+        let d = inp.group_of(plan, g, spikes)?;
+        Some((g, run_group(inp, d, Prepared::default(), settings, &prof)))
     });
     if profile::enabled() {
         prof.log(t0.elapsed().as_secs_f64(), rayon::current_num_threads());
     }
-    let mut results: Vec<(usize, GroupResult)> = per_thread.into_iter().flatten().collect();
+    in_centre_order(results)
+}
+
+/// The groups with spikes (indices into `members`), by spike count,
+/// descending; equal counts keep centre order (the order only affects
+/// timing).
+fn largest_first(members: &[Vec<usize>]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..members.len())
+        .filter(|&g| !members[g].is_empty())
+        .collect();
+    order.sort_by_key(|&g| std::cmp::Reverse(members[g].len()));
+    order
+}
+
+/// The results of groups `(g, result)` in group (`plan.centres`) order.
+fn in_centre_order(mut results: Vec<(usize, GroupResult)>) -> Vec<GroupResult> {
     results.sort_unstable_by_key(|r| r.0);
     results.into_iter().map(|r| r.1).collect()
+}
+
+/// `run` of each of `items` (groups, largest first), the results of those
+/// that give one, in no particular order.
+///
+/// Each thread of the current rayon pool (`rayon::broadcast`, one pull loop a
+/// thread) takes the next item of the shared list until the list is empty.
+/// The groups' own stages still split their work with rayon: that costs
+/// little while every thread has a group, and lets a thread that has run out
+/// of groups help the ones still running (at the end, the largest, started
+/// first). A thread waiting inside its group can only pick up pieces of other
+/// groups' stages, never a whole group (unless another clustering runs in the
+/// same pool at the same time): the pull loops are not jobs that can be
+/// stolen, so the largest groups are not held back behind small ones (with a
+/// parallel iterator over the groups, a thread waiting inside one group can
+/// steal and run a whole range of others first). Which thread runs a group
+/// does not change its result.
+///
+/// The call returns once every thread of the pool has seen the list empty:
+/// the pool should not be busy with long unrelated jobs meanwhile.
+fn pull_in_order<T: Send, R: Send>(items: Vec<T>, run: impl Fn(T) -> Option<R> + Sync) -> Vec<R> {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let slots: Vec<Mutex<Option<T>>> = items.into_iter().map(|t| Mutex::new(Some(t))).collect();
+    let next = AtomicUsize::new(0);
+    let per_thread: Vec<Vec<R>> = rayon::broadcast(|_| {
+        let mut done = Vec::new();
+        loop {
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            let Some(slot) = slots.get(k) else {
+                break;
+            };
+            let item = slot
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take();
+            if let Some(r) = item.and_then(&run) {
+                done.push(r);
+            }
+        }
+        done
+    });
+    per_thread.into_iter().flatten().collect()
 }
 
 /// Mean feature row of each label (k × dim), summed in float64 in spike order.

@@ -55,7 +55,7 @@ fn uniform(rng: &mut ChaCha8Rng) -> f64 {
 /// one after another without replacement (a drawn index is redrawn; after many
 /// redraws in a row the weights are rebuilt without the drawn ones, which
 /// gives the same distribution). Indices with weight 0 are never drawn.
-pub(super) fn draw_without_replacement(w: &[f32], ntry: usize, rng: &mut ChaCha8Rng) -> Vec<usize> {
+fn draw_without_replacement(w: &[f32], ntry: usize, rng: &mut ChaCha8Rng) -> Vec<usize> {
     let positive = w.iter().filter(|&&v| v > 0.0).count();
     let ntry = ntry.min(positive);
     let mut chosen: Vec<usize> = Vec::with_capacity(ntry);
@@ -91,6 +91,18 @@ pub(super) fn draw_without_replacement(w: &[f32], ntry: usize, rng: &mut ChaCha8
         chosen.push(i);
     }
     chosen
+}
+
+/// One step's candidates: up to [`N_CANDIDATES`] distinct spikes (in draw
+/// order) drawn with probability ∝ relu(‖x‖² − v0) (`vtot`, `v0` per spike);
+/// none once every spike is explained exactly.
+pub(super) fn draw_candidates(vtot: &[f32], v0: &[f32], rng: &mut ChaCha8Rng) -> Vec<usize> {
+    let w: Vec<f32> = vtot
+        .iter()
+        .zip(v0)
+        .map(|(&t, &e)| (t - e).max(0.0))
+        .collect();
+    draw_without_replacement(&w, N_CANDIDATES, rng)
 }
 
 /// A spike whose gain from a candidate beat its v0: (spike index, gain
@@ -354,13 +366,7 @@ impl<'a> Seeder<'a> {
             self.done = true;
             return None;
         }
-        let v2: Vec<f32> = self
-            .vtot
-            .iter()
-            .zip(&self.vexp0)
-            .map(|(&t, &e)| (t - e).max(0.0))
-            .collect();
-        self.cand = draw_without_replacement(&v2, N_CANDIDATES, &mut self.rng);
+        self.cand = draw_candidates(&self.vtot, &self.vexp0, &mut self.rng);
         if self.cand.is_empty() {
             self.done = true;
             return None;
