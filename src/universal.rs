@@ -145,6 +145,11 @@ pub fn choose(
                 "seed": settings.seed,
                 "learn_settings": settings,
                 "kmeans_inertia": learned.inertia,
+                "seconds": {
+                    "windows": learned.seconds[0],
+                    "wpca": learned.seconds[1],
+                    "wtemp": learned.seconds[2],
+                },
                 "template_check": {
                     "on": settings.template_check,
                     "peak_tolerance_samples": crate::detect::template_check::PEAK_TOLERANCE,

@@ -705,6 +705,9 @@ pub struct Learned {
     /// Learned templates whose peak was off `nt0min`, and what was done
     /// ([`crate::detect::template_check::check_wtemp`]).
     pub template_findings: Vec<crate::detect::template_check::TemplateFinding>,
+    /// Wall seconds of the three parts: the windows (read, preprocessed,
+    /// clips cut), wPCA (the SVD) and wTEMP (the k-means restarts).
+    pub seconds: [f64; 3],
 }
 
 /// The fewest windows [`learn_from_windows`] prepares at once.
@@ -751,6 +754,7 @@ where
     E: From<DetectError> + Send,
 {
     settings.validate(nt)?;
+    let t0 = std::time::Instant::now();
     let mut pool = ClipPool::new(nt, MAX_CLIPS);
     let mut read = 0;
     let starts: Vec<u64> = (0..n_windows).step_by(LEARN_NSKIP as usize).collect();
@@ -779,13 +783,18 @@ where
         min_clips,
         inertia: None,
         template_findings: Vec::new(),
+        seconds: [t0.elapsed().as_secs_f64(), 0.0, 0.0],
     };
     if pool.len() < min_clips {
         return Ok(learned);
     }
+    let t1 = std::time::Instant::now();
     let clips = pool.normalised();
     let wpca = learn_wpca(clips.view(), settings.n_pcs)?;
+    let t2 = std::time::Instant::now();
     let (mut wtemp, km) = learn_wtemp(clips.view(), settings)?;
+    learned.seconds[1] = (t2 - t1).as_secs_f64();
+    learned.seconds[2] = t2.elapsed().as_secs_f64();
     learned.template_findings =
         crate::detect::template_check::check_wtemp(&mut wtemp, nt0min, settings.template_check);
     learned.templates = Some(UniversalTemplates { wtemp, wpca });

@@ -392,19 +392,23 @@ fn first_pass_run(
     let min_run = crate::checks::stuck_min_run(fp.recording.fs());
     let plan = *fp.plan;
     let mask_clipped = fp.mask_clipped;
-    let check = move |w: &mut crate::recording::Window| -> Result<()> {
+    // The masking depends on the window alone: it runs on the reading
+    // threads right after each read, several windows at once when the pass
+    // reads on several threads.
+    let mask = move |w: &mut crate::recording::Window| -> Result<()> {
         if mask_clipped {
             let cols = crate::checks::WindowColumns::of(&plan, w.index);
-            crate::checks::check_window(w, &cols, min_run, None, true);
+            crate::checks::mask_stuck_window(w, &cols, min_run);
         }
         Ok(())
     };
     let nt = fp.nt;
-    crate::stages::run_windows(
+    crate::stages::run_windows_prechecked(
         fp.recording.clone(),
         plan,
         &fp.probe.chan_map,
-        check,
+        &mask,
+        |_: &mut crate::recording::Window, ()| Ok(()),
         pass,
         |w: crate::stages::WindowInfo, mut det: crate::Detections| -> Result<()> {
             let own_end = nt + w.own_len;

@@ -766,11 +766,20 @@ impl<R: Runtime> GpuDetector<R> {
         yc: &[f32],
         packer: &Packer,
     ) -> Result<(), DetectError> {
+        let t0 = std::time::Instant::now();
         self.set_preprocessing(form)?;
+        let t1 = std::time::Instant::now();
         let zeros = ndarray::Array2::<f32>::zeros((form.n_sites, form.n));
         let raw = packer.pack(zeros.view());
+        let t2 = std::time::Instant::now();
         self.detect_raw(raw, yc, None)?;
         self.wait_s = 0.0;
+        tracing::info!(
+            "device warm-up: constants {:.3} s, a window packed {:.3} s, detected (kernels loaded, buffers made) {:.3} s",
+            (t1 - t0).as_secs_f64(),
+            (t2 - t1).as_secs_f64(),
+            t2.elapsed().as_secs_f64()
+        );
         Ok(())
     }
 
