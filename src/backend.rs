@@ -662,6 +662,31 @@ impl Detector {
         }
     }
 
+    /// `f` of one raw window preprocessed on the device and read back
+    /// ([`crate::detect::gpu::GpuDetector::with_whitened`]); `Ok(None)` on
+    /// the CPU.
+    ///
+    /// # Errors
+    /// As that method.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn with_whitened<T>(
+        &mut self,
+        raw: crate::detect::gpu::RawWindow,
+        yc: &[f32],
+        f: impl FnOnce(ndarray::ArrayView2<f32>) -> T,
+    ) -> Result<Option<T>, DetectError> {
+        match self {
+            Detector::Cpu(_) => {
+                let _ = (raw, yc, f);
+                Ok(None)
+            }
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.with_whitened(raw, yc, f).map(Some),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.with_whitened(raw, yc, f).map(Some),
+        }
+    }
+
     /// Replaces the device preprocessing's whitening by a C × C matrix in CSR
     /// form (see [`crate::detect::gpu::GpuDetector::set_whitening`]).
     ///

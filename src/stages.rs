@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
 use crossbeam_channel::{bounded, unbounded};
-use ndarray::Array2;
+use ndarray::{Array2, ArrayView2};
 
 use crate::backend::Detector;
 use crate::detect::cpu::Detections;
@@ -254,6 +254,22 @@ pub trait WindowPass: Send {
     /// thread (`spikecube-stage`; e.g. packing a window for the upload while
     /// the device works on the previous one); `None` (the default) for none.
     fn stager(&mut self) -> Option<Box<dyn Stager>> {
+        None
+    }
+
+    /// For the template learning (Kilosort4's `extract_wPCA_wTEMP` on the
+    /// drift-corrected windows): window `w` as read, preprocessed on this
+    /// pass's device as the pass preprocesses it (with `drift`'s whitening of
+    /// the window when given), and `f` of the whitened window (C × NT), on
+    /// the calling thread; the pass's own whitening is set again afterwards.
+    /// `None` (the default) when the pass preprocesses on the host.
+    fn learning_window(
+        &mut self,
+        w: &mut Window,
+        drift: Option<&dyn WindowWhitening>,
+        f: &mut dyn FnMut(ArrayView2<f32>) -> Array2<f32>,
+    ) -> Option<Result<Array2<f32>>> {
+        let _ = (w, drift, f);
         None
     }
 
@@ -1018,6 +1034,33 @@ impl WindowPass for DevicePass {
 
     fn preprocess_on(&self) -> &'static str {
         "device"
+    }
+
+    fn learning_window(
+        &mut self,
+        w: &mut Window,
+        drift: Option<&dyn WindowWhitening>,
+        f: &mut dyn FnMut(ArrayView2<f32>) -> Array2<f32>,
+    ) -> Option<Result<Array2<f32>>> {
+        let mut run = || -> Result<Array2<f32>> {
+            let own = match drift {
+                Some(d) => d.window_whitening(w.index, self.pre.whitening())?,
+                None => None,
+            };
+            if let Some(g) = &own {
+                let (start, cols, vals) = g.csr();
+                self.detector.set_whitening(&start, &cols, &vals)?;
+            }
+            let raw = self.packer.raw_window(w);
+            let res = self.detector.with_whitened(raw, &self.yc, |x| f(x));
+            if own.is_some() {
+                let (start, cols, vals) = self.pre.whitening().csr();
+                self.detector.set_whitening(&start, &cols, &vals)?;
+            }
+            res.with_context(|| device_work(w))?
+                .context("the pass's detector is not on a device")
+        };
+        Some(run())
     }
 
     fn keep_windows(&mut self, budget: Option<u64>) {

@@ -39,6 +39,9 @@ pub struct ChosenTemplates {
     pub description: serde_json::Value,
     /// Why learned templates could not be used, when so.
     pub warning: Option<String>,
+    /// Wall seconds of the learning's parts (windows, wPCA, wTEMP; zeros
+    /// when not learned), for the timings of `spikecube.json`.
+    pub seconds: [f64; 3],
 }
 
 /// Reads `wTEMP` and `wPCA` from a `.npz` file in Kilosort4's `wTEMP.npz`
@@ -123,19 +126,37 @@ pub fn choose(
     nt0min: usize,
     window: impl Fn(u64) -> Result<Array2<f32>> + Sync,
 ) -> Result<ChosenTemplates> {
+    choose_with(source, nt0min, |settings| {
+        learn_from_windows(n_windows, nt, nt0min, settings, window)
+    })
+}
+
+/// [`choose`] with the learning done by `learn` (called only for
+/// [`TemplateSource::Learned`], with its settings): e.g.
+/// [`crate::detect::learn::learn_from_clips`] on windows a GPU preprocessed.
+///
+/// # Errors
+/// Whatever `learn` returns.
+pub fn choose_with(
+    source: &TemplateSource,
+    nt0min: usize,
+    learn: impl FnOnce(&LearnSettings) -> Result<crate::detect::learn::Learned>,
+) -> Result<ChosenTemplates> {
     Ok(match source {
         TemplateSource::Builtin => ChosenTemplates {
             templates: UniversalTemplates::builtin(),
             description: serde_json::json!({"source": "builtin"}),
             warning: None,
+            seconds: [0.0; 3],
         },
         TemplateSource::File { path, templates } => ChosenTemplates {
             templates: templates.clone(),
             description: serde_json::json!({"source": "file", "path": path}),
             warning: None,
+            seconds: [0.0; 3],
         },
         TemplateSource::Learned(settings) => {
-            let learned = learn_from_windows(n_windows, nt, nt0min, settings, window)?;
+            let learned = learn(settings)?;
             let details = serde_json::json!({
                 "n_clips": learned.n_clips,
                 "n_windows": learned.n_windows,
@@ -145,11 +166,6 @@ pub fn choose(
                 "seed": settings.seed,
                 "learn_settings": settings,
                 "kmeans_inertia": learned.inertia,
-                "seconds": {
-                    "windows": learned.seconds[0],
-                    "wpca": learned.seconds[1],
-                    "wtemp": learned.seconds[2],
-                },
                 "template_check": {
                     "on": settings.template_check,
                     "peak_tolerance_samples": crate::detect::template_check::PEAK_TOLERANCE,
@@ -179,6 +195,7 @@ pub fn choose(
                         templates: t,
                         description: d,
                         warning: check_warning,
+                        seconds: learned.seconds,
                     }
                 }
                 None => {
@@ -196,6 +213,7 @@ pub fn choose(
                         templates: UniversalTemplates::builtin(),
                         description: d,
                         warning: Some(why),
+                        seconds: learned.seconds,
                     }
                 }
             }

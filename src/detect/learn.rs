@@ -753,25 +753,62 @@ pub fn learn_from_windows<E>(
 where
     E: From<DetectError> + Send,
 {
+    learn_from_clips(n_windows, nt, nt0min, settings, |batch| {
+        batch
+            .par_iter()
+            .map(|&j| {
+                let x = window(j)?;
+                Ok(extract_clips(x.view(), settings.th_single_ch, nt, nt0min).1)
+            })
+            .collect()
+    })
+}
+
+/// [`learn_from_windows`] with the windows' clips made by the caller:
+/// `clips(js)` returns the [`extract_clips`] clips (n × nt) of each whitened
+/// window j of `js` in that order (it may stop after an error: the windows
+/// after it are not used), for batches of up to [`learn_windows_at_once`] of
+/// the windows 0, 25, 50, …. For a device that preprocesses the windows one
+/// at a time on the calling thread; the result is the same as
+/// [`learn_from_windows`]'s for the same whitened windows.
+///
+/// # Errors
+/// As [`learn_from_windows`].
+pub fn learn_from_clips<E>(
+    n_windows: u64,
+    nt: usize,
+    nt0min: usize,
+    settings: &LearnSettings,
+    mut clips: impl FnMut(&[u64]) -> Vec<Result<Array2<f32>, E>>,
+) -> Result<Learned, E>
+where
+    E: From<DetectError>,
+{
     settings.validate(nt)?;
     let t0 = std::time::Instant::now();
     let mut pool = ClipPool::new(nt, MAX_CLIPS);
     let mut read = 0;
     let starts: Vec<u64> = (0..n_windows).step_by(LEARN_NSKIP as usize).collect();
     'batches: for batch in starts.chunks(learn_windows_at_once()) {
-        let clips: Vec<Result<Array2<f32>, E>> = batch
-            .par_iter()
-            .map(|&j| {
-                let x = window(j)?;
-                Ok(extract_clips(x.view(), settings.th_single_ch, nt, nt0min).1)
-            })
-            .collect();
-        for c in clips {
+        let made = clips(batch);
+        let complete = made.len() == batch.len();
+        for c in made {
             let c = c?;
             read += 1;
             if !pool.add_window(c.view()) {
                 break 'batches;
             }
+        }
+        if !complete {
+            return Err(DetectError::Input {
+                what: "template learning".into(),
+                message: format!(
+                    "{} of the {} windows asked for were made",
+                    read,
+                    batch.len()
+                ),
+            }
+            .into());
         }
     }
     let min_clips = settings.min_clips();

@@ -99,6 +99,24 @@ impl Device {
         Some((&mut self.detector, pre))
     }
 
+    /// The detector, with `pre` set on it, and a packer for its windows when
+    /// the template learning's windows are preprocessed on the device, as
+    /// the pass's will be (a GPU that preprocesses, for a `pre` with a device
+    /// form); `None` when they are preprocessed on the host.
+    ///
+    /// # Errors
+    /// When the device cannot take `pre`'s constants.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn for_learning(
+        &mut self,
+        pre: &Preprocessor,
+    ) -> Result<Option<(&mut Detector, crate::detect::gpu::Packer)>> {
+        if self.warm_pre.is_none() || !self.detector.set_preprocessing(pre)? {
+            return Ok(None);
+        }
+        Ok(self.detector.packer().map(|p| (&mut self.detector, p)))
+    }
+
     /// Detects with `templates` from now on: the same detector when they
     /// have its shapes (a GPU keeps its buffers), a new one otherwise (with
     /// the run's page-locked pool).

@@ -11,7 +11,8 @@ use anyhow::{Context, Result};
 
 use super::job::DetectJob;
 use super::open::OpenRun;
-use super::templates::{read_masked, window_first_sample};
+use super::templates::{device_clips, read_masked, window_first_sample};
+use crate::detect::learn::{extract_clips, learn_from_clips};
 use crate::drift::{DriftRun, FirstPass};
 use crate::preprocess::Preprocessor;
 use crate::stages::WindowPass;
@@ -72,9 +73,11 @@ pub(crate) fn drift_step(
         && drift.windows_to_detect() > 0
         && matches!(job.templates, TemplateSource::Learned(_))
     {
-        relearned = Some(timer.time("templates_second_pass", |_| {
+        let second = timer.time("templates_second_pass", |_| {
             relearn(job, run, pre, &drift, pass)
-        })?);
+        })?;
+        super::templates::record_seconds(timer, "templates_second_pass", &second);
+        relearned = Some(second);
     }
     Ok(DriftStep {
         run: drift,
@@ -92,12 +95,24 @@ fn relearn(
     pass: &mut dyn WindowPass,
 ) -> Result<ChosenTemplates> {
     let plan = run.plan;
-    let mut second = crate::universal::choose(
-        &job.templates,
-        plan.n_windows,
-        job.detection.nt,
-        job.detection.nt0min(),
-        |i| {
+    let (nt, nt0min) = (job.detection.nt, job.detection.nt0min());
+    let mut second = if pass.preprocess_on() == "device" {
+        // The windows preprocessed on the pass's device, as the pass will
+        // preprocess them (one at a time on this thread).
+        let mut raw16 = pass.raw16_buffers();
+        crate::universal::choose_with(&job.templates, nt0min, |s| {
+            let th = s.th_single_ch;
+            learn_from_clips(plan.n_windows, nt, nt0min, s, |js| {
+                device_clips(job, &plan, js, &mut raw16, &mut |w| {
+                    pass.learning_window(w, Some(drift), &mut |x| {
+                        extract_clips(x, th, nt, nt0min).1
+                    })
+                    .context("the pass does not preprocess on a device")?
+                })
+            })
+        })?
+    } else {
+        crate::universal::choose(&job.templates, plan.n_windows, nt, nt0min, |i| {
             let mut w = read_masked(job, &plan, i)?;
             let blank = pre.blank_ranges(&w, window_first_sample(job, &plan, i));
             drift.preprocess(pre, i, &mut w).with_context(|| {
@@ -105,8 +120,8 @@ fn relearn(
             })?;
             crate::preprocess::zero_columns(&mut w, &blank);
             Ok(w)
-        },
-    )?;
+        })?
+    };
     second.description["windows"] = "drift-corrected (second pass)".into();
     if let Some(w) = &second.warning {
         run.warnings

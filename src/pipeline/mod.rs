@@ -109,6 +109,7 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     let templates = timer.time("templates", |_| {
         templates::choose_templates(&job, &mut run, &pre, &mut device)
     })?;
+    templates::record_seconds(&mut timer, "templates", &templates);
     let (mut pass, back_end) = device.into_pass(&pre, &job)?;
     let drift = drift_pass::drift_step(&job, &mut run, &pre, pass.as_mut(), &mut timer)?;
     let zeroed_before = pre.artifact_windows();

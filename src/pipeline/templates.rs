@@ -12,6 +12,7 @@ use super::open::OpenRun;
 use crate::checks;
 use crate::preprocess::Preprocessor;
 use crate::recording::{WindowPlan, read_window};
+use crate::timing::StageTimer;
 use crate::universal::ChosenTemplates;
 
 /// Chooses the run's templates (learning them from windows preprocessed by
@@ -27,24 +28,94 @@ pub(crate) fn choose_templates(
     device: &mut Device,
 ) -> Result<ChosenTemplates> {
     let plan = run.plan;
-    let chosen = crate::universal::choose(
-        &job.templates,
-        plan.n_windows,
-        job.detection.nt,
-        job.detection.nt0min(),
-        |i| {
+    let (nt, nt0min) = (job.detection.nt, job.detection.nt0min());
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    let on_device = device.for_learning(pre)?;
+    #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+    let on_device: Option<std::convert::Infallible> = None;
+    let chosen = match on_device {
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        Some((detector, packer)) => {
+            let p = packer.clone();
+            let mut raw16: Option<crate::stages::Raw16Alloc> = Some(Box::new(move |n| {
+                Box::new(p.raw16_buffer(n)) as Box<dyn crate::recording::Raw16Buffer>
+            }));
+            let yc = &job.probe.yc;
+            crate::universal::choose_with(&job.templates, nt0min, |s| {
+                let th = s.th_single_ch;
+                crate::detect::learn::learn_from_clips(plan.n_windows, nt, nt0min, s, |js| {
+                    device_clips(job, &plan, js, &mut raw16, &mut |w| {
+                        let raw = packer.raw_window(w);
+                        detector
+                            .with_whitened(raw, yc, |x| {
+                                crate::detect::learn::extract_clips(x, th, nt, nt0min).1
+                            })?
+                            .context("the detector is not on a device")
+                    })
+                })
+            })?
+        }
+        #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+        Some(never) => match never {},
+        None => crate::universal::choose(&job.templates, plan.n_windows, nt, nt0min, |i| {
             let mut w = read_masked(job, &plan, i)?;
             pre.apply_at(&mut w, window_first_sample(job, &plan, i))
                 .with_context(|| format!("preprocessing window {i} for learning templates"))?;
             Ok(w)
-        },
-    )?;
+        })?,
+    };
     if let Some(w) = &chosen.warning {
         run.warnings.push(w.clone());
     }
     device.use_templates(&chosen.templates, &run.geometry, job)?;
     crate::universal::write_outputs(run.writer.partial_path(), &chosen)?;
     Ok(chosen)
+}
+
+/// Records a learning's parts under `stage.windows`, `stage.wpca` and
+/// `stage.wtemp` (nothing for templates not learned).
+pub(crate) fn record_seconds(timer: &mut StageTimer, stage: &str, chosen: &ChosenTemplates) {
+    if chosen.seconds[0] > 0.0 {
+        for (part, s) in ["windows", "wpca", "wtemp"].iter().zip(chosen.seconds) {
+            timer.add(format!("{stage}.{part}"), s);
+        }
+    }
+}
+
+/// The clips ([`crate::detect::learn::extract_clips`]) of the learning windows `js`, one at a time
+/// on this thread: each read as the passes read it (int16 values into
+/// `raw16`'s storage when the recording gives them, else f32; stuck
+/// stretches masked when the run masks them), then preprocessed on a device
+/// and cut by `clips` (which gets the window as read). Stops after the first
+/// window that fails, its error last.
+pub(crate) fn device_clips(
+    job: &DetectJob,
+    plan: &WindowPlan,
+    js: &[u64],
+    raw16: &mut Option<crate::stages::Raw16Alloc>,
+    clips: &mut dyn FnMut(&mut crate::recording::Window) -> Result<Array2<f32>>,
+) -> Vec<Result<Array2<f32>>> {
+    let rec = job.recording.as_ref();
+    let min_run = checks::stuck_min_run(rec.fs());
+    let mut out = Vec::with_capacity(js.len());
+    for &i in js {
+        let mut one = || -> Result<Array2<f32>> {
+            let mut data = Array2::zeros((0, 0));
+            let r16 = crate::stages::read_any(rec, plan, i, &job.probe.chan_map, &mut data, raw16)?;
+            let mut w = crate::recording::Window::of(rec.first_sample(), plan, i, data, r16);
+            if job.checks.mask_clipped {
+                checks::mask_stuck_window(&mut w, &checks::WindowColumns::of(plan, i), min_run);
+            }
+            clips(&mut w)
+        };
+        let res = one().with_context(|| format!("window {i} for learning templates"));
+        let failed = res.is_err();
+        out.push(res);
+        if failed {
+            break;
+        }
+    }
+    out
 }
 
 /// Window `i` of `plan` as read, stuck stretches masked when the run masks

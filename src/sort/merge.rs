@@ -343,13 +343,16 @@ pub fn merge_ccg(
     let mut n_merges = 0usize;
     let feat_len = tf.shape()[1] * npc;
     let mut t = 0usize;
+    let (mut row_s, mut ccg_s, mut n_tests) = (0.0f64, 0.0f64, 0usize);
     while t < nn {
         let kk = order[t];
         if !is_ref[kk] || is_merged[kk] {
             t += 1;
             continue;
         }
+        let t_row = std::time::Instant::now();
         let (mut cmax, imax) = sim.row(kk, &normed, n_chan);
+        row_s += t_row.elapsed().as_secs_f64();
         cmax[kk] = 0.0;
         let seconds = |c: usize, st: &Array2<f64>| -> Vec<f64> {
             members[c].iter().map(|&i| st[[i, 0]] / fs).collect()
@@ -363,6 +366,7 @@ pub fn merge_ccg(
             .take_while(|&jj| cmax[jj] >= settings.r_thresh)
             .collect();
         let batch = rayon::current_num_threads().max(1);
+        let t_ccg = std::time::Instant::now();
         let mut partner = None;
         for group in candidates.chunks(batch) {
             let tests: Vec<bool> = group
@@ -377,6 +381,8 @@ pub fn merge_ccg(
                 break;
             }
         }
+        ccg_s += t_ccg.elapsed().as_secs_f64();
+        n_tests += candidates.len().min(batch);
         let Some(jj) = partner else {
             t += 1;
             continue;
@@ -413,7 +419,8 @@ pub fn merge_ccg(
     let loop_s = clock.elapsed().as_secs_f64() - refract_s;
     let merged = finish(wall, members, is_ref, is_merged, st, tf, n_merges);
     tracing::debug!(
-        "merges: {n_merges} merges; refractoriness {refract_s:.3} s, merge loop {loop_s:.3} s, re-sort {:.3} s",
+        "merges: {n_merges} merges; refractoriness {refract_s:.3} s, merge loop {loop_s:.3} s (similarity rows {row_s:.3} s, CCG tests {ccg_s:.3} s in batches of up to {} partners, {n_tests} or more tests), re-sort {:.3} s",
+        rayon::current_num_threads(),
         clock.elapsed().as_secs_f64() - refract_s - loop_s
     );
     Ok(merged)

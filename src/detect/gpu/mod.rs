@@ -1161,6 +1161,37 @@ impl<R: Runtime> GpuDetector<R> {
         self.preprocess_stage(raw, yc, 4)
     }
 
+    /// Preprocesses `raw` on the device as [`GpuDetector::detect_raw`] does
+    /// (with the whitening set last), reads the whitened window back and
+    /// returns `f` of it (C × N, read-only, valid during the call): for the
+    /// template learning's windows, made on the device like the pass's.
+    ///
+    /// # Errors
+    /// As [`GpuDetector::detect_raw`].
+    pub fn with_whitened<T>(
+        &mut self,
+        mut raw: RawWindow,
+        yc: &[f32],
+        f: impl FnOnce(ndarray::ArrayView2<f32>) -> T,
+    ) -> Result<T, DetectError> {
+        let claim = raw.take_claim();
+        self.upload_raw(raw, yc, false, 4)?;
+        let w = self.window.as_ref().expect("allocated");
+        let c = self.pre.as_ref().map_or(0, |p| p.form.n_sites);
+        let n = w.n_t;
+        let out = self.client.read(vec![w.x.clone()]);
+        // The kernels have read the upload buffer by now.
+        drop(claim);
+        let v = f32::from_bytes(&out[0]);
+        let x = ndarray::ArrayView2::from_shape((c, n), &v[..c * n]).map_err(|e| {
+            DetectError::Input {
+                what: "whitened window".into(),
+                message: e.to_string(),
+            }
+        })?;
+        Ok(f(x))
+    }
+
     /// Preprocesses `raw` on the device (the four kernels, with the whitening
     /// set last) and returns the device buffer holding the whitened window,
     /// C × N f32 row-major, without reading it back: for another stage on
