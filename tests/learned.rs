@@ -635,10 +635,12 @@ fn whole_recordings_with_kilosort4s_learned_templates_give_kilosort4s_spikes() {
     }
 }
 
-/// The template step runs on the CPU whatever the back end (it reads the windows
-/// preprocessed on the CPU): `--backend wgpu` writes the same `wTEMP.npy`,
-/// `wPCA.npy`, `templates.png` and `"templates"` record as `--backend cpu`, byte
-/// for byte. In the wgpu test group (Mesa's lavapipe in CI, like tests/gpu.rs).
+/// With `--preprocess-on host`, `--backend wgpu` learns from windows
+/// preprocessed on the CPU and writes the same `wTEMP.npy`, `wPCA.npy`,
+/// `templates.png` and `"templates"` record as `--backend cpu`, byte for
+/// byte; by default the device preprocesses the learning's windows as it does
+/// the pass's, and the templates agree with the CPU's to float32 rounding. In
+/// the wgpu test group (Mesa's lavapipe in CI, like tests/gpu.rs).
 #[cfg(feature = "wgpu")]
 #[test]
 fn the_template_step_gives_the_same_files_on_the_cpu_and_wgpu_back_ends() {
@@ -671,14 +673,16 @@ fn the_template_step_gives_the_same_files_on_the_cpu_and_wgpu_back_ends() {
         &["wTEMP.npy", "wPCA.npy", "templates.png", "spike_times.npy"],
     );
     // By default the device fits W (its covariance within float32 rounding of
-    // the host's, README "GPU back ends"): the templates learned from windows
-    // whitened by it agree to that rounding, and the spikes are the same.
+    // the host's, README "GPU back ends") and preprocesses the learning's
+    // windows: the templates agree to that rounding, and the spikes are the same.
     let gpu = detect_locust(
         &d.join("wgpu"),
         &["--min-learn-clips", "60", "--backend", "wgpu"],
         None,
     );
     assert_eq!(gpu["settings"]["templates"]["source"], "learned");
+    assert_eq!(gpu["settings"]["templates"]["preprocessed_on"], "device");
+    assert_eq!(host["settings"]["templates"]["preprocessed_on"], "host");
     same_files(&d.join("cpu"), &d.join("wgpu"), &["spike_times.npy"]);
     for f in ["wTEMP.npy", "wPCA.npy"] {
         let a: ndarray::Array2<f32> = ndarray_npy::read_npy(d.join("cpu").join(f)).unwrap();

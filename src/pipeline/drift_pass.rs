@@ -96,7 +96,8 @@ fn relearn(
 ) -> Result<ChosenTemplates> {
     let plan = run.plan;
     let (nt, nt0min) = (job.detection.nt, job.detection.nt0min());
-    let mut second = if pass.preprocess_on() == "device" {
+    let on = pass.preprocess_on();
+    let mut second = if on == "device" {
         // The windows preprocessed on the pass's device, as the pass will
         // preprocess them (one at a time on this thread).
         let mut raw16 = pass.raw16_buffers();
@@ -123,6 +124,7 @@ fn relearn(
         })?
     };
     second.description["windows"] = "drift-corrected (second pass)".into();
+    super::templates::mark_learned_on(&mut second, &job.templates, on);
     if let Some(w) = &second.warning {
         run.warnings
             .push(format!("second pass (drift-corrected): {w}"));

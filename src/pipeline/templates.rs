@@ -13,7 +13,7 @@ use crate::checks;
 use crate::preprocess::Preprocessor;
 use crate::recording::{WindowPlan, read_window};
 use crate::timing::StageTimer;
-use crate::universal::ChosenTemplates;
+use crate::universal::{ChosenTemplates, TemplateSource};
 
 /// Chooses the run's templates (learning them from windows preprocessed by
 /// `pre`), hands them to the detector and writes them into the staged folder.
@@ -33,7 +33,12 @@ pub(crate) fn choose_templates(
     let on_device = device.for_learning(pre)?;
     #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
     let on_device: Option<std::convert::Infallible> = None;
-    let chosen = match on_device {
+    let learned_on = if on_device.is_some() {
+        "device"
+    } else {
+        "host"
+    };
+    let mut chosen = match on_device {
         #[cfg(any(feature = "cuda", feature = "wgpu"))]
         Some((detector, packer)) => {
             let p = packer.clone();
@@ -64,12 +69,22 @@ pub(crate) fn choose_templates(
             Ok(w)
         })?,
     };
+    mark_learned_on(&mut chosen, &job.templates, learned_on);
     if let Some(w) = &chosen.warning {
         run.warnings.push(w.clone());
     }
     device.use_templates(&chosen.templates, &run.geometry, job)?;
     crate::universal::write_outputs(run.writer.partial_path(), &chosen)?;
     Ok(chosen)
+}
+
+/// Notes where a learning's windows were preprocessed (`"preprocessed_on"`
+/// in the `"templates"` record: `device` or `host`); nothing for templates
+/// built in or from a file.
+pub(crate) fn mark_learned_on(chosen: &mut ChosenTemplates, source: &TemplateSource, on: &str) {
+    if matches!(source, TemplateSource::Learned(_)) {
+        chosen.description["preprocessed_on"] = on.into();
+    }
 }
 
 /// Records a learning's parts under `stage.windows`, `stage.wpca` and

@@ -150,6 +150,9 @@ pub struct StepTimes {
     pub download: f64,
 }
 
+/// Bytes of each piece [`GpuDetector::with_whitened`] reads back.
+const READBACK_BYTES: usize = 8 << 20;
+
 /// A detector on one GPU for one probe geometry (generic over the CubeCL runtime:
 /// CUDA or wgpu). Same interface and detections as [`crate::detect::cpu::CpuDetector`].
 pub struct GpuDetector<R: Runtime> {
@@ -193,6 +196,9 @@ pub struct GpuDetector<R: Runtime> {
     /// so that it can be preprocessed again
     /// ([`GpuDetector::preprocess_last_again`]).
     last_recipe: Option<RawRecipe>,
+    /// Host copy of the last whitened window [`GpuDetector::with_whitened`]
+    /// read back (kept between calls: no new pages each window).
+    readback: Vec<f32>,
     /// Device seconds and launches of each preprocessing kernel, when
     /// `SPIKECUBE_PREPROCESS_PROFILE` is set (a sync after every kernel; a
     /// diagnostic, logged when the detector is dropped).
@@ -728,6 +734,7 @@ impl<R: Runtime> GpuDetector<R> {
             pinned: None,
             raw_slots: None,
             last_recipe: None,
+            readback: Vec::new(),
             pre_profile: std::env::var_os("SPIKECUBE_PREPROCESS_PROFILE").map(|_| {
                 std::sync::Mutex::new(PreprocessProfile {
                     last: Instant::now(),
@@ -1179,11 +1186,24 @@ impl<R: Runtime> GpuDetector<R> {
         let w = self.window.as_ref().expect("allocated");
         let c = self.pre.as_ref().map_or(0, |p| p.form.n_sites);
         let n = w.n_t;
-        let out = self.client.read(vec![w.x.clone()]);
+        // Read back in pieces of about 8 MB into the host copy: CubeCL stages
+        // each read in page-locked memory of its size, which a whole window
+        // (92 MB at 384 sites) would make anew for the first windows.
+        let len = c * n;
+        self.readback.resize(len, 0.0);
+        let piece = (READBACK_BYTES / 4).max(1);
+        for start in (0..len).step_by(piece) {
+            let end = (start + piece).min(len);
+            let h =
+                w.x.clone()
+                    .offset_start((start * 4) as u64)
+                    .offset_end(((w.x.size() as usize / 4).saturating_sub(end) * 4) as u64);
+            let out = self.client.read(vec![h]);
+            self.readback[start..end].copy_from_slice(&f32::from_bytes(&out[0])[..end - start]);
+        }
         // The kernels have read the upload buffer by now.
         drop(claim);
-        let v = f32::from_bytes(&out[0]);
-        let x = ndarray::ArrayView2::from_shape((c, n), &v[..c * n]).map_err(|e| {
+        let x = ndarray::ArrayView2::from_shape((c, n), &self.readback[..]).map_err(|e| {
             DetectError::Input {
                 what: "whitened window".into(),
                 message: e.to_string(),
