@@ -34,16 +34,6 @@ fn main() -> ExitCode {
     #[cfg(all(unix, feature = "wgpu"))]
     quiet_vulkan_probe();
     match cli::run() {
-        Ok(code)
-            if code == ExitCode::SUCCESS && std::env::var_os("SPIKECUBE_EXIT_NOW").is_some() =>
-        {
-            // Measuring: leave without running the libraries' exit handlers.
-            use std::io::Write as _;
-            let _ = std::io::stdout().flush();
-            let _ = std::io::stderr().flush();
-            // SAFETY: every output is written and published; nothing is left to run.
-            unsafe { libc::_exit(0) }
-        }
         Ok(code) => code,
         Err(err) => {
             // A closed pipe (e.g. `| head`) is not an error.
