@@ -66,6 +66,7 @@ fn main() -> anyhow::Result<()> {
             drift: spikecube::drift::DriftSettings::off(),
             device_preprocessing: true,
             last_device_use: false,
+            scratch: false,
             keep_windows: None,
         },
         &mut |_| {},

@@ -125,6 +125,7 @@ fn one_run(bin: &Path, probe: &Probe, backend: Backend, out: &Path) -> Result<Ru
             },
             device_preprocessing: true,
             last_device_use: false,
+            scratch: false,
             keep_windows: None,
         },
         &mut |_| {},

@@ -425,6 +425,7 @@ fn detect_job(
         drift,
         device_preprocessing: true,
         last_device_use: false,
+        scratch: false,
         keep_windows: None,
     })
 }

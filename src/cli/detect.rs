@@ -145,6 +145,7 @@ pub(super) fn build_job(
         drift: args.drift.settings()?,
         device_preprocessing: args.preprocess_on == "device",
         last_device_use: true,
+        scratch: false,
         keep_windows: None,
     })
 }

@@ -200,6 +200,7 @@ pub struct OutputWriter {
     time_sorted: bool,
     per_template: Vec<u64>,
     drift: DriftMap,
+    scratch: bool,
 }
 
 impl OutputWriter {
@@ -245,6 +246,7 @@ impl OutputWriter {
             time_sorted: true,
             per_template: vec![0; N_DETECTION_TEMPLATES],
             drift: DriftMap::new(DEFAULT_CAPACITY),
+            scratch: false,
         };
         // From here on, dropping `w` removes the temporary folder on error.
         let f = |n: &str| tmp.join(n);
@@ -429,6 +431,18 @@ impl OutputWriter {
         Ok(())
     }
 
+    /// Makes this folder a later stage's working folder (the sort's detection
+    /// stage, read back by the same process and then removed): its spike files
+    /// are not synced to the disk and its drift map is not drawn.
+    pub fn set_scratch(&mut self, scratch: bool) {
+        self.scratch = scratch;
+    }
+
+    /// Whether this is a working folder ([`OutputWriter::set_scratch`]).
+    pub fn is_scratch(&self) -> bool {
+        self.scratch
+    }
+
     /// Finishes the spike files, writes `whitening_mat.npy`, `params.py`,
     /// `spikecube.json` and `drift_map.png`, and renames the temporary folder to
     /// the final one (an existing final folder is replaced only at this point).
@@ -462,14 +476,21 @@ impl OutputWriter {
             y_range: self.y_range,
         };
         let drift = &self.drift;
+        let sync = !self.scratch;
         let (finished, rendered) = rayon::join(
             || {
                 streams
                     .into_par_iter()
-                    .map(|st| st.finish().map(|_| ()))
+                    .map(|st| st.finish_with(sync).map(|_| ()))
                     .collect::<Result<Vec<()>>>()
             },
-            || drift.render(&drift_map, &axes),
+            || {
+                if sync {
+                    drift.render(&drift_map, &axes)
+                } else {
+                    Ok(())
+                }
+            },
         );
         finished?;
         rendered?;

@@ -151,6 +151,16 @@ impl NpyStream {
     /// # Errors
     /// When writing or syncing fails (the path is named).
     pub fn finish(self) -> Result<u64> {
+        self.finish_with(true)
+    }
+
+    /// [`NpyStream::finish`], syncing the file to the disk only when `sync`
+    /// (a working file that a later stage of the same process reads and then
+    /// removes needs no sync).
+    ///
+    /// # Errors
+    /// When writing or syncing fails (the path is named).
+    pub fn finish_with(self, sync: bool) -> Result<u64> {
         let NpyStream {
             path,
             w,
@@ -168,7 +178,11 @@ impl NpyStream {
         f.seek(SeekFrom::Start(0)).with_context(ctx)?;
         f.write_all(&header(&descr, &rows.to_string(), &inner, Some(header_len)))
             .with_context(ctx)?;
-        f.sync_all().with_context(ctx)?;
+        if sync {
+            f.sync_all().with_context(ctx)?;
+        } else {
+            f.flush().with_context(ctx)?;
+        }
         Ok(rows)
     }
 }
@@ -233,4 +247,31 @@ pub fn write_all<T: LeBytes>(
     }
     s.finish()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream finished without the sync is the same file as one finished with it.
+    #[test]
+    fn finishing_without_the_sync_writes_the_same_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let rows: Vec<f32> = (0..12).map(|v| v as f32 * 0.5).collect();
+        let mut bytes = Vec::new();
+        rows.iter().for_each(|&v| v.put(&mut bytes));
+        let mut files = Vec::new();
+        for sync in [true, false] {
+            let path = dir.path().join(format!("a_{sync}.npy"));
+            let mut s = NpyStream::create(&path, "'<f4'", &[3], 12).unwrap();
+            s.append_bytes(&bytes).unwrap();
+            assert_eq!(s.finish_with(sync).unwrap(), 4);
+            files.push(std::fs::read(&path).unwrap());
+        }
+        assert_eq!(files[0], files[1]);
+        let a: ndarray::Array2<f32> =
+            ndarray_npy::read_npy(dir.path().join("a_false.npy")).unwrap();
+        assert_eq!(a.shape(), &[4, 3]);
+        assert_eq!(a.iter().copied().collect::<Vec<_>>(), rows);
+    }
 }

@@ -49,6 +49,12 @@ pub struct DetectJob {
     /// Keep the detection pass's whitened windows on the device for a later
     /// stage (the sort's matching); `None` (the default) keeps none.
     pub keep_windows: Option<crate::stages::KeepWindows>,
+    /// The output folder is a later stage's working folder (the sort's
+    /// detection stage, read back by the same process and removed when it
+    /// ends): its spike files are not synced to the disk and its drift map is
+    /// not drawn ([`crate::output::OutputWriter::set_scratch`]). False for
+    /// `spikecube detect` and the Python package's `detect`.
+    pub scratch: bool,
 }
 
 /// Input checks of a run and the corrections spikecube makes where Kilosort4

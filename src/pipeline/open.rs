@@ -67,7 +67,8 @@ pub(crate) fn open_run(job: &mut DetectJob) -> Result<OpenRun> {
         crate::drift::check_nblocks(&job.drift, &job.probe)?;
     }
     // So does an output folder that cannot be written.
-    let writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
+    let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
+    writer.set_scratch(job.scratch);
     tracing::info!(
         "{} of {} samples, {} in flight; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
         crate::error::count(plan.n_windows, "window"),

@@ -285,6 +285,8 @@ pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Res
     // The matching may use the device again after detection: its context
     // must outlive the detection pass.
     job.detect.last_device_use = false;
+    // The detection stage's folder is this run's working folder.
+    job.detect.scratch = true;
     let out = job.detect.out.clone();
     // An output folder that cannot take the Phy folder fails now, not after
     // the detection stage (the same check runs again when it is published).
