@@ -438,11 +438,6 @@ impl OutputWriter {
         self.scratch = scratch;
     }
 
-    /// Whether this is a working folder ([`OutputWriter::set_scratch`]).
-    pub fn is_scratch(&self) -> bool {
-        self.scratch
-    }
-
     /// Finishes the spike files, writes `whitening_mat.npy`, `params.py`,
     /// `spikecube.json` and `drift_map.png`, and renames the temporary folder to
     /// the final one (an existing final folder is replaced only at this point).
