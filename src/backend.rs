@@ -687,6 +687,18 @@ impl Detector {
         }
     }
 
+    /// Frees what [`Detector::with_whitened`] keeps between windows
+    /// ([`crate::detect::gpu::GpuDetector::end_whitened`]); nothing on the CPU.
+    pub fn end_whitened(&mut self) {
+        match self {
+            Detector::Cpu(_) => {}
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.end_whitened(),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.end_whitened(),
+        }
+    }
+
     /// Replaces the device preprocessing's whitening by a C × C matrix in CSR
     /// form (see [`crate::detect::gpu::GpuDetector::set_whitening`]).
     ///

@@ -273,6 +273,10 @@ pub trait WindowPass: Send {
         None
     }
 
+    /// Frees what [`WindowPass::learning_window`] kept between windows (a
+    /// device pass's host copy of a whitened window); nothing by default.
+    fn end_learning(&mut self) {}
+
     /// [`WindowPass::run`] with what this pass's [`Stager`] made of the window.
     ///
     /// # Errors
@@ -1053,14 +1057,25 @@ impl WindowPass for DevicePass {
             }
             let raw = self.packer.raw_window(w);
             let res = self.detector.with_whitened(raw, &self.yc, |x| f(x));
-            if own.is_some() {
-                let (start, cols, vals) = self.pre.whitening().csr();
-                self.detector.set_whitening(&start, &cols, &vals)?;
-            }
-            res.with_context(|| device_work(w))?
-                .context("the pass's detector is not on a device")
+            let restored = match own {
+                Some(_) => {
+                    let (start, cols, vals) = self.pre.whitening().csr();
+                    self.detector.set_whitening(&start, &cols, &vals)
+                }
+                None => Ok(()),
+            };
+            // The window's own error first; then the restore's.
+            let clips = res
+                .with_context(|| device_work(w))?
+                .context("the pass's detector is not on a device")?;
+            restored?;
+            Ok(clips)
         };
         Some(run())
+    }
+
+    fn end_learning(&mut self) {
+        self.detector.end_whitened();
     }
 
     fn keep_windows(&mut self, budget: Option<u64>) {

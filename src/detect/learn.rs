@@ -791,7 +791,7 @@ where
     let starts: Vec<u64> = (0..n_windows).step_by(LEARN_NSKIP as usize).collect();
     'batches: for batch in starts.chunks(learn_windows_at_once()) {
         let made = clips(batch);
-        let complete = made.len() == batch.len();
+        let n_made = made.len();
         for c in made {
             let c = c?;
             read += 1;
@@ -799,12 +799,11 @@ where
                 break 'batches;
             }
         }
-        if !complete {
+        if n_made != batch.len() {
             return Err(DetectError::Input {
                 what: "template learning".into(),
                 message: format!(
-                    "{} of the {} windows asked for were made",
-                    read,
+                    "{n_made} of the {} windows asked for were made",
                     batch.len()
                 ),
             }

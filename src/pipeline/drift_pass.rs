@@ -101,7 +101,7 @@ fn relearn(
         // The windows preprocessed on the pass's device, as the pass will
         // preprocess them (one at a time on this thread).
         let mut raw16 = pass.raw16_buffers();
-        crate::universal::choose_with(&job.templates, nt0min, |s| {
+        let chosen = crate::universal::choose_with(&job.templates, nt0min, |s| {
             let th = s.th_single_ch;
             learn_from_clips(plan.n_windows, nt, nt0min, s, |js| {
                 device_clips(job, &plan, js, &mut raw16, &mut |w| {
@@ -111,7 +111,9 @@ fn relearn(
                     .context("the pass does not preprocess on a device")?
                 })
             })
-        })?
+        });
+        pass.end_learning();
+        chosen?
     } else {
         crate::universal::choose(&job.templates, plan.n_windows, nt, nt0min, |i| {
             let mut w = read_masked(job, &plan, i)?;

@@ -46,7 +46,7 @@ pub(crate) fn choose_templates(
                 Box::new(p.raw16_buffer(n)) as Box<dyn crate::recording::Raw16Buffer>
             }));
             let yc = &job.probe.yc;
-            crate::universal::choose_with(&job.templates, nt0min, |s| {
+            let chosen = crate::universal::choose_with(&job.templates, nt0min, |s| {
                 let th = s.th_single_ch;
                 crate::detect::learn::learn_from_clips(plan.n_windows, nt, nt0min, s, |js| {
                     device_clips(job, &plan, js, &mut raw16, &mut |w| {
@@ -58,7 +58,9 @@ pub(crate) fn choose_templates(
                             .context("the detector is not on a device")
                     })
                 })
-            })?
+            });
+            detector.end_whitened();
+            chosen?
         }
         #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
         Some(never) => match never {},

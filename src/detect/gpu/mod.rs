@@ -1136,7 +1136,11 @@ impl<R: Runtime> GpuDetector<R> {
                 hi as u32,
             );
         }
-        let bytes = self.client.read(vec![out]);
+        let bytes = cubecl::future::block_on(self.client.read_async(vec![out])).map_err(|e| {
+            DetectError::Device {
+                message: format!("{} failed reading a Gram matrix: {e:?}", self.device_name),
+            }
+        })?;
         let v = f32::from_bytes(&bytes[0]);
         let mut g = ndarray::Array2::<f64>::zeros((c, c));
         for i in 0..c {
@@ -1198,7 +1202,14 @@ impl<R: Runtime> GpuDetector<R> {
                 w.x.clone()
                     .offset_start((start * 4) as u64)
                     .offset_end(((w.x.size() as usize / 4).saturating_sub(end) * 4) as u64);
-            let out = self.client.read(vec![h]);
+            let out = cubecl::future::block_on(self.client.read_async(vec![h])).map_err(|e| {
+                DetectError::Device {
+                    message: format!(
+                        "{} failed reading a whitened window: {e:?}",
+                        self.device_name
+                    ),
+                }
+            })?;
             self.readback[start..end].copy_from_slice(&f32::from_bytes(&out[0])[..end - start]);
         }
         // The kernels have read the upload buffer by now.
@@ -1210,6 +1221,14 @@ impl<R: Runtime> GpuDetector<R> {
             }
         })?;
         Ok(f(x))
+    }
+
+    /// Frees what [`GpuDetector::with_whitened`] keeps between windows (the
+    /// host copy of a whitened window, and the device buffer of a raw window
+    /// not sent ahead): for after the template learning.
+    pub fn end_whitened(&mut self) {
+        self.readback = Vec::new();
+        self.raw_buf = None;
     }
 
     /// Preprocesses `raw` on the device (the four kernels, with the whitening
