@@ -11,8 +11,7 @@ use anyhow::{Context, Result};
 
 use super::job::DetectJob;
 use super::open::OpenRun;
-use super::templates::{device_clips, read_masked, window_first_sample};
-use crate::detect::learn::{extract_clips, learn_from_clips};
+use super::templates::{choose_on_device, read_masked, window_first_sample};
 use crate::drift::{DriftRun, FirstPass};
 use crate::preprocess::Preprocessor;
 use crate::stages::WindowPass;
@@ -101,16 +100,9 @@ fn relearn(
         // The windows preprocessed on the pass's device, as the pass will
         // preprocess them (one at a time on this thread).
         let mut raw16 = pass.raw16_buffers();
-        let chosen = crate::universal::choose_with(&job.templates, nt0min, |s| {
-            let th = s.th_single_ch;
-            learn_from_clips(plan.n_windows, nt, nt0min, s, |js| {
-                device_clips(job, &plan, js, &mut raw16, &mut |w| {
-                    pass.learning_window(w, Some(drift), &mut |x| {
-                        extract_clips(x, th, nt, nt0min).1
-                    })
-                    .context("the pass does not preprocess on a device")?
-                })
-            })
+        let chosen = choose_on_device(job, &plan, &mut raw16, &mut |w, cut| {
+            pass.learning_window(w, Some(drift), cut)
+                .context("the pass does not preprocess on a device")?
         });
         pass.end_learning();
         chosen?

@@ -4,7 +4,7 @@
 //! them and `templates.npz` goes into the staged folder.
 
 use anyhow::{Context, Result};
-use ndarray::Array2;
+use ndarray::{Array2, ArrayView2};
 
 use super::device::Device;
 use super::job::DetectJob;
@@ -46,18 +46,11 @@ pub(crate) fn choose_templates(
                 Box::new(p.raw16_buffer(n)) as Box<dyn crate::recording::Raw16Buffer>
             }));
             let yc = &job.probe.yc;
-            let chosen = crate::universal::choose_with(&job.templates, nt0min, |s| {
-                let th = s.th_single_ch;
-                crate::detect::learn::learn_from_clips(plan.n_windows, nt, nt0min, s, |js| {
-                    device_clips(job, &plan, js, &mut raw16, &mut |w| {
-                        let raw = packer.raw_window(w);
-                        detector
-                            .with_whitened(raw, yc, |x| {
-                                crate::detect::learn::extract_clips(x, th, nt, nt0min).1
-                            })?
-                            .context("the detector is not on a device")
-                    })
-                })
+            let chosen = choose_on_device(job, &plan, &mut raw16, &mut |w, cut| {
+                let raw = packer.raw_window(w);
+                detector
+                    .with_whitened(raw, yc, |x| cut(x))?
+                    .context("the detector is not on a device")
             });
             detector.end_whitened();
             chosen?
@@ -99,40 +92,64 @@ pub(crate) fn record_seconds(timer: &mut StageTimer, stage: &str, chosen: &Chose
     }
 }
 
-/// The clips ([`crate::detect::learn::extract_clips`]) of the learning windows `js`, one at a time
-/// on this thread: each read as the passes read it (int16 values into
-/// `raw16`'s storage when the recording gives them, else f32; stuck
-/// stretches masked when the run masks them), then preprocessed on a device
-/// and cut by `clips` (which gets the window as read). Stops after the first
-/// window that fails, its error last.
-pub(crate) fn device_clips(
+/// Cuts the clips of a whitened window (C × NT): the learning's
+/// [`crate::detect::learn::extract_clips`] with its settings.
+pub(crate) type CutClips<'a> = dyn FnMut(ArrayView2<f32>) -> Array2<f32> + 'a;
+
+/// The run's templates as [`crate::universal::choose`] chooses them, a
+/// learning's windows preprocessed on a device one at a time on this thread:
+/// each read as the passes read it (int16 values into `raw16`'s storage when
+/// the recording gives them, else f32; stuck stretches masked when the run
+/// masks them), then handed to `whiten` with the clip cutter
+/// ([`crate::detect::learn::extract_clips`]), which it calls on the
+/// whitened window and whose clips it returns. The windows after one that
+/// fails are not read.
+///
+/// # Errors
+/// The first window's error (read or device), or the learning's.
+pub(crate) fn choose_on_device(
     job: &DetectJob,
     plan: &WindowPlan,
-    js: &[u64],
     raw16: &mut Option<crate::stages::Raw16Alloc>,
-    clips: &mut dyn FnMut(&mut crate::recording::Window) -> Result<Array2<f32>>,
-) -> Vec<Result<Array2<f32>>> {
+    whiten: &mut dyn FnMut(&mut crate::recording::Window, &mut CutClips) -> Result<Array2<f32>>,
+) -> Result<ChosenTemplates> {
+    let (nt, nt0min) = (job.detection.nt, job.detection.nt0min());
     let rec = job.recording.as_ref();
     let min_run = checks::stuck_min_run(rec.fs());
-    let mut out = Vec::with_capacity(js.len());
-    for &i in js {
-        let mut one = || -> Result<Array2<f32>> {
-            let mut data = Array2::zeros((0, 0));
-            let r16 = crate::stages::read_any(rec, plan, i, &job.probe.chan_map, &mut data, raw16)?;
-            let mut w = crate::recording::Window::of(rec.first_sample(), plan, i, data, r16);
-            if job.checks.mask_clipped {
-                checks::mask_stuck_window(&mut w, &checks::WindowColumns::of(plan, i), min_run);
+    crate::universal::choose_with(&job.templates, nt0min, |s| {
+        let th = s.th_single_ch;
+        let mut cut = |x: ArrayView2<f32>| crate::detect::learn::extract_clips(x, th, nt, nt0min).1;
+        crate::detect::learn::learn_from_clips(plan.n_windows, nt, nt0min, s, |js| {
+            let mut out = Vec::with_capacity(js.len());
+            for &i in js {
+                let mut one = || -> Result<Array2<f32>> {
+                    let mut data = Array2::zeros((0, 0));
+                    let r16 = crate::stages::read_any(
+                        rec,
+                        plan,
+                        i,
+                        &job.probe.chan_map,
+                        &mut data,
+                        raw16,
+                    )?;
+                    let mut w =
+                        crate::recording::Window::of(rec.first_sample(), plan, i, data, r16);
+                    if job.checks.mask_clipped {
+                        let cols = checks::WindowColumns::of(plan, i);
+                        checks::mask_stuck_window(&mut w, &cols, min_run);
+                    }
+                    whiten(&mut w, &mut cut)
+                };
+                let res = one().with_context(|| format!("window {i} for learning templates"));
+                let failed = res.is_err();
+                out.push(res);
+                if failed {
+                    break;
+                }
             }
-            clips(&mut w)
-        };
-        let res = one().with_context(|| format!("window {i} for learning templates"));
-        let failed = res.is_err();
-        out.push(res);
-        if failed {
-            break;
-        }
-    }
-    out
+            out
+        })
+    })
 }
 
 /// Window `i` of `plan` as read, stuck stretches masked when the run masks

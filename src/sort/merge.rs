@@ -369,6 +369,7 @@ pub fn merge_ccg(
         let t_ccg = std::time::Instant::now();
         let mut partner = None;
         for group in candidates.chunks(batch) {
+            n_tests += group.len();
             let tests: Vec<bool> = group
                 .par_iter()
                 .map(|&jj| {
@@ -382,7 +383,6 @@ pub fn merge_ccg(
             }
         }
         ccg_s += t_ccg.elapsed().as_secs_f64();
-        n_tests += candidates.len().min(batch);
         let Some(jj) = partner else {
             t += 1;
             continue;
@@ -419,7 +419,7 @@ pub fn merge_ccg(
     let loop_s = clock.elapsed().as_secs_f64() - refract_s;
     let merged = finish(wall, members, is_ref, is_merged, st, tf, n_merges);
     tracing::debug!(
-        "merges: {n_merges} merges; refractoriness {refract_s:.3} s, merge loop {loop_s:.3} s (similarity rows {row_s:.3} s, CCG tests {ccg_s:.3} s in batches of up to {} partners, {n_tests} or more tests), re-sort {:.3} s",
+        "merges: {n_merges} merges; refractoriness {refract_s:.3} s, merge loop {loop_s:.3} s (similarity rows {row_s:.3} s, CCG tests {ccg_s:.3} s {n_tests} tests in batches of up to {} partners), re-sort {:.3} s",
         rayon::current_num_threads(),
         clock.elapsed().as_secs_f64() - refract_s - loop_s
     );
