@@ -174,17 +174,124 @@ fn mean_f32(it: impl Iterator<Item = f32>, n: usize) -> f32 {
 }
 
 /// `mean_r(mean_c(roll_k(g)[r, c] · t[r, c]))` over the rows of the views
-/// (rows × 20), with the circular roll within those rows (§4 step 3).
-fn score(g: ArrayView2<f32>, t: ArrayView2<f32>, k: i32) -> f32 {
-    let n = g.nrows();
-    let nc = g.ncols();
-    let mut acc = 0f64;
-    for r in 0..n {
-        let src = (r as i64 - k as i64).rem_euclid(n as i64) as usize;
-        let row = mean_f32((0..nc).map(|c| g[[src, c]] * t[[r, c]]), nc);
-        acc += row as f64;
+/// (rows × 20), with the circular roll within those rows (§4 step 3), for
+/// every lag k of `lags`, in order.
+///
+/// Each score is the same float sequence as a direct loop: per row the
+/// float32 products summed in float64 over the columns in order, the row's
+/// mean rounded to float32, the rows' means summed in float64 in row order.
+/// Eight lags are computed side by side, one vector lane each (the lanes
+/// never mix), from a copy of `g` whose columns are laid out so that the
+/// eight lags' rows are adjacent.
+fn lag_scores(
+    g: ArrayView2<f32>,
+    t: ArrayView2<f32>,
+    lags: std::ops::RangeInclusive<i32>,
+) -> Vec<f32> {
+    let (n, nc) = g.dim();
+    let (kmin, kmax) = (*lags.start(), *lags.end());
+    if n == 0 || kmax < kmin {
+        return lags.map(|_| f32::NAN).collect();
     }
-    (acc / n as f64) as f32
+    // e[c·len + m] = g[(n − 1 − kmin − m) mod n, c]: lag k's row for output
+    // row r sits at m = n − 1 − kmin − r + k, so consecutive lags are
+    // consecutive m.
+    let len = n + (kmax - kmin) as usize + LAG_LANES;
+    let top = n as i64 - 1 - i64::from(kmin);
+    let mut e = vec![0f32; nc * len];
+    for m in 0..len {
+        let src = (top - m as i64).rem_euclid(n as i64) as usize;
+        for (c, &v) in g.row(src).iter().enumerate() {
+            e[c * len + m] = v;
+        }
+    }
+    let t = t.as_standard_layout();
+    let t = t.as_slice().expect("standard layout");
+    let mut out = Vec::with_capacity((kmax - kmin + 1) as usize);
+    let mut k0 = kmin;
+    while k0 <= kmax {
+        let lanes = scores_lanes(&e, len, t, n, nc, (k0 - kmin) as usize);
+        let take = ((kmax - k0 + 1) as usize).min(LAG_LANES);
+        out.extend_from_slice(&lanes[..take]);
+        k0 += LAG_LANES as i32;
+    }
+    out
+}
+
+/// Lags scored side by side by [`lag_scores`].
+const LAG_LANES: usize = 8;
+
+/// [`lag_scores`] for the [`LAG_LANES`] lags starting `dk` after the first.
+fn scores_lanes(
+    e: &[f32],
+    len: usize,
+    t: &[f32],
+    n: usize,
+    nc: usize,
+    dk: usize,
+) -> [f32; LAG_LANES] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f")]
+        fn avx512(
+            e: &[f32],
+            len: usize,
+            t: &[f32],
+            n: usize,
+            nc: usize,
+            dk: usize,
+        ) -> [f32; LAG_LANES] {
+            scores_lanes_impl(e, len, t, n, nc, dk)
+        }
+        #[target_feature(enable = "avx2")]
+        fn avx2(
+            e: &[f32],
+            len: usize,
+            t: &[f32],
+            n: usize,
+            nc: usize,
+            dk: usize,
+        ) -> [f32; LAG_LANES] {
+            scores_lanes_impl(e, len, t, n, nc, dk)
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F, checked just above.
+            return unsafe { avx512(e, len, t, n, nc, dk) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, checked just above.
+            return unsafe { avx2(e, len, t, n, nc, dk) };
+        }
+    }
+    scores_lanes_impl(e, len, t, n, nc, dk)
+}
+
+#[inline(always)]
+fn scores_lanes_impl(
+    e: &[f32],
+    len: usize,
+    t: &[f32],
+    n: usize,
+    nc: usize,
+    dk: usize,
+) -> [f32; LAG_LANES] {
+    let mut acc = [0f64; LAG_LANES];
+    for r in 0..n {
+        let m0 = n - 1 - r + dk;
+        let mut s = [0f64; LAG_LANES];
+        for (c, &tv) in t[r * nc..(r + 1) * nc].iter().enumerate() {
+            let ev: &[f32; LAG_LANES] = e[c * len + m0..c * len + m0 + LAG_LANES]
+                .try_into()
+                .expect("LAG_LANES values");
+            for (sj, &gv) in s.iter_mut().zip(ev) {
+                *sj += f64::from(gv * tv);
+            }
+        }
+        for (aj, &sj) in acc.iter_mut().zip(&s) {
+            *aj += f64::from((sj / nc as f64) as f32);
+        }
+    }
+    acc.map(|a| (a / n as f64) as f32)
 }
 
 /// Rolls the rows of `g` by `k` (content moves to higher rows).
@@ -246,12 +353,12 @@ pub fn register(
                 .into_par_iter()
                 .map(|b| {
                     let gb = g.index_axis(ndarray::Axis(0), b);
+                    let s = lag_scores(gb, t.view(), -RIGID_LAGS..=RIGID_LAGS);
                     // First lag reaching the maximum wins (numpy argmax).
-                    let mut best = (score(gb, t.view(), lags[0]), lags[0]);
-                    for &k in &lags[1..] {
-                        let s = score(gb, t.view(), k);
-                        if s > best.0 {
-                            best = (s, k);
+                    let mut best = (s[0], lags[0]);
+                    for (&v, &k) in s.iter().zip(&lags).skip(1) {
+                        if v > best.0 {
+                            best = (v, k);
                         }
                     }
                     best.1
@@ -288,8 +395,9 @@ pub fn register(
             .into_par_iter()
             .map(|b| {
                 let gb = g.slice(ndarray::s![b, s..s + l, ..]);
-                (-FINE_LAGS..=FINE_LAGS)
-                    .map(|k| score(gb, tj, k) as f64)
+                lag_scores(gb, tj, -FINE_LAGS..=FINE_LAGS)
+                    .into_iter()
+                    .map(f64::from)
                     .collect()
             })
             .collect();
@@ -398,7 +506,7 @@ pub fn check_search_range(hist: &Histogram, reg: &Registration, reference: usize
             }
             let gb = fingerprint(b);
             let s: Vec<(i32, f32)> = (-wide..=wide)
-                .map(|k| (k, score(gb.view(), t.view(), k)))
+                .zip(lag_scores(gb.view(), t.view(), -wide..=wide))
                 .collect();
             let at0 = s[wide as usize].1;
             let (lo, hi) = s.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |a, x| {
@@ -477,6 +585,57 @@ pub fn gaussian_filter_axis(a: &mut Array3<f64>, axis: usize, sigma: f64) {
                 acc += wm * (x[reflect(i as i64 + m)] + x[reflect(i as i64 - m)]);
             }
             lane[i] = acc;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The score of one lag as §4 step 3 states it, one element at a time.
+    fn direct_score(g: ArrayView2<f32>, t: ArrayView2<f32>, k: i32) -> f32 {
+        let n = g.nrows();
+        let nc = g.ncols();
+        let mut acc = 0f64;
+        for r in 0..n {
+            let src = (r as i64 - k as i64).rem_euclid(n as i64) as usize;
+            acc += f64::from(mean_f32((0..nc).map(|c| g[[src, c]] * t[[r, c]]), nc));
+        }
+        (acc / n as f64) as f32
+    }
+
+    #[test]
+    fn lag_scores_are_the_direct_scores_bit_for_bit() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        // Fewer rows than lags (the roll wraps more than once), a lag count
+        // that is not a multiple of the lanes, and a probe-sized case; one
+        // view of rows within a larger array, as the blocks take them.
+        for (n, lags) in [
+            (7usize, -15..=15),
+            (40, -5..=5),
+            (575, -60..=60),
+            (1, -2..=3),
+        ] {
+            let g = Array2::from_shape_fn((n + 4, N_AMP_BINS), |_| next());
+            let t = Array2::from_shape_fn((n + 4, N_AMP_BINS), |_| next());
+            let (gv, tv) = (
+                g.slice(ndarray::s![2..n + 2, ..]),
+                t.slice(ndarray::s![2..n + 2, ..]),
+            );
+            let got = lag_scores(gv, tv, lags.clone());
+            let want: Vec<f32> = lags.map(|k| direct_score(gv, tv, k)).collect();
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{n} rows"
+            );
         }
     }
 }
