@@ -407,7 +407,9 @@ impl OutputWriter {
             amplitude.put(&mut b_peaks);
             0i64.put(&mut b_peaks);
             self.per_template[det.imax[i] as usize] += 1;
-            self.drift.push(t, det.yct[i], det.amp[i]);
+            if !self.scratch {
+                self.drift.push(t, det.yct[i], det.amp[i]);
+            }
         }
         let s = self
             .streams
@@ -433,7 +435,8 @@ impl OutputWriter {
 
     /// Makes this folder a later stage's working folder (the sort's detection
     /// stage, read back by the same process and then removed): its spike files
-    /// are not synced to the disk and its drift map is not drawn.
+    /// are not synced to the disk and its drift map is neither collected nor
+    /// drawn (`spikecube.json` then has no `counts.drift_map_spikes_shown`).
     pub fn set_scratch(&mut self, scratch: bool) {
         self.scratch = scratch;
     }
@@ -529,7 +532,7 @@ impl OutputWriter {
         .write(&f("params.py"))?;
 
         let duration_s = run.n_samples as f64 / run.fs;
-        let json = serde_json::json!({
+        let mut json = serde_json::json!({
             "program": "spikecube",
             "version": env!("CARGO_PKG_VERSION"),
             "versions": run.versions,
@@ -561,7 +564,6 @@ impl OutputWriter {
                 "last_spike_sample": self.last_time,
                 "time_sorted": self.time_sorted,
                 "per_detection_template": self.per_template,
-                "drift_map_spikes_shown": self.drift.kept(),
             },
             "conventions": {
                 "spike_times": "absolute sample index of the detection, about 10 samples after the spike's trough (Kilosort4's st[:, 0] times fs)",
@@ -575,6 +577,9 @@ impl OutputWriter {
             .staged
             .take()
             .context("output writer already finished")?;
+        if !self.scratch {
+            json["counts"]["drift_map_spikes_shown"] = self.drift.kept().into();
+        }
         staged.publish(json)?;
         Ok(Summary {
             path: self.out.clone(),
