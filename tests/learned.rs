@@ -396,6 +396,10 @@ fn learned_templates_are_thread_independent_and_reusable_from_a_file() {
     let wpca: Array2<f32> = npy::read(&d.join("t1/wPCA.npy")).unwrap();
     assert_ne!(wtemp, spikecube::UniversalTemplates::builtin().wtemp);
     assert_eq!((wtemp.dim(), wpca.dim()), ((6, 61), (6, 61)));
+    // The first component is negative at the trough (nt0min = 20), as the
+    // built-in one, so trough-first spikes get positive first PC features.
+    assert!(wpca[[0, 20]] < 0.0, "{}", wpca.row(0));
+    assert!(spikecube::UniversalTemplates::builtin().wpca[[0, 20]] < 0.0);
 
     let npz = d.join("learned.npz");
     let mut w = ndarray_npy::NpzWriter::new(std::fs::File::create(&npz).unwrap());

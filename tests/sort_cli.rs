@@ -134,6 +134,20 @@ fn sort_writes_a_phy_folder_that_finds_the_simulated_units() {
         "only {well} of {n_true} simulated units well sorted"
     );
 
+    // The first PC feature of a trough-first spike is positive on its unit's
+    // first site, as Phy's depth estimate needs (phylib keeps the positive
+    // first features); `tests/learned.rs` checks learned wPCA for the same sign.
+    let pcs: ndarray::Array3<f32> = npy::read(&out.join("pc_features.npy")).unwrap();
+    let positive = pcs
+        .outer_iter()
+        .filter(|spike| spike[[0, 0]] > 0.0)
+        .count();
+    assert!(
+        positive * 10 >= pcs.shape()[0] * 9,
+        "only {positive} of {} spikes have a positive first PC feature on their unit's first site",
+        pcs.shape()[0]
+    );
+
     // The same folder with 1 thread.
     let out1 = dir.path().join("sorted1");
     sort(&rec, &out1, "1");

@@ -318,6 +318,25 @@ fn gram(clips: ArrayView2<f32>) -> Array2<f64> {
     g
 }
 
+/// Turns the first component of `wpca` (n_pcs × nt) so that it is negative at
+/// the trough sample `nt0min`, as in Kilosort4's built-in wPCA: a trough-first
+/// spike then has a positive first PC feature on its largest sites, which is
+/// what Phy's depth estimate (phylib's `get_depths`, which keeps the positive
+/// first features) and tools built on it expect. Negating a component is
+/// exact, so detection, clustering, templates and matching give the same
+/// bits either way; only the sign of that feature in `pc_features` follows it.
+/// Kilosort4's learned wPCA has an arbitrary sign (its randomized SVD).
+/// A component that is zero at `nt0min` (or a window shorter than it) keeps
+/// [`learn_wpca`]'s sign.
+pub fn trough_first_positive(wpca: &mut Array2<f32>, nt0min: usize) {
+    if wpca.nrows() == 0 || nt0min >= wpca.ncols() {
+        return;
+    }
+    if wpca[[0, nt0min]] > 0.0 {
+        wpca.row_mut(0).mapv_inplace(|v| -v);
+    }
+}
+
 /// wPCA: the top `n_pcs` right singular vectors of the clip matrix (n × nt),
 /// uncentred, as rows (n_pcs × nt, float32, orthonormal).
 ///
@@ -826,7 +845,8 @@ where
     }
     let t1 = std::time::Instant::now();
     let clips = pool.normalised();
-    let wpca = learn_wpca(clips.view(), settings.n_pcs)?;
+    let mut wpca = learn_wpca(clips.view(), settings.n_pcs)?;
+    trough_first_positive(&mut wpca, nt0min);
     let t2 = std::time::Instant::now();
     let (mut wtemp, km) = learn_wtemp(clips.view(), settings)?;
     learned.seconds[1] = (t2 - t1).as_secs_f64();
@@ -841,6 +861,21 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_first_component_is_turned_negative_at_the_trough() {
+        let mut w = Array2::from_shape_fn((2, 5), |(k, t)| (k + t) as f32 - 1.5);
+        let before = w.clone();
+        trough_first_positive(&mut w, 2);
+        // Row 0 was +0.5 at sample 2: negated, exactly; row 1 untouched.
+        assert_eq!(w.row(0).to_vec(), before.row(0).mapv(|v| -v).to_vec());
+        assert_eq!(w.row(1), before.row(1));
+        // Already negative there, or outside the window: unchanged.
+        let again = w.clone();
+        trough_first_positive(&mut w, 2);
+        trough_first_positive(&mut w, 9);
+        assert_eq!(w, again);
+    }
 
     #[test]
     fn a_lone_peak_is_isolated_and_its_clip_is_aligned() {
