@@ -495,3 +495,107 @@ fn errors_name_flags_paths_and_counts_as_a_user_reads_them() {
     ok(&o);
     assert!(stderr(&o).contains("spikecube::"), "{}", stderr(&o));
 }
+
+/// The sort's arguments: `detect`'s (`copies` copies of the simulation) on the CPU.
+fn sort_command(sim: &Path, out: &Path, copies: usize) -> Vec<String> {
+    let mut a = command("detect", sim, out, copies);
+    a[0] = "sort".into();
+    a.extend(["--backend".into(), "cpu".into()]);
+    a
+}
+
+/// A sort stopped by SIGINT after its detection stage (while it clusters or
+/// matches) removes its hidden working folder too, says so, and leaves
+/// nothing beside the output.
+#[cfg(unix)]
+#[test]
+fn a_sort_interrupted_after_detection_removes_its_working_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let sim = simulate(d, "sim", "10");
+    let parent = d.join("runs-sort");
+    std::fs::create_dir(&parent).unwrap();
+    let out = parent.join("out");
+    let mut child = Command::new(bin())
+        .args(sort_command(&sim, &out, 30))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The detection stage's folder, published under its final name.
+    let work = parent.join(format!(".out.spikecube-detection-{}", child.id()));
+    let t0 = Instant::now();
+    while !work.join("spikecube.json").is_file() {
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("the sort ended ({st}) before its detection stage was seen done");
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "no detection stage"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: sends a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(130), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("interrupted"))
+        .unwrap_or("");
+    assert!(
+        line.contains("removed") && line.contains(".out.spikecube-detection-"),
+        "{err}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&parent)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "left beside the output: {left:?}");
+}
+
+/// The working folders of a sort killed outright (SIGKILL, power loss) are
+/// removed by the next sort into the same place; those of a sort still
+/// running, and a user's folder of a similar name, are not.
+#[test]
+fn a_killed_sorts_working_folders_are_removed_by_the_next_sort() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let sim = simulate(d, "sim", "4");
+    let mut gone = Command::new("true").spawn().unwrap();
+    let dead = gone.id();
+    gone.wait().unwrap();
+    let me = std::process::id();
+    let stale = [
+        d.join(format!(".out.spikecube-detection-{dead}")),
+        d.join(format!(".out.spikecube-detection-{dead}.partial-{dead}")),
+    ];
+    let kept = [
+        d.join(format!(".out.spikecube-detection-{me}")),
+        d.join(".out.spikecube-detection-notes"),
+    ];
+    for f in stale.iter().chain(&kept) {
+        std::fs::create_dir(f).unwrap();
+        std::fs::write(f.join("spike_times.npy"), "half written").unwrap();
+    }
+    let args: Vec<String> = sort_command(&sim, &d.join("out"), 1)
+        .into_iter()
+        .filter(|a| a != "-q")
+        .collect();
+    let o = run(&args);
+    ok(&o);
+    let err = stderr(&o);
+    for f in &stale {
+        assert!(!f.exists(), "{f:?} left: {err}");
+    }
+    assert!(
+        err.contains(&format!("process {dead} no longer runs")),
+        "{err}"
+    );
+    for f in &kept {
+        assert!(f.join("spike_times.npy").is_file(), "{f:?} was removed");
+    }
+    assert!(d.join("out/spikecube.json").is_file());
+}

@@ -138,10 +138,7 @@ fn sort_writes_a_phy_folder_that_finds_the_simulated_units() {
     // first site, as Phy's depth estimate needs (phylib keeps the positive
     // first features); `tests/learned.rs` checks learned wPCA for the same sign.
     let pcs: ndarray::Array3<f32> = npy::read(&out.join("pc_features.npy")).unwrap();
-    let positive = pcs
-        .outer_iter()
-        .filter(|spike| spike[[0, 0]] > 0.0)
-        .count();
+    let positive = pcs.outer_iter().filter(|spike| spike[[0, 0]] > 0.0).count();
     assert!(
         positive * 10 >= pcs.shape()[0] * 9,
         "only {positive} of {} spikes have a positive first PC feature on their unit's first site",
@@ -203,6 +200,22 @@ fn an_unusable_output_folder_is_refused_before_detection() {
     assert_eq!(
         std::fs::read_to_string(mine.join("notes.txt")).unwrap(),
         "a user's notes"
+    );
+    // --drift-only stops before anything is sorted: refused, pointing at detect.
+    let o = spikecube(&[
+        "sort",
+        s(&bin),
+        "--out",
+        s(&dir.path().join("drift")),
+        "--backend",
+        "cpu",
+        "--drift-only",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("--drift-only") && err.contains("spikecube detect"),
+        "{err}"
     );
     let names: Vec<String> = std::fs::read_dir(dir.path())
         .unwrap()

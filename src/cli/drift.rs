@@ -20,7 +20,8 @@ pub struct DriftArgs {
     #[arg(long, default_value_t = 5.0)]
     pub binning_depth: f64,
     /// Stop after estimating drift: write drift.npy, drift_blocks.npy,
-    /// drift.png and the first pass's (uncorrected) spikes.
+    /// drift.png and the first pass's (uncorrected) spikes (`detect` only;
+    /// `sort` refuses it).
     #[arg(long)]
     pub drift_only: bool,
     /// `spikecube` (default) makes Kilosort4's sharp edges safe (empty windows,

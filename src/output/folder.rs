@@ -28,11 +28,15 @@ pub const MANIFEST: &str = "spikecube.json";
 /// is being interrupted (then nothing more is published).
 struct Registry {
     active: Vec<PathBuf>,
+    /// Private working folders (e.g. the sort's detection stage), removed with
+    /// the staged folders on an interrupt.
+    working: Vec<PathBuf>,
     abandoned: bool,
 }
 
 static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
     active: Vec::new(),
+    working: Vec::new(),
     abandoned: false,
 });
 
@@ -59,8 +63,91 @@ fn remove_tree(path: &Path) -> bool {
 pub fn abandon_all() -> Vec<PathBuf> {
     let mut reg = registry();
     reg.abandoned = true;
-    let active = std::mem::take(&mut reg.active);
+    let mut active = std::mem::take(&mut reg.active);
+    // Working folders that exist (one may not be made yet, or be gone).
+    active.extend(
+        std::mem::take(&mut reg.working)
+            .into_iter()
+            .filter(|p| p.exists()),
+    );
     active.into_iter().filter(|p| remove_tree(p)).collect()
+}
+
+/// A private working folder of this process (named with its pid, e.g. the
+/// sort's `.NAME.spikecube-detection-PID`): removed when this guard is
+/// dropped, and by [`abandon_all`] on an interrupt.
+#[derive(Debug)]
+pub struct WorkingFolder(PathBuf);
+
+impl WorkingFolder {
+    /// Registers `path` (which need not exist yet) as this process's own.
+    pub fn new(path: PathBuf) -> WorkingFolder {
+        registry().working.push(path.clone());
+        WorkingFolder(path)
+    }
+
+    /// The folder's path.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for WorkingFolder {
+    fn drop(&mut self) {
+        registry().working.retain(|p| p != &self.0);
+        if self.0.exists() {
+            remove_tree(&self.0);
+        }
+    }
+}
+
+/// Removes working folders beside `out` named `.<out's name>.<tag>-<pid>`
+/// (and their own `.partial-<pid>` staging folders) whose process no longer
+/// runs: what a killed run leaves (`SIGKILL`, power loss), logging each.
+/// Returns the folders removed.
+///
+/// # Errors
+/// When such a folder cannot be removed.
+pub fn remove_stale_working(out: &Path, tag: &str) -> Result<Vec<PathBuf>> {
+    let (parent, name) = split(out)?;
+    let prefix = format!(".{}.{tag}-", name.to_string_lossy());
+    let mut removed = Vec::new();
+    let Ok(entries) = std::fs::read_dir(&parent) else {
+        return Ok(removed);
+    };
+    for e in entries.flatten() {
+        let file_name = e.file_name();
+        let Some(rest) = file_name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        // `<pid>` or `<pid>.partial-<pid>`.
+        let Some(pid) = rest
+            .split_once(".partial-")
+            .map_or(Some(rest), |(a, b)| (a == b).then_some(a))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == std::process::id() || process_alive(pid) {
+            continue;
+        }
+        let path = e.path();
+        if !e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+            continue;
+        }
+        std::fs::remove_dir_all(&path).with_context(|| {
+            format!(
+                "cannot remove {}, the working folder of an interrupted run (process {pid})",
+                path.display()
+            )
+        })?;
+        tracing::info!(
+            "removed {}, the working folder of an interrupted run (process {pid} no longer runs)",
+            path.display()
+        );
+        removed.push(path);
+    }
+    Ok(removed)
 }
 
 /// Whether process `pid` still runs (Unix: `kill(pid, 0)`; elsewhere always true,

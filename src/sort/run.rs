@@ -268,16 +268,14 @@ fn work_folder(out: &Path) -> Result<PathBuf> {
     } else {
         parent
     };
-    Ok(parent.join(format!(
-        ".{name}.spikecube-detection-{}",
-        std::process::id()
-    )))
+    Ok(parent.join(format!(".{name}.{WORK_TAG}-{}", std::process::id())))
 }
 
 /// Runs the whole sort of `job` and publishes the Phy folder at `job.detect.out`.
 ///
 /// # Errors
-/// As [`run_detection`]; when no spike is detected, a stage's inputs disagree
+/// As [`run_detection`]; with `drift_only` set (it stops before the sort);
+/// when no spike is detected, a stage's inputs disagree
 /// (named), or the output folder cannot be written. On error nothing is left
 /// at the output folder (a previous result there is kept) and the working
 /// folder is removed.
@@ -287,26 +285,27 @@ pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Res
     job.detect.last_device_use = false;
     // The detection stage's folder is this run's working folder.
     job.detect.scratch = true;
+    if job.detect.drift.drift_only {
+        bail!(
+            "--drift-only (drift_only) stops after the drift estimate, before any spike is sorted: run `spikecube detect --drift-only` for drift.npy and drift.png, or sort without it"
+        );
+    }
     let out = job.detect.out.clone();
     // An output folder that cannot take the Phy folder fails now, not after
     // the detection stage (the same check runs again when it is published).
     crate::output::folder::check_target(&out, "sort")?;
-    let work = WorkFolder(work_folder(&out)?);
-    sort_into(job, &work.0, progress)
+    // What a killed sort into the same place left.
+    crate::output::folder::remove_stale_working(&out, WORK_TAG)?;
+    // The detection stage's working folder, removed when the sort ends, also
+    // when it is stopped by an unwind (Python's Ctrl-C stops a run that way)
+    // or by Ctrl-C / SIGTERM at the command line (the signal handler's
+    // `abandon_all`).
+    let work = crate::output::folder::WorkingFolder::new(work_folder(&out)?);
+    sort_into(job, work.path(), progress)
 }
 
-/// The detection stage's working folder, removed when the sort ends, also
-/// when it is stopped by an unwind (Python's Ctrl-C stops a run that way).
-struct WorkFolder(PathBuf);
-
-impl Drop for WorkFolder {
-    fn drop(&mut self) {
-        if self.0.exists() {
-            // Ours alone: made by this process under a name with its pid.
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-}
+/// The tag of the sort's working folder, `.<out>.spikecube-detection-<pid>`.
+const WORK_TAG: &str = "spikecube-detection";
 
 fn sort_into(
     mut job: SortJob,
