@@ -869,13 +869,31 @@ impl ChannelHealth {
         if f.is_empty() {
             return None;
         }
-        let mut text = format!(
-            "channel check over {scope}: {}",
-            f.iter()
-                .map(|x| format!("ch{} {} ({})", x.channel, x.kind, x.detail))
-                .collect::<Vec<_>>()
-                .join("; ")
-        );
+        // Channels with the same finding, several of them, in one item
+        // ("ch0–ch63 (64 channels) zero (all samples are 0)").
+        let mut items: Vec<(String, Vec<u64>)> = Vec::new();
+        for x in &f {
+            let what = format!("{} ({})", x.kind, x.detail);
+            match items.iter_mut().find(|(w, _)| *w == what) {
+                Some((_, chans)) => chans.push(x.channel),
+                None => items.push((what, vec![x.channel])),
+            }
+        }
+        let mut parts = Vec::new();
+        for (what, chans) in &items {
+            if chans.len() >= GROUPED_FINDINGS {
+                let mut sorted = chans.clone();
+                sorted.sort_unstable();
+                parts.push(format!(
+                    "{} ({} channels) {what}",
+                    channel_ranges(&sorted),
+                    chans.len()
+                ));
+            } else {
+                parts.extend(chans.iter().map(|c| format!("ch{c} {what}")));
+            }
+        }
+        let mut text = format!("channel check over {scope}: {}", parts.join("; "));
         if f.iter().any(|x| x.kind == "clipped") {
             text += if masked {
                 "; stuck stretches are replaced by the channel's median before filtering (--mask-clipped false keeps them, as Kilosort4 does)"
@@ -888,7 +906,9 @@ impl ChannelHealth {
             .filter(|x| x.kind != "clipped")
             .map(|x| x.channel.to_string())
             .collect();
-        if !bad.is_empty() {
+        if !bad.is_empty() && bad.len() == self.rows.len() {
+            text += "; no channel is usable: check the file and --n-channels, --dtype and --offset";
+        } else if !bad.is_empty() {
             text += &format!(
                 "; leave bad channels out with --exclude-channels {}",
                 bad.join(",")
@@ -896,6 +916,29 @@ impl ChannelHealth {
         }
         Some(text)
     }
+}
+
+/// Channels with one finding from which [`ChannelHealth::warning`] names them
+/// as ranges in one item rather than one item each.
+const GROUPED_FINDINGS: usize = 4;
+
+/// `ch0–ch3, ch7, ch9–ch10` for ascending channel numbers.
+fn channel_ranges(chans: &[u64]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < chans.len() {
+        let mut j = i;
+        while j + 1 < chans.len() && chans[j + 1] == chans[j] + 1 {
+            j += 1;
+        }
+        out.push(if j > i {
+            format!("ch{}–ch{}", chans[i], chans[j])
+        } else {
+            format!("ch{}", chans[i])
+        });
+        i = j + 1;
+    }
+    out.join(", ")
 }
 
 /// Typical noise standard deviation spikecube rescales data to when the data's
@@ -1284,6 +1327,39 @@ mod tests {
         let w = h.warning("test", true).unwrap();
         assert!(w.contains("first at sample 1050"), "{w}");
         assert!(w.contains("--exclude-channels 10,11,13"), "{w}");
+    }
+
+    /// Many channels with one finding are named as ranges in one item; when
+    /// no channel is usable, the warning says to check the file's layout
+    /// instead of suggesting to exclude them all.
+    #[test]
+    fn many_bad_channels_are_grouped() {
+        let n = 200;
+        let mut x = Array2::<f32>::zeros((8, n));
+        for t in 0..n {
+            x[(6, t)] = 3.0;
+        }
+        let runs = find_stuck_runs(&x, 0, n, 8);
+        let mut h = ChannelHealth::new(&[0, 1, 2, 3, 5, 6, 9, 4]);
+        h.observe(x.view(), (0, n), 0, &runs);
+        let w = h.warning("test", true).unwrap();
+        assert!(
+            w.contains("ch0–ch6 (7 channels) zero (all samples are 0); ch9 flat"),
+            "{w}"
+        );
+        assert!(
+            w.contains("no channel is usable") && !w.contains("--exclude-channels"),
+            "{w}"
+        );
+        // One usable channel left: the exclusion is suggested.
+        for t in 0..n {
+            x[(7, t)] = ((t * 37) % 23) as f32;
+        }
+        let mut h = ChannelHealth::new(&[0, 1, 2, 3, 5, 6, 9, 4]);
+        h.observe(x.view(), (0, n), 0, &runs);
+        let w = h.warning("test", true).unwrap();
+        assert!(w.contains("ch0–ch3, ch5–ch6 (6 channels) zero"), "{w}");
+        assert!(w.contains("--exclude-channels 0,1,2,3,5,6,9"), "{w}");
     }
 
     /// An int16 window (rows longer than the samples) gets the same runs,

@@ -56,8 +56,9 @@ impl WindowPlan {
             if tail < nt {
                 n_windows -= 1;
                 tracing::warn!(
-                    "the last {tail} samples (of {n_samples}) are fewer than nt = {nt} and are skipped, as Kilosort4 does; {} of {batch_size} samples remain",
-                    crate::error::count(n_windows, "window")
+                    "the last {tail} samples (of {n_samples}) are fewer than nt = {nt} and are skipped, as Kilosort4 does; {} of {batch_size} samples {}",
+                    crate::error::count(n_windows, "window"),
+                    if n_windows == 1 { "remains" } else { "remain" }
                 );
             }
         }

@@ -304,6 +304,10 @@ pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Res
     sort_into(job, work.path(), progress)
 }
 
+/// Recordings shorter than this (s) are named as the likely reason when no
+/// unit passes the refractory test.
+const SHORT_FOR_REFRACTORY_S: f64 = 60.0;
+
 /// The tag of the sort's working folder, `.<out>.spikecube-detection-<pid>`.
 const WORK_TAG: &str = "spikecube-detection";
 
@@ -459,8 +463,18 @@ fn sort_into(
     let phy = save_sorting(&out, result, &probe, &export, manifest, "sort")?;
     lap(&mut timings, "merges_export");
     if phy.n_good == 0 {
+        // The test compares a unit's refractory bins with its correlogram's
+        // shoulders: a short recording holds too few spikes for either.
+        let why = if detection.seconds < SHORT_FOR_REFRACTORY_S {
+            format!(
+                "the recording is {:.1} s long, too short for the test to find a refractory period (it needs minutes); otherwise check the recording's sample rate and scale",
+                detection.seconds
+            )
+        } else {
+            "check the recording's sample rate and scale".to_string()
+        };
         warnings.push(format!(
-            "none of the {} units passed the refractory test (acg_threshold {}): check the recording's sample rate and scale",
+            "none of the {} units passed the refractory test (acg_threshold {}): {why}",
             phy.n_units, s.acg_threshold
         ));
     }
