@@ -111,38 +111,54 @@ impl Drop for WorkingFolder {
 pub fn remove_stale_working(out: &Path, tag: &str) -> Result<Vec<PathBuf>> {
     let (parent, name) = split(out)?;
     let prefix = format!(".{}.{tag}-", name.to_string_lossy());
+    remove_dead(
+        &parent,
+        |n| {
+            // `<pid>` or `<pid>.partial-<pid>`.
+            let rest = n.strip_prefix(&prefix)?;
+            rest.split_once(".partial-")
+                .map_or(Some(rest), |(a, b)| (a == b).then_some(a))?
+                .parse()
+                .ok()
+        },
+        "the working folder of an interrupted run",
+        true,
+    )
+}
+
+/// Removes the entries of `parent` whose name `pid_of` maps to the id of a
+/// process (not this one) that no longer runs, logging each as `what`; only
+/// folders when `folders_only`. Returns the entries removed.
+fn remove_dead(
+    parent: &Path,
+    pid_of: impl Fn(&str) -> Option<u32>,
+    what: &str,
+    folders_only: bool,
+) -> Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
-    let Ok(entries) = std::fs::read_dir(&parent) else {
+    let Ok(entries) = std::fs::read_dir(parent) else {
         return Ok(removed);
     };
     for e in entries.flatten() {
-        let file_name = e.file_name();
-        let Some(rest) = file_name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
-            continue;
-        };
-        // `<pid>` or `<pid>.partial-<pid>`.
-        let Some(pid) = rest
-            .split_once(".partial-")
-            .map_or(Some(rest), |(a, b)| (a == b).then_some(a))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
+        let Some(pid) = e.file_name().to_str().and_then(&pid_of) else {
             continue;
         };
         if pid == std::process::id() || process_alive(pid) {
             continue;
         }
         let path = e.path();
-        if !e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+        let is_dir = e.file_type().map(|t| t.is_dir()).unwrap_or(false);
+        if folders_only && !is_dir {
             continue;
         }
-        std::fs::remove_dir_all(&path).with_context(|| {
-            format!(
-                "cannot remove {}, the working folder of an interrupted run (process {pid})",
-                path.display()
-            )
-        })?;
+        let r = if is_dir {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        r.with_context(|| format!("cannot remove {}, {what} (process {pid})", path.display()))?;
         tracing::info!(
-            "removed {}, the working folder of an interrupted run (process {pid} no longer runs)",
+            "removed {}, {what} (process {pid} no longer runs)",
             path.display()
         );
         removed.push(path);
@@ -190,42 +206,12 @@ fn split(out: &Path) -> Result<(PathBuf, std::ffi::OsString)> {
 pub fn remove_stale(out: &Path) -> Result<Vec<PathBuf>> {
     let (parent, name) = split(out)?;
     let prefix = format!("{}.partial-", name.to_string_lossy());
-    let mut removed = Vec::new();
-    let Ok(entries) = std::fs::read_dir(&parent) else {
-        return Ok(removed);
-    };
-    for e in entries.flatten() {
-        let file_name = e.file_name();
-        let Some(pid) = file_name
-            .to_str()
-            .and_then(|n| n.strip_prefix(&prefix))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if pid == std::process::id() || process_alive(pid) {
-            continue;
-        }
-        let path = e.path();
-        let is_dir = e.file_type().map(|t| t.is_dir()).unwrap_or(false);
-        let r = if is_dir {
-            std::fs::remove_dir_all(&path)
-        } else {
-            std::fs::remove_file(&path)
-        };
-        r.with_context(|| {
-            format!(
-                "cannot remove {}, left by an interrupted run (process {pid})",
-                path.display()
-            )
-        })?;
-        tracing::info!(
-            "removed {}, left unfinished by an interrupted run (process {pid} no longer runs)",
-            path.display()
-        );
-        removed.push(path);
-    }
-    Ok(removed)
+    remove_dead(
+        &parent,
+        |n| n.strip_prefix(&prefix)?.parse().ok(),
+        "left unfinished by an interrupted run",
+        false,
+    )
 }
 
 /// What stands at an output path before a run.
