@@ -43,6 +43,24 @@ impl WindowPlan {
     /// # Errors
     /// [`RecordingError::Setting`] when `batch_size` is 0.
     pub fn new(n_samples: u64, batch_size: u64, nt: u64) -> Result<Self, RecordingError> {
+        Self::planned(n_samples, batch_size, nt, true)
+    }
+
+    /// [`WindowPlan::new`] without the warning: for a later pass over windows
+    /// already planned (and warned about) once in the same run.
+    ///
+    /// # Errors
+    /// As [`WindowPlan::new`].
+    pub fn again(n_samples: u64, batch_size: u64, nt: u64) -> Result<Self, RecordingError> {
+        Self::planned(n_samples, batch_size, nt, false)
+    }
+
+    fn planned(
+        n_samples: u64,
+        batch_size: u64,
+        nt: u64,
+        warn: bool,
+    ) -> Result<Self, RecordingError> {
         if batch_size == 0 {
             return Err(RecordingError::Setting {
                 path: Default::default(),
@@ -55,6 +73,8 @@ impl WindowPlan {
             let tail = n_samples - (n_windows - 1) * batch_size;
             if tail < nt {
                 n_windows -= 1;
+            }
+            if tail < nt && warn {
                 tracing::warn!(
                     "the last {tail} samples (of {n_samples}) are fewer than nt = {nt} and are skipped, as Kilosort4 does; {} of {batch_size} samples {}",
                     crate::error::count(n_windows, "window"),

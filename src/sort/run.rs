@@ -608,7 +608,8 @@ fn matching_pass(
         ),
         _ => None,
     };
-    let plan = WindowPlan::new(
+    // The detection stage planned (and warned about) the same windows.
+    let plan = WindowPlan::again(
         input.rec.n_samples(),
         input.pre_settings.batch_size as u64,
         input.pre_settings.nt as u64,
