@@ -245,7 +245,8 @@ fn parse_backend(s: &str) -> spikecube::backend::Backend {
 #[derive(Debug, Clone, clap::Args)]
 pub struct CheckArgs {
     /// Leave out these file channels (columns of the raw file, comma-separated),
-    /// e.g. dead, bridged or saturated channels named by the channel check.
+    /// e.g. dead, bridged or saturated channels named by the channel check
+    /// (the role of Kilosort4's `bad_channels` setting).
     #[arg(long, value_delimiter = ',')]
     pub exclude_channels: Vec<u64>,
     /// Replace stuck (clipped) stretches by the channel's median before
