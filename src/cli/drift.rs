@@ -13,10 +13,12 @@ pub struct DriftArgs {
     /// numbers: `0.5,0.5,0.5` or `0.5 0.5 0.5`.
     #[arg(long, value_delimiter = ',', num_args = 1..=3, default_values_t = [0.5, 0.5, 0.5])]
     pub drift_smoothing: Vec<f64>,
-    /// Width of the interpolation kernel of the correction, µm.
+    /// Width of the interpolation kernel of the correction, µm (Kilosort4's
+    /// `sig_interp`).
     #[arg(long, default_value_t = 20.0)]
     pub sig_interp: f64,
-    /// Height of the depth bins of the drift histogram, µm.
+    /// Height of the depth bins of the drift histogram, µm (Kilosort4's
+    /// `binning_depth`).
     #[arg(long, default_value_t = 5.0)]
     pub binning_depth: f64,
     /// Stop after estimating drift: write drift.npy, drift_blocks.npy,
