@@ -14,7 +14,10 @@
 //! itself; [`abandon_all`] removes every staged folder of the process (for a
 //! signal handler that then exits). A `<out>.partial-<pid>` left by a process
 //! that no longer runs (killed, power loss) is removed by the next run into the
-//! same place, with a log line.
+//! same place, with a log line. A [`WorkingFolder`] (a private folder a run
+//! reads back and removes, e.g. the sort's detection stage) is removed the
+//! same ways: when dropped, by [`abandon_all`], and, once its process is gone,
+//! by [`remove_stale_working`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
