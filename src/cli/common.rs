@@ -246,7 +246,7 @@ fn parse_backend(s: &str) -> spikecube::backend::Backend {
 pub struct CheckArgs {
     /// Leave out these file channels (columns of the raw file, comma-separated),
     /// e.g. dead, bridged or saturated channels named by the channel check
-    /// (the role of Kilosort4's `bad_channels` setting).
+    /// (the role of Kilosort4's bad_channels).
     #[arg(long, value_delimiter = ',')]
     pub exclude_channels: Vec<u64>,
     /// Replace stuck (clipped) stretches by the channel's median before

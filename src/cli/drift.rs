@@ -5,8 +5,9 @@ use spikecube::drift::{DriftMode, DriftSettings};
 /// Drift estimation and correction.
 #[derive(Debug, clap::Args)]
 pub struct DriftArgs {
-    /// Kilosort4's nblocks: 0 turns drift correction off; 1 (default) is rigid
-    /// correction; n > 1 gives 2n − 1 overlapping depth blocks (non-rigid).
+    /// Drift correction: 0 turns it off; 1 (default) is rigid correction;
+    /// n > 1 gives 2n − 1 overlapping depth blocks, non-rigid (Kilosort4's
+    /// nblocks).
     #[arg(long, default_value_t = 1)]
     pub nblocks: usize,
     /// Gaussian σ of the drift scores over (lag, window, block), three
@@ -14,11 +15,11 @@ pub struct DriftArgs {
     #[arg(long, value_delimiter = ',', num_args = 1..=3, default_values_t = [0.5, 0.5, 0.5])]
     pub drift_smoothing: Vec<f64>,
     /// Width of the interpolation kernel of the correction, µm (Kilosort4's
-    /// `sig_interp`).
+    /// sig_interp).
     #[arg(long, default_value_t = 20.0)]
     pub sig_interp: f64,
     /// Height of the depth bins of the drift histogram, µm (Kilosort4's
-    /// `binning_depth`).
+    /// binning_depth).
     #[arg(long, default_value_t = 5.0)]
     pub binning_depth: f64,
     /// Stop after estimating drift: write drift.npy, drift_blocks.npy,

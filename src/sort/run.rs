@@ -83,35 +83,35 @@ impl SortSettings {
 #[derive(Debug, Clone, clap::Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SortFlags {
-    /// `Th_learned`: a learned-template spike needs relu(B)²/‖U‖² above its square.
+    /// A learned-template spike needs relu(B)²/‖U‖² above its square (Kilosort4's Th_learned).
     #[arg(long, default_value_t = 8.0)]
     #[serde(rename = "Th_learned")]
     pub th_learned: f64,
-    /// `max_peels`: rounds of the matching pursuit per window.
+    /// Rounds of the matching pursuit per window (Kilosort4's max_peels).
     #[arg(long, default_value_t = 100)]
     pub max_peels: usize,
-    /// `position_limit`, µm: sites within this of a spike's site count for its position.
+    /// Sites within this of a spike's site count for its position, µm (Kilosort4's position_limit).
     #[arg(long, default_value_t = 100.0)]
     pub position_limit: f64,
-    /// `cluster_downsampling`: every N-th spike of a group is a landmark of the neighbour graph.
+    /// Every N-th spike of a group is a landmark of the neighbour graph (Kilosort4's cluster_downsampling).
     #[arg(long, default_value_t = 20)]
     pub cluster_downsampling: usize,
-    /// `max_cluster_subset`: at most this many landmarks per group (0: no limit).
+    /// At most this many landmarks per group, 0 for no limit (Kilosort4's max_cluster_subset).
     #[arg(long, default_value_t = 25_000)]
     pub max_cluster_subset: usize,
-    /// `cluster_neighbors`: neighbours (landmarks) per spike in the graph.
+    /// Neighbours (landmarks) per spike in the graph (Kilosort4's cluster_neighbors).
     #[arg(long, default_value_t = 10)]
     pub cluster_neighbors: usize,
-    /// `cluster_init_seed`: seed of the clusters' seeding, used afresh in every group.
+    /// Seed of the clusters' seeding, used afresh in every group (Kilosort4's cluster_init_seed).
     #[arg(long, default_value_t = 5)]
     pub cluster_init_seed: u64,
-    /// `duplicate_spike_ms`: spikes of one unit closer than this are duplicates, ms.
+    /// Spikes of one unit closer than this are duplicates, ms (Kilosort4's duplicate_spike_ms).
     #[arg(long, default_value_t = 0.25)]
     pub duplicate_spike_ms: f64,
-    /// `acg_threshold`: a unit is `good` when its autocorrelogram's R12 is below it.
+    /// A unit is `good` when its autocorrelogram's R12 is below it (Kilosort4's acg_threshold).
     #[arg(long, default_value_t = 0.2)]
     pub acg_threshold: f64,
-    /// `ccg_threshold`: two units merge when their cross-correlogram's R12 is below it.
+    /// Two units merge when their cross-correlogram's R12 is below it (Kilosort4's ccg_threshold).
     #[arg(long, default_value_t = 0.25)]
     pub ccg_threshold: f64,
     /// Reproduce Kilosort4 4.1.5–4.1.7's `swarmsplitter.check_CCG` guard, which
