@@ -85,6 +85,7 @@ pub mod error;
 pub mod npy;
 pub mod output;
 pub mod pipeline;
+mod prefetch;
 pub mod preprocess;
 pub mod preprocess_folder;
 pub mod probe;

@@ -492,21 +492,11 @@ impl CpuDetector {
                         // The tile's samples of the channel two ahead, asked
                         // for now: the channels' rows are too many separate
                         // streams for the hardware prefetcher.
-                        #[cfg(target_arch = "x86_64")]
                         if c + 2 < n_ch {
                             let ahead = &xs[(c + 2) * nt_w..(c + 3) * nt_w];
                             let lo = t0.saturating_sub(ntaps / 2).min(nt_w);
                             let hi = (t0 + TILE + ntaps / 2).min(nt_w);
-                            for t in (lo..hi).step_by(16) {
-                                // SAFETY: a prefetch only hints; `t` is inside the row.
-                                unsafe {
-                                    std::arch::x86_64::_mm_prefetch::<
-                                        { std::arch::x86_64::_MM_HINT_T0 },
-                                    >(
-                                        ahead.as_ptr().add(t).cast()
-                                    )
-                                };
-                            }
+                            crate::prefetch::prefetch(&ahead[lo..hi]);
                         }
                         let row = &xs[c * nt_w..(c + 1) * nt_w];
                         let out = &mut b[c * NK * TILE..(c + 1) * NK * TILE];

@@ -83,10 +83,20 @@ pub fn abandon_all() -> Vec<PathBuf> {
 pub struct WorkingFolder(PathBuf);
 
 impl WorkingFolder {
-    /// Registers `path` (which need not exist yet) as this process's own.
-    pub fn new(path: PathBuf) -> WorkingFolder {
+    /// Registers `.<out's name>.<tag>-<pid>` beside `out` (not made yet) as
+    /// this process's own: the name [`remove_stale_working`] looks for.
+    ///
+    /// # Errors
+    /// When `out` has no file name.
+    pub fn beside(out: &Path, tag: &str) -> Result<WorkingFolder> {
+        let (parent, name) = split(out)?;
+        let path = parent.join(format!(
+            ".{}.{tag}-{}",
+            name.to_string_lossy(),
+            std::process::id()
+        ));
         registry().working.push(path.clone());
-        WorkingFolder(path)
+        Ok(WorkingFolder(path))
     }
 
     /// The folder's path.

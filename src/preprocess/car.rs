@@ -257,18 +257,9 @@ fn car_job_impl(
         let w = MEDIAN_BLOCK.min(len - c0);
         // The next block's cache lines of every row, asked for now: C rows
         // are too many separate streams for the hardware prefetcher.
-        #[cfg(target_arch = "x86_64")]
         if c0 + w < len {
-            let next = (c0 + w..(c0 + 2 * w).min(len)).step_by(16);
             for row in rows.iter() {
-                for t in next.clone() {
-                    // SAFETY: a prefetch only hints; `t` is inside the row.
-                    unsafe {
-                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                            row.as_ptr().add(t).cast(),
-                        )
-                    };
-                }
+                crate::prefetch::prefetch(&row[c0 + w..(c0 + 2 * w).min(len)]);
             }
         }
         for (r, (row, &mean)) in rows.iter_mut().zip(means).enumerate() {

@@ -73,13 +73,13 @@ impl WindowPlan {
             let tail = n_samples - (n_windows - 1) * batch_size;
             if tail < nt {
                 n_windows -= 1;
-            }
-            if tail < nt && warn {
-                tracing::warn!(
-                    "the last {tail} samples (of {n_samples}) are fewer than nt = {nt} and are skipped, as Kilosort4 does; {} of {batch_size} samples {}",
-                    crate::error::count(n_windows, "window"),
-                    if n_windows == 1 { "remains" } else { "remain" }
-                );
+                if warn {
+                    tracing::warn!(
+                        "the last {tail} samples (of {n_samples}) are fewer than nt = {nt} and are skipped, as Kilosort4 does; {} of {batch_size} samples {}",
+                        crate::error::count(n_windows, "window"),
+                        if n_windows == 1 { "remains" } else { "remain" }
+                    );
+                }
             }
         }
         let n_used = n_samples.min(n_windows.saturating_mul(batch_size));

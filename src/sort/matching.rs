@@ -755,21 +755,14 @@ fn filter_block_impl<const P: usize>(
         // The block's samples of a site two ahead, asked for now: the sites'
         // rows are too many separate streams for the hardware prefetcher, and
         // each block needs only a few new cache lines of each.
-        #[cfg(target_arch = "x86_64")]
-        if let Some(&ahead) = bank.used.get(si + 2) {
-            let row = bank.x.row(ahead);
-            if let Some(r) = row.as_slice() {
-                let lo = (t0 + a).saturating_sub(half).min(r.len());
-                let hi = (t0 + z).saturating_sub(half).min(r.len());
-                for t in (lo..hi).step_by(16) {
-                    // SAFETY: a prefetch only hints; `t` is inside the row.
-                    unsafe {
-                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                            r.as_ptr().add(t).cast(),
-                        )
-                    };
-                }
-            }
+        if let Some(r) = bank
+            .used
+            .get(si + 2)
+            .and_then(|&s| bank.x.row(s).to_slice())
+        {
+            let lo = (t0 + a).saturating_sub(half).min(r.len());
+            let hi = (t0 + z).saturating_sub(half).min(r.len());
+            crate::prefetch::prefetch(&r[lo..hi]);
         }
         let row = bank.x.row(c);
         seg[..a].fill(0.0);

@@ -16,7 +16,7 @@
 //! output in memory: a 10-minute 384-site recording holds about a million
 //! spikes, 240 MB of features per pass.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -255,22 +255,6 @@ fn read_detected(dir: &Path) -> Result<Detected> {
     })
 }
 
-/// A private working folder beside `out` for the detection stage.
-fn work_folder(out: &Path) -> Result<PathBuf> {
-    let name = out
-        .file_name()
-        .with_context(|| format!("output folder {} has no name", out.display()))?
-        .to_string_lossy()
-        .into_owned();
-    let parent = out.parent().map(Path::to_path_buf).unwrap_or_default();
-    let parent = if parent.as_os_str().is_empty() {
-        PathBuf::from(".")
-    } else {
-        parent
-    };
-    Ok(parent.join(format!(".{name}.{WORK_TAG}-{}", std::process::id())))
-}
-
 /// Runs the whole sort of `job` and publishes the Phy folder at `job.detect.out`.
 ///
 /// # Errors
@@ -300,7 +284,7 @@ pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Res
     // when it is stopped by an unwind (Python's Ctrl-C stops a run that way)
     // or by Ctrl-C / SIGTERM at the command line (the signal handler's
     // `abandon_all`).
-    let work = crate::output::folder::WorkingFolder::new(work_folder(&out)?);
+    let work = crate::output::folder::WorkingFolder::beside(&out, WORK_TAG)?;
     sort_into(job, work.path(), progress)
 }
 
