@@ -297,6 +297,14 @@ fn sigint_and_sigterm_leave_nothing_behind() {
     }
 }
 
+/// A process id that no longer runs: a child that has exited and been reaped.
+fn dead_pid() -> u32 {
+    let mut gone = Command::new("true").spawn().unwrap();
+    let pid = gone.id();
+    gone.wait().unwrap();
+    pid
+}
+
 /// The temporary folder of a run killed outright (SIGKILL, power loss) is removed
 /// by the next run into the same place; one of a run still going is not.
 #[test]
@@ -304,10 +312,7 @@ fn a_killed_runs_temporary_folder_is_removed_by_the_next_run() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let sim = simulate(d, "sim", "2");
-    // A process id that no longer runs: a child that has exited and been reaped.
-    let mut gone = Command::new("true").spawn().unwrap();
-    let dead = gone.id();
-    gone.wait().unwrap();
+    let dead = dead_pid();
     let me = std::process::id();
     for which in WRITERS {
         let out = d.join(format!("out-{which}"));
@@ -564,9 +569,7 @@ fn a_killed_sorts_working_folders_are_removed_by_the_next_sort() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let sim = simulate(d, "sim", "4");
-    let mut gone = Command::new("true").spawn().unwrap();
-    let dead = gone.id();
-    gone.wait().unwrap();
+    let dead = dead_pid();
     let me = std::process::id();
     let stale = [
         d.join(format!(".out.spikecube-detection-{dead}")),
