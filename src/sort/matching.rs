@@ -179,15 +179,17 @@ pub struct MatchingSetup {
     scratch: Scratch,
 }
 
-/// Buffers of one window kept for the next (B: NT × K, the residual: C × NT,
-/// float32), so that a window does not map and fault in ~190 MB afresh
-/// (K = 400, C = 384). Both are overwritten entirely before they are read.
-/// A clone of the set-up starts with none; a window that finds them taken
-/// (another window in flight) allocates its own.
+/// Buffers of finished windows kept for the next ones (B: NT × K, the
+/// residual: C × NT, float32), so that a window does not map and fault in
+/// ~190 MB afresh (K = 400, C = 384). Each slot holds up to
+/// [`Scratch::KEPT`] buffers, one for each window matched at the same time
+/// ([`crate::sort::matching`]'s callers may match several windows at once).
+/// Every buffer is overwritten entirely before it is read. A clone of the
+/// set-up starts with none.
 #[derive(Debug, Default)]
 struct Scratch {
-    b: std::sync::Mutex<Vec<f32>>,
-    x: std::sync::Mutex<Vec<f32>>,
+    b: std::sync::Mutex<Vec<Vec<f32>>>,
+    x: std::sync::Mutex<Vec<Vec<f32>>>,
 }
 
 impl Clone for Scratch {
@@ -197,12 +199,16 @@ impl Clone for Scratch {
 }
 
 impl Scratch {
-    /// A buffer of `len` floats with unspecified contents, from `slot` if it
-    /// is free.
-    fn take(slot: &std::sync::Mutex<Vec<f32>>, len: usize) -> Vec<f32> {
+    /// Buffers kept per slot: more windows at once than this allocate their own.
+    const KEPT: usize = 8;
+
+    /// A buffer of `len` floats with unspecified contents, a kept one if
+    /// there is one.
+    fn take(slot: &std::sync::Mutex<Vec<Vec<f32>>>, len: usize) -> Vec<f32> {
         let mut v = slot
-            .try_lock()
-            .map(|mut g| std::mem::take(&mut *g))
+            .lock()
+            .ok()
+            .and_then(|mut g| g.pop())
             .unwrap_or_default();
         if v.len() >= len {
             v.truncate(len);
@@ -212,10 +218,12 @@ impl Scratch {
         v
     }
 
-    /// Keeps `v` in `slot` for the next window (unless another window holds it).
-    fn give(slot: &std::sync::Mutex<Vec<f32>>, v: Vec<f32>) {
-        if let Ok(mut g) = slot.try_lock() {
-            *g = v;
+    /// Keeps `v` in `slot` for a later window (unless the slot is full).
+    fn give(slot: &std::sync::Mutex<Vec<Vec<f32>>>, v: Vec<f32>) {
+        if let Ok(mut g) = slot.lock()
+            && g.len() < Self::KEPT
+        {
+            g.push(v);
         }
     }
 }

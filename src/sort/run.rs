@@ -730,6 +730,15 @@ fn host_fed(
             "learned-template matching: {n_kept} of {n_windows} windows kept in host memory by the detection pass"
         );
     }
+    if let Matcher::Cpu(setup) = &*matcher {
+        let at_once = cpu_windows_at_once().min(n_windows.max(1) as usize);
+        if at_once > 1 {
+            let setup = setup.clone();
+            return cpu_windows_in_parallel(
+                input, plan, pre, drift, kept, &setup, at_once, parts, done,
+            );
+        }
+    }
     let rec = input.rec;
     let chan_map = &input.probe.chan_map;
     std::thread::scope(|scope| -> Result<()> {
@@ -779,6 +788,119 @@ fn host_fed(
             let _ = free_tx.send(x);
             parts.push(w);
             done(i);
+        }
+        Ok(())
+    })
+}
+
+/// How many windows the CPU matching works on at once
+/// (`SPIKECUBE_MATCH_WINDOWS`, 1 by default).
+fn cpu_windows_at_once() -> usize {
+    std::env::var("SPIKECUBE_MATCH_WINDOWS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(1)
+}
+
+/// [`host_fed`] on the CPU with `at_once` windows in flight: each of
+/// `at_once` threads takes the next window (a kept one, or one it reads and
+/// preprocesses itself), matches it in place and sends its spikes, and this
+/// thread hands them on in window order. One window's serial steps (peak
+/// tests, the peels' bookkeeping, the reading) then run beside another's
+/// parallel ones. Each window is matched by the same code as alone, so the
+/// spikes are those of one window at a time, bit for bit.
+#[allow(clippy::too_many_arguments)]
+fn cpu_windows_in_parallel(
+    input: &MatchingInput,
+    plan: &WindowPlan,
+    pre: &Preprocessor,
+    drift: Option<&DriftCorrection>,
+    kept: Vec<Array2<f32>>,
+    setup: &MatchingSetup,
+    at_once: usize,
+    parts: &mut Vec<crate::sort::matching::WindowSpikes>,
+    done: &mut dyn FnMut(u64),
+) -> Result<()> {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+    let n_windows = plan.n_windows;
+    let kept: Vec<Mutex<Option<Array2<f32>>>> = kept
+        .into_iter()
+        .take(n_windows as usize)
+        .map(|x| Mutex::new(Some(x)))
+        .collect();
+    let n_kept = kept.len() as u64;
+    let (next, stop) = (AtomicU64::new(0), AtomicBool::new(false));
+    let (rec, chan_map) = (input.rec, &input.probe.chan_map);
+    std::thread::scope(|scope| -> Result<()> {
+        let (tx, rx) =
+            crossbeam_channel::unbounded::<(u64, Result<crate::sort::matching::WindowSpikes>)>();
+        for _ in 0..at_once {
+            let tx = tx.clone();
+            let (next, stop, kept) = (&next, &stop, &kept);
+            scope.spawn(move || {
+                let mut buf = Array2::<f32>::zeros((0, 0));
+                while !stop.load(Relaxed) {
+                    let i = next.fetch_add(1, Relaxed);
+                    if i >= n_windows {
+                        break;
+                    }
+                    let r = if i < n_kept {
+                        let mut x = kept[i as usize]
+                            .lock()
+                            .ok()
+                            .and_then(|mut k| k.take())
+                            .expect("each kept window is taken once");
+                        crate::sort::matching::match_window_in_place(setup, &mut x)
+                            .with_context(|| format!("matching: window {i} kept in host memory"))
+                    } else {
+                        preprocessed_window_into(
+                            rec,
+                            plan,
+                            chan_map,
+                            pre,
+                            drift,
+                            i,
+                            input.mask_min_run,
+                            &mut buf,
+                        )
+                        .and_then(|()| {
+                            Ok(crate::sort::matching::match_window_in_place(
+                                setup, &mut buf,
+                            )?)
+                        })
+                        .with_context(|| format!("matching: window {i}"))
+                    };
+                    if r.is_err() {
+                        stop.store(true, Relaxed);
+                    }
+                    if tx.send((i, r)).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        let mut waiting = std::collections::BTreeMap::new();
+        let mut i_out = 0u64;
+        for (i, r) in rx.iter() {
+            let w = match r {
+                Ok(w) => w,
+                Err(e) => {
+                    stop.store(true, Relaxed);
+                    return Err(e);
+                }
+            };
+            waiting.insert(i, w);
+            while let Some(w) = waiting.remove(&i_out) {
+                parts.push(w);
+                done(i_out);
+                i_out += 1;
+            }
+        }
+        if i_out < n_windows {
+            bail!("matching: window {i_out} was not matched");
         }
         Ok(())
     })
