@@ -2,7 +2,7 @@
 """`spikecube sort` and Kilosort4 4.1.7's `run_kilosort` on one recording, in one device call.
 
 Usage: h200_sort_vs_ks4.py SPIKECUBE_BINARY SORT_H200_PY OUTDIR [--cuda-runs N] [--cpu-runs N]
-       [--cpu-threads N] [--no-ks4] [--env NAME=VALUE ...]
+       [--cpu-threads N] [--no-ks4] [--env NAME=VALUE ...] [--cpu-env NAME=VALUE[,...] ...]
 
 1. Makes the 10-minute, 384-site, 400-unit simulation of `SORT_H200_PY`
    (`../shared/tools/ks4ref/sort_h200.py`, its seeds) once, in /tmp/sim
@@ -138,6 +138,8 @@ def main():
     ap.add_argument('--cuda-runs', type=int, default=3); ap.add_argument('--cpu-runs', type=int, default=1)
     ap.add_argument('--cpu-threads', type=int, default=16); ap.add_argument('--no-ks4', action='store_true')
     ap.add_argument('--ks4-only', action='store_true'); ap.add_argument('--env', action='append', default=[])
+    ap.add_argument('--cpu-env', action='append', default=[],
+                    help='NAME=VALUE[,NAME=VALUE]: one CPU run a round with these settings (repeatable)')
     a = ap.parse_args()
     out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
     if a.ks4_only:
@@ -165,8 +167,11 @@ def main():
     runs = [sort_run(a.binary, 'cuda_warm', 'cuda', None, env, work)]
     for i in range(a.cuda_runs):
         runs.append(sort_run(a.binary, f'cuda{i + 1}', 'cuda', None, env, work))
+    variants = [dict(e.split('=', 1) for e in v.split(',')) for v in a.cpu_env] or [{}]
     for i in range(a.cpu_runs):
-        runs.append(sort_run(a.binary, f'cpu{i + 1}', 'cpu', a.cpu_threads, env, work))
+        for k, v in enumerate(variants):
+            name = f'cpu{i + 1}' if len(variants) == 1 else f'cpu{i + 1}_{k}'
+            runs.append(sort_run(a.binary, name, 'cpu', a.cpu_threads, {**env, **v}, work))
     first = runs[0].get('sha1')
     for r in runs:
         r['same_bytes_as_cuda_warm'] = {f: r.get('sha1', {}).get(f) == first.get(f) for f in COMPARED} if first else None
@@ -174,8 +179,9 @@ def main():
     if (work / 'o_cuda1').exists():
         save_spikes(work / 'o_cuda1', out / 'sc_cuda.npz')
         shutil.copy(work / 'log_cuda1.txt', out / 'sc_cuda_log.txt')
-    if (work / 'o_cpu1').exists():
-        save_spikes(work / 'o_cpu1', out / 'sc_cpu.npz')
+    for cpu in ('o_cpu1', 'o_cpu1_0'):
+        if (work / cpu).exists():
+            save_spikes(work / cpu, out / 'sc_cpu.npz')
     if not a.no_ks4:
         t0 = time.time()
         subprocess.run([sys.executable, __file__, a.binary, a.ks4py, str(out), '--ks4-only'])
