@@ -138,6 +138,7 @@ def main():
     ap.add_argument('--cuda-runs', type=int, default=3); ap.add_argument('--cpu-runs', type=int, default=1)
     ap.add_argument('--cpu-threads', type=int, default=16); ap.add_argument('--no-ks4', action='store_true')
     ap.add_argument('--ks4-only', action='store_true'); ap.add_argument('--env', action='append', default=[])
+    ap.add_argument('--ks4-first', action='store_true', help='run Kilosort4 before spikecube')
     ap.add_argument('--cpu-env', action='append', default=[],
                     help='NAME=VALUE[,NAME=VALUE]: one CPU run a round with these settings (repeatable)')
     a = ap.parse_args()
@@ -162,32 +163,43 @@ def main():
     simulate(a.ks4py)
     _, times, units, _ = pickle.load(open(SIM / 'sim.pkl', 'rb'))
     np.savez_compressed(out / 'gt.npz', times=times, units=units)
+    if a.ks4_first and not a.no_ks4:
+        kilosort4(a, out)
     work = Path('/tmp/sc_runs'); work.mkdir(exist_ok=True)
     env = dict(e.split('=', 1) for e in a.env)
-    runs = [sort_run(a.binary, 'cuda_warm', 'cuda', None, env, work)]
+    runs = []
+
+    def add(r):  # results.json after every run, so that a call cut short keeps what ran
+        runs.append(r)
+        first = runs[0].get('sha1')
+        for q in runs:
+            q['same_bytes_as_cuda_warm'] = ({f: q.get('sha1', {}).get(f) == first.get(f) for f in COMPARED}
+                                            if first else None)
+        json.dump(dict(runs=runs, nproc=os.cpu_count()), open(out / 'results.json', 'w'), indent=1)
+
+    add(sort_run(a.binary, 'cuda_warm', 'cuda', None, env, work))
     for i in range(a.cuda_runs):
-        runs.append(sort_run(a.binary, f'cuda{i + 1}', 'cuda', None, env, work))
+        add(sort_run(a.binary, f'cuda{i + 1}', 'cuda', None, env, work))
     variants = [dict(e.split('=', 1) for e in v.split(',')) for v in a.cpu_env] or [{}]
     for i in range(a.cpu_runs):
         for k, v in enumerate(variants):
             name = f'cpu{i + 1}' if len(variants) == 1 else f'cpu{i + 1}_{k}'
-            runs.append(sort_run(a.binary, name, 'cpu', a.cpu_threads, {**env, **v}, work))
-    first = runs[0].get('sha1')
-    for r in runs:
-        r['same_bytes_as_cuda_warm'] = {f: r.get('sha1', {}).get(f) == first.get(f) for f in COMPARED} if first else None
-    json.dump(dict(runs=runs, nproc=os.cpu_count()), open(out / 'results.json', 'w'), indent=1)
+            add(sort_run(a.binary, name, 'cpu', a.cpu_threads, {**env, **v}, work))
     if (work / 'o_cuda1').exists():
         save_spikes(work / 'o_cuda1', out / 'sc_cuda.npz')
         shutil.copy(work / 'log_cuda1.txt', out / 'sc_cuda_log.txt')
     for cpu in ('o_cpu1', 'o_cpu1_0'):
         if (work / cpu).exists():
             save_spikes(work / cpu, out / 'sc_cpu.npz')
-    if not a.no_ks4:
-        t0 = time.time()
-        subprocess.run([sys.executable, __file__, a.binary, a.ks4py, str(out), '--ks4-only'])
-        print(f'Kilosort4 process: {time.time() - t0:.1f} s', flush=True)
-        for f in ['gt.npz']:
-            (out / 'ks4' / f).unlink(missing_ok=True)
+    if not a.ks4_first and not a.no_ks4:
+        kilosort4(a, out)
+
+
+def kilosort4(a, out):
+    t0 = time.time()
+    subprocess.run([sys.executable, __file__, a.binary, a.ks4py, str(out), '--ks4-only'])
+    print(f'Kilosort4 process: {time.time() - t0:.1f} s', flush=True)
+    (out / 'ks4' / 'gt.npz').unlink(missing_ok=True)
 
 
 if __name__ == '__main__':
