@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 SIM = Path('/tmp/sim')
+T0 = time.time()
 COMPARED = ['spike_times.npy', 'spike_clusters.npy', 'amplitudes.npy', 'pc_features.npy',
             'templates.npy', 'similar_templates.npy']
 
@@ -139,6 +140,9 @@ def main():
     ap.add_argument('--cpu-threads', type=int, default=16); ap.add_argument('--no-ks4', action='store_true')
     ap.add_argument('--ks4-only', action='store_true'); ap.add_argument('--env', action='append', default=[])
     ap.add_argument('--ks4-first', action='store_true', help='run Kilosort4 before spikecube')
+    ap.add_argument('--budget-s', type=float, default=1e9,
+                    help='skip a spikecube run that would end past this many seconds from the start '
+                         '(a CUDA run counted as 25 s, a CPU run as 90 s)')
     ap.add_argument('--cpu-env', action='append', default=[],
                     help='NAME=VALUE[,NAME=VALUE]: one CPU run a round with these settings (repeatable)')
     a = ap.parse_args()
@@ -170,6 +174,8 @@ def main():
     runs = []
 
     def add(r):  # results.json after every run, so that a call cut short keeps what ran
+        if r is None:
+            return
         runs.append(r)
         first = runs[0].get('sha1')
         for q in runs:
@@ -177,14 +183,21 @@ def main():
                                             if first else None)
         json.dump(dict(runs=runs, nproc=os.cpu_count()), open(out / 'results.json', 'w'), indent=1)
 
-    add(sort_run(a.binary, 'cuda_warm', 'cuda', None, env, work))
+    def fits(backend):
+        left = a.budget_s - (time.time() - T0)
+        if left < (25 if backend == 'cuda' else 90):
+            print(f'skipped a {backend} run: {left:.0f} s left of --budget-s', flush=True)
+            return False
+        return True
+
+    add(sort_run(a.binary, 'cuda_warm', 'cuda', None, env, work) if fits('cuda') else None)
     for i in range(a.cuda_runs):
-        add(sort_run(a.binary, f'cuda{i + 1}', 'cuda', None, env, work))
+        add(sort_run(a.binary, f'cuda{i + 1}', 'cuda', None, env, work) if fits('cuda') else None)
     variants = [dict(e.split('=', 1) for e in v.split(',')) for v in a.cpu_env] or [{}]
     for i in range(a.cpu_runs):
         for k, v in enumerate(variants):
             name = f'cpu{i + 1}' if len(variants) == 1 else f'cpu{i + 1}_{k}'
-            add(sort_run(a.binary, name, 'cpu', a.cpu_threads, {**env, **v}, work))
+            add(sort_run(a.binary, name, 'cpu', a.cpu_threads, {**env, **v}, work) if fits('cpu') else None)
     if (work / 'o_cuda1').exists():
         save_spikes(work / 'o_cuda1', out / 'sc_cuda.npz')
         shutil.copy(work / 'log_cuda1.txt', out / 'sc_cuda_log.txt')
