@@ -832,13 +832,24 @@ fn cpu_windows_in_parallel(
         .collect();
     let n_kept = kept.len() as u64;
     let (next, stop) = (AtomicU64::new(0), AtomicBool::new(false));
-    let (rec, chan_map) = (input.rec, &input.probe.chan_map);
+    let read = |i: u64, x: &mut Array2<f32>| {
+        preprocessed_window_into(
+            input.rec,
+            plan,
+            &input.probe.chan_map,
+            pre,
+            drift,
+            i,
+            input.mask_min_run,
+            x,
+        )
+    };
     std::thread::scope(|scope| -> Result<()> {
         let (tx, rx) =
             crossbeam_channel::unbounded::<(u64, Result<crate::sort::matching::WindowSpikes>)>();
         for _ in 0..at_once {
             let tx = tx.clone();
-            let (next, stop, kept) = (&next, &stop, &kept);
+            let (next, stop, kept, read) = (&next, &stop, &kept, &read);
             scope.spawn(move || {
                 let mut buf = Array2::<f32>::zeros((0, 0));
                 while !stop.load(Relaxed) {
@@ -855,22 +866,13 @@ fn cpu_windows_in_parallel(
                         crate::sort::matching::match_window_in_place(setup, &mut x)
                             .with_context(|| format!("matching: window {i} kept in host memory"))
                     } else {
-                        preprocessed_window_into(
-                            rec,
-                            plan,
-                            chan_map,
-                            pre,
-                            drift,
-                            i,
-                            input.mask_min_run,
-                            &mut buf,
-                        )
-                        .and_then(|()| {
-                            Ok(crate::sort::matching::match_window_in_place(
-                                setup, &mut buf,
-                            )?)
-                        })
-                        .with_context(|| format!("matching: window {i}"))
+                        read(i, &mut buf)
+                            .and_then(|()| {
+                                Ok(crate::sort::matching::match_window_in_place(
+                                    setup, &mut buf,
+                                )?)
+                            })
+                            .with_context(|| format!("matching: window {i}"))
                     };
                     if r.is_err() {
                         stop.store(true, Relaxed);
