@@ -730,7 +730,7 @@ fn host_fed(
             "learned-template matching: {n_kept} of {n_windows} windows kept in host memory by the detection pass"
         );
     }
-    if let Matcher::Cpu(setup) = &*matcher {
+    if let Some(setup) = matcher.cpu_setup() {
         let at_once = cpu_windows_at_once().min(n_windows.max(1) as usize);
         if at_once > 1 {
             let setup = setup.clone();

@@ -82,6 +82,15 @@ impl Matcher {
         }
     }
 
+    /// The CPU twin's set-up when the matching runs on the CPU; `None` on a GPU.
+    pub fn cpu_setup(&self) -> Option<&Arc<MatchingSetup>> {
+        match self {
+            Matcher::Cpu(s) => Some(s),
+            #[cfg(any(feature = "cuda", feature = "wgpu"))]
+            _ => None,
+        }
+    }
+
     /// Whether the matching runs on a GPU.
     pub fn is_gpu(&self) -> bool {
         !matches!(self, Matcher::Cpu(_))
