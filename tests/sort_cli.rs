@@ -2,7 +2,7 @@
 //! simulation of `tests/data/sort/sim32` (regenerated from its seed), sorted
 //! into a Phy folder whose files have Kilosort4's names, dtypes and shapes,
 //! whose units recover the simulated ones, and whose bytes do not depend on
-//! the number of threads.
+//! the number of threads or of windows matched at once.
 
 mod common;
 
@@ -17,17 +17,26 @@ fn simulate(dir: &Path) -> PathBuf {
 }
 
 fn sort(rec: &Path, out: &Path, threads: &str) {
-    let o = spikecube(&[
-        "sort",
-        s(&rec.join("sim_g0_t0.imec0.ap.bin")),
-        "--backend",
-        "cpu",
-        "--threads",
-        threads,
-        "--out",
-        s(out),
-        "-q",
-    ]);
+    sort_with(rec, out, threads, &[]);
+}
+
+/// [`sort`] with environment settings.
+fn sort_with(rec: &Path, out: &Path, threads: &str, env: &[(&str, &str)]) {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_spikecube"))
+        .args([
+            "sort",
+            s(&rec.join("sim_g0_t0.imec0.ap.bin")),
+            "--backend",
+            "cpu",
+            "--threads",
+            threads,
+            "--out",
+            s(out),
+            "-q",
+        ])
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
     assert!(
         o.status.success(),
         "sort failed: {}",
@@ -145,21 +154,28 @@ fn sort_writes_a_phy_folder_that_finds_the_simulated_units() {
         pcs.shape()[0]
     );
 
-    // The same folder with 1 thread.
+    // The same folder with 1 thread, and with three windows matched at once.
     let out1 = dir.path().join("sorted1");
     sort(&rec, &out1, "1");
-    for e in std::fs::read_dir(&out).unwrap() {
-        let name = e.unwrap().file_name();
-        if name == "spikecube.json" {
-            continue;
+    let out3 = dir.path().join("sorted_windows3");
+    sort_with(&rec, &out3, "2", &[("SPIKECUBE_MATCH_WINDOWS", "3")]);
+    for (other, what) in [
+        (&out1, "1 thread"),
+        (&out3, "three windows matched at once"),
+    ] {
+        for e in std::fs::read_dir(&out).unwrap() {
+            let name = e.unwrap().file_name();
+            if name == "spikecube.json" {
+                continue;
+            }
+            let a = std::fs::read(out.join(&name)).unwrap();
+            let b = std::fs::read(other.join(&name)).unwrap();
+            assert!(
+                a == b,
+                "{} differs between 2 threads and {what}",
+                name.to_string_lossy()
+            );
         }
-        let a = std::fs::read(out.join(&name)).unwrap();
-        let b = std::fs::read(out1.join(&name)).unwrap();
-        assert!(
-            a == b,
-            "{} differs between 2 threads and 1",
-            name.to_string_lossy()
-        );
     }
 }
 
