@@ -292,6 +292,16 @@ pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Res
 /// unit passes the refractory test.
 const SHORT_FOR_REFRACTORY_S: f64 = 60.0;
 
+/// The warning for a sort of exactly one spike: Phy's loader (phylib's
+/// `TemplateModel`, as of 2.7) squeezes its one-element arrays to scalars and
+/// stops, although the folder's files have Kilosort4's shapes (n = 1);
+/// `None` for any other count.
+fn single_spike_warning(n_spikes: usize) -> Option<String> {
+    (n_spikes == 1).then(|| {
+        "the sort holds a single spike: Phy cannot open the folder (its loader turns one-element arrays into scalars), although every file is complete; numpy's np.load reads them".to_string()
+    })
+}
+
 /// The tag of the sort's working folder, `.<out>.spikecube-detection-<pid>`.
 const WORK_TAG: &str = "spikecube-detection";
 
@@ -462,6 +472,7 @@ fn sort_into(
             phy.n_units, s.acg_threshold
         ));
     }
+    warnings.extend(single_spike_warning(phy.n_spikes));
     Ok(SortReport {
         phy,
         seconds: detection.seconds,
@@ -1234,4 +1245,16 @@ fn read_manifest(work: &Path) -> Result<serde_json::Value> {
     let text =
         std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{} does not read", p.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_single_spike_is_warned_about() {
+        assert!(single_spike_warning(1).is_some_and(|w| w.contains("Phy cannot open")));
+        assert_eq!(single_spike_warning(0), None);
+        assert_eq!(single_spike_warning(2), None);
+    }
 }
