@@ -229,20 +229,40 @@ fn a_folder_that_is_not_this_subcommands_result_is_never_replaced() {
     assert!(leftovers(d).is_empty(), "{:?}", leftovers(d));
 }
 
+/// Starts `args` with its standard output discarded and its standard error kept.
+fn spawn(args: &[String]) -> std::process::Child {
+    Command::new(bin())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits, polling every 5 ms, until `seen()` holds; fails when `child` ends
+/// first or after `limit`, naming `what` it waited for.
+fn wait_until(
+    child: &mut std::process::Child,
+    limit: Duration,
+    what: &str,
+    mut seen: impl FnMut() -> bool,
+) {
+    let t0 = Instant::now();
+    while !seen() {
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("the run ended ({st}) before {what} was seen");
+        }
+        assert!(t0.elapsed() < limit, "no {what} after {limit:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Waits until a `.partial` entry appears in `dir` (the run has started writing).
 fn wait_for_partial(dir: &Path, child: &mut std::process::Child) {
-    let t0 = Instant::now();
-    while leftovers(dir).is_empty() {
-        if let Some(st) = child.try_wait().unwrap() {
-            panic!("the run ended ({st}) before it was interrupted");
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "no temporary folder appeared in {}",
-            dir.display()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let what = format!("temporary folder in {}", dir.display());
+    wait_until(child, Duration::from_secs(60), &what, || {
+        !leftovers(dir).is_empty()
+    });
     // Let it get well into its work.
     std::thread::sleep(Duration::from_millis(300));
 }
@@ -263,12 +283,7 @@ fn sigint_and_sigterm_leave_nothing_behind() {
             let out = parent.join("out");
             // 60 copies of 10 s (detect, preprocess) or 600 s (simulate): far longer
             // than the test waits.
-            let mut child = Command::new(bin())
-                .args(command(which, &sim, &out, 60))
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
+            let mut child = spawn(&command(which, &sim, &out, 60));
             wait_for_partial(&parent, &mut child);
             let t0 = Instant::now();
             // SAFETY: sends a signal to our own child process.
@@ -521,25 +536,15 @@ fn a_sort_interrupted_after_detection_removes_its_working_folder() {
     let parent = d.join("runs-sort");
     std::fs::create_dir(&parent).unwrap();
     let out = parent.join("out");
-    let mut child = Command::new(bin())
-        .args(sort_command(&sim, &out, 30))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn(&sort_command(&sim, &out, 30));
     // The detection stage's folder, published under its final name.
     let work = parent.join(format!(".out.spikecube-detection-{}", child.id()));
-    let t0 = Instant::now();
-    while !work.join("spikecube.json").is_file() {
-        if let Some(st) = child.try_wait().unwrap() {
-            panic!("the sort ended ({st}) before its detection stage was seen done");
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(300),
-            "no detection stage"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(
+        &mut child,
+        Duration::from_secs(300),
+        "finished detection stage",
+        || work.join("spikecube.json").is_file(),
+    );
     // SAFETY: sends a signal to our own child process.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
     let o = child.wait_with_output().unwrap();

@@ -744,9 +744,8 @@ fn host_fed(
     if let Some(setup) = matcher.cpu_setup() {
         let at_once = cpu_windows_at_once().min(n_windows.max(1) as usize);
         if at_once > 1 {
-            let setup = setup.clone();
             return cpu_windows_in_parallel(
-                input, plan, pre, drift, kept, &setup, at_once, parts, done,
+                input, plan, pre, drift, kept, setup, at_once, parts, done,
             );
         }
     }
