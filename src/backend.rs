@@ -737,6 +737,57 @@ impl Detector {
         }
     }
 
+    /// Asks the next window's preprocessing on the device to keep a copy of
+    /// its high-passed samples ([`crate::detect::gpu::GpuDetector::copy_filtered_next`]);
+    /// nothing on the CPU.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn copy_filtered_next(&mut self) {
+        match self {
+            Detector::Cpu(_) => {}
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.copy_filtered_next(),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.copy_filtered_next(),
+        }
+    }
+
+    /// The copy [`Detector::copy_filtered_next`] asked for (`n_sites × n_t`
+    /// f32 on the device), once that window was launched; `None` otherwise.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn take_filtered_copy(&mut self) -> Option<cubecl::server::Handle> {
+        match self {
+            Detector::Cpu(_) => None,
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.take_filtered_copy(),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.take_filtered_copy(),
+        }
+    }
+
+    /// Queues a window from its high-passed samples on the device, whitened
+    /// there into the same buffer ([`crate::detect::gpu::GpuDetector::submit_filtered`]);
+    /// [`Detector::collect`] returns its detections.
+    ///
+    /// # Errors
+    /// As that method; on the CPU always.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn submit_filtered(
+        &mut self,
+        filtered: cubecl::server::Handle,
+        yc: &[f32],
+    ) -> Result<(), DetectError> {
+        match self {
+            Detector::Cpu(_) => Err(DetectError::Setting {
+                name: "backend",
+                message: "the CPU back end preprocesses on the host".into(),
+            }),
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.submit_filtered(filtered, yc),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.submit_filtered(filtered, yc),
+        }
+    }
+
     /// Bytes free on the device now (CUDA's `cuMemGetInfo`); `None` on the
     /// CPU and wgpu, or when the driver does not say.
     pub fn free_device_memory(&self) -> Option<u64> {

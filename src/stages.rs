@@ -337,6 +337,19 @@ pub trait WindowPass: Send {
     fn take_kept(&mut self) -> Option<KeptWindows> {
         None
     }
+
+    /// Keeps each window of the next pass after its high-pass and before its
+    /// whitening where the pass made it, from window 0 on while `budget`
+    /// bytes hold them (as [`WindowPass::keep_windows`]'s budget), so that
+    /// the pass after it (Kilosort4's drift-corrected pass: the same raw
+    /// windows, another whitening) whitens those again instead of reading,
+    /// sending and filtering them; a later [`WindowPass::keep_windows`] then
+    /// keeps each such window's whitened samples in the same memory. The
+    /// detections are the same bytes either way. A pass that cannot keeps
+    /// nothing (the default).
+    fn keep_filtered(&mut self, budget: Option<u64>) {
+        let _ = budget;
+    }
 }
 
 /// The final pass's whitened windows, kept where the pass preprocessed them
@@ -713,6 +726,12 @@ pub struct DevicePass {
     /// Whether windows sent ahead are queued on the device (true unless the
     /// environment variable `SPIKECUBE_DEVICE_QUEUE` is `0`, for measuring).
     queue_windows: bool,
+    /// The high-passed windows being kept ([`WindowPass::keep_filtered`]).
+    filtered: Option<Keeping<cubecl::server::Handle>>,
+    /// The high-passed windows 0 .. k this pass starts from instead of
+    /// reading them ([`DevicePass::keep_windows`] takes them from `filtered`);
+    /// each becomes that window's kept whitened window.
+    from_filtered: Vec<cubecl::server::Handle>,
 }
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
@@ -753,6 +772,8 @@ impl DevicePass {
             queued: Default::default(),
             keep: None,
             queue_windows: std::env::var("SPIKECUBE_DEVICE_QUEUE").as_deref() != Ok("0"),
+            filtered: None,
+            from_filtered: Vec::new(),
         }))
     }
 }
@@ -770,9 +791,42 @@ impl DevicePass {
         if !k.admits(index, (c * n * 4) as u64) {
             return;
         }
-        match self.detector.keep_window() {
+        // A window whitened from its high-passed copy is in that buffer now.
+        let kept = match self.from_filtered.get(index as usize) {
+            Some(h) => Some(h.clone()),
+            None => self.detector.keep_window(),
+        };
+        match kept {
             Some(h) => k.kept.push(h),
             None => k.stopped = true,
+        }
+    }
+
+    /// Before window `index` is launched: asks the detector for a copy of its
+    /// high-passed samples when it is the next one to keep and fits in the
+    /// budget ([`WindowPass::keep_filtered`]).
+    fn mark_filtered(&mut self, index: u64) {
+        let Some(k) = self.filtered.as_mut() else {
+            return;
+        };
+        let (c, n) = self.pre.window_shape();
+        if k.admits(index, (c * n * 4) as u64) {
+            self.detector.copy_filtered_next();
+        }
+    }
+
+    /// After window `index` was launched: keeps the copy [`DevicePass::mark_filtered`]
+    /// asked for.
+    fn take_filtered(&mut self, index: u64) {
+        let copy = self.detector.take_filtered_copy();
+        if let Some(k) = self.filtered.as_mut()
+            && !k.stopped
+            && index == k.kept.len() as u64
+        {
+            match copy {
+                Some(h) => k.kept.push(h),
+                None => k.stopped = true,
+            }
         }
     }
 }
@@ -784,13 +838,27 @@ struct DeviceStager {
     packer: crate::detect::gpu::Packer,
     whitening: crate::preprocess::Whitening,
     drift: Option<Arc<dyn WindowWhitening>>,
+    /// Windows below this index start from their high-passed samples on the
+    /// device ([`DevicePass::from_filtered`]): nothing is sent.
+    filtered_below: u64,
 }
 
 /// What [`DeviceStager`] makes of a window.
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 struct DeviceStaged {
-    raw: crate::detect::gpu::RawWindow,
+    /// The raw window; `None` for a window whitened from its high-passed
+    /// samples already on the device.
+    raw: Option<crate::detect::gpu::RawWindow>,
     whitening: Option<(Vec<u32>, Vec<u32>, Vec<f32>)>,
+}
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+impl DeviceStaged {
+    /// Whether the window can be queued on the device: sent ahead, or
+    /// already there.
+    fn queueable(&self) -> bool {
+        self.raw.as_ref().is_none_or(|r| r.is_sent())
+    }
 }
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
@@ -805,6 +873,14 @@ impl DeviceStager {
             }
             times.lap("drift_matrix", t0);
         }
+        if w.index < self.filtered_below {
+            // Its raw values are not needed: their storage goes back now.
+            w.raw16 = None;
+            return Ok(DeviceStaged {
+                raw: None,
+                whitening,
+            });
+        }
         let t0 = Instant::now();
         let packed_here = w.raw16.is_none();
         let raw = self.packer.raw_window(w);
@@ -816,7 +892,10 @@ impl DeviceStager {
         if raw.is_sent() {
             times.lap("upload", t0);
         }
-        Ok(DeviceStaged { raw, whitening })
+        Ok(DeviceStaged {
+            raw: Some(raw),
+            whitening,
+        })
     }
 }
 
@@ -834,6 +913,7 @@ impl DevicePass {
             packer: self.packer.clone(),
             whitening: self.pre.whitening().clone(),
             drift: self.drift.clone(),
+            filtered_below: self.from_filtered.len() as u64,
         }
     }
 
@@ -844,15 +924,30 @@ impl DevicePass {
         times: &mut StageTimes,
     ) -> Result<Detections> {
         let t1 = Instant::now();
-        let raw = self.take_raw(staged)?;
+        let Some(raw) = self.take_raw(staged)? else {
+            // Whitened from its high-passed samples: queued, then collected.
+            self.submit_filtered(w)?;
+            let det = match self.detector.collect() {
+                Ok(Some(det)) => det,
+                Ok(None) => {
+                    return Err(anyhow!("the device has no detections queued"))
+                        .with_context(|| device_work(w));
+                }
+                Err(e) => return Err(e).with_context(|| device_work(w)),
+            };
+            self.window_done(w.index, false, t1, times);
+            return Ok(det);
+        };
         // Every TIMED_EVERY-th window (not the first ones, which compile the
         // kernels) syncs after each step, for the per-step split.
         let mut step = crate::detect::gpu::StepTimes::default();
         let timed = Self::is_timed(w.index);
+        self.mark_filtered(w.index);
         let det = self
             .detector
             .detect_raw(raw, &self.yc, timed.then_some(&mut step))
             .with_context(|| device_work(w))?;
+        self.take_filtered(w.index);
         self.keep_one(w.index);
         self.window_done(w.index, timed, t1, times);
         if timed {
@@ -861,15 +956,33 @@ impl DevicePass {
         Ok(det)
     }
 
-    /// The window's raw values with its whitening set on the device (drift
+    /// The window's raw values (`None`: it starts from its high-passed
+    /// samples on the device) with its whitening set on the device (drift
     /// correction's per-window matrix), counted as uploaded.
-    fn take_raw(&mut self, staged: DeviceStaged) -> Result<crate::detect::gpu::RawWindow> {
+    fn take_raw(&mut self, staged: DeviceStaged) -> Result<Option<crate::detect::gpu::RawWindow>> {
         if let Some((start, cols, vals)) = &staged.whitening {
             self.detector.set_whitening(start, cols, vals)?;
         }
-        self.upload_bytes += staged.raw.n_bytes() as u64;
-        self.upload_windows += 1;
+        if let Some(raw) = &staged.raw {
+            self.upload_bytes += raw.n_bytes() as u64;
+            self.upload_windows += 1;
+        }
         Ok(staged.raw)
+    }
+
+    /// Queues window `w` from its high-passed samples kept on the device,
+    /// whitened into the same buffer with the whitening set.
+    fn submit_filtered(&mut self, w: &Window) -> Result<()> {
+        let h = self
+            .from_filtered
+            .get(w.index as usize)
+            .cloned()
+            .ok_or_else(|| anyhow!("window {} was not kept after its high-pass", w.index))?;
+        self.detector
+            .submit_filtered(h, &self.yc)
+            .with_context(|| device_work(w))?;
+        self.keep_one(w.index);
+        Ok(())
     }
 
     /// Adds the device's seconds since `t1` for window `index` (and what the
@@ -940,12 +1053,18 @@ impl DevicePass {
         times: &mut StageTimes,
     ) -> Result<Vec<(Window, Detections)>> {
         let t1 = Instant::now();
-        let raw = self.take_raw(staged)?;
         let index = w.index;
-        self.detector
-            .submit_raw(raw, &self.yc)
-            .with_context(|| device_work(&w))?;
-        self.keep_one(index);
+        match self.take_raw(staged)? {
+            Some(raw) => {
+                self.mark_filtered(index);
+                self.detector
+                    .submit_raw(raw, &self.yc)
+                    .with_context(|| device_work(&w))?;
+                self.take_filtered(index);
+                self.keep_one(index);
+            }
+            None => self.submit_filtered(&w)?,
+        }
         self.queued.push_back(w);
         let mut done = Vec::new();
         while self.queued.len() > DEVICE_QUEUE {
@@ -994,7 +1113,11 @@ impl WindowPass for DevicePass {
             Some(Ok(s)) => *s,
             _ => self.stager_now().stage_window(&mut w, times)?,
         };
-        if self.queue_windows && staged.raw.is_sent() && !Self::is_timed(w.index) {
+        // A window already on the device is queued whether timed or not.
+        if self.queue_windows
+            && staged.queueable()
+            && (staged.raw.is_none() || !Self::is_timed(w.index))
+        {
             return self.queue(w, staged, times);
         }
         // A window the device cannot queue (not sent ahead: wgpu, or a window
@@ -1079,12 +1202,35 @@ impl WindowPass for DevicePass {
     }
 
     fn keep_windows(&mut self, budget: Option<u64>) {
+        if let Some(f) = self.filtered.take()
+            && !f.kept.is_empty()
+        {
+            // Each high-passed window kept becomes its whitened window, in
+            // the same memory; no other window is kept (the budget was spent
+            // on those).
+            self.from_filtered = f.kept;
+            let (c, n) = self.pre.window_shape();
+            let bytes = (self.from_filtered.len() * c * n * 4) as u64;
+            tracing::debug!(
+                "{} windows start from their high-passed samples kept on the device; keeping them whitened ({bytes} bytes)",
+                self.from_filtered.len()
+            );
+            self.keep = Some(Keeping::new(bytes));
+            return;
+        }
         let budget = budget.unwrap_or_else(|| self.detector.free_device_memory().unwrap_or(0) / 2);
         tracing::debug!("keeping whitened windows on the device within {budget} bytes");
         self.keep = Some(Keeping::new(budget));
     }
 
+    fn keep_filtered(&mut self, budget: Option<u64>) {
+        let budget = budget.unwrap_or_else(|| self.detector.free_device_memory().unwrap_or(0) / 2);
+        tracing::debug!("keeping high-passed windows on the device within {budget} bytes");
+        self.filtered = Some(Keeping::new(budget));
+    }
+
     fn take_kept(&mut self) -> Option<KeptWindows> {
+        self.from_filtered = Vec::new();
         let k = self.keep.take()?;
         if k.kept.is_empty() {
             return None;

@@ -665,7 +665,7 @@ fn check_highpass_iir<R: Runtime>(
     }
 }
 
-// ---- issue 10: windows queued on the device (submit_raw / collect) ----
+// ---- windows queued on the device (submit_raw / collect) ----
 /// Windows queued on the device ([`GpuDetector::submit_raw`] and
 /// [`GpuDetector::collect`], the pipelined pass) give, in order, exactly each
 /// window's [`GpuDetector::detect_raw`] detections; also when a window has
@@ -741,7 +741,109 @@ fn check_queue<R: Runtime>(
         }
     }
 }
-// ---- end issue 10 ----
+
+/// A window started from the copy of its high-passed samples the first pass
+/// kept ([`GpuDetector::copy_filtered_next`], [`GpuDetector::submit_filtered`]:
+/// the drift-corrected pass of a sort) gives exactly the detections of the raw
+/// window preprocessed with the same (other) whitening; also when a window has
+/// more detections than the peak buffers hold and runs again after its buffer
+/// was overwritten with its whitened samples. The first pass, which makes the
+/// copies, is unchanged by them.
+fn check_filtered<R: Runtime>(device: &R::Device) {
+    use spikecube::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
+    let xy: Vec<(f32, f32)> = (0..32)
+        .map(|r| ((r % 2) as f32 * 32.0, (r / 2) as f32 * 20.0))
+        .collect();
+    let p: Probe = probe(&xy, &[0; 32]);
+    let settings = PreprocessSettings {
+        batch_size: 6000,
+        ..PreprocessSettings::default()
+    };
+    let nw = settings.window_len();
+    let windows: Vec<Array2<f32>> = (0..4).map(|k| raw_window(&xy, nw, 60 + k)).collect();
+    let first = windows[0].clone();
+    let pre = Preprocessor::fit(
+        1,
+        |_| -> Result<Array2<f32>, spikecube::error::PreprocessError> { Ok(first.clone()) },
+        &p,
+        &settings,
+    )
+    .unwrap();
+    let form = pre.device_form(DEVICE_TAP_FLOOR).unwrap();
+    // Another whitening for the second pass, as a drift-corrected matrix
+    // replaces W: W's rows mixed with their neighbours'.
+    let (start, cols, vals) = pre.whitening().csr();
+    let vals2: Vec<f32> = vals
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * (1.1 + 0.05 * (i % 3) as f32))
+        .collect();
+    let s = DetectionSettings {
+        nearest_chans: 10,
+        ..DetectionSettings::default()
+    };
+    let g = Geometry::new(&p, &s).unwrap();
+    let plain = spikecube::detect::gpu::Packer::default();
+    let mut one = gpu::<R>(device, &g, &s, FAST);
+    one.set_preprocessing(&form).unwrap();
+    let want1: Vec<Detections> = windows
+        .iter()
+        .map(|w| one.detect_raw(plain.pack(w.view()), &p.yc, None).unwrap())
+        .collect();
+    one.set_whitening(&start, &cols, &vals2).unwrap();
+    let want2: Vec<Detections> = windows
+        .iter()
+        .map(|w| one.detect_raw(plain.pack(w.view()), &p.yc, None).unwrap())
+        .collect();
+    assert!(
+        want2.iter().all(|d| !d.is_empty()) && want1 != want2,
+        "the second whitening detects, and differently"
+    );
+    for cap in [None, Some(1)] {
+        let mut det = gpu::<R>(device, &g, &s, FAST);
+        det.set_preprocessing(&form).unwrap();
+        if let Some(c) = cap {
+            det.set_peak_capacity(c);
+        }
+        let mut copies = Vec::new();
+        let mut got = Vec::new();
+        for w in &windows {
+            det.copy_filtered_next();
+            det.submit_raw(plain.pack(w.view()), &p.yc).unwrap();
+            copies.push(
+                det.take_filtered_copy()
+                    .expect("a copy of the high-passed window"),
+            );
+            while det.pending_windows() > 1 {
+                got.push(det.collect().unwrap().expect("a queued window"));
+            }
+        }
+        while let Some(d) = det.collect().unwrap() {
+            got.push(d);
+        }
+        assert_eq!(got, want1, "capacity {cap:?}: the first pass");
+        assert!(det.take_filtered_copy().is_none(), "one copy per request");
+        det.set_whitening(&start, &cols, &vals2).unwrap();
+        let mut got = Vec::new();
+        for h in &copies {
+            det.submit_filtered(h.clone(), &p.yc).unwrap();
+            while det.pending_windows() > 1 {
+                got.push(det.collect().unwrap().expect("a queued window"));
+            }
+        }
+        while let Some(d) = det.collect().unwrap() {
+            got.push(d);
+        }
+        for (k, (a, b)) in want2.iter().zip(&got).enumerate() {
+            assert_eq!(
+                a, b,
+                "capacity {cap:?}: window {k} from its high-passed copy"
+            );
+        }
+        assert_eq!(got.len(), windows.len());
+    }
+}
+// ---- end of the queued windows ----
 
 #[cfg(feature = "wgpu")]
 mod wgpu {
@@ -813,6 +915,10 @@ mod wgpu {
     #[test]
     fn queued_windows() {
         check_queue::<WgpuRuntime>(&device(), &|_, _| Default::default(), false);
+    }
+    #[test]
+    fn windows_from_their_high_passed_copies() {
+        check_filtered::<WgpuRuntime>(&device());
     }
 
     /// The whole `spikecube detect` run with `--backend wgpu` writes the same
@@ -1035,6 +1141,11 @@ mod cuda {
             },
             true,
         );
+    }
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
+    fn cuda_windows_from_their_high_passed_copies() {
+        check_filtered::<CudaRuntime>(&device());
     }
     #[test]
     #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]

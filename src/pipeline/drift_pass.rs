@@ -53,6 +53,16 @@ pub(crate) fn drift_step(
         nt: job.detection.nt as u64,
         mask_clipped: job.checks.mask_clipped,
     };
+    // When the detection pass keeps its windows for the sort and will pass
+    // over the same raw windows again, the first pass keeps them high-passed
+    // (where the pass preprocesses: the GPU) so that the second pass only
+    // whitens them again with the drift-corrected matrices.
+    if let Some(keep) = &job.keep_windows
+        && job.drift.nblocks > 0
+        && !job.drift.drift_only
+    {
+        pass.keep_filtered(keep.budget);
+    }
     let staged = run.writer.partial_path().to_path_buf();
     let mut found = Vec::new();
     let writer = &mut run.writer;

@@ -217,6 +217,11 @@ pub struct GpuDetector<R: Runtime> {
     client_for_reads: Option<&'static ComputeClient<R>>,
     /// [`GpuDetector::take_gram_seconds`].
     gram_s: [f64; 3],
+    /// Set by [`GpuDetector::copy_filtered_next`]: the next window's
+    /// preprocessing leaves a copy of its high-passed samples in
+    /// `filtered_copy`.
+    copy_filtered: bool,
+    filtered_copy: Option<Handle>,
 }
 
 /// The download of one window's detections, queued on the device's stream.
@@ -274,6 +279,10 @@ struct RawRecipe {
     w_cols: Handle,
     w_vals: Handle,
     w_nnz: usize,
+    /// A window whitened earlier into a buffer of its own
+    /// ([`GpuDetector::submit_filtered`]): the preprocessing is a copy of it
+    /// into X, and `raw` is not read.
+    whitened: Option<Handle>,
 }
 
 /// A window queued by [`GpuDetector::submit_raw`].
@@ -734,6 +743,8 @@ impl<R: Runtime> GpuDetector<R> {
             pinned: None,
             raw_slots: None,
             last_recipe: None,
+            copy_filtered: false,
+            filtered_copy: None,
             readback: Vec::new(),
             pre_profile: std::env::var_os("SPIKECUBE_PREPROCESS_PROFILE").map(|_| {
                 std::sync::Mutex::new(PreprocessProfile {
@@ -1262,6 +1273,102 @@ impl<R: Runtime> GpuDetector<R> {
         Some(dst)
     }
 
+    /// Asks the next window's preprocessing (the next [`GpuDetector::submit_raw`]
+    /// or [`GpuDetector::detect_raw`]) to leave a copy of its samples after the
+    /// high-pass and before the whitening (C × N f32 row-major) in a new
+    /// device buffer, for [`GpuDetector::take_filtered_copy`]: so that a later
+    /// pass over the same window with another whitening (Kilosort4's
+    /// drift-corrected pass, whose per-window matrix replaces W) starts from
+    /// it ([`GpuDetector::submit_filtered`]) instead of the raw window.
+    pub fn copy_filtered_next(&mut self) {
+        self.copy_filtered = true;
+        self.filtered_copy = None;
+    }
+
+    /// The copy [`GpuDetector::copy_filtered_next`] asked for, once the window
+    /// after the call was launched; `None` otherwise.
+    pub fn take_filtered_copy(&mut self) -> Option<Handle> {
+        self.copy_filtered = false;
+        self.filtered_copy.take()
+    }
+
+    /// Queues a window whose samples after the high-pass are in `filtered`
+    /// ([`GpuDetector::take_filtered_copy`], C × N f32, N the size of the
+    /// windows set up): whitening with the current whitening
+    /// ([`GpuDetector::set_whitening`]), detection and the download of its
+    /// detections, collected by [`GpuDetector::collect`] as for
+    /// [`GpuDetector::submit_raw`]. The whitened window is then written back
+    /// into `filtered`, which holds it from then on (the bits X had, as
+    /// [`GpuDetector::keep_window`] would copy them): the buffer is the kept
+    /// window, and no second one is made. The detections are those of
+    /// [`GpuDetector::submit_raw`] on the raw window the copy was made from,
+    /// with the same whitening: the whitening kernel reads the same samples.
+    ///
+    /// # Errors
+    /// [`DetectError::Setting`] before any window was preprocessed on the
+    /// device; [`DetectError::Input`] when `filtered` is not of that size.
+    pub fn submit_filtered(&mut self, filtered: Handle, yc: &[f32]) -> Result<(), DetectError> {
+        let (Some(pre), Some(w)) = (self.pre.as_ref(), self.window.as_ref()) else {
+            return Err(DetectError::Setting {
+                name: "backend",
+                message: "no window was preprocessed on the device yet".into(),
+            });
+        };
+        let (c, n_t) = (pre.form.n_sites, w.n_t);
+        if (filtered.size_in_used() as usize) < c * n_t * 4 || c != yc.len() {
+            return Err(DetectError::Input {
+                what: "high-passed window".into(),
+                message: format!(
+                    "holds {} bytes; windows of {c} × {n_t} f32 were set up and the probe has {} sites",
+                    filtered.size_in_used(),
+                    yc.len()
+                ),
+            });
+        }
+        self.ensure_window(c, n_t, yc);
+        let pre = self.pre.as_ref().expect("checked");
+        let w = self.window.as_ref().expect("allocated");
+        let nnz = pre.form.w_cols.len();
+        // SAFETY: as the whitening launch in `launch_preprocess`: row r < c of
+        // the C × N buffers, samples t < N, CSR indices < C.
+        unsafe {
+            preprocess::whiten_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(n_t.div_ceil(preprocess::UNITS) as u32, c as u32, 1),
+                CubeDim::new_1d(preprocess::UNITS as u32),
+                ArrayArg::from_raw_parts(filtered.clone(), c * n_t),
+                ArrayArg::from_raw_parts(pre.w_start.clone(), c + 1),
+                ArrayArg::from_raw_parts(pre.w_cols.clone(), nnz.max(1)),
+                ArrayArg::from_raw_parts(pre.w_vals.clone(), nnz.max(1)),
+                ArrayArg::from_raw_parts(w.x.clone(), c * n_t),
+                n_t as u32,
+            );
+        }
+        upload::copy_on_device(&self.client, &w.x, &filtered, c * n_t);
+        let recipe = RawRecipe {
+            raw: filtered.clone(),
+            n_rows: c,
+            n_t,
+            words_per_row: n_t,
+            n_words: c * n_t,
+            packed: false,
+            w_start: pre.w_start.clone(),
+            w_cols: pre.w_cols.clone(),
+            w_vals: pre.w_vals.clone(),
+            w_nnz: nnz,
+            whitened: Some(filtered),
+        };
+        let cap = self.peaks.as_ref().map_or(4096, |p| p.cap);
+        let read = self.launch_window(&recipe, cap);
+        self.pending.push_back(Pending {
+            recipe,
+            claim: Box::new(()),
+            cap,
+            read,
+        });
+        Ok(())
+    }
+
     /// Preprocesses the window of the last [`GpuDetector::preprocess_to_device`]
     /// again, into the same buffer, with the whitening it had then: for a
     /// caller that overwrote that buffer and needs the window again. Its raw
@@ -1385,6 +1492,7 @@ impl<R: Runtime> GpuDetector<R> {
             w_cols: pre.w_cols.clone(),
             w_vals: pre.w_vals.clone(),
             w_nnz: pre.form.w_cols.len(),
+            whitened: None,
         })
     }
 
@@ -1394,8 +1502,13 @@ impl<R: Runtime> GpuDetector<R> {
     fn launch_preprocess(&mut self, win: &RawRecipe, kernels: usize) {
         self.pre_mark(None);
         let (c, n_t) = (win.n_rows, win.n_t);
-        let pre = self.pre.as_ref().expect("set up");
         let w = self.window.as_ref().expect("allocated");
+        if let Some(whitened) = &win.whitened {
+            upload::copy_on_device(&self.client, whitened, &w.x, c * n_t);
+            self.x = Some(w.x.clone());
+            return;
+        }
+        let pre = self.pre.as_ref().expect("set up");
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let units = CubeDim::new_1d(preprocess::UNITS as u32);
         let (cols, slots) = preprocess::car_tile(c);
@@ -1463,6 +1576,11 @@ impl<R: Runtime> GpuDetector<R> {
             }
             if kernels > 2 {
                 self.pre_mark(Some(2));
+                if std::mem::take(&mut self.copy_filtered) {
+                    let dst = self.client.empty(c * n_t * 4);
+                    upload::copy_on_device(&self.client, &w.q, &dst, c * n_t);
+                    self.filtered_copy = Some(dst);
+                }
             }
             if kernels > 3 {
                 preprocess::whiten_kernel::launch_unchecked::<R>(
