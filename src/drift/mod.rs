@@ -403,7 +403,7 @@ fn first_pass_run(
         Ok(())
     };
     let nt = fp.nt;
-    crate::stages::run_windows_prechecked(
+    let report = crate::stages::run_windows_prechecked(
         fp.recording.clone(),
         plan,
         &fp.probe.chan_map,
@@ -426,6 +426,18 @@ fn first_pass_run(
         },
     )
     .context("drift first pass")?;
+    let busy: Vec<String> = report
+        .times
+        .0
+        .iter()
+        .filter(|(k, _)| !k.contains('.'))
+        .map(|(k, v)| format!("{k} {v:.3}"))
+        .collect();
+    tracing::debug!(
+        "drift first pass: {:.3} s from the first read to the last window; busy seconds: {}",
+        report.wall,
+        busy.join(", ")
+    );
     Ok(out)
 }
 
