@@ -96,14 +96,21 @@ pub(crate) fn record_seconds(timer: &mut StageTimer, stage: &str, chosen: &Chose
 /// [`crate::detect::learn::extract_clips`] with its settings.
 pub(crate) type CutClips<'a> = dyn FnMut(ArrayView2<f32>) -> Array2<f32> + 'a;
 
+/// Threads reading a learning's windows ahead of the device
+/// ([`choose_on_device`]), as the whitening fit reads its windows
+/// ([`super::FIT_READERS`]).
+const LEARN_READERS: usize = super::FIT_READERS;
+
 /// The run's templates as [`crate::universal::choose`] chooses them, a
 /// learning's windows preprocessed on a device one at a time on this thread:
 /// each read as the passes read it (int16 values into `raw16`'s storage when
 /// the recording gives them, else f32; stuck stretches masked when the run
-/// masks them), then handed to `whiten` with the clip cutter
-/// ([`crate::detect::learn::extract_clips`]), which it calls on the
-/// whitened window and whose clips it returns. The windows after one that
-/// fails are not read.
+/// masks them) on [`LEARN_READERS`] threads ahead of the device, then
+/// handed to `whiten` in window order with the clip cutter
+/// ([`crate::detect::learn::extract_clips`]), which it calls on the whitened
+/// window and whose clips it returns. At most `LEARN_READERS + 2` windows
+/// are read and not yet whitened. A window after one that fails is not
+/// handed on.
 ///
 /// # Errors
 /// The first window's error (read or device), or the learning's.
@@ -116,37 +123,84 @@ pub(crate) fn choose_on_device(
     let (nt, nt0min) = (job.detection.nt, job.detection.nt0min());
     let rec = job.recording.as_ref();
     let min_run = checks::stuck_min_run(rec.fs());
+    // Every reading thread takes storage from the one allocator.
+    let shared = std::sync::Arc::new(std::sync::Mutex::new(raw16.take()));
+    let readers = if crate::recording::gives_int16(rec, &job.probe.chan_map) {
+        LEARN_READERS
+    } else {
+        1
+    };
     crate::universal::choose_with(&job.templates, nt0min, |s| {
         let th = s.th_single_ch;
         let mut cut = |x: ArrayView2<f32>| crate::detect::learn::extract_clips(x, th, nt, nt0min).1;
         crate::detect::learn::learn_from_clips(plan.n_windows, nt, nt0min, s, |js| {
-            let mut out = Vec::with_capacity(js.len());
-            for &i in js {
-                let mut one = || -> Result<Array2<f32>> {
-                    let mut data = Array2::zeros((0, 0));
-                    let r16 = crate::stages::read_any(
-                        rec,
-                        plan,
-                        i,
-                        &job.probe.chan_map,
-                        &mut data,
-                        raw16,
-                    )?;
-                    let mut w =
-                        crate::recording::Window::of(rec.first_sample(), plan, i, data, r16);
-                    if job.checks.mask_clipped {
-                        let cols = checks::WindowColumns::of(plan, i);
-                        checks::mask_stuck_window(&mut w, &cols, min_run);
-                    }
-                    whiten(&mut w, &mut cut)
-                };
-                let res = one().with_context(|| format!("window {i} for learning templates"));
-                let failed = res.is_err();
-                out.push(res);
-                if failed {
-                    break;
+            let read_one = |alloc: &mut Option<crate::stages::Raw16Alloc>, i: u64| {
+                let mut data = Array2::zeros((0, 0));
+                let r16 =
+                    crate::stages::read_any(rec, plan, i, &job.probe.chan_map, &mut data, alloc)?;
+                let mut w = crate::recording::Window::of(rec.first_sample(), plan, i, data, r16);
+                if job.checks.mask_clipped {
+                    let cols = checks::WindowColumns::of(plan, i);
+                    checks::mask_stuck_window(&mut w, &cols, min_run);
                 }
-            }
+                Ok(w)
+            };
+            let mut out = Vec::with_capacity(js.len());
+            std::thread::scope(|scope| {
+                let (tx, rx) = std::sync::mpsc::sync_channel::<Result<crate::recording::Window>>(1);
+                let (token_tx, token_rx) = crossbeam_channel::bounded::<()>(readers + 2);
+                for _ in 0..readers + 2 {
+                    let _ = token_tx.send(());
+                }
+                let states: Vec<Option<crate::stages::Raw16Alloc>> = (0..readers)
+                    .map(|_| {
+                        let shared = shared.clone();
+                        let has = shared.lock().map(|a| a.is_some()).unwrap_or(false);
+                        has.then(|| {
+                            Box::new(move |n: usize| {
+                                let mut a = shared.lock().unwrap_or_else(|e| e.into_inner());
+                                (a.as_mut().expect("an allocator"))(n)
+                            }) as crate::stages::Raw16Alloc
+                        })
+                    })
+                    .collect();
+                let read_one = &read_one;
+                let reader = scope.spawn(move || {
+                    crate::recording::read_in_order(
+                        "spikecube-learn-read",
+                        js.len() as u64,
+                        states,
+                        |_| token_rx.recv().ok(),
+                        |alloc, k, ()| read_one(alloc, js[k as usize]),
+                        |_, res: Result<crate::recording::Window>| {
+                            let failed = res.is_err();
+                            tx.send(res).is_ok() && !failed
+                        },
+                    )
+                });
+                for &i in js {
+                    let Ok(res) = rx.recv() else { break };
+                    let res = res
+                        .and_then(|mut w| whiten(&mut w, &mut cut))
+                        .with_context(|| format!("window {i} for learning templates"));
+                    let failed = res.is_err();
+                    out.push(res);
+                    // The window's storage is back: the next may be read.
+                    let _ = token_tx.send(());
+                    if failed {
+                        break;
+                    }
+                }
+                drop(rx);
+                drop(token_tx);
+                match reader.join() {
+                    Ok(Ok(_)) => {}
+                    // A thread that could not start: the windows it did not
+                    // read are missing, which the learning reports.
+                    Ok(Err(e)) => tracing::warn!("a learning's reading thread did not start: {e}"),
+                    Err(p) => std::panic::resume_unwind(p),
+                }
+            });
             out
         })
     })
