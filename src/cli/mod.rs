@@ -96,6 +96,24 @@ pub fn run() -> anyhow::Result<ExitCode> {
     let show_target = cli.verbose || env_filter.is_ok();
     use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
+    let layer = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        // A closed standard error (`… 2>&1 | head`) is not an error to
+        // report (tracing-subscriber would report it with a panicking
+        // eprintln).
+        .log_internal_errors(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(show_target);
+    // Debugging lines also carry the seconds since the start, so that the
+    // gaps between stages show.
+    use tracing_subscriber::Layer as _;
+    let layer = if show_target {
+        layer
+            .with_timer(tracing_subscriber::fmt::time::Uptime::default())
+            .boxed()
+    } else {
+        layer.without_time().boxed()
+    };
     let _ = tracing_subscriber::registry()
         .with(env_filter.unwrap_or_else(|_| {
             // The GPU libraries' own info lines (adapter dumps) are for debugging.
@@ -103,20 +121,11 @@ pub fn run() -> anyhow::Result<ExitCode> {
                 "{level},cubecl_wgpu=warn,cubecl_cuda=warn,cubecl_runtime=warn,wgpu_core=warn,wgpu_hal=warn,naga=warn"
             ))
         }))
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                // A closed standard error (`… 2>&1 | head`) is not an error to
-                // report (tracing-subscriber would report it with a panicking
-                // eprintln).
-                .log_internal_errors(false)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .with_target(show_target)
-                .without_time(),
-        )
+        .with(layer)
         .with(shown::WarningsShown)
         .try_init();
-    match cli.command {
+    tracing::debug!("spikecube {} started", env!("CARGO_PKG_VERSION"));
+    let done = match cli.command {
         Command::Detect(args) => detect::run(args, cli.quiet),
         Command::Sort(args) => sort::run(args, cli.quiet),
         Command::DetectWindow(args) => detect_window::run(args),
@@ -126,5 +135,7 @@ pub fn run() -> anyhow::Result<ExitCode> {
         Command::Info => info::run(),
         Command::ExportPhy(args) => export_phy::run(args, cli.quiet),
         Command::Batch(args) => batch::run(args, cli.quiet),
-    }
+    };
+    tracing::debug!("spikecube: the command returned; the process ends");
+    done
 }
