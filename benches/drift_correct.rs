@@ -1,4 +1,4 @@
-//! Cost of Kilosort4's drift correction per window (issue 12): 384 sites of a
+//! Cost of Kilosort4's drift correction per window: 384 sites of a
 //! Neuropixels 2.0-like probe (x ∈ {0, 32} µm, rows every 15 µm), 60 122
 //! samples, local whitening over 32 sites (W from a spatially decaying
 //! covariance), shifts of 0, 7.5, −19.5 and 40 µm. Reports medians over N runs,

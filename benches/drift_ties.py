@@ -1,5 +1,5 @@
 """Every difference between spikecube's and Kilosort4's drift-corrected second
-pass, explained (issue 12; docs/benchmarks-history.md, "Drift: every difference explained").
+pass, explained (docs/benchmarks-history.md, "Drift: every difference explained").
 
 Inputs (made as the "Drift: every difference explained" section of
 docs/benchmarks-history.md lists):

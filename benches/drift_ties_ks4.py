@@ -1,5 +1,5 @@
 """Kilosort4 4.1.7's drift-corrected second pass, exported window by window
-(issue 12, "every difference explained"; see benches/drift_ties.py).
+("every difference explained"; see benches/drift_ties.py).
 
 Runs Kilosort4's `compute_preprocessing` and `compute_drift_correction`
 (built-in templates, nblocks = 1) on a `spikecube simulate` recording, then its

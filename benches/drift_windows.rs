@@ -1,5 +1,5 @@
 //! Writes the windows spikecube's second (drift-corrected) detection pass
-//! detects in, for comparisons with Kilosort4's (issue 12; `benches/drift_ties.py`
+//! detects in, for comparisons with Kilosort4's (`benches/drift_ties.py`
 //! reads them). Not a timing: a bench target only so that it builds with the
 //! library and needs no command-line flag in the product.
 //!

@@ -1,4 +1,4 @@
-//! GPU detection benchmark (issue: GPU detection with CubeCL).
+//! GPU detection benchmark (detection with CubeCL).
 //!
 //! `cargo bench --bench gpu_detect -- DIR [--backend cuda|wgpu|both] [--repeat N]
 //! [--kilosort-neighbourhoods] [--default-only]` on a folder holding `X.npy` (a whitened window,

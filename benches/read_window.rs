@@ -1,10 +1,10 @@
-//! The reading thread's work per window (issue 10): reading a window as int16
+//! The reading thread's work per window: reading a window as int16
 //! rows (the GPU back ends' path), the input checks on those rows, reading it
 //! as f32 (the CPU back end's path) and the checks on the f32 window, each
 //! timed alone, per window, with rayon pools of the given sizes. Prints the
 //! median milliseconds per window of each step and of read + checks.
 //!
-//! Then (issue 10) the whole reading stage of a GPU pass: the int16 reads on
+//! Then the whole reading stage of a GPU pass: the int16 reads on
 //! 1, 2 or 3 threads at once, checked in window order
 //! (`recording::read_in_order`), wall and CPU ms per window.
 //!
@@ -242,7 +242,7 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Issue 10: the reading stage as `run_windows` runs it for a GPU pass: int16
+/// The reading stage as `run_windows` runs it for a GPU pass: int16
 /// reads on 1, 2 or 3 threads at once (`recording::read_in_order`), the
 /// checks in window order, each window's buffer given back as soon as it is
 /// checked (a consumer that never waits), `readers + 1` buffers. Prints the

@@ -17,7 +17,7 @@
 //!   else one per core).
 //!
 //! Four schedules of the same fit run interleaved, `RUNS` rounds: before
-//! issue 10's fit work (one step at a time, faer's full `X·Xᵀ` on all
+//! the fit's speed work (one step at a time, faer's full `X·Xᵀ` on all
 //! threads, a new buffer per window read), then with the changes added one
 //! by one (`FitOptions`; the last is the default). All must give the same W:
 //! its FNV-1a hash is printed for each.

@@ -1,5 +1,5 @@
 //! The CPU pass's outputs, byte for byte, against those of the code before the
-//! CPU speed work of issue 10 (hashes in `tests/data/cpu_pass/expected.json`,
+//! CPU pass's speed work (hashes in `tests/data/cpu_pass/expected.json`,
 //! made by `tests/data/cpu_pass/gen.sh` with that build; see SOURCE.md there).
 
 mod common;

@@ -761,8 +761,8 @@ fn neighbourhoods_from_kilosort_replace_the_tie_rule() {
     assert!(err.contains("iC.npy"), "{err}");
 }
 
-/// The drift step's first pass goes without PC features (issue 12, its
-/// cost): on a simulated drifting recording (tests/data/drift/probe.json),
+/// The drift step's first pass goes without PC features (they cost time
+/// it does not need): on a simulated drifting recording (tests/data/drift/probe.json),
 /// the first pass with and without them gives the same detections bit for
 /// bit (times, centres, amplitudes, depths yct, adist, ...; only `tF` is left
 /// out), the same first-pass spikes and the same drift estimate.

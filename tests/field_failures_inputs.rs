@@ -1,4 +1,4 @@
-//! Field failures where an input fooled detection quietly (issue 8; rows BR-12,
+//! Field failures where an input fooled detection quietly (rows BR-12,
 //! BR-19, BR-22, BR-24, BR-26, BR-27 of the second table of field-failures.md),
 //! each as a test of its right behaviour. Every recording is synthetic and
 //! written to a temporary folder; `spikecube` runs as a user runs it.

@@ -995,7 +995,7 @@ mod wgpu {
         assert!(json.contains("\"backend\": \"wgpu\""), "{json}");
     }
 
-    /// Drift correction on the device ((M_b·W)·X per window, issue 12) against
+    /// Drift correction on the device ((M_b·W)·X per window) against
     /// the CPU's, through the command line on a drifting recording: the same
     /// drift estimate, the same spikes.
     #[test]

@@ -1,4 +1,4 @@
-//! Universal templates learned from the data (`templates_from_data`, issue 11):
+//! Universal templates learned from the data (`templates_from_data`):
 //! the clips against Kilosort4's own `extract_snippets`, wPCA and wTEMP against
 //! Kilosort4's `TruncatedSVD` and `KMeans` runs on Kilosort4's clips
 //! (`tests/data/learned/`, made by `make_learned_reference.py` there),

@@ -168,7 +168,7 @@ fn files_have_the_documented_shapes_and_values() {
     assert!(header.contains("'shape': (5,)"), "{header}");
     assert!(header.ends_with('\n'));
     assert_eq!(bytes.len(), 10 + hlen + 5 * 32);
-    // SpikeInterface's conventions (issue 13): the trough, the site of the
+    // SpikeInterface's conventions: the trough, the site of the
     // largest winning-template output, −sign·|A|.
     for (k, (d, _, i)) in rows.iter().enumerate() {
         let rec = &bytes[10 + hlen + 32 * k..10 + hlen + 32 * (k + 1)];

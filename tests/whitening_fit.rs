@@ -1,4 +1,4 @@
-//! The whitening fit's speed work (issue 10) changes no bit: the covariance
+//! The whitening fit's speed work changes no bit: the covariance
 //! and W of every schedule ([`FitOptions`]) and thread count equal those of
 //! the code before it (one step at a time, faer's full `X·Xᵀ` per 4096
 //! columns), on synthetic recordings of 384 and 61 sites, with sign
