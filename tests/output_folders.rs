@@ -396,7 +396,7 @@ fn a_closed_standard_output_never_stops_a_run() {
             );
         }
     }
-    // `| head -1` as in the issue: the one line is read, the run ends normally.
+    // `| head -1` as users pipe it: the one line is read, the run ends normally.
     let out = d.join("piped-head1");
     let mut args = command("detect", &sim, &out, 1);
     args.push("--json".into());
