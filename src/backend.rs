@@ -764,9 +764,10 @@ impl Detector {
         }
     }
 
-    /// Queues a window from its high-passed samples on the device, whitened
-    /// there into the same buffer ([`crate::detect::gpu::GpuDetector::submit_filtered`]);
-    /// [`Detector::collect`] returns its detections.
+    /// Queues a window from its high-passed samples on the device
+    /// ([`crate::detect::gpu::GpuDetector::submit_filtered`]) and returns the
+    /// buffer holding it whitened; [`Detector::collect`] returns its
+    /// detections.
     ///
     /// # Errors
     /// As that method; on the CPU always.
@@ -775,7 +776,7 @@ impl Detector {
         &mut self,
         filtered: cubecl::server::Handle,
         yc: &[f32],
-    ) -> Result<(), DetectError> {
+    ) -> Result<cubecl::server::Handle, DetectError> {
         match self {
             Detector::Cpu(_) => Err(DetectError::Setting {
                 name: "backend",

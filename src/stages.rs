@@ -730,8 +730,9 @@ pub struct DevicePass {
     filtered: Option<Keeping<cubecl::server::Handle>>,
     /// The high-passed windows 0 .. k this pass starts from instead of
     /// reading them ([`DevicePass::keep_windows`] takes them from `filtered`);
-    /// each becomes that window's kept whitened window.
-    from_filtered: Vec<cubecl::server::Handle>,
+    /// each is handed to the detector when its window is queued, which
+    /// hands back the window whitened, to keep.
+    from_filtered: Vec<Option<cubecl::server::Handle>>,
 }
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
@@ -783,7 +784,9 @@ impl DevicePass {
     /// Keeps a copy of window `index`'s whitened samples, just launched on the
     /// device (the copy follows them in the device's order), when it is the
     /// next window to keep and fits in the budget.
-    fn keep_one(&mut self, index: u64) {
+    /// `whitened`: the window's whitened samples in a buffer of their own
+    /// already (a window whitened from its high-passed copy).
+    fn keep_one(&mut self, index: u64, whitened: Option<cubecl::server::Handle>) {
         let Some(k) = self.keep.as_mut() else {
             return;
         };
@@ -791,9 +794,8 @@ impl DevicePass {
         if !k.admits(index, (c * n * 4) as u64) {
             return;
         }
-        // A window whitened from its high-passed copy is in that buffer now.
-        let kept = match self.from_filtered.get(index as usize) {
-            Some(h) => Some(h.clone()),
+        let kept = match whitened {
+            Some(h) => Some(h),
             None => self.detector.keep_window(),
         };
         match kept {
@@ -948,7 +950,7 @@ impl DevicePass {
             .detect_raw(raw, &self.yc, timed.then_some(&mut step))
             .with_context(|| device_work(w))?;
         self.take_filtered(w.index);
-        self.keep_one(w.index);
+        self.keep_one(w.index, None);
         self.window_done(w.index, timed, t1, times);
         if timed {
             self.timed_windows.push(step);
@@ -975,13 +977,14 @@ impl DevicePass {
     fn submit_filtered(&mut self, w: &Window) -> Result<()> {
         let h = self
             .from_filtered
-            .get(w.index as usize)
-            .cloned()
+            .get_mut(w.index as usize)
+            .and_then(Option::take)
             .ok_or_else(|| anyhow!("window {} was not kept after its high-pass", w.index))?;
-        self.detector
+        let whitened = self
+            .detector
             .submit_filtered(h, &self.yc)
             .with_context(|| device_work(w))?;
-        self.keep_one(w.index);
+        self.keep_one(w.index, Some(whitened));
         Ok(())
     }
 
@@ -1061,7 +1064,7 @@ impl DevicePass {
                     .submit_raw(raw, &self.yc)
                     .with_context(|| device_work(&w))?;
                 self.take_filtered(index);
-                self.keep_one(index);
+                self.keep_one(index, None);
             }
             None => self.submit_filtered(&w)?,
         }
@@ -1208,7 +1211,7 @@ impl WindowPass for DevicePass {
             // Each high-passed window kept becomes its whitened window, in
             // the same memory; no other window is kept (the budget was spent
             // on those).
-            self.from_filtered = f.kept;
+            self.from_filtered = f.kept.into_iter().map(Some).collect();
             let (c, n) = self.pre.window_shape();
             let bytes = (self.from_filtered.len() * c * n * 4) as u64;
             tracing::debug!(

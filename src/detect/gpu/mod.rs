@@ -1261,22 +1261,26 @@ impl<R: Runtime> GpuDetector<R> {
         Ok(self.window.as_ref().expect("allocated").x.clone())
     }
 
-    /// A copy of the whitened window X the last launched window left (C × N
-    /// f32 row-major), in a new device buffer, queued after that window's
-    /// work; `None` before any window. Copied as 32-bit words, so the bits
-    /// are X's.
+    /// The whitened window X the last launched window left (C × N f32
+    /// row-major) in a device buffer of its own, the caller's: X's buffer
+    /// itself (that window's kernels, queued before, are the last to write
+    /// it), the detector taking a fresh one for the next window; `None`
+    /// before any window.
     pub fn keep_window(&mut self) -> Option<Handle> {
-        let w = self.window.as_ref()?;
-        let len = self.pre.as_ref()?.form.n_sites * w.n_t;
-        let dst = self.client.empty(len.max(1) * 4);
-        upload::copy_on_device(&self.client, &w.x, &dst, len);
-        Some(dst)
+        let len = self.pre.as_ref()?.form.n_sites * self.window.as_ref()?.n_t;
+        // X itself is handed out (the window's kernels, queued before, are the
+        // last to write it) and the next window gets a fresh buffer: no copy.
+        let fresh = self.client.empty(len.max(1) * 4);
+        let w = self.window.as_mut()?;
+        Some(std::mem::replace(&mut w.x, fresh))
     }
 
     /// Asks the next window's preprocessing (the next [`GpuDetector::submit_raw`]
-    /// or [`GpuDetector::detect_raw`]) to leave a copy of its samples after the
-    /// high-pass and before the whitening (C × N f32 row-major) in a new
-    /// device buffer, for [`GpuDetector::take_filtered_copy`]: so that a later
+    /// or [`GpuDetector::detect_raw`]) to hand out its samples after the
+    /// high-pass and before the whitening (C × N f32 row-major) in a device
+    /// buffer of their own, for [`GpuDetector::take_filtered_copy`] (the
+    /// buffer they were made in; the detector takes a fresh one, so nothing is
+    /// copied): so that a later
     /// pass over the same window with another whitening (Kilosort4's
     /// drift-corrected pass, whose per-window matrix replaces W) starts from
     /// it ([`GpuDetector::submit_filtered`]) instead of the raw window.
@@ -1297,17 +1301,18 @@ impl<R: Runtime> GpuDetector<R> {
     /// windows set up): whitening with the current whitening
     /// ([`GpuDetector::set_whitening`]), detection and the download of its
     /// detections, collected by [`GpuDetector::collect`] as for
-    /// [`GpuDetector::submit_raw`]. The whitened window is then written back
-    /// into `filtered`, which holds it from then on (the bits X had, as
-    /// [`GpuDetector::keep_window`] would copy them): the buffer is the kept
-    /// window, and no second one is made. The detections are those of
-    /// [`GpuDetector::submit_raw`] on the raw window the copy was made from,
-    /// with the same whitening: the whitening kernel reads the same samples.
+    /// [`GpuDetector::submit_raw`]. Returns the device buffer holding the
+    /// whitened window (C × N f32, the bits [`GpuDetector::keep_window`] would
+    /// hand out), the caller's from then on; `filtered`'s memory becomes this
+    /// detector's X for the next window, so no copy is made and no buffer is
+    /// added. The detections are those of [`GpuDetector::submit_raw`] on the
+    /// raw window the copy was made from, with the same whitening: the
+    /// whitening kernel reads the same samples.
     ///
     /// # Errors
     /// [`DetectError::Setting`] before any window was preprocessed on the
     /// device; [`DetectError::Input`] when `filtered` is not of that size.
-    pub fn submit_filtered(&mut self, filtered: Handle, yc: &[f32]) -> Result<(), DetectError> {
+    pub fn submit_filtered(&mut self, filtered: Handle, yc: &[f32]) -> Result<Handle, DetectError> {
         let (Some(pre), Some(w)) = (self.pre.as_ref(), self.window.as_ref()) else {
             return Err(DetectError::Setting {
                 name: "backend",
@@ -1344,9 +1349,16 @@ impl<R: Runtime> GpuDetector<R> {
                 n_t as u32,
             );
         }
-        upload::copy_on_device(&self.client, &w.x, &filtered, c * n_t);
+        // X now holds the whitened window: it is handed out as the kept
+        // window, and the high-passed buffer, no longer needed, becomes X for
+        // the next window (no copy either way).
+        let whitened = std::mem::replace(
+            &mut self.window.as_mut().expect("allocated").x,
+            filtered,
+        );
+        let pre = self.pre.as_ref().expect("checked");
         let recipe = RawRecipe {
-            raw: filtered.clone(),
+            raw: whitened.clone(),
             n_rows: c,
             n_t,
             words_per_row: n_t,
@@ -1356,7 +1368,7 @@ impl<R: Runtime> GpuDetector<R> {
             w_cols: pre.w_cols.clone(),
             w_vals: pre.w_vals.clone(),
             w_nnz: nnz,
-            whitened: Some(filtered),
+            whitened: Some(whitened.clone()),
         };
         let cap = self.peaks.as_ref().map_or(4096, |p| p.cap);
         let read = self.launch_window(&recipe, cap);
@@ -1366,7 +1378,7 @@ impl<R: Runtime> GpuDetector<R> {
             cap,
             read,
         });
-        Ok(())
+        Ok(whitened)
     }
 
     /// Preprocesses the window of the last [`GpuDetector::preprocess_to_device`]
@@ -1502,12 +1514,13 @@ impl<R: Runtime> GpuDetector<R> {
     fn launch_preprocess(&mut self, win: &RawRecipe, kernels: usize) {
         self.pre_mark(None);
         let (c, n_t) = (win.n_rows, win.n_t);
-        let w = self.window.as_ref().expect("allocated");
         if let Some(whitened) = &win.whitened {
-            upload::copy_on_device(&self.client, whitened, &w.x, c * n_t);
-            self.x = Some(w.x.clone());
+            // The steps only read X: they read the window's own buffer.
+            self.x = Some(whitened.clone());
             return;
         }
+        let w = self.window.as_ref().expect("allocated");
+        let mut fresh_q = None;
         let pre = self.pre.as_ref().expect("set up");
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let units = CubeDim::new_1d(preprocess::UNITS as u32);
@@ -1577,9 +1590,11 @@ impl<R: Runtime> GpuDetector<R> {
             if kernels > 2 {
                 self.pre_mark(Some(2));
                 if std::mem::take(&mut self.copy_filtered) {
-                    let dst = self.client.empty(c * n_t * 4);
-                    upload::copy_on_device(&self.client, &w.q, &dst, c * n_t);
-                    self.filtered_copy = Some(dst);
+                    // The high-passed window stays in its buffer, which is
+                    // handed out; the whitening below still reads it, and the
+                    // steps after it (which write Q) get a fresh one.
+                    self.filtered_copy = Some(w.q.clone());
+                    fresh_q = Some(self.client.empty(c * n_t * 4));
                 }
             }
             if kernels > 3 {
@@ -1597,7 +1612,11 @@ impl<R: Runtime> GpuDetector<R> {
                 self.pre_mark(Some(3));
             }
         }
-        self.x = Some(self.window.as_ref().expect("allocated").x.clone());
+        let w = self.window.as_mut().expect("allocated");
+        if let Some(q) = fresh_q {
+            w.q = q;
+        }
+        self.x = Some(w.x.clone());
     }
 
     /// The geometry in use.
