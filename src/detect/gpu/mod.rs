@@ -1352,10 +1352,7 @@ impl<R: Runtime> GpuDetector<R> {
         // X now holds the whitened window: it is handed out as the kept
         // window, and the high-passed buffer, no longer needed, becomes X for
         // the next window (no copy either way).
-        let whitened = std::mem::replace(
-            &mut self.window.as_mut().expect("allocated").x,
-            filtered,
-        );
+        let whitened = std::mem::replace(&mut self.window.as_mut().expect("allocated").x, filtered);
         let pre = self.pre.as_ref().expect("checked");
         let recipe = RawRecipe {
             raw: whitened.clone(),
