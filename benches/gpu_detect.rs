@@ -88,6 +88,7 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize, o
         upload_chunk: 0,
         hp_per_unit: 8,
         highpass: spikecube::detect::gpu::highpass_iir::HighpassMode::Direct,
+        whiten_rows_first: false,
     };
     let full = GpuOptions::default();
     let variants = [

@@ -45,6 +45,7 @@ const DENSE: GpuOptions = GpuOptions {
     upload_chunk: 0,
     hp_per_unit: 8,
     highpass: HighpassMode::Auto,
+    whiten_rows_first: false,
 };
 /// The default: every optimisation on.
 const FAST: GpuOptions = GpuOptions {
@@ -54,6 +55,7 @@ const FAST: GpuOptions = GpuOptions {
     upload_chunk: 1 << 20,
     hp_per_unit: 16,
     highpass: HighpassMode::Auto,
+    whiten_rows_first: true,
 };
 /// The other combinations, mixed.
 const MIXED: GpuOptions = GpuOptions {
@@ -63,6 +65,7 @@ const MIXED: GpuOptions = GpuOptions {
     upload_chunk: 1000,
     hp_per_unit: 16,
     highpass: HighpassMode::Auto,
+    whiten_rows_first: true,
 };
 const MIXED2: GpuOptions = GpuOptions {
     pruned: true,
@@ -71,6 +74,7 @@ const MIXED2: GpuOptions = GpuOptions {
     upload_chunk: 0,
     hp_per_unit: 8,
     highpass: HighpassMode::Auto,
+    whiten_rows_first: false,
 };
 
 fn close(what: &str, a: &[f32], b: &[f32]) {
@@ -843,6 +847,62 @@ fn check_filtered<R: Runtime>(device: &R::Device) {
         assert_eq!(got.len(), windows.len());
     }
 }
+
+/// The whitening kernel's two layouts of cubes (rows first, the default, and
+/// samples first) give the same whitened window bit for bit, with the
+/// fitted W and with a wider matrix (as drift correction's M_b·W is).
+fn check_whiten_grid<R: Runtime>(device: &R::Device) {
+    use spikecube::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
+    let xy: Vec<(f32, f32)> = (0..48)
+        .map(|r| ((r % 2) as f32 * 32.0, (r / 2) as f32 * 15.0))
+        .collect();
+    let p: Probe = probe(&xy, &[0; 48]);
+    let settings = PreprocessSettings {
+        batch_size: 6000,
+        ..PreprocessSettings::default()
+    };
+    let nw = settings.window_len();
+    let raw = raw_window(&xy, nw, 77);
+    let first = raw.clone();
+    let pre = Preprocessor::fit(
+        1,
+        |_| -> Result<Array2<f32>, spikecube::error::PreprocessError> { Ok(first.clone()) },
+        &p,
+        &settings,
+    )
+    .unwrap();
+    let form = pre.device_form(DEVICE_TAP_FLOOR).unwrap();
+    let s = DetectionSettings {
+        nearest_chans: 10,
+        ..DetectionSettings::default()
+    };
+    let g = Geometry::new(&p, &s).unwrap();
+    let packer = spikecube::detect::gpu::Packer::default();
+    // A dense 48 × 48 matrix: every row reads every row.
+    let (c, _) = raw.dim();
+    let start: Vec<u32> = (0..=c as u32).map(|r| r * c as u32).collect();
+    let cols: Vec<u32> = (0..c * c).map(|i| (i % c) as u32).collect();
+    let vals: Vec<f32> = (0..c * c)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 500.0)
+        .collect();
+    let mut outs = Vec::new();
+    for rows_first in [true, false] {
+        let options = GpuOptions {
+            whiten_rows_first: rows_first,
+            ..FAST
+        };
+        let mut det = gpu::<R>(device, &g, &s, options);
+        det.set_preprocessing(&form).unwrap();
+        let fitted = det.preprocess_only(packer.pack(raw.view()), &p.yc).unwrap();
+        det.set_whitening(&start, &cols, &vals).unwrap();
+        let dense = det.preprocess_only(packer.pack(raw.view()), &p.yc).unwrap();
+        outs.push((fitted, dense));
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    assert!(outs[0].0.iter().any(|&v| v != 0.0), "a whitened window");
+    assert_eq!(bits(&outs[0].0), bits(&outs[1].0), "fitted W");
+    assert_eq!(bits(&outs[0].1), bits(&outs[1].1), "dense matrix");
+}
 // ---- end of the queued windows ----
 
 #[cfg(feature = "wgpu")]
@@ -919,6 +979,10 @@ mod wgpu {
     #[test]
     fn windows_from_their_high_passed_copies() {
         check_filtered::<WgpuRuntime>(&device());
+    }
+    #[test]
+    fn whitening_grid_layouts() {
+        check_whiten_grid::<WgpuRuntime>(&device());
     }
 
     /// The whole `spikecube detect` run with `--backend wgpu` writes the same
@@ -1146,6 +1210,11 @@ mod cuda {
     #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
     fn cuda_windows_from_their_high_passed_copies() {
         check_filtered::<CudaRuntime>(&device());
+    }
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
+    fn cuda_whitening_grid_layouts() {
+        check_whiten_grid::<CudaRuntime>(&device());
     }
     #[test]
     #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]

@@ -73,6 +73,10 @@ pub struct GpuOptions {
     /// Default `Auto`; the environment variable `SPIKECUBE_HIGHPASS`
     /// (`direct`, `iir`, `iir-f32`) overrides it, for measuring.
     pub highpass: highpass_iir::HighpassMode,
+    /// The whitening kernel's cubes laid out rows first (true, the default)
+    /// or samples first (the environment variable `SPIKECUBE_WHITEN_GRID=samples`,
+    /// for measuring); the same values either way.
+    pub whiten_rows_first: bool,
 }
 
 impl Default for GpuOptions {
@@ -87,6 +91,7 @@ impl Default for GpuOptions {
                 _ => preprocess::HP_PER_UNIT,
             },
             highpass: highpass_iir::HighpassMode::from_env(),
+            whiten_rows_first: std::env::var("SPIKECUBE_WHITEN_GRID").as_deref() != Ok("samples"),
         }
     }
 }
@@ -1339,7 +1344,7 @@ impl<R: Runtime> GpuDetector<R> {
         unsafe {
             preprocess::whiten_kernel::launch_unchecked::<R>(
                 &self.client,
-                CubeCount::Static(n_t.div_ceil(preprocess::UNITS) as u32, c as u32, 1),
+                preprocess::whiten_cubes(c, n_t, self.options.whiten_rows_first),
                 CubeDim::new_1d(preprocess::UNITS as u32),
                 ArrayArg::from_raw_parts(filtered.clone(), c * n_t),
                 ArrayArg::from_raw_parts(pre.w_start.clone(), c + 1),
@@ -1347,6 +1352,7 @@ impl<R: Runtime> GpuDetector<R> {
                 ArrayArg::from_raw_parts(pre.w_vals.clone(), nnz.max(1)),
                 ArrayArg::from_raw_parts(w.x.clone(), c * n_t),
                 n_t as u32,
+                self.options.whiten_rows_first,
             );
         }
         // X now holds the whitened window: it is handed out as the kept
@@ -1597,7 +1603,7 @@ impl<R: Runtime> GpuDetector<R> {
             if kernels > 3 {
                 preprocess::whiten_kernel::launch_unchecked::<R>(
                     &self.client,
-                    CubeCount::Static(n_t.div_ceil(preprocess::UNITS) as u32, c as u32, 1),
+                    preprocess::whiten_cubes(c, n_t, self.options.whiten_rows_first),
                     units,
                     arr(&w.q, c * n_t),
                     arr(&win.w_start, c + 1),
@@ -1605,6 +1611,7 @@ impl<R: Runtime> GpuDetector<R> {
                     arr(&win.w_vals, win.w_nnz.max(1)),
                     arr(&w.x, c * n_t),
                     n_t as u32,
+                    self.options.whiten_rows_first,
                 );
                 self.pre_mark(Some(3));
             }

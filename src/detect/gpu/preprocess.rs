@@ -330,7 +330,11 @@ pub(crate) fn highpass_kernel(
 
 /// Whitening X\[j, t\] = Σ W\[j, m\]·Y\[m, t\] over row j's non-zeros (CSR:
 /// `start`, `cols`, `vals`), four terms at a time as the CPU adds them.
-/// One cube per row and [`UNITS`] samples.
+/// One cube per row and [`UNITS`] samples; with `rows_first` the cubes'
+/// first axis is the row (launch with [`whiten_cubes`]), so that cubes
+/// running together read the same samples of neighbouring rows (a local
+/// whitening's rows share most of their non-zero columns) while they are in
+/// the cache; else the first axis is the samples. The same sums either way.
 #[cube(launch_unchecked)]
 pub(crate) fn whiten_kernel(
     y: &Array<f32>,
@@ -339,9 +343,15 @@ pub(crate) fn whiten_kernel(
     vals: &Array<f32>,
     x: &mut Array<f32>,
     n_t: u32,
+    #[comptime] rows_first: bool,
 ) {
-    let j = CUBE_POS_Y as usize;
-    let t = CUBE_POS_X as usize * UNITS + UNIT_POS_X as usize;
+    let mut j = CUBE_POS_Y as usize;
+    let mut tile = CUBE_POS_X as usize;
+    if rows_first {
+        j = CUBE_POS_X as usize;
+        tile = CUBE_POS_Y as usize;
+    }
+    let t = tile * UNITS + UNIT_POS_X as usize;
     let n_t = n_t as usize;
     if t < n_t {
         let a = start[j] as usize;
@@ -360,5 +370,15 @@ pub(crate) fn whiten_kernel(
             acc += vals[o] * y[cols[o] as usize * n_t + t];
         }
         x[j * n_t + t] = acc;
+    }
+}
+
+/// The cube count of [`whiten_kernel`] for `c` rows of `n_t` samples.
+pub(crate) fn whiten_cubes(c: usize, n_t: usize, rows_first: bool) -> CubeCount {
+    let tiles = n_t.div_ceil(UNITS) as u32;
+    if rows_first {
+        CubeCount::Static(c as u32, tiles, 1)
+    } else {
+        CubeCount::Static(tiles, c as u32, 1)
     }
 }
