@@ -670,29 +670,34 @@ fn check_highpass_iir<R: Runtime>(
 }
 
 // ---- windows queued on the device (submit_raw / collect) ----
-/// Windows queued on the device ([`GpuDetector::submit_raw`] and
-/// [`GpuDetector::collect`], the pipelined pass) give, in order, exactly each
-/// window's [`GpuDetector::detect_raw`] detections; also when a window has
-/// more detections than the peak buffers hold, so that it and the window
-/// queued after it run again. `prepare` sets up the detector and returns the
-/// packer to use (CUDA: page-locked memory and the two upload buffers, whose
-/// windows `sent` says must go ahead).
-fn check_queue<R: Runtime>(
-    device: &R::Device,
-    prepare: &dyn Fn(&mut GpuDetector<R>, usize) -> spikecube::detect::gpu::Packer,
-    sent: bool,
-) {
+/// The set-up of the checks of windows run on the device as a pass runs
+/// them: a probe of `n_sites` sites in two columns, rows `pitch` µm apart;
+/// `n_windows` raw windows of 6 000 samples plus padding (seeds from `seed`);
+/// W fitted on the first; the device form of that preprocessing; detection
+/// settings with 10 nearest channels, and their geometry.
+struct Windows {
+    p: Probe,
+    windows: Vec<Array2<f32>>,
+    pre: spikecube::preprocess::Preprocessor,
+    form: spikecube::preprocess::DevicePreprocessing,
+    s: DetectionSettings,
+    g: Geometry,
+}
+
+fn small_windows(n_sites: usize, pitch: f32, n_windows: u64, seed: u64) -> Windows {
     use spikecube::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
-    let xy: Vec<(f32, f32)> = (0..32)
-        .map(|r| ((r % 2) as f32 * 32.0, (r / 2) as f32 * 20.0))
+    let xy: Vec<(f32, f32)> = (0..n_sites)
+        .map(|r| ((r % 2) as f32 * 32.0, (r / 2) as f32 * pitch))
         .collect();
-    let p: Probe = probe(&xy, &[0; 32]);
+    let p: Probe = probe(&xy, &vec![0; n_sites]);
     let settings = PreprocessSettings {
         batch_size: 6000,
         ..PreprocessSettings::default()
     };
     let nw = settings.window_len();
-    let windows: Vec<Array2<f32>> = (0..5).map(|k| raw_window(&xy, nw, 40 + k)).collect();
+    let windows: Vec<Array2<f32>> = (0..n_windows)
+        .map(|k| raw_window(&xy, nw, seed + k))
+        .collect();
     let first = windows[0].clone();
     let pre = Preprocessor::fit(
         1,
@@ -707,6 +712,36 @@ fn check_queue<R: Runtime>(
         ..DetectionSettings::default()
     };
     let g = Geometry::new(&p, &s).unwrap();
+    Windows {
+        p,
+        windows,
+        pre,
+        form,
+        s,
+        g,
+    }
+}
+
+/// Windows queued on the device ([`GpuDetector::submit_raw`] and
+/// [`GpuDetector::collect`], the pipelined pass) give, in order, exactly each
+/// window's [`GpuDetector::detect_raw`] detections; also when a window has
+/// more detections than the peak buffers hold, so that it and the window
+/// queued after it run again. `prepare` sets up the detector and returns the
+/// packer to use (CUDA: page-locked memory and the two upload buffers, whose
+/// windows `sent` says must go ahead).
+fn check_queue<R: Runtime>(
+    device: &R::Device,
+    prepare: &dyn Fn(&mut GpuDetector<R>, usize) -> spikecube::detect::gpu::Packer,
+    sent: bool,
+) {
+    let Windows {
+        p,
+        windows,
+        form,
+        s,
+        g,
+        ..
+    } = small_windows(32, 20.0, 5, 40);
     let plain = spikecube::detect::gpu::Packer::default();
     let mut one = gpu::<R>(device, &g, &s, FAST);
     one.set_preprocessing(&form).unwrap();
@@ -754,39 +789,22 @@ fn check_queue<R: Runtime>(
 /// was overwritten with its whitened samples. The first pass, which makes the
 /// copies, is unchanged by them.
 fn check_filtered<R: Runtime>(device: &R::Device) {
-    use spikecube::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
-    let xy: Vec<(f32, f32)> = (0..32)
-        .map(|r| ((r % 2) as f32 * 32.0, (r / 2) as f32 * 20.0))
-        .collect();
-    let p: Probe = probe(&xy, &[0; 32]);
-    let settings = PreprocessSettings {
-        batch_size: 6000,
-        ..PreprocessSettings::default()
-    };
-    let nw = settings.window_len();
-    let windows: Vec<Array2<f32>> = (0..4).map(|k| raw_window(&xy, nw, 60 + k)).collect();
-    let first = windows[0].clone();
-    let pre = Preprocessor::fit(
-        1,
-        |_| -> Result<Array2<f32>, spikecube::error::PreprocessError> { Ok(first.clone()) },
-        &p,
-        &settings,
-    )
-    .unwrap();
-    let form = pre.device_form(DEVICE_TAP_FLOOR).unwrap();
+    let Windows {
+        p,
+        windows,
+        pre,
+        form,
+        s,
+        g,
+    } = small_windows(32, 20.0, 4, 60);
     // Another whitening for the second pass, as a drift-corrected matrix
-    // replaces W: W's rows mixed with their neighbours'.
+    // replaces W: W's entries scaled by 1.10, 1.15 or 1.20 in turn.
     let (start, cols, vals) = pre.whitening().csr();
     let vals2: Vec<f32> = vals
         .iter()
         .enumerate()
         .map(|(i, v)| v * (1.1 + 0.05 * (i % 3) as f32))
         .collect();
-    let s = DetectionSettings {
-        nearest_chans: 10,
-        ..DetectionSettings::default()
-    };
-    let g = Geometry::new(&p, &s).unwrap();
     let plain = spikecube::detect::gpu::Packer::default();
     let mut one = gpu::<R>(device, &g, &s, FAST);
     one.set_preprocessing(&form).unwrap();
@@ -852,31 +870,15 @@ fn check_filtered<R: Runtime>(device: &R::Device) {
 /// samples first) give the same whitened window bit for bit, with the
 /// fitted W and with a wider matrix (as drift correction's M_b·W is).
 fn check_whiten_grid<R: Runtime>(device: &R::Device) {
-    use spikecube::preprocess::{DEVICE_TAP_FLOOR, PreprocessSettings, Preprocessor};
-    let xy: Vec<(f32, f32)> = (0..48)
-        .map(|r| ((r % 2) as f32 * 32.0, (r / 2) as f32 * 15.0))
-        .collect();
-    let p: Probe = probe(&xy, &[0; 48]);
-    let settings = PreprocessSettings {
-        batch_size: 6000,
-        ..PreprocessSettings::default()
-    };
-    let nw = settings.window_len();
-    let raw = raw_window(&xy, nw, 77);
-    let first = raw.clone();
-    let pre = Preprocessor::fit(
-        1,
-        |_| -> Result<Array2<f32>, spikecube::error::PreprocessError> { Ok(first.clone()) },
-        &p,
-        &settings,
-    )
-    .unwrap();
-    let form = pre.device_form(DEVICE_TAP_FLOOR).unwrap();
-    let s = DetectionSettings {
-        nearest_chans: 10,
-        ..DetectionSettings::default()
-    };
-    let g = Geometry::new(&p, &s).unwrap();
+    let Windows {
+        p,
+        windows,
+        form,
+        s,
+        g,
+        ..
+    } = small_windows(48, 15.0, 1, 77);
+    let raw = &windows[0];
     let packer = spikecube::detect::gpu::Packer::default();
     // A dense 48 × 48 matrix: every row reads every row.
     let (c, _) = raw.dim();
