@@ -342,9 +342,10 @@ pub trait WindowPass: Send {
     /// whitening where the pass made it, from window 0 on while `budget`
     /// bytes hold them (as [`WindowPass::keep_windows`]'s budget), so that
     /// the pass after it (Kilosort4's drift-corrected pass: the same raw
-    /// windows, another whitening) whitens those again instead of reading,
-    /// sending and filtering them; a later [`WindowPass::keep_windows`] then
-    /// keeps each such window's whitened samples in the same memory. The
+    /// windows, another whitening) whitens those again instead of sending and
+    /// filtering them (it still reads them, for the input checks); a later
+    /// [`WindowPass::keep_windows`] then keeps each such window whitened,
+    /// within the same budget. The
     /// detections are the same bytes either way. A pass that cannot keeps
     /// nothing (the default).
     fn keep_filtered(&mut self, budget: Option<u64>) {
@@ -804,9 +805,9 @@ impl DevicePass {
         }
     }
 
-    /// Before window `index` is launched: asks the detector for a copy of its
-    /// high-passed samples when it is the next one to keep and fits in the
-    /// budget ([`WindowPass::keep_filtered`]).
+    /// Before window `index` is launched: asks the detector for its
+    /// high-passed samples (in a buffer of their own) when it is the next one
+    /// to keep and fits in the budget ([`WindowPass::keep_filtered`]).
     fn mark_filtered(&mut self, index: u64) {
         let Some(k) = self.filtered.as_mut() else {
             return;
@@ -817,8 +818,8 @@ impl DevicePass {
         }
     }
 
-    /// After window `index` was launched: keeps the copy [`DevicePass::mark_filtered`]
-    /// asked for.
+    /// After window `index` was launched: keeps the high-passed buffer
+    /// [`DevicePass::mark_filtered`] asked for.
     fn take_filtered(&mut self, index: u64) {
         let copy = self.detector.take_filtered_copy();
         if let Some(k) = self.filtered.as_mut()
@@ -973,7 +974,8 @@ impl DevicePass {
     }
 
     /// Queues window `w` from its high-passed samples kept on the device,
-    /// whitened into the same buffer with the whitening set.
+    /// whitened with the whitening set, and keeps the buffer the detector
+    /// hands back holding it whitened.
     fn submit_filtered(&mut self, w: &Window) -> Result<()> {
         let h = self
             .from_filtered
@@ -1208,9 +1210,9 @@ impl WindowPass for DevicePass {
         if let Some(f) = self.filtered.take()
             && !f.kept.is_empty()
         {
-            // Each high-passed window kept becomes its whitened window, in
-            // the same memory; no other window is kept (the budget was spent
-            // on those).
+            // Each high-passed window kept is traded for its whitened window
+            // (the detector hands one buffer back for each it takes); no
+            // other window is kept (the budget was spent on those).
             self.from_filtered = f.kept.into_iter().map(Some).collect();
             let (c, n) = self.pre.window_shape();
             let bytes = (self.from_filtered.len() * c * n * 4) as u64;

@@ -223,8 +223,8 @@ pub struct GpuDetector<R: Runtime> {
     /// [`GpuDetector::take_gram_seconds`].
     gram_s: [f64; 3],
     /// Set by [`GpuDetector::copy_filtered_next`]: the next window's
-    /// preprocessing leaves a copy of its high-passed samples in
-    /// `filtered_copy`.
+    /// preprocessing hands its high-passed samples' buffer to
+    /// `filtered_copy` (and takes a fresh one).
     copy_filtered: bool,
     filtered_copy: Option<Handle>,
 }
@@ -285,8 +285,8 @@ struct RawRecipe {
     w_vals: Handle,
     w_nnz: usize,
     /// A window whitened earlier into a buffer of its own
-    /// ([`GpuDetector::submit_filtered`]): the preprocessing is a copy of it
-    /// into X, and `raw` is not read.
+    /// ([`GpuDetector::submit_filtered`]): the steps read that buffer as X
+    /// (nothing is preprocessed or copied), and `raw` is not read.
     whitened: Option<Handle>,
 }
 
