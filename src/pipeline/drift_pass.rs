@@ -55,8 +55,9 @@ pub(crate) fn drift_step(
     };
     // When the detection pass keeps its windows for the sort and will pass
     // over the same raw windows again, the first pass keeps them high-passed
-    // (where the pass preprocesses: the GPU) so that the second pass only
-    // whitens them again with the drift-corrected matrices.
+    // (where the pass preprocesses: the GPU) so that the second pass whitens
+    // them again with the drift-corrected matrices instead of sending and
+    // filtering the raw windows.
     if let Some(keep) = &job.keep_windows
         && job.drift.nblocks > 0
         && !job.drift.drift_only
