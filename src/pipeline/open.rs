@@ -124,7 +124,7 @@ pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opene
         (Some(p), _) => p.clone(),
         (None, Some(p)) => p.clone(),
         (None, None) => bail!(
-            "{}: no probe geometry: give one with {} (Kilosort JSON, probeinterface JSON or .prb)",
+            "{}: no probe geometry: give one with {} (Kilosort JSON, probeinterface JSON, .prb or a SpikeGLX .meta)",
             first.display(),
             req.probe_hint
         ),
