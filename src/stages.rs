@@ -730,7 +730,7 @@ pub struct DevicePass {
     /// The high-passed windows being kept ([`WindowPass::keep_filtered`]).
     filtered: Option<Keeping<cubecl::server::Handle>>,
     /// The high-passed windows 0 .. k this pass starts from instead of
-    /// reading them ([`DevicePass::keep_windows`] takes them from `filtered`);
+    /// sending and filtering them ([`DevicePass::keep_windows`] takes them from `filtered`);
     /// each is handed to the detector when its window is queued, which
     /// hands back the window whitened, to keep.
     from_filtered: Vec<Option<cubecl::server::Handle>>,
@@ -782,11 +782,11 @@ impl DevicePass {
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 impl DevicePass {
-    /// Keeps a copy of window `index`'s whitened samples, just launched on the
-    /// device (the copy follows them in the device's order), when it is the
-    /// next window to keep and fits in the budget.
-    /// `whitened`: the window's whitened samples in a buffer of their own
-    /// already (a window whitened from its high-passed copy).
+    /// Keeps window `index`'s whitened samples, just launched on the device,
+    /// when it is the next window to keep and fits in the budget: `whitened`
+    /// when they are in a buffer of their own already (a window whitened from
+    /// its high-passed copy), else the buffer the detector hands out
+    /// ([`Detector::keep_window`]).
     fn keep_one(&mut self, index: u64, whitened: Option<cubecl::server::Handle>) {
         let Some(k) = self.keep.as_mut() else {
             return;
@@ -795,11 +795,7 @@ impl DevicePass {
         if !k.admits(index, (c * n * 4) as u64) {
             return;
         }
-        let kept = match whitened {
-            Some(h) => Some(h),
-            None => self.detector.keep_window(),
-        };
-        match kept {
+        match whitened.or_else(|| self.detector.keep_window()) {
             Some(h) => k.kept.push(h),
             None => k.stopped = true,
         }

@@ -1339,22 +1339,8 @@ impl<R: Runtime> GpuDetector<R> {
         let pre = self.pre.as_ref().expect("checked");
         let w = self.window.as_ref().expect("allocated");
         let nnz = pre.form.w_cols.len();
-        // SAFETY: as the whitening launch in `launch_preprocess`: row r < c of
-        // the C × N buffers, samples t < N, CSR indices < C.
-        unsafe {
-            preprocess::whiten_kernel::launch_unchecked::<R>(
-                &self.client,
-                preprocess::whiten_cubes(c, n_t, self.options.whiten_rows_first),
-                CubeDim::new_1d(preprocess::UNITS as u32),
-                ArrayArg::from_raw_parts(filtered.clone(), c * n_t),
-                ArrayArg::from_raw_parts(pre.w_start.clone(), c + 1),
-                ArrayArg::from_raw_parts(pre.w_cols.clone(), nnz.max(1)),
-                ArrayArg::from_raw_parts(pre.w_vals.clone(), nnz.max(1)),
-                ArrayArg::from_raw_parts(w.x.clone(), c * n_t),
-                n_t as u32,
-                self.options.whiten_rows_first,
-            );
-        }
+        let csr = (&pre.w_start, &pre.w_cols, &pre.w_vals, nnz);
+        self.launch_whiten(&filtered, csr, &w.x, c, n_t);
         // X now holds the whitened window: it is handed out as the kept
         // window, and the high-passed buffer, no longer needed, becomes X for
         // the next window (no copy either way).
@@ -1511,6 +1497,37 @@ impl<R: Runtime> GpuDetector<R> {
         })
     }
 
+    /// Launches the whitening X = W·Y ([`preprocess::whiten_kernel`]) of the
+    /// C × N window `y` into `x` with the CSR matrix `(start, cols, vals,
+    /// nnz)` (C + 1 row starts, nnz columns and values).
+    fn launch_whiten(
+        &self,
+        y: &Handle,
+        (start, cols, vals, nnz): (&Handle, &Handle, &Handle, usize),
+        x: &Handle,
+        c: usize,
+        n_t: usize,
+    ) {
+        let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        // SAFETY: row r < c of the C × N buffers `y` and `x`, samples t < N;
+        // CSR indices are < C by construction (DevicePreprocessing,
+        // set_whitening's check), checked against the CPU in tests/gpu.rs.
+        unsafe {
+            preprocess::whiten_kernel::launch_unchecked::<R>(
+                &self.client,
+                preprocess::whiten_cubes(c, n_t, self.options.whiten_rows_first),
+                CubeDim::new_1d(preprocess::UNITS as u32),
+                arr(y, c * n_t),
+                arr(start, c + 1),
+                arr(cols, nnz.max(1)),
+                arr(vals, nnz.max(1)),
+                arr(x, c * n_t),
+                n_t as u32,
+                self.options.whiten_rows_first,
+            );
+        }
+    }
+
     /// Launches the first `kernels` preprocessing kernels (channel means,
     /// median CAR, high-pass, whitening) on the window of `r`, into the
     /// detector's whitened window X.
@@ -1601,18 +1618,8 @@ impl<R: Runtime> GpuDetector<R> {
                 }
             }
             if kernels > 3 {
-                preprocess::whiten_kernel::launch_unchecked::<R>(
-                    &self.client,
-                    preprocess::whiten_cubes(c, n_t, self.options.whiten_rows_first),
-                    units,
-                    arr(&w.q, c * n_t),
-                    arr(&win.w_start, c + 1),
-                    arr(&win.w_cols, win.w_nnz.max(1)),
-                    arr(&win.w_vals, win.w_nnz.max(1)),
-                    arr(&w.x, c * n_t),
-                    n_t as u32,
-                    self.options.whiten_rows_first,
-                );
+                let csr = (&win.w_start, &win.w_cols, &win.w_vals, win.w_nnz);
+                self.launch_whiten(&w.q, csr, &w.x, c, n_t);
                 self.pre_mark(Some(3));
             }
         }
