@@ -342,14 +342,24 @@ pub trait WindowPass: Send {
     /// whitening where the pass made it, from window 0 on while `budget`
     /// bytes hold them (as [`WindowPass::keep_windows`]'s budget), so that
     /// the pass after it (Kilosort4's drift-corrected pass: the same raw
-    /// windows, another whitening) whitens those again instead of sending and
-    /// filtering them (it still reads them, for the input checks); a later
+    /// windows, another whitening) whitens those again instead of reading,
+    /// sending and filtering them ([`WindowPass::windows_held`]); a later
     /// [`WindowPass::keep_windows`] then keeps each such window whitened,
     /// within the same budget. The
-    /// detections are the same bytes either way. A pass that cannot keeps
-    /// nothing (the default).
-    fn keep_filtered(&mut self, budget: Option<u64>) {
+    /// detections are the same bytes either way. Returns whether the pass
+    /// keeps such windows: a pass that cannot keeps nothing (the default).
+    fn keep_filtered(&mut self, budget: Option<u64>) -> bool {
         let _ = budget;
+        false
+    }
+
+    /// Windows `0 .. k` of this run whose samples the pass holds already
+    /// (kept after their high-pass in the pass before,
+    /// [`WindowPass::keep_filtered`]): they need not be read again, once
+    /// their input checks are known ([`run_windows_prechecked`]'s
+    /// `checked_below`). None by default.
+    fn windows_held(&self) -> u64 {
+        0
     }
 }
 
@@ -1224,10 +1234,15 @@ impl WindowPass for DevicePass {
         self.keep = Some(Keeping::new(budget));
     }
 
-    fn keep_filtered(&mut self, budget: Option<u64>) {
+    fn windows_held(&self) -> u64 {
+        self.from_filtered.len() as u64
+    }
+
+    fn keep_filtered(&mut self, budget: Option<u64>) -> bool {
         let budget = budget.unwrap_or_else(|| self.detector.free_device_memory().unwrap_or(0) / 2);
         tracing::debug!("keeping high-passed windows on the device within {budget} bytes");
         self.filtered = Some(Keeping::new(budget));
+        true
     }
 
     fn take_kept(&mut self) -> Option<KeptWindows> {
@@ -1375,6 +1390,7 @@ where
         chan_map,
         &|_: &mut Window| Ok(()),
         move |w: &mut Window, ()| check(w),
+        0,
         pass,
         write,
     )
@@ -1386,14 +1402,21 @@ where
 /// then takes its result in window order (e.g. adding it to the run's
 /// [`crate::checks::ChannelHealth`]), before the window goes on.
 ///
+/// Windows below both `checked_below` (whose checks `prepare` knows without
+/// their samples) and the pass's [`WindowPass::windows_held`] (whose samples
+/// the pass has) are not read: `prepare` and the pass get them
+/// [`Window::unread`].
+///
 /// # Errors
 /// As [`run_windows`].
+#[allow(clippy::too_many_arguments)]
 pub fn run_windows_prechecked<P, M, W>(
     rec: Arc<dyn Recording>,
     plan: WindowPlan,
     chan_map: &[u64],
     prepare: &(dyn Fn(&mut Window) -> Result<P> + Sync),
     merge: M,
+    checked_below: u64,
     pass: &mut dyn WindowPass,
     mut write: W,
 ) -> Result<StagesReport>
@@ -1417,12 +1440,19 @@ where
     let (det_tx, det_rx) = bounded::<Result<(WindowInfo, Detections)>>(WINDOWS_IN_FLIGHT);
     let (free_tx, free_rx) = unbounded::<Array2<f32>>();
     let rec = rec.as_ref();
+    let unread_below = checked_below.min(pass.windows_held());
+    if unread_below > 0 {
+        tracing::debug!(
+            "{unread_below} windows not read: the pass holds their samples and their checks are known"
+        );
+    }
     let reading = Reading {
         rec,
         plan,
         chan_map,
         allocs: raw16_allocs,
         in_flight,
+        unread_below,
     };
 
     std::thread::scope(|s| -> Result<StagesReport> {
@@ -1506,6 +1536,8 @@ struct Reading<'a> {
     allocs: Vec<Option<Raw16Alloc>>,
     /// Window buffers that may exist at once.
     in_flight: usize,
+    /// Windows below this index are handed on [`Window::unread`].
+    unread_below: u64,
 }
 
 impl Reading<'_> {
@@ -1532,6 +1564,7 @@ impl Reading<'_> {
             chan_map,
             allocs,
             in_flight,
+            unread_below,
         } = self;
         let mut times = StageTimes::default();
         let first = rec.first_sample();
@@ -1559,8 +1592,12 @@ impl Reading<'_> {
             },
             |(raw16, times), i, mut data| {
                 let t1 = Instant::now();
-                let res = read_any(rec, &plan, i, chan_map, &mut data, raw16)
-                    .map(|raw16| Window::of(first, &plan, i, data, raw16));
+                let res = if i < unread_below {
+                    Ok(Window::unread(first, &plan, i))
+                } else {
+                    read_any(rec, &plan, i, chan_map, &mut data, raw16)
+                        .map(|raw16| Window::of(first, &plan, i, data, raw16))
+                };
                 let t2 = times.lap("read", t1);
                 let res = res.and_then(|mut w| prepare(&mut w).map(|p| (w, p)));
                 times.lap("checks.prepare", t2);
@@ -1804,18 +1841,29 @@ mod tests {
         }
     }
 
+    /// What [`Probe16`] saw: (window, row 0 at column nt) in turn.
+    type Seen16 = Arc<Mutex<Vec<(u64, Option<i16>)>>>;
+
     /// A pass that takes int16 windows (as a GPU pass does): several reading
-    /// threads. Records (index, row 0 at column nt), sleeps a little.
+    /// threads. Says it holds windows `0 .. held` ([`WindowPass::windows_held`])
+    /// and checks that exactly windows `0 .. unread` come without samples.
+    /// Records (index, row 0 at column nt; `None` for an unread window),
+    /// sleeps a little.
     struct Probe16 {
-        seen: Arc<Mutex<Vec<(u64, i16)>>>,
+        seen: Seen16,
         live: Arc<(AtomicUsize, AtomicUsize)>,
+        held: u64,
+        unread: u64,
     }
 
     impl WindowPass for Probe16 {
         fn run(&mut self, w: &mut Window, _: &mut StageTimes) -> Result<Detections> {
             // Taken, as a device pass's stager takes it to upload it.
-            let raw = w.raw16.take().expect("int16 window");
-            self.seen.lock().unwrap().push((w.index, raw.row(0)[10]));
+            let raw = w.raw16.take();
+            assert_eq!(raw.is_none(), w.index < self.unread, "window {}", w.index);
+            assert!(w.data.is_empty());
+            let v = raw.as_ref().map(|r| r.row(0)[10]);
+            self.seen.lock().unwrap().push((w.index, v));
             drop(raw);
             std::thread::sleep(std::time::Duration::from_millis(1));
             Ok(Detections {
@@ -1839,6 +1887,9 @@ mod tests {
                 Box::new(Counted(vec![0; n], live.clone()))
             }))
         }
+        fn windows_held(&self) -> u64 {
+            self.held
+        }
     }
 
     #[test]
@@ -1853,6 +1904,8 @@ mod tests {
         let mut pass = Probe16 {
             seen: seen.clone(),
             live: live.clone(),
+            held: 0,
+            unread: 0,
         };
         let mut checked = Vec::new();
         let mut written = Vec::new();
@@ -1876,7 +1929,7 @@ mod tests {
         let seen = seen.lock().unwrap();
         assert_eq!(seen.iter().map(|s| s.0).collect::<Vec<_>>(), all);
         for (k, &(i, v)) in seen.iter().enumerate() {
-            assert_eq!(v, (2000 + i * 100) as i16, "window {i}");
+            assert_eq!(v, Some((2000 + i * 100) as i16), "window {i}");
             // The checks saw the same window, in order (row 1 reads channel 0).
             assert_eq!(checked[k], (i, Some((i * 100) as i16)));
         }
@@ -1886,6 +1939,62 @@ mod tests {
             peak <= windows_in_flight(false, DEVICE_READERS),
             "{peak} int16 windows at once"
         );
+    }
+
+    /// Windows the pass holds whose checks are known are handed on without
+    /// being read; the others (past either bound) are read and checked.
+    #[test]
+    fn windows_held_with_known_checks_are_not_read() {
+        let rec: Arc<dyn Recording> = Arc::new(Ramp16(Ramp {
+            n_channels: 3,
+            n_samples: 2_345,
+        }));
+        let plan = WindowPlan::new(2_345, 100, 10).unwrap();
+        for (held, checked_below, unread) in [(5, 3, 3), (3, 5, 3), (5, 0, 0), (0, 24, 0)] {
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let mut pass = Probe16 {
+                seen: seen.clone(),
+                live: Arc::new((AtomicUsize::new(0), AtomicUsize::new(0))),
+                held,
+                unread,
+            };
+            let prepared = Mutex::new(Vec::new());
+            let mut merged = Vec::new();
+            let prepare = |w: &mut Window| -> Result<bool> {
+                prepared.lock().unwrap().push(w.index);
+                Ok(w.has_samples())
+            };
+            let mut written = 0;
+            run_windows_prechecked(
+                rec.clone(),
+                plan,
+                &[2, 0],
+                &prepare,
+                |w: &mut Window, read: bool| {
+                    merged.push((w.index, read));
+                    Ok(())
+                },
+                checked_below,
+                &mut pass,
+                |_, _| {
+                    written += 1;
+                    Ok(())
+                },
+            )
+            .unwrap();
+            let case = format!("held {held}, checked below {checked_below}");
+            assert_eq!(written, plan.n_windows, "{case}");
+            let want: Vec<(u64, bool)> = (0..plan.n_windows).map(|i| (i, i >= unread)).collect();
+            assert_eq!(merged, want, "{case}");
+            let mut prepared = prepared.into_inner().unwrap();
+            prepared.sort_unstable();
+            assert_eq!(prepared, (0..plan.n_windows).collect::<Vec<_>>(), "{case}");
+            let seen = seen.lock().unwrap();
+            for &(i, v) in seen.iter() {
+                let want = (i >= unread).then_some((2000 + i * 100) as i16);
+                assert_eq!(v, want, "{case}: window {i}");
+            }
+        }
     }
 
     fn setup(n_samples: u64) -> (Arc<dyn Recording>, WindowPlan) {

@@ -30,8 +30,10 @@ fn simulate(dir: &Path) -> PathBuf {
 }
 
 /// Sorts `bin` on `backend` with `--keep-windows-gb gb` into `out`; returns
-/// the log line saying how many windows the matching found kept.
-fn sort(bin: &Path, out: &Path, backend: &str, gb: &str) -> String {
+/// the log line saying how many windows the matching found kept, and the
+/// one saying how many windows the detection pass did not read (empty when
+/// it read them all).
+fn sort(bin: &Path, out: &Path, backend: &str, gb: &str) -> (String, String) {
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_spikecube"))
         .args([
             "sort",
@@ -44,18 +46,19 @@ fn sort(bin: &Path, out: &Path, backend: &str, gb: &str) -> String {
             s(out),
             "-q",
         ])
-        .env("SPIKECUBE_LOG", "spikecube=info")
+        .env("SPIKECUBE_LOG", "spikecube=info,spikecube::stages=debug")
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "sort failed: {err}");
-    err.lines()
-        .find(|l| {
+    let line = |f: &dyn Fn(&str) -> bool| err.lines().find(|l| f(l)).unwrap_or("").to_string();
+    (
+        line(&|l| {
             l.contains("kept on the device by the detection pass")
                 || l.contains("kept in host memory by the detection pass")
-        })
-        .unwrap_or("")
-        .to_string()
+        }),
+        line(&|l| l.contains("windows not read")),
+    )
 }
 
 const ARRAYS: [&str; 9] = [
@@ -71,19 +74,30 @@ const ARRAYS: [&str; 9] = [
 ];
 
 /// Sorts with budgets for none, two and all five windows and checks the
-/// folders' arrays are the same bytes; `kept` says which log line each run
-/// must print (`None`: none, as when nothing is kept in host memory).
-fn same_whatever_kept(backend: &str, kept: [Option<&str>; 3]) {
+/// folders' arrays and input checks are the same; `kept` says which log
+/// line each run must print (`None`: none, as when nothing is kept in host
+/// memory) and `unread` how many windows the detection pass must not have
+/// read (kept on the device after their high-pass in the first pass, which
+/// checked them).
+fn same_whatever_kept(backend: &str, kept: [Option<&str>; 3], unread: [u64; 3]) {
     let dir = tempfile::tempdir().unwrap();
     let bin = simulate(dir.path());
     // A window is 32 × 60 122 f32 = 7.7 MB: 0.02 GB holds two of the five.
     let mut outs = Vec::new();
-    for (gb, kept) in ["0", "0.02", "1"].into_iter().zip(kept) {
+    let mut checks = Vec::new();
+    for ((gb, kept), unread) in ["0", "0.02", "1"].into_iter().zip(kept).zip(unread) {
         let out = dir.path().join(format!("out_{gb}"));
-        let line = sort(&bin, &out, backend, gb);
+        let (line, not_read) = sort(&bin, &out, backend, gb);
         match kept {
             Some(k) => assert!(line.contains(k), "--keep-windows-gb {gb}: {line:?}"),
             None => assert!(line.is_empty(), "--keep-windows-gb {gb}: {line:?}"),
+        }
+        match unread {
+            0 => assert!(not_read.is_empty(), "--keep-windows-gb {gb}: {not_read:?}"),
+            n => assert!(
+                not_read.contains(&format!(" {n} windows not read")),
+                "--keep-windows-gb {gb}: {not_read:?}"
+            ),
         }
         // spikecube.json says how many windows were kept, and where.
         let json: serde_json::Value =
@@ -93,6 +107,11 @@ fn same_whatever_kept(backend: &str, kept: [Option<&str>; 3]) {
         let n_kept = kept.map_or(0, |k| k.split(' ').next().unwrap().parse::<u64>().unwrap());
         assert_eq!(m["windows"], 5, "{m}");
         assert_eq!(m["windows_kept"], n_kept, "{m}");
+        // The input checks found the stuck stretch (masked), whichever pass
+        // ran them.
+        let c = &json["settings"]["detection"]["checks"];
+        assert!(c["clipped_samples_masked"].as_u64().unwrap() > 0, "{c}");
+        checks.push((c.clone(), json["detection_warnings"].clone()));
         let place = if backend == "cpu" { "host" } else { backend };
         assert_eq!(
             m["kept_in"],
@@ -109,6 +128,9 @@ fn same_whatever_kept(backend: &str, kept: [Option<&str>; 3]) {
         .unwrap()
         .len();
     assert!(n_spikes > 1000, "spike_times.npy is {n_spikes} bytes");
+    for c in &checks[1..] {
+        assert_eq!(c, &checks[0], "the input checks differ between budgets");
+    }
     for name in ARRAYS {
         let a = std::fs::read(outs[0].join(name)).unwrap();
         for o in &outs[1..] {
@@ -126,12 +148,16 @@ fn same_whatever_kept(backend: &str, kept: [Option<&str>; 3]) {
 #[test]
 fn the_sort_is_the_same_whatever_the_windows_kept_on_the_device() {
     common::require_vulkan();
-    same_whatever_kept("wgpu", [Some("0 of 5"), Some("2 of 5"), Some("5 of 5")]);
+    same_whatever_kept(
+        "wgpu",
+        [Some("0 of 5"), Some("2 of 5"), Some("5 of 5")],
+        [0, 2, 5],
+    );
 }
 
 #[test]
 fn the_sort_is_the_same_whatever_the_windows_kept_in_host_memory() {
-    same_whatever_kept("cpu", [None, Some("2 of 5"), Some("5 of 5")]);
+    same_whatever_kept("cpu", [None, Some("2 of 5"), Some("5 of 5")], [0; 3]);
 }
 
 #[test]

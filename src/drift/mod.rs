@@ -343,6 +343,11 @@ pub struct FirstPass<'a> {
     pub nt: u64,
     /// Replace stuck stretches as the main pass does.
     pub mask_clipped: bool,
+    /// When given, each window gets the detection pass's input checks
+    /// ([`crate::checks::WindowCheck::run`], which masks as `mask_clipped`
+    /// says) in place of the masking alone, added up here in window order:
+    /// for a detection pass that will not read the windows again.
+    pub checks: Option<&'a std::sync::Mutex<crate::checks::PassChecks>>,
 }
 
 /// The first detection pass (Kilosort4's `datashift.run` step 2): every
@@ -389,16 +394,24 @@ fn first_pass_run(
     mut also: Option<&mut AppendDetections<'_>>,
 ) -> Result<FirstPassSpikes> {
     let mut out = FirstPassSpikes::default();
-    let min_run = crate::checks::stuck_min_run(fp.recording.fs());
     let plan = *fp.plan;
-    let mask_clipped = fp.mask_clipped;
-    // The masking depends on the window alone: it runs on the reading
-    // threads right after each read, several windows at once when the pass
-    // reads on several threads.
-    let mask = move |w: &mut crate::recording::Window| -> Result<()> {
-        if mask_clipped {
-            let cols = crate::checks::WindowColumns::of(&plan, w.index);
-            crate::checks::mask_stuck_window(w, &cols, min_run);
+    let check = crate::checks::WindowCheck::new(plan, fp.recording.fs(), fp.mask_clipped);
+    let checks = fp.checks;
+    let full = checks.is_some();
+    // The masking (and the checks, when asked) depend on the window alone:
+    // they run on the reading threads right after each read, several windows
+    // at once when the pass reads on several threads; the checks' totals
+    // are added up in window order.
+    let prepare = move |w: &mut crate::recording::Window| -> Result<Option<WindowFound>> {
+        if full {
+            return Ok(Some(check.run(w)));
+        }
+        check.mask(w);
+        Ok(None)
+    };
+    let merge = move |_: &mut crate::recording::Window, found: Option<WindowFound>| -> Result<()> {
+        if let (Some(c), Some(f)) = (checks, found) {
+            c.lock().unwrap_or_else(|e| e.into_inner()).merge(f);
         }
         Ok(())
     };
@@ -407,8 +420,9 @@ fn first_pass_run(
         fp.recording.clone(),
         plan,
         &fp.probe.chan_map,
-        &mask,
-        |_: &mut crate::recording::Window, ()| Ok(()),
+        &prepare,
+        merge,
+        0,
         pass,
         |w: crate::stages::WindowInfo, mut det: crate::Detections| -> Result<()> {
             let own_end = nt + w.own_len;
@@ -440,6 +454,10 @@ fn first_pass_run(
     );
     Ok(out)
 }
+
+/// One window's channel facts and own transients
+/// ([`crate::checks::WindowCheck::run`]).
+type WindowFound = (crate::checks::WindowHealth, Vec<i64>);
 
 /// What the drift step of a run did, for `spikecube.json` and the pipeline.
 #[derive(Debug, Default)]

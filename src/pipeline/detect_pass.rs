@@ -13,7 +13,7 @@ use anyhow::Result;
 use super::drift_pass::DriftStep;
 use super::job::{DetectJob, Progress};
 use super::open::OpenRun;
-use crate::checks::{self, ChannelHealth, Near};
+use crate::checks::{self, ChannelHealth, Near, PassChecks, WindowCheck};
 use crate::detect::Geometry;
 use crate::detect::cpu::Detections;
 use crate::output::OutputWriter;
@@ -45,7 +45,10 @@ impl PassDetections {
 /// Runs the detection pass over every window (none with `--drift-only`,
 /// whose first pass was the output), streaming detections into
 /// `run.writer`; the per-window stages' busy seconds, their wall time and
-/// overlap, and the device's per-window medians go into `timer`.
+/// overlap, and the device's per-window medians go into `timer`. `early`:
+/// the input checks of every window, found by the drift step's first pass
+/// on the same raw windows; then the windows are only masked as read, and
+/// those the pass holds already ([`WindowPass::windows_held`]) are not read.
 ///
 /// # Errors
 /// The first failed read, check, pass or write.
@@ -54,13 +57,12 @@ pub(crate) fn detect_pass(
     run: &mut OpenRun,
     pass: &mut dyn WindowPass,
     drift: &DriftStep,
+    early: Option<PassChecks>,
     timer: &mut StageTimer,
     progress: &mut dyn FnMut(Progress),
 ) -> Result<PassDetections> {
     let plan = run.plan;
     let fs = job.recording.fs();
-    let min_run = checks::stuck_min_run(fs);
-    let mut health = ChannelHealth::new(&job.probe.chan_map);
     let mut out = Emitter {
         writer: &mut run.writer,
         geometry: &run.geometry,
@@ -79,31 +81,26 @@ pub(crate) fn detect_pass(
     if let Some(keep) = &job.keep_windows {
         pass.keep_windows(keep.budget);
     }
-    let mask_clipped = job.checks.mask_clipped;
-    let health_ref = &mut health;
+    let check = WindowCheck::new(plan, fs, job.checks.mask_clipped);
+    // Checks the first pass found for every window are used as they are.
+    let early = early.filter(|c| c.windows() == plan.n_windows);
+    let checked_below = if early.is_some() { plan.n_windows } else { 0 };
+    let mut checks = PassChecks::new(&job.probe.chan_map);
+    let checks_ref = &mut checks;
     // The checks' work on the reading threads; only adding each window's
     // channel facts to the run's is in window order.
-    let gap = checks::transients::transient_gap(fs);
-    let mut transients = Vec::new();
-    let transients_ref = &mut transients;
-    let prepare =
-        move |w: &mut crate::recording::Window| -> Result<(checks::WindowHealth, Vec<i64>)> {
-            let cols = checks::WindowColumns::of(&plan, w.index);
-            let (health, events) =
-                checks::precheck_window_with_transients(w, &cols, min_run, mask_clipped, gap);
-            let own = checks::transients::own_events(
-                &events,
-                w.first_sample,
-                plan.nt as usize,
-                w.own_len as usize,
-            );
-            Ok((health, own))
-        };
-    let merge = move |_: &mut crate::recording::Window,
-                      (h, t): (checks::WindowHealth, Vec<i64>)|
-          -> Result<()> {
-        health_ref.merge(&h);
-        transients_ref.extend(t);
+    let known = early.is_some();
+    let prepare = move |w: &mut crate::recording::Window| -> Result<Option<WindowFound>> {
+        if known {
+            check.mask(w);
+            return Ok(None);
+        }
+        Ok(Some(check.run(w)))
+    };
+    let merge = move |_: &mut crate::recording::Window, found: Option<WindowFound>| -> Result<()> {
+        if let Some(f) = found {
+            checks_ref.merge(f);
+        }
         Ok(())
     };
     // `--drift-only`: the first pass's spikes are the output; no second pass.
@@ -116,6 +113,7 @@ pub(crate) fn detect_pass(
             &job.probe.chan_map,
             &prepare,
             merge,
+            checked_below,
             pass,
             |w: WindowInfo, det: Detections| -> Result<()> {
                 out.window(w, det)?;
@@ -132,6 +130,7 @@ pub(crate) fn detect_pass(
             },
         )?
     };
+    let checks = early.unwrap_or(checks);
     out.flush()?;
     if let Some(keep) = &job.keep_windows {
         let kept = pass.take_kept();
@@ -142,10 +141,13 @@ pub(crate) fn detect_pass(
         dropped: out.dropped,
         duplicates: out.duplicates,
         seconds_done,
-        health,
-        transients,
+        health: checks.health,
+        transients: checks.transients,
     })
 }
+
+/// One window's channel facts and own transients ([`WindowCheck::run`]).
+type WindowFound = (checks::WindowHealth, Vec<i64>);
 
 /// The per-window stages' busy seconds, their wall time and overlap, and the
 /// device's per-window step medians (`device_window_median_<step>`, over

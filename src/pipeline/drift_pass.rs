@@ -5,13 +5,14 @@
 //! Kilosort4 learns them again from the drift-corrected windows for the
 //! second pass (drift-spec.md §8); those are the output's.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
 
 use super::job::DetectJob;
 use super::open::OpenRun;
 use super::templates::{choose_on_device, read_masked, window_first_sample};
+use crate::checks::PassChecks;
 use crate::drift::{DriftRun, FirstPass};
 use crate::preprocess::Preprocessor;
 use crate::stages::WindowPass;
@@ -27,6 +28,10 @@ pub(crate) struct DriftStep {
     /// the detection pass uses (and the output records) in place of stage
     /// 4's; `None` when the run did not learn them again.
     pub relearned: Option<ChosenTemplates>,
+    /// The detection pass's input checks of every window, found by the
+    /// first pass (which read the same raw windows) when the detection pass
+    /// starts from windows kept high-passed and so does not read them again.
+    pub checks: Option<PassChecks>,
 }
 
 /// Runs the drift step: the first pass through `pass` (with `--drift-only`
@@ -45,6 +50,19 @@ pub(crate) fn drift_step(
     pass: &mut dyn WindowPass,
     timer: &mut StageTimer,
 ) -> Result<DriftStep> {
+    // When the detection pass keeps its windows for the sort and will pass
+    // over the same raw windows again, the first pass keeps them high-passed
+    // (where the pass preprocesses: the GPU) so that the second pass whitens
+    // them again with the drift-corrected matrices instead of reading,
+    // sending and filtering the raw windows; the first pass then runs the
+    // detection pass's input checks on them too.
+    let keeps_filtered = match &job.keep_windows {
+        Some(keep) if job.drift.nblocks > 0 && !job.drift.drift_only => {
+            pass.keep_filtered(keep.budget)
+        }
+        _ => false,
+    };
+    let checks = keeps_filtered.then(|| Mutex::new(PassChecks::new(&job.probe.chan_map)));
     let fp = FirstPass {
         recording: &job.recording,
         plan: &run.plan,
@@ -52,18 +70,8 @@ pub(crate) fn drift_step(
         pre,
         nt: job.detection.nt as u64,
         mask_clipped: job.checks.mask_clipped,
+        checks: checks.as_ref(),
     };
-    // When the detection pass keeps its windows for the sort and will pass
-    // over the same raw windows again, the first pass keeps them high-passed
-    // (where the pass preprocesses: the GPU) so that the second pass whitens
-    // them again with the drift-corrected matrices instead of sending and
-    // filtering the raw windows.
-    if let Some(keep) = &job.keep_windows
-        && job.drift.nblocks > 0
-        && !job.drift.drift_only
-    {
-        pass.keep_filtered(keep.budget);
-    }
     let staged = run.writer.partial_path().to_path_buf();
     let mut found = Vec::new();
     let writer = &mut run.writer;
@@ -92,6 +100,7 @@ pub(crate) fn drift_step(
     Ok(DriftStep {
         run: drift,
         relearned,
+        checks: checks.map(|c| c.into_inner().unwrap_or_else(|e| e.into_inner())),
     })
 }
 

@@ -111,10 +111,18 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     })?;
     templates::record_seconds(&mut timer, "templates", &templates);
     let (mut pass, back_end) = device.into_pass(&pre, &job)?;
-    let drift = drift_pass::drift_step(&job, &mut run, &pre, pass.as_mut(), &mut timer)?;
+    let mut drift = drift_pass::drift_step(&job, &mut run, &pre, pass.as_mut(), &mut timer)?;
     let zeroed_before = pre.artifact_windows();
-    let found =
-        detect_pass::detect_pass(&job, &mut run, pass.as_mut(), &drift, &mut timer, progress)?;
+    let early = drift.checks.take();
+    let found = detect_pass::detect_pass(
+        &job,
+        &mut run,
+        pass.as_mut(),
+        &drift,
+        early,
+        &mut timer,
+        progress,
+    )?;
     pass_warnings(
         &job,
         &mut run,

@@ -157,6 +157,19 @@ impl Window {
             raw16,
         }
     }
+
+    /// Window `i` of `plan` without its samples: for a pass that holds them
+    /// already (a window kept on the device after its high-pass,
+    /// [`crate::stages::WindowPass::windows_held`]), so it is not read.
+    pub fn unread(rec_first: u64, plan: &WindowPlan, i: u64) -> Window {
+        Window::of(rec_first, plan, i, Array2::zeros((0, 0)), None)
+    }
+
+    /// Whether the window holds its samples (in `data` or `raw16`); false
+    /// for [`Window::unread`].
+    pub fn has_samples(&self) -> bool {
+        self.raw16.is_some() || !self.data.is_empty()
+    }
 }
 
 /// Reads window `i` of `rec` into `out` (`chan_map.len() × (batch_size + 2·nt)`),
