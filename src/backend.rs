@@ -687,6 +687,31 @@ impl Detector {
         }
     }
 
+    /// The template learning's clips of one raw window, cut on the device
+    /// ([`crate::detect::gpu::GpuDetector::learning_clips`]); `Ok(None)` on
+    /// the CPU.
+    ///
+    /// # Errors
+    /// As that method.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    pub fn learning_clips(
+        &mut self,
+        raw: crate::detect::gpu::RawWindow,
+        yc: &[f32],
+        cut: &crate::detect::learn::ClipCut,
+    ) -> Result<Option<ndarray::Array2<f32>>, DetectError> {
+        match self {
+            Detector::Cpu(_) => {
+                let _ = (raw, yc, cut);
+                Ok(None)
+            }
+            #[cfg(feature = "cuda")]
+            Detector::Cuda(d) => d.learning_clips(raw, yc, cut).map(Some),
+            #[cfg(feature = "wgpu")]
+            Detector::Wgpu(d) => d.learning_clips(raw, yc, cut).map(Some),
+        }
+    }
+
     /// Frees what [`Detector::with_whitened`] keeps between windows
     /// ([`crate::detect::gpu::GpuDetector::end_whitened`]); nothing on the CPU.
     pub fn end_whitened(&mut self) {

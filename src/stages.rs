@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, anyhow};
 use crossbeam_channel::{bounded, unbounded};
-use ndarray::{Array2, ArrayView2};
+use ndarray::Array2;
 
 use crate::backend::Detector;
 use crate::detect::cpu::Detections;
@@ -260,16 +260,17 @@ pub trait WindowPass: Send {
     /// For the template learning (Kilosort4's `extract_wPCA_wTEMP` on the
     /// drift-corrected windows): window `w` as read, preprocessed on this
     /// pass's device as the pass preprocesses it (with `drift`'s whitening of
-    /// the window when given), and `f` of the whitened window (C × NT), on
-    /// the calling thread; the pass's own whitening is set again afterwards.
-    /// `None` (the default) when the pass preprocesses on the host.
+    /// the window when given), and its clips as `cut` cuts them (n × nt),
+    /// on the calling thread; the pass's own whitening is set again
+    /// afterwards. `None` (the default) when the pass preprocesses on the
+    /// host.
     fn learning_window(
         &mut self,
         w: &mut Window,
         drift: Option<&dyn WindowWhitening>,
-        f: &mut dyn FnMut(ArrayView2<f32>) -> Array2<f32>,
+        cut: &crate::detect::learn::ClipCut,
     ) -> Option<Result<Array2<f32>>> {
-        let _ = (w, drift, f);
+        let _ = (w, drift, cut);
         None
     }
 
@@ -1178,7 +1179,7 @@ impl WindowPass for DevicePass {
         &mut self,
         w: &mut Window,
         drift: Option<&dyn WindowWhitening>,
-        f: &mut dyn FnMut(ArrayView2<f32>) -> Array2<f32>,
+        cut: &crate::detect::learn::ClipCut,
     ) -> Option<Result<Array2<f32>>> {
         let mut run = || -> Result<Array2<f32>> {
             let own = match drift {
@@ -1190,7 +1191,7 @@ impl WindowPass for DevicePass {
                 self.detector.set_whitening(&start, &cols, &vals)?;
             }
             let raw = self.packer.raw_window(w);
-            let res = self.detector.with_whitened(raw, &self.yc, |x| f(x));
+            let res = self.detector.learning_clips(raw, &self.yc, cut);
             let restored = match own {
                 Some(_) => {
                     let (start, cols, vals) = self.pre.whitening().csr();

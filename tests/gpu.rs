@@ -905,6 +905,50 @@ fn check_whiten_grid<R: Runtime>(device: &R::Device) {
     assert_eq!(bits(&outs[0].0), bits(&outs[1].0), "fitted W");
     assert_eq!(bits(&outs[0].1), bits(&outs[1].1), "dense matrix");
 }
+/// The template learning's clips cut on the device
+/// ([`GpuDetector::learning_clips`]) are, bit for bit, the host's
+/// ([`ClipCut::cut`]) on the same window whitened on the device and read
+/// back; at Kilosort4's `Th_single_ch` (6) and at lower thresholds, where
+/// many peaks are close together and fewer are isolated (at 2, none here:
+/// the window with no clips).
+fn check_learning_clips<R: Runtime>(device: &R::Device) {
+    use spikecube::detect::learn::ClipCut;
+    let Windows {
+        p,
+        windows,
+        form,
+        s,
+        g,
+        ..
+    } = small_windows(48, 15.0, 3, 91);
+    let packer = spikecube::detect::gpu::Packer::default();
+    let mut det = gpu::<R>(device, &g, &s, FAST);
+    det.set_preprocessing(&form).unwrap();
+    let mut clips = [0usize; 4];
+    for (k, th) in [6.0f32, 4.0, 3.0, 2.0].into_iter().enumerate() {
+        let cut = ClipCut {
+            th_single_ch: th,
+            nt: s.nt,
+            nt0min: s.nt0min(),
+        };
+        for (i, w) in windows.iter().enumerate() {
+            let want = det
+                .with_whitened(packer.pack(w.view()), &p.yc, |x| cut.cut(x))
+                .unwrap();
+            let got = det
+                .learning_clips(packer.pack(w.view()), &p.yc, &cut)
+                .unwrap();
+            assert_eq!(got.dim(), want.dim(), "th {th}, window {i}");
+            let bits = |a: &Array2<f32>| a.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(bits(&got), bits(&want), "th {th}, window {i}");
+            clips[k] += got.nrows();
+        }
+    }
+    assert!(
+        clips[..3].iter().all(|&n| n > 0),
+        "clips at thresholds 6, 4, 3, 2: {clips:?}"
+    );
+}
 // ---- end of the queued windows ----
 
 #[cfg(feature = "wgpu")]
@@ -985,6 +1029,10 @@ mod wgpu {
     #[test]
     fn whitening_grid_layouts() {
         check_whiten_grid::<WgpuRuntime>(&device());
+    }
+    #[test]
+    fn learning_clips_on_the_device() {
+        check_learning_clips::<WgpuRuntime>(&device());
     }
 
     /// The whole `spikecube detect` run with `--backend wgpu` writes the same
@@ -1217,6 +1265,11 @@ mod cuda {
     #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
     fn cuda_whitening_grid_layouts() {
         check_whiten_grid::<CudaRuntime>(&device());
+    }
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]
+    fn cuda_learning_clips_on_the_device() {
+        check_learning_clips::<CudaRuntime>(&device());
     }
     #[test]
     #[ignore = "needs an NVIDIA GPU: cargo test --release --test gpu -- --include-ignored"]

@@ -143,10 +143,15 @@ impl LearnSettings {
 /// other peak lies in its ±6-row × ±30-sample box, and when `nt ≤ t < NT − nt`.
 /// Rows are neighbours by index, not by distance, as in Kilosort4.
 pub fn isolated_peaks(x: ArrayView2<f32>, th_single_ch: f32, nt: usize) -> Vec<(usize, usize)> {
+    isolate_peaks(&row_peaks(x, th_single_ch), nt, x.ncols())
+}
+
+/// The peaks of each row of `x` ([`isolated_peaks`]' first test: |x| above
+/// `th_single_ch` and the largest |x| in the [`PEAK_BOX`]), by sample.
+pub fn row_peaks(x: ArrayView2<f32>, th_single_ch: f32) -> Vec<Vec<usize>> {
     let (n_rows, n_t) = x.dim();
     let (pr, pt) = PEAK_BOX;
-    // Peaks of each row, by sample.
-    let peaks: Vec<Vec<usize>> = (0..n_rows)
+    (0..n_rows)
         .into_par_iter()
         .map(|c| {
             let row = x.row(c);
@@ -169,7 +174,16 @@ pub fn isolated_peaks(x: ArrayView2<f32>, th_single_ch: f32, nt: usize) -> Vec<(
             }
             out
         })
-        .collect();
+        .collect()
+}
+
+/// [`isolated_peaks`]' second test on the peaks of each row of a window of
+/// `n_t` samples ([`row_peaks`], or the device's
+/// [`crate::detect::gpu::GpuDetector::learning_clips`]): the peaks with no
+/// other in their [`ISOLATION_BOX`] and `nt ≤ t < n_t − nt`, in row-major
+/// order.
+pub fn isolate_peaks(peaks: &[Vec<usize>], nt: usize, n_t: usize) -> Vec<(usize, usize)> {
+    let n_rows = peaks.len();
     let (ir, it) = ISOLATION_BOX;
     let mut kept = Vec::new();
     for (c, row) in peaks.iter().enumerate() {
@@ -191,6 +205,26 @@ pub fn isolated_peaks(x: ArrayView2<f32>, th_single_ch: f32, nt: usize) -> Vec<(
         }
     }
     kept
+}
+
+/// How the learning cuts clips from a whitened window
+/// ([`extract_clips`] with these settings; on a device,
+/// [`crate::detect::gpu::GpuDetector::learning_clips`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClipCut {
+    /// `Th_single_ch` (whitened units).
+    pub th_single_ch: f32,
+    /// Clip length, samples.
+    pub nt: usize,
+    /// The peak's sample in its clip.
+    pub nt0min: usize,
+}
+
+impl ClipCut {
+    /// The clips of the whitened window `x` (C × NT), one row each (n × nt).
+    pub fn cut(&self, x: ArrayView2<f32>) -> Array2<f32> {
+        extract_clips(x, self.th_single_ch, self.nt, self.nt0min).1
+    }
 }
 
 /// The clips of [`isolated_peaks`]: row i is `x[c, t − nt0min .. t − nt0min + nt]`

@@ -4,12 +4,13 @@
 //! them and `templates.npz` goes into the staged folder.
 
 use anyhow::{Context, Result};
-use ndarray::{Array2, ArrayView2};
+use ndarray::Array2;
 
 use super::device::Device;
 use super::job::DetectJob;
 use super::open::OpenRun;
 use crate::checks;
+use crate::detect::learn::ClipCut;
 use crate::preprocess::Preprocessor;
 use crate::recording::{WindowPlan, read_window};
 use crate::timing::StageTimer;
@@ -49,7 +50,7 @@ pub(crate) fn choose_templates(
             let chosen = choose_on_device(job, &plan, &mut raw16, &mut |w, cut| {
                 let raw = packer.raw_window(w);
                 detector
-                    .with_whitened(raw, yc, |x| cut(x))?
+                    .learning_clips(raw, yc, cut)?
                     .context("the detector is not on a device")
             });
             detector.end_whitened();
@@ -92,10 +93,6 @@ pub(crate) fn record_seconds(timer: &mut StageTimer, stage: &str, chosen: &Chose
     }
 }
 
-/// Cuts the clips of a whitened window (C × NT): the learning's
-/// [`crate::detect::learn::extract_clips`] with its settings.
-pub(crate) type CutClips<'a> = dyn FnMut(ArrayView2<f32>) -> Array2<f32> + 'a;
-
 /// Threads reading a learning's windows ahead of the device
 /// ([`choose_on_device`]), as the whitening fit reads its windows
 /// ([`super::FIT_READERS`]).
@@ -106,9 +103,8 @@ const LEARN_READERS: usize = super::FIT_READERS;
 /// each read as the passes read it (int16 values into `raw16`'s storage when
 /// the recording gives them, else f32; stuck stretches masked when the run
 /// masks them) on [`LEARN_READERS`] threads ahead of the device, then
-/// handed to `whiten` in window order with the clip cutter
-/// ([`crate::detect::learn::extract_clips`]), which it calls on the whitened
-/// window and whose clips it returns. At most `LEARN_READERS + 2` windows
+/// handed to `whiten` in window order with the learning's clip settings
+/// ([`ClipCut`]): it returns the clips of the window whitened on the device. At most `LEARN_READERS + 2` windows
 /// are read and not yet whitened. A window after one that fails is not
 /// handed on.
 ///
@@ -118,7 +114,7 @@ pub(crate) fn choose_on_device(
     job: &DetectJob,
     plan: &WindowPlan,
     raw16: &mut Option<crate::stages::Raw16Alloc>,
-    whiten: &mut dyn FnMut(&mut crate::recording::Window, &mut CutClips) -> Result<Array2<f32>>,
+    whiten: &mut dyn FnMut(&mut crate::recording::Window, &ClipCut) -> Result<Array2<f32>>,
 ) -> Result<ChosenTemplates> {
     let (nt, nt0min) = (job.detection.nt, job.detection.nt0min());
     let rec = job.recording.as_ref();
@@ -131,8 +127,11 @@ pub(crate) fn choose_on_device(
         1
     };
     crate::universal::choose_with(&job.templates, nt0min, |s| {
-        let th = s.th_single_ch;
-        let mut cut = |x: ArrayView2<f32>| crate::detect::learn::extract_clips(x, th, nt, nt0min).1;
+        let cut = ClipCut {
+            th_single_ch: s.th_single_ch,
+            nt,
+            nt0min,
+        };
         crate::detect::learn::learn_from_clips(plan.n_windows, nt, nt0min, s, |js| {
             let read_one = |alloc: &mut Option<crate::stages::Raw16Alloc>, i: u64| {
                 let mut data = Array2::zeros((0, 0));
@@ -181,7 +180,7 @@ pub(crate) fn choose_on_device(
                 for &i in js {
                     let Ok(res) = rx.recv() else { break };
                     let res = res
-                        .and_then(|mut w| whiten(&mut w, &mut cut))
+                        .and_then(|mut w| whiten(&mut w, &cut))
                         .with_context(|| format!("window {i} for learning templates"));
                     let failed = res.is_err();
                     out.push(res);

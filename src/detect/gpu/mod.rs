@@ -24,6 +24,7 @@ pub mod features;
 pub mod filter_bank;
 pub mod gram;
 pub mod highpass_iir;
+pub mod learn_clips;
 pub mod local_peaks;
 pub mod neighbour_max;
 #[cfg(feature = "cuda")]
@@ -1237,6 +1238,110 @@ impl<R: Runtime> GpuDetector<R> {
             }
         })?;
         Ok(f(x))
+    }
+
+    /// The template learning's clips of one raw window
+    /// ([`crate::detect::learn::ClipCut::cut`] of the window preprocessed as
+    /// [`GpuDetector::with_whitened`] preprocesses it), cut on the device:
+    /// only the peaks' bits and the clips come back (module
+    /// [`learn_clips`]). The same clips, bit for bit, as the host's on the
+    /// window read back.
+    ///
+    /// # Errors
+    /// As [`GpuDetector::with_whitened`].
+    pub fn learning_clips(
+        &mut self,
+        mut raw: RawWindow,
+        yc: &[f32],
+        cut: &crate::detect::learn::ClipCut,
+    ) -> Result<ndarray::Array2<f32>, DetectError> {
+        let claim = raw.take_claim();
+        self.upload_raw(raw, yc, false, 4)?;
+        let x = self.window.as_ref().expect("allocated").x.clone();
+        let c = self.pre.as_ref().map_or(0, |p| p.form.n_sites);
+        let n = self.window.as_ref().expect("allocated").n_t;
+        let read = |client: &ComputeClient<R>, h: Handle, what: &str| {
+            cubecl::future::block_on(client.read_async(vec![h])).map_err(|e| DetectError::Device {
+                message: format!("{} failed reading {what}: {e:?}", self.device_name),
+            })
+        };
+        let words = n.div_ceil(32);
+        let n_words = c * words;
+        let bits = self.client.empty(n_words.max(1) * 4);
+        let (pr, pt) = crate::detect::learn::PEAK_BOX;
+        // SAFETY: unit w < n_rows·words writes bits[w] and reads x at rows
+        // and samples clipped to the c × n window.
+        unsafe {
+            learn_clips::peak_bits_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(n_words.div_ceil(learn_clips::UNITS as usize) as u32, 1, 1),
+                CubeDim::new_1d(learn_clips::UNITS),
+                ArrayArg::from_raw_parts(x.clone(), c * n),
+                ArrayArg::from_raw_parts(bits.clone(), n_words),
+                c as u32,
+                n as u32,
+                words as u32,
+                cut.th_single_ch,
+                pr as u32,
+                pt as u32,
+            );
+        }
+        let out = read(&self.client, bits, "the learning's peaks")?;
+        // The preprocessing kernels have read the upload buffer by now.
+        drop(claim);
+        let v = u32::from_bytes(&out[0]);
+        if v.len() < n_words {
+            return Err(DetectError::Device {
+                message: format!(
+                    "{}: {} of {n_words} peak words read back",
+                    self.device_name,
+                    v.len()
+                ),
+            });
+        }
+        let peaks = learn_clips::peaks_from_bits(&v[..n_words], c, words);
+        let kept = crate::detect::learn::isolate_peaks(&peaks, cut.nt, n);
+        let nt = cut.nt;
+        if kept.is_empty() {
+            return Ok(ndarray::Array2::zeros((0, nt)));
+        }
+        // Each clip starts nt0min samples before its peak (t ≥ nt > nt0min).
+        let starts: Vec<u32> = kept
+            .iter()
+            .map(|&(r, t)| (r * n + t - cut.nt0min) as u32)
+            .collect();
+        let starts_h = self.client.create_from_slice(bytes_u32(&starts));
+        let total = kept.len() * nt;
+        let clips = self.client.empty(total * 4);
+        // SAFETY: unit i < n_clips·nt writes out[i] and reads x at a clip's
+        // start + j, inside its row (nt ≤ t < n − nt).
+        unsafe {
+            learn_clips::gather_clips_kernel::launch_unchecked::<R>(
+                &self.client,
+                CubeCount::Static(total.div_ceil(learn_clips::UNITS as usize) as u32, 1, 1),
+                CubeDim::new_1d(learn_clips::UNITS),
+                ArrayArg::from_raw_parts(x, c * n),
+                ArrayArg::from_raw_parts(starts_h, starts.len()),
+                ArrayArg::from_raw_parts(clips.clone(), total),
+                kept.len() as u32,
+                nt as u32,
+            );
+        }
+        let out = read(&self.client, clips, "the learning's clips")?;
+        let v = f32::from_bytes(&out[0]);
+        if v.len() < total {
+            return Err(DetectError::Device {
+                message: format!(
+                    "{}: {} of {total} clip values read back",
+                    self.device_name,
+                    v.len()
+                ),
+            });
+        }
+        Ok(
+            ndarray::Array2::from_shape_vec((kept.len(), nt), v[..total].to_vec())
+                .expect("length checked"),
+        )
     }
 
     /// Frees what [`GpuDetector::with_whitened`] keeps between windows (the
