@@ -662,31 +662,6 @@ impl Detector {
         }
     }
 
-    /// `f` of one raw window preprocessed on the device and read back
-    /// ([`crate::detect::gpu::GpuDetector::with_whitened`]); `Ok(None)` on
-    /// the CPU.
-    ///
-    /// # Errors
-    /// As that method.
-    #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    pub fn with_whitened<T>(
-        &mut self,
-        raw: crate::detect::gpu::RawWindow,
-        yc: &[f32],
-        f: impl FnOnce(ndarray::ArrayView2<f32>) -> T,
-    ) -> Result<Option<T>, DetectError> {
-        match self {
-            Detector::Cpu(_) => {
-                let _ = (raw, yc, f);
-                Ok(None)
-            }
-            #[cfg(feature = "cuda")]
-            Detector::Cuda(d) => d.with_whitened(raw, yc, f).map(Some),
-            #[cfg(feature = "wgpu")]
-            Detector::Wgpu(d) => d.with_whitened(raw, yc, f).map(Some),
-        }
-    }
-
     /// The template learning's clips of one raw window, cut on the device
     /// ([`crate::detect::gpu::GpuDetector::learning_clips`]); `Ok(None)` on
     /// the CPU.
@@ -712,7 +687,7 @@ impl Detector {
         }
     }
 
-    /// Frees what [`Detector::with_whitened`] keeps between windows
+    /// Frees what [`Detector::learning_clips`] keeps between windows
     /// ([`crate::detect::gpu::GpuDetector::end_whitened`]); nothing on the CPU.
     pub fn end_whitened(&mut self) {
         match self {

@@ -908,7 +908,7 @@ fn check_whiten_grid<R: Runtime>(device: &R::Device) {
 /// The template learning's clips cut on the device
 /// ([`GpuDetector::learning_clips`]) are, bit for bit, the host's
 /// ([`ClipCut::cut`]) on the same window whitened on the device and read
-/// back; at Kilosort4's `Th_single_ch` (6) and at lower thresholds, where
+/// back ([`GpuDetector::preprocess_only`]); at Kilosort4's `Th_single_ch` (6) and at lower thresholds, where
 /// many peaks are close together and fewer are isolated (at 2, none here:
 /// the window with no clips).
 fn check_learning_clips<R: Runtime>(device: &R::Device) {
@@ -932,9 +932,10 @@ fn check_learning_clips<R: Runtime>(device: &R::Device) {
             nt0min: s.nt0min(),
         };
         for (i, w) in windows.iter().enumerate() {
-            let want = det
-                .with_whitened(packer.pack(w.view()), &p.yc, |x| cut.cut(x))
-                .unwrap();
+            let mut x = det.preprocess_only(packer.pack(w.view()), &p.yc).unwrap();
+            x.truncate(w.len());
+            let x = Array2::from_shape_vec(w.dim(), x).unwrap();
+            let want = cut.cut(x.view());
             let got = det
                 .learning_clips(packer.pack(w.view()), &p.yc, &cut)
                 .unwrap();

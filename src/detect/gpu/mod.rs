@@ -156,9 +156,6 @@ pub struct StepTimes {
     pub download: f64,
 }
 
-/// Bytes of each piece [`GpuDetector::with_whitened`] reads back.
-const READBACK_BYTES: usize = 8 << 20;
-
 /// A detector on one GPU for one probe geometry (generic over the CubeCL runtime:
 /// CUDA or wgpu). Same interface and detections as [`crate::detect::cpu::CpuDetector`].
 pub struct GpuDetector<R: Runtime> {
@@ -202,9 +199,6 @@ pub struct GpuDetector<R: Runtime> {
     /// so that it can be preprocessed again
     /// ([`GpuDetector::preprocess_last_again`]).
     last_recipe: Option<RawRecipe>,
-    /// Host copy of the last whitened window [`GpuDetector::with_whitened`]
-    /// read back (kept between calls: no new pages each window).
-    readback: Vec<f32>,
     /// Device seconds and launches of each preprocessing kernel, when
     /// `SPIKECUBE_PREPROCESS_PROFILE` is set (a sync after every kernel; a
     /// diagnostic, logged when the detector is dropped).
@@ -751,7 +745,6 @@ impl<R: Runtime> GpuDetector<R> {
             last_recipe: None,
             copy_filtered: false,
             filtered_copy: None,
-            readback: Vec::new(),
             pre_profile: std::env::var_os("SPIKECUBE_PREPROCESS_PROFILE").map(|_| {
                 std::sync::Mutex::new(PreprocessProfile {
                     last: Instant::now(),
@@ -1189,66 +1182,16 @@ impl<R: Runtime> GpuDetector<R> {
         self.preprocess_stage(raw, yc, 4)
     }
 
-    /// Preprocesses `raw` on the device as [`GpuDetector::detect_raw`] does
-    /// (with the whitening set last), reads the whitened window back and
-    /// returns `f` of it (C × N, read-only, valid during the call): for the
-    /// template learning's windows, made on the device like the pass's.
-    ///
-    /// # Errors
-    /// As [`GpuDetector::detect_raw`].
-    pub fn with_whitened<T>(
-        &mut self,
-        mut raw: RawWindow,
-        yc: &[f32],
-        f: impl FnOnce(ndarray::ArrayView2<f32>) -> T,
-    ) -> Result<T, DetectError> {
-        let claim = raw.take_claim();
-        self.upload_raw(raw, yc, false, 4)?;
-        let w = self.window.as_ref().expect("allocated");
-        let c = self.pre.as_ref().map_or(0, |p| p.form.n_sites);
-        let n = w.n_t;
-        // Read back in pieces of about 8 MB into the host copy: CubeCL stages
-        // each read in page-locked memory of its size, which a whole window
-        // (92 MB at 384 sites) would make anew for the first windows.
-        let len = c * n;
-        self.readback.resize(len, 0.0);
-        let piece = (READBACK_BYTES / 4).max(1);
-        for start in (0..len).step_by(piece) {
-            let end = (start + piece).min(len);
-            let h =
-                w.x.clone()
-                    .offset_start((start * 4) as u64)
-                    .offset_end(((w.x.size() as usize / 4).saturating_sub(end) * 4) as u64);
-            let out = cubecl::future::block_on(self.client.read_async(vec![h])).map_err(|e| {
-                DetectError::Device {
-                    message: format!(
-                        "{} failed reading a whitened window: {e:?}",
-                        self.device_name
-                    ),
-                }
-            })?;
-            self.readback[start..end].copy_from_slice(&f32::from_bytes(&out[0])[..end - start]);
-        }
-        // The kernels have read the upload buffer by now.
-        drop(claim);
-        let x = ndarray::ArrayView2::from_shape((c, n), &self.readback[..]).map_err(|e| {
-            DetectError::Input {
-                what: "whitened window".into(),
-                message: e.to_string(),
-            }
-        })?;
-        Ok(f(x))
-    }
-
     /// The template learning's clips of one raw window
-    /// ([`crate::detect::learn::ClipCut::cut`] of the window preprocessed as
-    /// [`GpuDetector::with_whitened`] preprocesses it), cut on the device:
+    /// ([`crate::detect::learn::ClipCut::cut`] of the window preprocessed on
+    /// the device as [`GpuDetector::detect_raw`] does, with the whitening
+    /// set last), cut on the device:
     /// only the peaks' bits and the clips come back (module
     /// [`learn_clips`]). The same clips, bit for bit, as the host's on the
     /// window read back.
     ///
     /// # Errors
-    /// As [`GpuDetector::with_whitened`].
+    /// As [`GpuDetector::detect_raw`].
     pub fn learning_clips(
         &mut self,
         mut raw: RawWindow,
@@ -1344,11 +1287,10 @@ impl<R: Runtime> GpuDetector<R> {
         )
     }
 
-    /// Frees what [`GpuDetector::with_whitened`] keeps between windows (the
-    /// host copy of a whitened window, and the device buffer of a raw window
-    /// not sent ahead): for after the template learning.
+    /// Frees what [`GpuDetector::learning_clips`] keeps between windows (the
+    /// device buffer of a raw window not sent ahead): for after the template
+    /// learning.
     pub fn end_whitened(&mut self) {
-        self.readback = Vec::new();
         self.raw_buf = None;
     }
 
