@@ -62,24 +62,51 @@ pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
     Some(dir)
 }
 
+/// GPU 0 of CubeCL's CUDA runtime, with its kernel cache set first
+/// ([`kernel_cache`]). Every CUDA client a run makes (detection, the
+/// clusterings' seeding, the matching) takes its device from here: CubeCL
+/// reads its configuration once, when the first client is made, and a
+/// client made before the cache is set compiles every kernel again on
+/// every run.
+#[cfg(feature = "cuda")]
+pub fn cuda_device() -> cubecl::cuda::CudaDevice {
+    kernel_cache();
+    cubecl::cuda::CudaDevice::new(0)
+}
+
 /// Points CubeCL's kernel cache at [`kernel_cache_dir`], once, before the
 /// CUDA device is opened (no effect when CubeCL's configuration was already
-/// read; a `cubecl.toml` naming a cache decides instead).
+/// read; a `cubecl.toml` naming a cache decides instead). Logs where the
+/// kernels are kept, or that they are not.
 #[cfg(feature = "cuda")]
 fn kernel_cache() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig, cache::CacheConfig};
         let Some(dir) = kernel_cache_dir() else {
+            tracing::debug!("CUDA kernels are not kept between runs (SPIKECUBE_KERNEL_CACHE=off, or no writable cache folder)");
             return;
         };
         let mut slot = CubeClRuntimeConfig::storage().lock();
         if slot.is_none() {
             let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
             if config.compilation.cache.is_none() {
-                config.compilation.cache = Some(CacheConfig::File(dir));
+                config.compilation.cache = Some(CacheConfig::File(dir.clone()));
             }
+            tracing::debug!(
+                "CUDA kernels kept between runs in {}",
+                config
+                    .compilation
+                    .cache
+                    .as_ref()
+                    .map_or(dir, |c| c.root())
+                    .display()
+            );
             *slot = Some(std::sync::Arc::new(config));
+        } else {
+            tracing::debug!(
+                "CubeCL's configuration was read before the kernel cache was set: CUDA kernels are compiled again on every run"
+            );
         }
     });
 }
@@ -484,9 +511,8 @@ impl Detector {
         match chosen.backend.as_str() {
             #[cfg(feature = "cuda")]
             "cuda" => Ok(Detector::Cuda(Box::new({
-                kernel_cache();
                 crate::detect::gpu::GpuDetector::new(
-                    &cubecl::cuda::CudaDevice::new(0),
+                    &cuda_device(),
                     chosen.device.clone(),
                     geometry,
                     templates,

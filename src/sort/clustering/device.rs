@@ -116,7 +116,7 @@ impl SeedingDevice {
     /// The screen on the first CUDA device.
     #[cfg(feature = "cuda")]
     pub fn cuda() -> Self {
-        let device = cubecl::cuda::CudaDevice::new(0);
+        let device = crate::backend::cuda_device();
         SeedingDevice(
             Some(Arc::new(CubeScreens::<cubecl::cuda::CudaRuntime>::new(
                 &device, "cuda",

@@ -66,7 +66,7 @@ impl Matcher {
         match chosen.backend.as_str() {
             #[cfg(feature = "cuda")]
             "cuda" => Ok(Matcher::Cuda(Box::new(super::gpu::GpuMatcher::new(
-                &cubecl::cuda::CudaDevice::new(0),
+                &crate::backend::cuda_device(),
                 chosen.device.clone(),
                 setup,
                 super::gpu::GpuMatchOptions::from_env(),
