@@ -15,8 +15,11 @@
 //!     │     └─ Device::into_pass ─▶ Box<dyn WindowPass> (host or device preprocessing)
 //!  5. drift ....... DriftStep      first pass, estimate, drift files, correction,
 //!     │                            templates learned again from corrected windows
+//!     │                            (and the input checks, when the GPU holds the
+//!     │                            windows high-passed for the next pass)
 //!  6. detect pass . PassDetections spikes streamed into the staged folder; drops,
-//!     │                            boundary duplicates, channel check
+//!     │                            boundary duplicates, channel check (or the
+//!     │                            first pass's, the held windows not read again)
 //!     │  ◀── the sort stages plug in here (below)
 //!  7. outputs ..... Report         spikecube.json, params.py, folder made final
 //! ```
