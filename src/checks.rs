@@ -21,7 +21,7 @@ mod noisy;
 mod outcome;
 mod pass;
 pub use noisy::{NOISY_SD_RATIO, noisy_channels, noisy_channels_warning};
-pub use pass::{PassChecks, WindowCheck};
+pub use pass::{PassChecks, WindowCheck, WindowFound};
 mod scan;
 pub mod transients;
 pub use outcome::{ZERO_SPIKES_MIN_SECONDS, artifact_windows_warning, zero_spikes_warning};

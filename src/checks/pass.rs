@@ -10,6 +10,10 @@ use crate::recording::{Window, WindowPlan};
 
 use super::{ChannelHealth, WindowColumns, WindowHealth};
 
+/// What [`WindowCheck::run`] finds in one window: its channel facts and the
+/// absolute start sample of each transient starting in its own samples.
+pub type WindowFound = (WindowHealth, Vec<i64>);
+
 /// One window's input checks as the detection pass runs them: stuck
 /// (clipped) stretches masked when asked (`--mask-clipped`), the channel
 /// facts, and the transients common to most channels in the window's own
@@ -39,7 +43,7 @@ impl WindowCheck {
     /// Checks window `w` as read (masking its stuck stretches when asked):
     /// its channel facts and the absolute start sample of each transient
     /// starting in its own samples.
-    pub fn run(&self, w: &mut Window) -> (WindowHealth, Vec<i64>) {
+    pub fn run(&self, w: &mut Window) -> WindowFound {
         let cols = WindowColumns::of(&self.plan, w.index);
         let (health, events) = super::precheck_window_with_transients(
             w,
@@ -92,7 +96,7 @@ impl PassChecks {
     }
 
     /// Adds the next window's checks (windows in order).
-    pub fn merge(&mut self, (health, transients): (WindowHealth, Vec<i64>)) {
+    pub fn merge(&mut self, (health, transients): WindowFound) {
         self.health.merge(&health);
         self.transients.extend(transients);
         self.windows += 1;

@@ -28,6 +28,7 @@ use ndarray::Array2;
 pub use correct::DriftCorrection;
 pub use estimate::{FirstPassSpikes, Histogram, Registration, bin_spikes, register};
 
+use crate::checks::WindowFound;
 use crate::preprocess::Preprocessor;
 use crate::probe::Probe;
 use crate::recording::{Recording, WindowPlan};
@@ -454,10 +455,6 @@ fn first_pass_run(
     );
     Ok(out)
 }
-
-/// One window's channel facts and own transients
-/// ([`crate::checks::WindowCheck::run`]).
-type WindowFound = (crate::checks::WindowHealth, Vec<i64>);
 
 /// What the drift step of a run did, for `spikecube.json` and the pipeline.
 #[derive(Debug, Default)]

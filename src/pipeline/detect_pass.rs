@@ -13,7 +13,7 @@ use anyhow::Result;
 use super::drift_pass::DriftStep;
 use super::job::{DetectJob, Progress};
 use super::open::OpenRun;
-use crate::checks::{self, ChannelHealth, Near, PassChecks, WindowCheck};
+use crate::checks::{self, ChannelHealth, Near, PassChecks, WindowCheck, WindowFound};
 use crate::detect::Geometry;
 use crate::detect::cpu::Detections;
 use crate::output::OutputWriter;
@@ -145,9 +145,6 @@ pub(crate) fn detect_pass(
         transients: checks.transients,
     })
 }
-
-/// One window's channel facts and own transients ([`WindowCheck::run`]).
-type WindowFound = (checks::WindowHealth, Vec<i64>);
 
 /// The per-window stages' busy seconds, their wall time and overlap, and the
 /// device's per-window step medians (`device_window_median_<step>`, over
