@@ -78,6 +78,12 @@ pub struct GpuOptions {
     /// or samples first (the environment variable `SPIKECUBE_WHITEN_GRID=samples`,
     /// for measuring); the same values either way.
     pub whiten_rows_first: bool,
+    /// The whitening kernel takes its input rows from shared memory, eight
+    /// output rows a cube, where the matrix's blocks of rows allow
+    /// ([`preprocess::whiten_tiled_kernel`]); off by default until measured
+    /// on a device, on with `SPIKECUBE_WHITEN_GRID=tiled`; the same values
+    /// either way.
+    pub whiten_tiled: bool,
 }
 
 impl Default for GpuOptions {
@@ -93,6 +99,7 @@ impl Default for GpuOptions {
             },
             highpass: highpass_iir::HighpassMode::from_env(),
             whiten_rows_first: std::env::var("SPIKECUBE_WHITEN_GRID").as_deref() != Ok("samples"),
+            whiten_tiled: std::env::var("SPIKECUBE_WHITEN_GRID").as_deref() == Ok("tiled"),
         }
     }
 }
@@ -279,6 +286,8 @@ struct RawRecipe {
     w_cols: Handle,
     w_vals: Handle,
     w_nnz: usize,
+    /// The whitening's plan for [`preprocess::whiten_tiled_kernel`], when used.
+    w_tiled: Option<TiledW>,
     /// A window whitened earlier into a buffer of its own
     /// ([`GpuDetector::submit_filtered`]): the steps read that buffer as X
     /// (nothing is preprocessed or copied), and `raw` is not read.
@@ -299,6 +308,18 @@ struct Pending {
 /// See [`GpuDetector::direct`]'s field: copies the bytes into the handle's memory.
 type DirectUpload<R> = Box<dyn Fn(&ComputeClient<R>, Handle, &[u8]) -> bool + Send + Sync>;
 
+/// [`preprocess::tiled_plan`] on the device: block starts, the blocks'
+/// input rows, each non-zero's place among them, and the shared rows the
+/// kernel is compiled for.
+#[derive(Clone)]
+struct TiledW {
+    ustart: Handle,
+    ucols: Handle,
+    lcols: Handle,
+    n_ucols: usize,
+    umax: usize,
+}
+
 /// Preprocessing constants on the device ([`GpuDetector::set_preprocessing`]).
 struct DevicePre {
     form: DevicePreprocessing,
@@ -308,6 +329,7 @@ struct DevicePre {
     w_start: Handle,
     w_cols: Handle,
     w_vals: Handle,
+    w_tiled: Option<TiledW>,
     means: Handle,
     /// Shared-memory size (taps) the high-pass kernel is compiled for.
     max_taps: usize,
@@ -839,18 +861,51 @@ impl<R: Runtime> GpuDetector<R> {
         taps.resize(n_taps, 0.0);
         let up_f = |v: &[f32]| self.client.create_from_slice(bytes_f32(v));
         let up_u = |v: &[u32]| self.client.create_from_slice(bytes_u32(v));
+        let w_tiled = self.tiled_whitening(&form.w_start, &form.w_cols);
         self.pre = Some(DevicePre {
             taps: up_f(&taps),
             n_taps,
             w_start: up_u(&form.w_start),
             w_cols: up_u(&form.w_cols),
             w_vals: up_f(&form.w_vals),
+            w_tiled,
             means: self.client.empty(form.n_sites.max(1) * 4),
             max_taps,
             form: form.clone(),
             iir,
         });
         Ok(())
+    }
+
+    /// The whitening's plan for [`preprocess::whiten_tiled_kernel`] on the
+    /// device, when [`GpuOptions::whiten_tiled`] asks for it and the
+    /// matrix's blocks of rows fit ([`preprocess::tiled_plan`]) in the
+    /// device's shared memory.
+    fn tiled_whitening(&self, start: &[u32], cols: &[u32]) -> Option<TiledW> {
+        if !self.options.whiten_tiled {
+            return None;
+        }
+        let preprocess::TiledPlan {
+            ustart,
+            ucols,
+            lcols,
+            umax,
+        } = preprocess::tiled_plan(start, cols)?;
+        let max_shared = self.client.properties().hardware.max_shared_memory_size;
+        if umax * preprocess::TILED_UNITS * 4 > max_shared {
+            return None;
+        }
+        let up = |v: &[u32]| {
+            let v: &[u32] = if v.is_empty() { &[0] } else { v };
+            self.client.create_from_slice(bytes_u32(v))
+        };
+        Some(TiledW {
+            ustart: up(&ustart),
+            ucols: up(&ucols),
+            lcols: up(&lcols),
+            n_ucols: ucols.len(),
+            umax,
+        })
     }
 
     /// Replaces the whitening of the device preprocessing by another C × C
@@ -893,6 +948,9 @@ impl<R: Runtime> GpuDetector<R> {
                 ),
             });
         }
+        let w_tiled = self.tiled_whitening(start, cols);
+        let pre = self.pre.as_mut().expect("checked above");
+        pre.w_tiled = w_tiled;
         pre.w_start = self.client.create_from_slice(bytes_u32(start));
         // An all-zero matrix still gets one (unread) element per buffer.
         let cols_up: &[u32] = if cols.is_empty() { &[0] } else { cols };
@@ -1387,7 +1445,7 @@ impl<R: Runtime> GpuDetector<R> {
         let w = self.window.as_ref().expect("allocated");
         let nnz = pre.form.w_cols.len();
         let csr = (&pre.w_start, &pre.w_cols, &pre.w_vals, nnz);
-        self.launch_whiten(&filtered, csr, &w.x, c, n_t);
+        self.launch_whiten(&filtered, csr, pre.w_tiled.as_ref(), &w.x, c, n_t);
         // X now holds the whitened window: it is handed out as the kept
         // window, and the high-passed buffer, no longer needed, becomes X for
         // the next window (no copy either way).
@@ -1404,6 +1462,7 @@ impl<R: Runtime> GpuDetector<R> {
             w_cols: pre.w_cols.clone(),
             w_vals: pre.w_vals.clone(),
             w_nnz: nnz,
+            w_tiled: pre.w_tiled.clone(),
             whitened: Some(whitened.clone()),
         };
         let cap = self.peaks.as_ref().map_or(4096, |p| p.cap);
@@ -1540,6 +1599,7 @@ impl<R: Runtime> GpuDetector<R> {
             w_cols: pre.w_cols.clone(),
             w_vals: pre.w_vals.clone(),
             w_nnz: pre.form.w_cols.len(),
+            w_tiled: pre.w_tiled.clone(),
             whitened: None,
         })
     }
@@ -1551,11 +1611,37 @@ impl<R: Runtime> GpuDetector<R> {
         &self,
         y: &Handle,
         (start, cols, vals, nnz): (&Handle, &Handle, &Handle, usize),
+        tiled: Option<&TiledW>,
         x: &Handle,
         c: usize,
         n_t: usize,
     ) {
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let tiles = n_t.div_ceil(preprocess::TILED_UNITS);
+        if let Some(tw) = tiled.filter(|_| tiles <= u16::MAX as usize) {
+            let blocks = c.div_ceil(preprocess::TILED_ROWS);
+            // SAFETY: as below; the plan's block starts, union rows and
+            // places index `ucols` (rows < C) and shared memory (< umax rows),
+            // built from this CSR (preprocess::tiled_plan).
+            unsafe {
+                preprocess::whiten_tiled_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(blocks as u32, tiles as u32, 1),
+                    CubeDim::new_1d(preprocess::TILED_UNITS as u32),
+                    arr(y, c * n_t),
+                    arr(start, c + 1),
+                    arr(&tw.lcols, nnz.max(1)),
+                    arr(vals, nnz.max(1)),
+                    arr(&tw.ustart, blocks + 1),
+                    arr(&tw.ucols, tw.n_ucols.max(1)),
+                    arr(x, c * n_t),
+                    c as u32,
+                    n_t as u32,
+                    tw.umax,
+                );
+            }
+            return;
+        }
         // SAFETY: row r < c of the C × N buffers `y` and `x`, samples t < N;
         // CSR indices are < C by construction (DevicePreprocessing,
         // set_whitening's check), checked against the CPU in tests/gpu.rs.
@@ -1666,7 +1752,7 @@ impl<R: Runtime> GpuDetector<R> {
             }
             if kernels > 3 {
                 let csr = (&win.w_start, &win.w_cols, &win.w_vals, win.w_nnz);
-                self.launch_whiten(&w.q, csr, &w.x, c, n_t);
+                self.launch_whiten(&w.q, csr, win.w_tiled.as_ref(), &w.x, c, n_t);
                 self.pre_mark(Some(3));
             }
         }
