@@ -460,16 +460,22 @@ impl<T> Keeping<T> {
     }
 }
 
-/// What a [`HostPass`] keeps: copies of its preprocessed windows.
+/// What a [`HostPass`] keeps: its preprocessed windows.
 pub type HostKeeping = Keeping<Array2<f32>>;
 
 impl HostKeeping {
-    /// Keeps a copy of preprocessed window `index` when it is the next one to
-    /// keep and fits in the budget (copied in parallel, row by row).
-    fn keep(&mut self, index: u64, x: &Array2<f32>) {
+    /// Keeps preprocessed window `index` (its buffer `x`, left empty) when it
+    /// is the next one to keep and fits in the budget; with
+    /// `SPIKECUBE_HOST_KEEP=copy`, a copy of it (made in parallel, row by
+    /// row; `x` stays), for measuring.
+    fn keep(&mut self, index: u64, x: &mut Array2<f32>) {
         use rayon::prelude::*;
         if !self.admits(index, (x.len() * 4) as u64) || !x.is_standard_layout() {
             self.stopped = true;
+            return;
+        }
+        if std::env::var("SPIKECUBE_HOST_KEEP").as_deref() != Ok("copy") {
+            self.kept.push(std::mem::replace(x, Array2::zeros((0, 0))));
             return;
         }
         let src = x.as_slice().expect("standard layout");
@@ -621,8 +627,10 @@ impl HostPass {
         }
     }
 
-    /// Detection in a preprocessed window.
-    fn detect(&mut self, w: &Window, times: &mut StageTimes) -> Result<Detections> {
+    /// Detection in a preprocessed window; a window kept
+    /// ([`WindowPass::keep_windows`]) leaves with its buffer, and the reader
+    /// makes a new one for a later window.
+    fn detect(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
         let t1 = Instant::now();
         let det = self
             .detector
@@ -639,7 +647,7 @@ impl HostPass {
         }
         if let Some(k) = self.keep.as_mut() {
             let t2 = Instant::now();
-            k.keep(w.index, &w.data);
+            k.keep(w.index, &mut w.data);
             times.lap("keep", t2);
         }
         Ok(det)
