@@ -61,6 +61,16 @@ impl WindowCheck {
         (health, own)
     }
 
+    /// [`WindowCheck::run`] when `full`, else only [`WindowCheck::mask`]: the
+    /// per-window part of a pass that may have its checks from another.
+    pub fn run_or_mask(&self, w: &mut Window, full: bool) -> Option<WindowFound> {
+        if full {
+            return Some(self.run(w));
+        }
+        self.mask(w);
+        None
+    }
+
     /// Masks window `w`'s stuck stretches as [`WindowCheck::run`] does (when
     /// asked; nothing for a window without samples), and nothing else: for a
     /// window read again after its checks were found.

@@ -404,11 +404,7 @@ fn first_pass_run(
     // at once when the pass reads on several threads; the checks' totals
     // are added up in window order.
     let prepare = move |w: &mut crate::recording::Window| -> Result<Option<WindowFound>> {
-        if full {
-            return Ok(Some(check.run(w)));
-        }
-        check.mask(w);
-        Ok(None)
+        Ok(check.run_or_mask(w, full))
     };
     let merge = move |_: &mut crate::recording::Window, found: Option<WindowFound>| -> Result<()> {
         if let (Some(c), Some(f)) = (checks, found) {

@@ -89,13 +89,9 @@ pub(crate) fn detect_pass(
     let checks_ref = &mut checks;
     // The checks' work on the reading threads; only adding each window's
     // channel facts to the run's is in window order.
-    let known = early.is_some();
+    let full = early.is_none();
     let prepare = move |w: &mut crate::recording::Window| -> Result<Option<WindowFound>> {
-        if known {
-            check.mask(w);
-            return Ok(None);
-        }
-        Ok(Some(check.run(w)))
+        Ok(check.run_or_mask(w, full))
     };
     let merge = move |_: &mut crate::recording::Window, found: Option<WindowFound>| -> Result<()> {
         if let Some(f) = found {

@@ -281,13 +281,8 @@ struct RawRecipe {
     n_words: usize,
     /// int16 pairs (true) or float32 bits.
     packed: bool,
-    /// The whitening in CSR form (row starts, columns, values) and its non-zeros.
-    w_start: Handle,
-    w_cols: Handle,
-    w_vals: Handle,
-    w_nnz: usize,
-    /// The whitening's plan for [`preprocess::whiten_tiled_kernel`], when used.
-    w_tiled: Option<TiledW>,
+    /// The whitening set when the window was queued.
+    w: DeviceW,
     /// A window whitened earlier into a buffer of its own
     /// ([`GpuDetector::submit_filtered`]): the steps read that buffer as X
     /// (nothing is preprocessed or copied), and `raw` is not read.
@@ -308,6 +303,19 @@ struct Pending {
 /// See [`GpuDetector::direct`]'s field: copies the bytes into the handle's memory.
 type DirectUpload<R> = Box<dyn Fn(&ComputeClient<R>, Handle, &[u8]) -> bool + Send + Sync>;
 
+/// A whitening on the device ([`GpuDetector::upload_whitening`]): its CSR
+/// form (row starts, columns, values; an empty matrix's buffers hold one
+/// unread element), its non-zeros, and the plan for
+/// [`preprocess::whiten_tiled_kernel`] when that kernel is used.
+#[derive(Clone)]
+struct DeviceW {
+    start: Handle,
+    cols: Handle,
+    vals: Handle,
+    nnz: usize,
+    tiled: Option<TiledW>,
+}
+
 /// [`preprocess::tiled_plan`] on the device: block starts, the blocks'
 /// input rows, each non-zero's place among them, and the shared rows the
 /// kernel is compiled for.
@@ -326,10 +334,8 @@ struct DevicePre {
     taps: Handle,
     /// Taps on the device (zero-padded to a multiple of HP_PER_UNIT).
     n_taps: usize,
-    w_start: Handle,
-    w_cols: Handle,
-    w_vals: Handle,
-    w_tiled: Option<TiledW>,
+    /// The whitening set last.
+    w: DeviceW,
     means: Handle,
     /// Shared-memory size (taps) the high-pass kernel is compiled for.
     max_taps: usize,
@@ -859,22 +865,33 @@ impl<R: Runtime> GpuDetector<R> {
         }
         let mut taps = form.taps.clone();
         taps.resize(n_taps, 0.0);
-        let up_f = |v: &[f32]| self.client.create_from_slice(bytes_f32(v));
-        let up_u = |v: &[u32]| self.client.create_from_slice(bytes_u32(v));
-        let w_tiled = self.tiled_whitening(&form.w_start, &form.w_cols);
+        let w = self.upload_whitening(&form.w_start, &form.w_cols, &form.w_vals);
         self.pre = Some(DevicePre {
-            taps: up_f(&taps),
+            taps: self.client.create_from_slice(bytes_f32(&taps)),
             n_taps,
-            w_start: up_u(&form.w_start),
-            w_cols: up_u(&form.w_cols),
-            w_vals: up_f(&form.w_vals),
-            w_tiled,
+            w,
             means: self.client.empty(form.n_sites.max(1) * 4),
             max_taps,
             form: form.clone(),
             iir,
         });
         Ok(())
+    }
+
+    /// A C × C whitening in CSR form on the device, with its plan for the
+    /// tiled kernel when [`GpuOptions::whiten_tiled`] asks for one
+    /// ([`GpuDetector::tiled_whitening`]).
+    fn upload_whitening(&self, start: &[u32], cols: &[u32], vals: &[f32]) -> DeviceW {
+        // An all-zero matrix still gets one (unread) element per buffer.
+        let cols_up: &[u32] = if cols.is_empty() { &[0] } else { cols };
+        let vals_up: &[f32] = if vals.is_empty() { &[0.0] } else { vals };
+        DeviceW {
+            start: self.client.create_from_slice(bytes_u32(start)),
+            cols: self.client.create_from_slice(bytes_u32(cols_up)),
+            vals: self.client.create_from_slice(bytes_f32(vals_up)),
+            nnz: cols.len(),
+            tiled: self.tiled_whitening(start, cols),
+        }
     }
 
     /// The whitening's plan for [`preprocess::whiten_tiled_kernel`] on the
@@ -948,15 +965,9 @@ impl<R: Runtime> GpuDetector<R> {
                 ),
             });
         }
-        let w_tiled = self.tiled_whitening(start, cols);
+        let w = self.upload_whitening(start, cols, vals);
         let pre = self.pre.as_mut().expect("checked above");
-        pre.w_tiled = w_tiled;
-        pre.w_start = self.client.create_from_slice(bytes_u32(start));
-        // An all-zero matrix still gets one (unread) element per buffer.
-        let cols_up: &[u32] = if cols.is_empty() { &[0] } else { cols };
-        let vals_up: &[f32] = if vals.is_empty() { &[0.0] } else { vals };
-        pre.w_cols = self.client.create_from_slice(bytes_u32(cols_up));
-        pre.w_vals = self.client.create_from_slice(bytes_f32(vals_up));
+        pre.w = w;
         pre.form.w_start = start.to_vec();
         pre.form.w_cols = cols.to_vec();
         pre.form.w_vals = vals.to_vec();
@@ -1443,9 +1454,7 @@ impl<R: Runtime> GpuDetector<R> {
         self.ensure_window(c, n_t, yc);
         let pre = self.pre.as_ref().expect("checked");
         let w = self.window.as_ref().expect("allocated");
-        let nnz = pre.form.w_cols.len();
-        let csr = (&pre.w_start, &pre.w_cols, &pre.w_vals, nnz);
-        self.launch_whiten(&filtered, csr, pre.w_tiled.as_ref(), &w.x, c, n_t);
+        self.launch_whiten(&filtered, &pre.w, &w.x, c, n_t);
         // X now holds the whitened window: it is handed out as the kept
         // window, and the high-passed buffer, no longer needed, becomes X for
         // the next window (no copy either way).
@@ -1458,11 +1467,7 @@ impl<R: Runtime> GpuDetector<R> {
             words_per_row: n_t,
             n_words: c * n_t,
             packed: false,
-            w_start: pre.w_start.clone(),
-            w_cols: pre.w_cols.clone(),
-            w_vals: pre.w_vals.clone(),
-            w_nnz: nnz,
-            w_tiled: pre.w_tiled.clone(),
+            w: pre.w.clone(),
             whitened: Some(whitened.clone()),
         };
         let cap = self.peaks.as_ref().map_or(4096, |p| p.cap);
@@ -1595,30 +1600,26 @@ impl<R: Runtime> GpuDetector<R> {
             words_per_row,
             n_words,
             packed,
-            w_start: pre.w_start.clone(),
-            w_cols: pre.w_cols.clone(),
-            w_vals: pre.w_vals.clone(),
-            w_nnz: pre.form.w_cols.len(),
-            w_tiled: pre.w_tiled.clone(),
+            w: pre.w.clone(),
             whitened: None,
         })
     }
 
-    /// Launches the whitening X = W·Y ([`preprocess::whiten_kernel`]) of the
-    /// C × N window `y` into `x` with the CSR matrix `(start, cols, vals,
-    /// nnz)` (C + 1 row starts, nnz columns and values).
-    fn launch_whiten(
-        &self,
-        y: &Handle,
-        (start, cols, vals, nnz): (&Handle, &Handle, &Handle, usize),
-        tiled: Option<&TiledW>,
-        x: &Handle,
-        c: usize,
-        n_t: usize,
-    ) {
+    /// Launches the whitening X = W·Y of the C × N window `y` into `x` with
+    /// the device whitening `w`: [`preprocess::whiten_tiled_kernel`] when
+    /// `w` has a tiled plan, else [`preprocess::whiten_kernel`].
+    fn launch_whiten(&self, y: &Handle, w: &DeviceW, x: &Handle, c: usize, n_t: usize) {
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
+        let DeviceW {
+            start,
+            cols,
+            vals,
+            nnz,
+            tiled,
+        } = w;
+        let nnz = *nnz;
         let tiles = n_t.div_ceil(preprocess::TILED_UNITS);
-        if let Some(tw) = tiled.filter(|_| tiles <= u16::MAX as usize) {
+        if let Some(tw) = tiled.as_ref().filter(|_| tiles <= u16::MAX as usize) {
             let blocks = c.div_ceil(preprocess::TILED_ROWS);
             // SAFETY: as below; the plan's block starts, union rows and
             // places index `ucols` (rows < C) and shared memory (< umax rows),
@@ -1751,8 +1752,7 @@ impl<R: Runtime> GpuDetector<R> {
                 }
             }
             if kernels > 3 {
-                let csr = (&win.w_start, &win.w_cols, &win.w_vals, win.w_nnz);
-                self.launch_whiten(&w.q, csr, win.w_tiled.as_ref(), &w.x, c, n_t);
+                self.launch_whiten(&w.q, &win.w, &w.x, c, n_t);
                 self.pre_mark(Some(3));
             }
         }
