@@ -300,6 +300,45 @@ fn check_sim32_device_fed<R: Runtime>(device: &R::Device) {
     );
     let cpu = match_window(&setup, host_x.view()).unwrap();
     same("sim32 window 0, device-fed", &cpu, &fed);
+    // Queued (each window's download completing while the next window's
+    // kernels run), copied or in place: the same spikes in the same order
+    // as one window at a time, with a window of no spike among them.
+    let windows = [
+        raw.clone(),
+        raw.mapv(|v| 0.5 * v),
+        Array2::<f32>::zeros(raw.dim()),
+        raw.mapv(|v| -v),
+        raw.clone(),
+    ];
+    let one_at_a_time: Vec<WindowSpikes> = windows
+        .iter()
+        .map(|w| {
+            let x = det
+                .preprocess_to_device(packer.pack(w.view()), &probe.yc)
+                .unwrap();
+            m.match_device(&x, n).unwrap()
+        })
+        .collect();
+    assert!(one_at_a_time[2].is_empty() && !one_at_a_time[1].is_empty());
+    assert_ne!(one_at_a_time[0], one_at_a_time[3]);
+    for in_place in [false, true] {
+        let mut queued = Vec::new();
+        for (i, w) in windows.iter().enumerate() {
+            let x = det
+                .preprocess_to_device(packer.pack(w.view()), &probe.yc)
+                .unwrap();
+            if in_place {
+                assert!(m.queue_device_in_place(&x, n).unwrap());
+            } else {
+                m.queue_device(&x, n).unwrap();
+            }
+            queued.extend(m.take_done());
+            assert!(queued.len() >= i && queued.len() <= i + 1);
+        }
+        queued.extend(m.flush().unwrap());
+        assert_eq!(queued, one_at_a_time, "sim32: queued, in place {in_place}");
+        assert!(m.flush().unwrap().is_empty());
+    }
 }
 
 /// Window 0 of the sim32 recording, made again from its seed

@@ -1055,13 +1055,12 @@ fn device_fed(
             let t0 = Instant::now();
             if i < n_kept {
                 let x = kept.next().expect("n_kept buffers");
-                let w = matcher
-                    .match_kept(&x, n_t)
+                matcher
+                    .queue_kept(&x, n_t)
                     .with_context(|| format!("matching: window {i} kept on the device"))?;
                 drop(x);
                 on_device += t0.elapsed().as_secs_f64();
-                parts.push(w);
-                done(i);
+                take_matched(matcher.take_done(), parts, done);
                 continue;
             }
             let feed = feed.as_mut().ok_or_else(|| {
@@ -1074,13 +1073,24 @@ fn device_fed(
             if let Some((start, cols, vals)) = &csr {
                 feed.set_whitening(start, cols, vals)?;
             }
-            let w = matcher
-                .match_raw(feed, raw, yc)
+            matcher
+                .queue_raw(feed, raw, yc)
                 .with_context(|| format!("matching: window {i} on the device"))?;
             waited += t1.duration_since(t0).as_secs_f64();
             on_device += t1.elapsed().as_secs_f64();
-            parts.push(w);
-            done(i);
+            take_matched(matcher.take_done(), parts, done);
+        }
+        let t_last = Instant::now();
+        let last = matcher
+            .flush()
+            .with_context(|| format!("matching: window {} on the device", n_windows.max(1) - 1))?;
+        take_matched(last, parts, done);
+        on_device += t_last.elapsed().as_secs_f64();
+        if parts.len() as u64 != n_windows {
+            bail!(
+                "matching: {} of {n_windows} windows came back from the device",
+                parts.len()
+            );
         }
         drop(rx);
         let (read_s, whiten_s, upload_s) = reader
@@ -1091,6 +1101,20 @@ fn device_fed(
         );
         Ok(())
     })
+}
+
+/// Appends matched windows' spikes (in window order) to `parts`, telling
+/// `done` each window's index.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn take_matched(
+    windows: Vec<crate::sort::matching::WindowSpikes>,
+    parts: &mut Vec<crate::sort::matching::WindowSpikes>,
+    done: &mut dyn FnMut(u64),
+) {
+    for w in windows {
+        parts.push(w);
+        done(parts.len() as u64 - 1);
+    }
 }
 
 /// The merges' and the Phy folder's settings from the run and the sort settings.

@@ -156,26 +156,25 @@ impl Matcher {
         }
     }
 
-    /// Matches a whitened window already on this matcher's device (one the
+    /// Queues a whitened window already on this matcher's device (one the
     /// detection pass kept, [`crate::stages::KeptWindows`]), `n_t` samples;
-    /// the buffer is copied, not changed ([`GpuMatcher::match_device`]).
+    /// the buffer is copied, not changed, and may be freed on return
+    /// ([`GpuMatcher::queue_device`]). Its spikes come from
+    /// [`Matcher::take_done`] once the next window is queued, or from
+    /// [`Matcher::flush`].
     ///
     /// # Errors
     /// [`MatchError::Device`] on the CPU or when the device fails; as
     /// [`Matcher::match_window`].
     ///
-    /// [`GpuMatcher::match_device`]: super::gpu::GpuMatcher::match_device
+    /// [`GpuMatcher::queue_device`]: super::gpu::GpuMatcher::queue_device
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    pub fn match_kept(
-        &mut self,
-        x: &cubecl::server::Handle,
-        n_t: usize,
-    ) -> Result<WindowSpikes, MatchError> {
+    pub fn queue_kept(&mut self, x: &cubecl::server::Handle, n_t: usize) -> Result<(), MatchError> {
         match self {
             #[cfg(feature = "cuda")]
-            Matcher::Cuda(m) => m.match_device(x, n_t),
+            Matcher::Cuda(m) => m.queue_device(x, n_t),
             #[cfg(feature = "wgpu")]
-            Matcher::Wgpu(m) => m.match_device(x, n_t),
+            Matcher::Wgpu(m) => m.queue_device(x, n_t),
             Matcher::Cpu(_) => Err(MatchError::Device {
                 device: "cpu".into(),
                 message: "a window kept on a GPU cannot be matched on the CPU".into(),
@@ -184,57 +183,84 @@ impl Matcher {
     }
 
     /// Preprocesses the raw window `raw` on `feed`'s device (its
-    /// preprocessing and whitening as set) and matches it there, with no
-    /// copy of the window through the host: the same spikes as
-    /// [`Matcher::match_window`] on the window preprocessed on the device.
+    /// preprocessing and whitening as set) and queues its matching there,
+    /// with no copy of the window through the host: the same spikes as
+    /// [`Matcher::match_window`] on the window preprocessed on the device,
+    /// taken as after [`Matcher::queue_kept`].
     ///
     /// # Errors
     /// When the two are not on one device ([`Matcher::shares_device_with`]),
     /// the preprocessing fails, or as [`Matcher::match_window`].
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    pub fn match_raw(
+    pub fn queue_raw(
         &mut self,
         feed: &mut crate::backend::Detector,
         mut raw: crate::detect::gpu::RawWindow,
         yc: &[f32],
-    ) -> anyhow::Result<WindowSpikes> {
+    ) -> anyhow::Result<()> {
         use crate::backend::Detector;
         let n = raw.n_t;
-        // A window sent ahead keeps its upload buffer until the matching has
-        // read its spikes back (every kernel that reads the buffer is done
-        // then, and the window can still be preprocessed again).
+        // A window sent ahead keeps its upload buffer until the device has
+        // preprocessed it: the matching's first read of its state waits for
+        // that (and the window can still be preprocessed again before).
         let claim = raw.take_claim();
-        let out = match (self, feed) {
+        match (self, feed) {
             #[cfg(feature = "cuda")]
-            (Matcher::Cuda(m), Detector::Cuda(d)) => match_fed(m, d, raw, yc, n)?,
+            (Matcher::Cuda(m), Detector::Cuda(d)) => queue_fed(m, d, raw, yc, n)?,
             #[cfg(feature = "wgpu")]
-            (Matcher::Wgpu(m), Detector::Wgpu(d)) => match_fed(m, d, raw, yc, n)?,
+            (Matcher::Wgpu(m), Detector::Wgpu(d)) => queue_fed(m, d, raw, yc, n)?,
             _ => anyhow::bail!("the matcher and the preprocessing are not on one device"),
-        };
+        }
         drop(claim);
-        Ok(out)
+        Ok(())
+    }
+
+    /// The spikes of queued windows that are complete, in window order
+    /// (none on the CPU, which queues nothing).
+    pub fn take_done(&mut self) -> Vec<WindowSpikes> {
+        match self {
+            Matcher::Cpu(_) => Vec::new(),
+            #[cfg(feature = "cuda")]
+            Matcher::Cuda(m) => m.take_done(),
+            #[cfg(feature = "wgpu")]
+            Matcher::Wgpu(m) => m.take_done(),
+        }
+    }
+
+    /// Waits for the last queued window and returns the spikes of every
+    /// queued window not yet taken, in window order.
+    ///
+    /// # Errors
+    /// [`MatchError::Device`] when a read back fails.
+    pub fn flush(&mut self) -> Result<Vec<WindowSpikes>, MatchError> {
+        match self {
+            Matcher::Cpu(_) => Ok(Vec::new()),
+            #[cfg(feature = "cuda")]
+            Matcher::Cuda(m) => m.flush(),
+            #[cfg(feature = "wgpu")]
+            Matcher::Wgpu(m) => m.flush(),
+        }
     }
 }
 
-/// [`Matcher::match_raw`] on one runtime: the detector's whitened window
+/// [`Matcher::queue_raw`] on one runtime: the detector's whitened window
 /// becomes the residual; on the rare overflow of the device's spike capacity
-/// the window is preprocessed again and matched from a copy (which ends on
+/// the window is preprocessed again and queued from a copy (which ends on
 /// the CPU). With [`super::gpu::GpuMatchOptions::copy_window`] the window is
 /// kept and a copy matched (for measuring the copy; the spikes are the same).
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
-fn match_fed<R: cubecl::Runtime>(
+fn queue_fed<R: cubecl::Runtime>(
     m: &mut super::gpu::GpuMatcher<R>,
     d: &mut crate::detect::gpu::GpuDetector<R>,
     raw: crate::detect::gpu::RawWindow,
     yc: &[f32],
     n: usize,
-) -> anyhow::Result<WindowSpikes> {
+) -> anyhow::Result<()> {
     let x = d.preprocess_to_device(raw, yc)?;
     if m.options().copy_window {
-        return Ok(m.match_device(&x, n)?);
+        m.queue_device(&x, n)?;
+    } else if !m.queue_device_in_place(&x, n)? {
+        m.queue_device(&d.preprocess_last_again()?, n)?;
     }
-    Ok(match m.match_device_in_place(&x, n)? {
-        Some(spikes) => spikes,
-        None => m.match_device(&d.preprocess_last_again()?, n)?,
-    })
+    Ok(())
 }

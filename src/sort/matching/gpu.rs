@@ -192,6 +192,33 @@ pub struct GpuMatcher<R: Runtime> {
     /// Peels the previous window ran (the last one finding no spike
     /// included), for [`GpuMatchOptions::peels_from_last`].
     last_peels: Option<usize>,
+    /// The last matched window's download, queued on the device and not yet
+    /// waited for: it completes while the next window's kernels run.
+    pending: Option<Pending>,
+    /// Matched windows' spikes in window order, not yet taken.
+    done: std::collections::VecDeque<WindowSpikes>,
+    /// A clone of `client` that lives as long as the process, for the
+    /// queued downloads: CubeCL's `read_async` future is tied to the client
+    /// it was asked of (one client handle, tens of bytes, per matcher).
+    reader: &'static ComputeClient<R>,
+}
+
+/// Bytes of a device read that is queued and not yet waited for.
+type ReadFuture = std::pin::Pin<
+    Box<
+        dyn std::future::Future<
+                Output = Result<Vec<cubecl::bytes::Bytes>, cubecl::server::ServerError>,
+            > + Send,
+    >,
+>;
+
+/// A window whose features kernel and download are queued on the device
+/// (col, template, amp, Cf, tF of `count` spikes).
+struct Pending {
+    read: ReadFuture,
+    count: usize,
+    total: usize,
+    peels: usize,
 }
 
 /// Peels between two reads of the device state after a window's first read,
@@ -441,6 +468,9 @@ impl<R: Runtime> GpuMatcher<R> {
                     })
                 }),
             last_peels: None,
+            pending: None,
+            done: std::collections::VecDeque::new(),
+            reader: Box::leak(Box::new(client.clone())),
             setup,
             client,
         };
@@ -608,9 +638,10 @@ impl<R: Runtime> GpuMatcher<R> {
         }
         self.buffers(n);
         let xres = self.upload(x);
-        match self.run(xres, n)? {
-            Some(spikes) => Ok(spikes),
-            None => super::match_window(&self.setup, x),
+        if self.run(xres, n)? {
+            self.own_spikes()
+        } else {
+            super::match_window(&self.setup, x)
         }
     }
 
@@ -624,6 +655,72 @@ impl<R: Runtime> GpuMatcher<R> {
     /// [`MatchError::Shape`] when `n` is not above 2·nt; [`MatchError::Device`]
     /// when a read back fails.
     pub fn match_device(&mut self, x: &Handle, n: usize) -> Result<WindowSpikes, MatchError> {
+        if self.run_copy(x, n)? {
+            self.own_spikes()
+        } else {
+            let host = self.read_window(x, n)?;
+            super::match_window(&self.setup, host.view())
+        }
+    }
+
+    /// [`GpuMatcher::match_device`] with the window's download left in
+    /// flight: it completes while the next window's kernels run, and its
+    /// spikes come from [`GpuMatcher::take_done`] once the next window is
+    /// queued, or from [`GpuMatcher::flush`]. Windows come out in the order
+    /// they were queued, with the same spikes as one at a time; a window
+    /// that overflows the device's spike capacity is matched on the CPU in
+    /// its turn. `x` may be freed when this returns (the device runs its
+    /// work in order).
+    ///
+    /// # Errors
+    /// As [`GpuMatcher::match_device`]; a failed read of the previous
+    /// window's download is reported here.
+    pub fn queue_device(&mut self, x: &Handle, n: usize) -> Result<(), MatchError> {
+        if !self.run_copy(x, n)? {
+            let host = self.read_window(x, n)?;
+            let spikes = super::match_window(&self.setup, host.view())?;
+            self.done.push_back(spikes);
+        }
+        Ok(())
+    }
+
+    /// [`GpuMatcher::match_device_in_place`] with the download left in
+    /// flight, as [`GpuMatcher::queue_device`]: `false` when the device's
+    /// spike capacity overflows (nothing is queued; the caller restores the
+    /// window and queues it with [`GpuMatcher::queue_device`]).
+    ///
+    /// # Errors
+    /// As [`GpuMatcher::queue_device`].
+    pub fn queue_device_in_place(&mut self, x: &Handle, n: usize) -> Result<bool, MatchError> {
+        self.check_samples(n)?;
+        self.buffers(n);
+        let before = self.lap();
+        if let Some(p) = self.profile.as_mut() {
+            p.before += before;
+        }
+        self.run(x.clone(), n)
+    }
+
+    /// The spikes of the queued windows whose downloads are done, in window
+    /// order (after [`GpuMatcher::queue_device`] of window i: windows up to
+    /// i − 1).
+    pub fn take_done(&mut self) -> Vec<WindowSpikes> {
+        self.done.drain(..).collect()
+    }
+
+    /// Waits for the last queued window's download and returns every
+    /// window's spikes not yet taken, in window order.
+    ///
+    /// # Errors
+    /// [`MatchError::Device`] when the read back fails.
+    pub fn flush(&mut self) -> Result<Vec<WindowSpikes>, MatchError> {
+        self.finish_pending()?;
+        Ok(self.take_done())
+    }
+
+    /// Copies window `x` into the matcher's buffer and runs the peels there
+    /// (`false`: the spike capacity overflowed).
+    fn run_copy(&mut self, x: &Handle, n: usize) -> Result<bool, MatchError> {
         let (_, _, n_c) = self.setup.u.dim();
         self.check_samples(n)?;
         self.buffers(n);
@@ -634,13 +731,16 @@ impl<R: Runtime> GpuMatcher<R> {
             p.before += before;
             p.copy += copy;
         }
-        match self.run(xres, n)? {
-            Some(spikes) => Ok(spikes),
-            None => {
-                let host = self.read_window(x, n)?;
-                super::match_window(&self.setup, host.view())
-            }
-        }
+        self.run(xres, n)
+    }
+
+    /// The spikes of the window just run (the last one queued), leaving
+    /// earlier windows' spikes to [`GpuMatcher::take_done`].
+    fn own_spikes(&mut self) -> Result<WindowSpikes, MatchError> {
+        self.finish_pending()?;
+        self.done
+            .pop_back()
+            .ok_or_else(|| self.device_err("a matched window's spikes are missing".into()))
     }
 
     /// [`GpuMatcher::match_device`] without the copy: the window's own buffer
@@ -656,13 +756,11 @@ impl<R: Runtime> GpuMatcher<R> {
         x: &Handle,
         n: usize,
     ) -> Result<Option<WindowSpikes>, MatchError> {
-        self.check_samples(n)?;
-        self.buffers(n);
-        let before = self.lap();
-        if let Some(p) = self.profile.as_mut() {
-            p.before += before;
+        if self.queue_device_in_place(x, n)? {
+            self.own_spikes().map(Some)
+        } else {
+            Ok(None)
         }
-        self.run(x.clone(), n)
     }
 
     /// The `n_c` × `n` window in device buffer `x`, read back.
@@ -683,10 +781,13 @@ impl<R: Runtime> GpuMatcher<R> {
         )
     }
 
-    /// The peels and the features of the window in `xres` (`n` samples; it
-    /// becomes the residual); `None` when the device's spike capacity
-    /// overflows (the caller then matches the window on the CPU).
-    fn run(&mut self, xres: Handle, n: usize) -> Result<Option<WindowSpikes>, MatchError> {
+    /// The peels of the window in `xres` (`n` samples; it becomes the
+    /// residual), then its features and download queued
+    /// ([`GpuMatcher::queue_download`]); the previous window's download is
+    /// waited for once this window's first peels are queued, so that it
+    /// overlaps them. `false` when the device's spike capacity overflows
+    /// (nothing queued; the caller then matches the window on the CPU).
+    fn run(&mut self, xres: Handle, n: usize) -> Result<bool, MatchError> {
         let state = self.client.create_from_slice(bytes_u32(&[0u32; S_LEN]));
         self.lap();
         self.launch_filter(&xres, n);
@@ -715,6 +816,9 @@ impl<R: Runtime> GpuMatcher<R> {
             }
             launch_s += launching.elapsed().as_secs_f64();
             peel = end;
+            if reads == 0 {
+                self.finish_pending()?;
+            }
             st = self.read_state(&state)?;
             reads += 1;
             if st[S_STOP] != 0 {
@@ -723,7 +827,7 @@ impl<R: Runtime> GpuMatcher<R> {
         }
         if st[S_OVERFLOW] != 0 {
             self.warn_overflow(n);
-            return Ok(None);
+            return Ok(false);
         }
         let count = st[S_TOTAL] as usize;
         let peels = st[S_PEELS] as usize;
@@ -739,7 +843,8 @@ impl<R: Runtime> GpuMatcher<R> {
             p.peels_s += peels_s;
             p.peel_launch += launch_s;
         }
-        self.download(&xres, n, count, peels).map(Some)
+        self.queue_download(&xres, n, count, peels)?;
+        Ok(true)
     }
 
     /// The matcher's own window buffer (C × N f32 of the window's length),
@@ -803,20 +908,24 @@ impl<R: Runtime> GpuMatcher<R> {
         Ok(st)
     }
 
-    /// Launches the features and reads the spikes back (the one download).
-    fn download(
+    /// Launches the features and queues the one download of the window's
+    /// spikes (waited for by [`GpuMatcher::finish_pending`]); a window with
+    /// no spike goes straight to the done queue. No download is pending
+    /// here: [`GpuMatcher::run`] waits for the previous one first.
+    fn queue_download(
         &mut self,
         xres: &Handle,
         n: usize,
         count: usize,
         peels: usize,
-    ) -> Result<WindowSpikes, MatchError> {
-        let mut out = WindowSpikes {
-            peels,
-            ..WindowSpikes::default()
-        };
+    ) -> Result<(), MatchError> {
+        debug_assert!(self.pending.is_none());
         if count == 0 {
-            return Ok(out);
+            self.done.push_back(WindowSpikes {
+                peels,
+                ..WindowSpikes::default()
+            });
+            return Ok(());
         }
         let (_, npc, n_c) = self.setup.u.dim();
         let nc = self.setup.icc.nrows();
@@ -852,35 +961,79 @@ impl<R: Runtime> GpuMatcher<R> {
         let part =
             |h: &Handle, used: usize, cap: usize| h.clone().offset_end(((cap - used) * 4) as u64);
         let w = self.window.as_ref().expect("allocated");
-        let data = self.client.read(vec![
+        // The copies are queued behind the features kernel; the next
+        // window's kernels, queued after them, run while they complete.
+        let read = self.reader.read_async(vec![
             part(&w.col, count, w.cap),
             part(&w.tmpl, count, w.cap),
             part(&w.amp, count, w.cap),
             part(&w.cf, count, w.cap),
             part(&w.tf, total, w.cap * nc * npc),
         ]);
+        self.pending = Some(Pending {
+            read: Box::pin(read),
+            count,
+            total,
+            peels,
+        });
+        if let Some(p) = self.profile.as_mut() {
+            p.features += features;
+        }
+        // The profile times each phase alone.
+        if self.profile.is_some() {
+            self.finish_pending()?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the pending download, if any, and puts its window's spikes
+    /// on the done queue.
+    fn finish_pending(&mut self) -> Result<(), MatchError> {
+        let Some(pending) = self.pending.take() else {
+            return Ok(());
+        };
+        let t0 = std::time::Instant::now();
+        let Pending {
+            read,
+            count,
+            total,
+            peels,
+        } = pending;
+        let data = cubecl::future::block_on(read)
+            .map_err(|e| self.device_err(format!("spikes read back: {e:?}")))?;
+        let nc_npc = self.setup.icc.nrows() * self.setup.u.dim().1;
+        if data.len() < 5 {
+            return Err(self.device_err(format!("read back {} of 5 arrays", data.len())));
+        }
         let col = u32::from_bytes(&data[0]);
         let tmpl = u32::from_bytes(&data[1]);
         let amp = f32::from_bytes(&data[2]);
         let cf = f32::from_bytes(&data[3]);
         let tf = f32::from_bytes(&data[4]);
-        if col.len() < count || tf.len() < total {
+        if col.len() < count
+            || tmpl.len() < count
+            || amp.len() < count
+            || cf.len() < count
+            || tf.len() < total
+        {
             return Err(self.device_err(format!(
                 "read back {} of {count} spikes",
-                col.len().min(tf.len() / (nc * npc))
+                col.len().min(tf.len() / nc_npc.max(1))
             )));
         }
-        out.col = col[..count].to_vec();
-        out.template = tmpl[..count].to_vec();
-        out.amp = amp[..count].to_vec();
-        out.th_amp = cf[..count].iter().map(|v| v.sqrt()).collect();
-        out.tf = tf[..total].to_vec();
-        let download = self.lap();
+        self.done.push_back(WindowSpikes {
+            col: col[..count].to_vec(),
+            template: tmpl[..count].to_vec(),
+            amp: amp[..count].to_vec(),
+            th_amp: cf[..count].iter().map(|v| v.sqrt()).collect(),
+            tf: tf[..total].to_vec(),
+            peels,
+        });
         if let Some(p) = self.profile.as_mut() {
-            p.features += features;
-            p.download += download;
+            p.download += t0.elapsed().as_secs_f64();
+            p.clock = std::time::Instant::now();
         }
-        Ok(out)
+        Ok(())
     }
 
     /// F = wPCA ⋆ X on the used sites.
