@@ -185,8 +185,14 @@ fn check_sim32<R: Runtime>(device: &R::Device) {
     same("sim32 window 0", &cpu, &gpu);
     assert_eq!(gpu, m.match_window(x).unwrap(), "sim32: second run");
     // The tiled filter and the sliced best-template scans give the bytes of
-    // their one-unit-per-sample forms.
-    for simple_kernels in [(true, false), (false, true), (true, true)] {
+    // their one-unit-per-sample forms, and the peels' first grids (one cube
+    // per spike, one scan cube per possible spike) those of the sized ones.
+    for (simple_kernels, peel_grid) in [
+        ((true, false), true),
+        ((false, true), true),
+        ((true, true), true),
+        ((false, false), false),
+    ] {
         let mut s = GpuMatcher::<R>::new(
             device,
             "test device".into(),
@@ -196,13 +202,14 @@ fn check_sim32<R: Runtime>(device: &R::Device) {
                 peels_from_last: false,
                 simple_kernels,
                 copy_window: false,
+                peel_grid,
             },
         )
         .unwrap();
         assert_eq!(
             gpu,
             s.match_window(x).unwrap(),
-            "sim32: simple kernels {simple_kernels:?}"
+            "sim32: simple kernels {simple_kernels:?}, sized peel grids {peel_grid}"
         );
     }
 }

@@ -90,6 +90,10 @@ pub struct GpuMatchOptions {
     /// matched, instead of matching in the window's own buffer (the same
     /// spikes; for measuring the copy).
     pub copy_window: bool,
+    /// The peel kernels' grids sized for the work ([`LATER_BEST_CUBES`],
+    /// [`SUBTRACT_PARTS`]); off, the first grids (the same spikes; for
+    /// measuring).
+    pub peel_grid: bool,
 }
 
 impl Default for GpuMatchOptions {
@@ -99,6 +103,7 @@ impl Default for GpuMatchOptions {
             peels_from_last: true,
             simple_kernels: (false, false),
             copy_window: false,
+            peel_grid: true,
         }
     }
 }
@@ -109,7 +114,8 @@ impl GpuMatchOptions {
     /// many peels; a tuning knob: the spikes do not depend on it), the simple
     /// kernels with `SPIKECUBE_MATCH_KERNELS`
     /// = `simple`, `simple-filter` or `simple-best`, and the copied window
-    /// with `SPIKECUBE_MATCH_COPY` set (diagnostics).
+    /// with `SPIKECUBE_MATCH_COPY` set, and the first peel grids with
+    /// `SPIKECUBE_MATCH_PEEL_GRID=first` (diagnostics).
     pub fn from_env() -> Self {
         let mut o = GpuMatchOptions::default();
         if let Some(v) = std::env::var("SPIKECUBE_MATCH_PEELS_PER_CHECK")
@@ -127,6 +133,7 @@ impl GpuMatchOptions {
             _ => {}
         }
         o.copy_window = std::env::var_os("SPIKECUBE_MATCH_COPY").is_some();
+        o.peel_grid = std::env::var("SPIKECUBE_MATCH_PEEL_GRID").as_deref() != Ok("first");
         o
     }
 }
@@ -219,6 +226,38 @@ struct Pending {
     count: usize,
     total: usize,
     peels: usize,
+}
+
+/// Cubes along x of a later peel's best-template scan
+/// ([`kernels::best_sparse_kernel`], which strides over the peel's spikes):
+/// later peels find few spikes, and a grid sized for the most a peel can
+/// hold (one spike every nt + 1 samples, 986 in a 2-s window) spent most of
+/// its launch on cubes with nothing to do. 128 × 4 cubes of 512 units fill
+/// an H100's 132 multiprocessors about once.
+pub const LATER_BEST_CUBES: usize = 128;
+
+/// Cubes along y of each spike's subtraction ([`kernels::subtract_kernel`]),
+/// with [`GpuMatchOptions::peel_grid`]: a spike's partners' values are
+/// spread over this many cubes instead of one.
+pub const SUBTRACT_PARTS: usize = 4;
+
+/// The peel kernels' grids: (subtraction x, subtraction y, best-template
+/// scan x) for a peel of at most `per_peel` spikes. Without `sized` (the
+/// first form, for measuring) every peel gets one subtraction cube per
+/// spike pair and one scan cube per possible spike. The grids do not change
+/// the results (each value is written by one unit, or by several with the
+/// same value).
+fn peel_grid(per_peel: usize, first: bool, sized: bool) -> (u32, u32, u32) {
+    let sub_x = per_peel.div_ceil(2) as u32;
+    if !sized {
+        return (sub_x, 1, per_peel as u32);
+    }
+    let best_x = if first {
+        per_peel
+    } else {
+        per_peel.min(LATER_BEST_CUBES)
+    };
+    (sub_x, SUBTRACT_PARTS as u32, best_x as u32)
 }
 
 /// Peels between two reads of the device state after a window's first read,
@@ -1212,10 +1251,11 @@ impl<R: Runtime> GpuMatcher<R> {
                 w.cap as u32,
             );
             self.mark(Some("write"), first);
+            let (sub_x, sub_y, best_x) = peel_grid(per_peel, first, self.options.peel_grid);
             for parity in 0..2u32 {
                 kernels::subtract_kernel::launch_unchecked::<R>(
                     &self.client,
-                    CubeCount::Static(per_peel.div_ceil(2) as u32, 1, 1),
+                    CubeCount::Static(sub_x, sub_y, 1),
                     CubeDim::new_1d(UNITS as u32),
                     arr(state, S_LEN),
                     arr(&w.col, w.cap),
@@ -1263,7 +1303,7 @@ impl<R: Runtime> GpuMatcher<R> {
             } else {
                 kernels::best_sparse_kernel::launch_unchecked::<R>(
                     &self.client,
-                    CubeCount::Static(per_peel as u32, nl.div_ceil(BEST_LANES) as u32, 1),
+                    CubeCount::Static(best_x, nl.div_ceil(BEST_LANES) as u32, 1),
                     CubeDim::new_2d(BEST_LANES as u32, BEST_SLICES as u32),
                     arr(&w.b, k * n),
                     arr(&self.nm, k),

@@ -542,9 +542,12 @@ pub(crate) fn write_kernel(
 /// Subtracts the peel's spikes of one parity (rank within the peel mod 2):
 /// amp × ctc\[kk, j, d\] from B\[kk, col − nt + d\] for each partner kk of the
 /// spike's template, and amp × waveform from the residual over col ± nt/2
-/// on the template's support sites. Cube per spike (grid-stride). With
-/// `precomputed` false, ctc is made from the pair's UtU and WtW in float32
-/// (a, b ascending).
+/// on the template's support sites. Cubes (spike, part): the grid's x
+/// strides over the spikes, its y over each spike's values, so that a peel
+/// of few spikes still spreads them over several cubes. Each value is
+/// written by one unit (spikes of one parity are more than 2·nt apart), so
+/// the grid does not change the result. With `precomputed` false, ctc is
+/// made from the pair's UtU and WtW in float32 (a, b ascending).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn subtract_kernel(
@@ -580,7 +583,9 @@ pub(crate) fn subtract_kernel(
         let a = amp[s];
         let p0 = pk_off[j] as usize;
         let np = pk_off[j + 1] as usize - p0;
-        let mut e = UNIT_POS_X as usize;
+        let first = CUBE_POS_Y as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+        let stride = CUBE_COUNT_Y as usize * CUBE_DIM_X as usize;
+        let mut e = first;
         while e < np * nl {
             let pi = e / nl;
             let d = e % nl;
@@ -596,18 +601,18 @@ pub(crate) fn subtract_kernel(
             }
             let idx = kk * n + t - nt + d;
             b[idx] = b[idx] - a * c;
-            e += CUBE_DIM_X as usize;
+            e += stride;
         }
         let s0 = sup_off[j] as usize;
         let ns = sup_off[j + 1] as usize - s0;
-        let mut e = UNIT_POS_X as usize;
+        let mut e = first;
         while e < ns * nt {
             let si = e / nt;
             let i = e % nt;
             let site = sup_site[s0 + si] as usize;
             let idx = site * n + t - half + i;
             xres[idx] = xres[idx] - a * wave[(s0 + si) * nt + i];
-            e += CUBE_DIM_X as usize;
+            e += stride;
         }
         r += 2 * CUBE_COUNT_X as usize;
     }
