@@ -239,3 +239,91 @@ fn an_unusable_output_folder_is_refused_before_detection() {
         .collect();
     assert_eq!(names.len(), 2, "{names:?}");
 }
+
+/// `params.py` tells Phy how to read the raw file, so it names the samples as
+/// they were read: a SpikeGLX file is int16 with no header whatever `--dtype`
+/// and `--offset` say (both warned about, in `spikecube.json` too), and a flat
+/// binary file read past a header of `--offset` bytes gets that offset (and
+/// the same spikes as the SpikeGLX file it was made from).
+#[test]
+fn params_py_names_the_raw_file_as_it_was_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = dir.path().join("sim");
+    let o = spikecube(&[
+        "simulate",
+        "--seconds",
+        "2",
+        "--n-units",
+        "4",
+        "--out",
+        s(&rec),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let bin = rec.join("sim_g0_t0.imec0.ap.bin");
+    let glx = dir.path().join("glx");
+    let o = spikecube(&[
+        "sort",
+        s(&bin),
+        "--dtype",
+        "float32",
+        "--offset",
+        "100",
+        "--backend",
+        "cpu",
+        "--out",
+        s(&glx),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let params = std::fs::read_to_string(glx.join("params.py")).unwrap();
+    assert!(
+        params.contains("dtype = 'int16'") && params.contains("offset = 0\n"),
+        "{params}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(glx.join("spikecube.json")).unwrap())
+            .unwrap();
+    assert_eq!(json["input"]["dtype"], "int16");
+    assert_eq!(json["input"]["offset"], 0);
+    let warnings = json["warnings"].to_string();
+    assert!(
+        warnings.contains("--dtype float32 was given")
+            && warnings.contains("--offset 100 was given"),
+        "{warnings}"
+    );
+    // The same samples behind a 64-byte header, read as flat binary.
+    let mut bytes = vec![0u8; 64];
+    bytes.extend(std::fs::read(&bin).unwrap());
+    let flat = dir.path().join("flat.dat");
+    std::fs::write(&flat, bytes).unwrap();
+    let out = dir.path().join("flat_sorted");
+    let o = spikecube(&[
+        "sort",
+        s(&flat),
+        "--n-channels",
+        "385",
+        "--fs",
+        "30000",
+        "--offset",
+        "64",
+        "--probe",
+        s(&rec.join("probe.json")),
+        "--backend",
+        "cpu",
+        "--out",
+        s(&out),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let params = std::fs::read_to_string(out.join("params.py")).unwrap();
+    assert!(
+        params.contains("dtype = 'int16'") && params.contains("offset = 64\n"),
+        "{params}"
+    );
+    assert_eq!(
+        std::fs::read(out.join("spike_times.npy")).unwrap(),
+        std::fs::read(glx.join("spike_times.npy")).unwrap(),
+        "the flat file's spikes"
+    );
+}

@@ -301,6 +301,13 @@ pub struct Opened {
     /// (`sample_numbers.npy[0]`), when that file exists. Window and spike indices do
     /// not include it.
     pub first_sample_number: Option<i64>,
+    /// The sample type the file was read as: int16 for SpikeGLX and Open Ephys
+    /// whatever [`OpenOptions::dtype`] asked, the asked one for flat binary.
+    /// Outputs that describe the raw file (Phy's `params.py`) must name this.
+    pub dtype: Dtype,
+    /// Header bytes skipped at the start of the file: 0 for SpikeGLX and Open
+    /// Ephys, [`OpenOptions::offset`] for flat binary.
+    pub offset: u64,
 }
 
 impl std::fmt::Debug for Opened {
@@ -413,6 +420,8 @@ fn open_untrimmed(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingEr
                 probe: None,
                 bit_volts: None,
                 first_sample_number: None,
+                dtype: opts.dtype,
+                offset: opts.offset,
             })
         }
     }

@@ -358,5 +358,7 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
         probe: None,
         bit_volts: Some(stream.bit_volts.clone()),
         first_sample_number,
+        dtype: Dtype::Int16,
+        offset: 0,
     })
 }

@@ -702,5 +702,7 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
         probe,
         bit_volts: None,
         first_sample_number: None,
+        dtype: Dtype::Int16,
+        offset: 0,
     })
 }

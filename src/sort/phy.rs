@@ -30,7 +30,7 @@
 //! | `cluster_group.tsv` | text | | byte copy of `cluster_KSLabel.tsv` (header `KSLabel`, as Kilosort4) |
 //! | `cluster_ContamPct.tsv` | text | | 100·R12, one decimal |
 //! | `cluster_Amplitude.tsv` | text | | template L2 norm, one decimal |
-//! | `params.py` | text | | `n_channels_dat`, `offset = 0`, `sample_rate`, `dtype`, `hp_filtered = False`, `dat_path` (list of absolute paths) |
+//! | `params.py` | text | | `n_channels_dat`, `offset` (0 but for a flat binary file read with `--offset`), `sample_rate`, `dtype`, `hp_filtered = False`, `dat_path` (list of absolute paths) |
 //! | `spikecube.json` | JSON | | provenance (spikecube's own; Kilosort4 writes `ops.npy` instead) |
 //! | `units.png` | PNG | 2000 × 1000 | units on the probe, amplitude and firing rate by depth, ACGs of the 8 largest ([`crate::sort::summary`]; spikecube's own) |
 
@@ -79,6 +79,9 @@ pub struct ExportSettings {
     pub dtype: String,
     /// Raw recording file(s), written absolute into `params.py`.
     pub dat_path: Vec<PathBuf>,
+    /// Header bytes at the start of each raw file (`--offset`, flat binary
+    /// only), for `params.py` (Kilosort4 always writes 0).
+    pub offset: u64,
     /// First sample read (`tmin`·fs), added to the spike times.
     pub imin: i64,
     /// Same-unit spikes closer than this are duplicates (`duplicate_spike_ms`, 0.25).
@@ -98,6 +101,7 @@ impl ExportSettings {
             n_chan_bin,
             dtype: "int16".into(),
             dat_path,
+            offset: 0,
             imin: 0,
             duplicate_spike_ms: 0.25,
             merge: MergeSettings::default(),
@@ -197,8 +201,9 @@ pub fn params_text(settings: &ExportSettings) -> Result<String> {
         );
     }
     Ok(format!(
-        "n_channels_dat = {}\noffset = 0\nsample_rate = {}\ndtype = {}\nhp_filtered = False\ndat_path = [{}]\n",
+        "n_channels_dat = {}\noffset = {}\nsample_rate = {}\ndtype = {}\nhp_filtered = False\ndat_path = [{}]\n",
         settings.n_chan_bin,
+        settings.offset,
         py_float(settings.fs, "sample_rate")?,
         py_str(&settings.dtype),
         paths.join(", ")

@@ -1122,6 +1122,7 @@ fn export_settings(run_info: &crate::output::RunInfo, fs: f64, s: &SortSettings)
     let mut export =
         ExportSettings::new(fs, run_info.n_channels_dat, vec![run_info.dat_path.clone()]);
     export.dtype = run_info.dtype.clone();
+    export.offset = run_info.offset;
     export.duplicate_spike_ms = s.duplicate_spike_ms;
     export.merge = MergeSettings::default();
     export.merge.thresholds.acg = s.acg_threshold;
