@@ -287,6 +287,13 @@ fn params_py_names_the_raw_file_as_it_was_read() {
     assert_eq!(json["input"]["dtype"], "int16");
     assert_eq!(json["input"]["offset"], 0);
     let warnings = json["warnings"].to_string();
+    // A 2-s recording is too short for the refractory test: that warning,
+    // made once the units are labelled, is in the folder's record too.
+    assert_eq!(
+        json["counts"]["good"] == 0,
+        warnings.contains("passed the refractory test"),
+        "{warnings}"
+    );
     assert!(
         warnings.contains("--dtype float32 was given")
             && warnings.contains("--offset 100 was given"),

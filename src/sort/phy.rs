@@ -125,6 +125,46 @@ pub struct PhySummary {
     pub n_duplicates: usize,
     /// Merges made.
     pub n_merges: usize,
+    /// Warnings about the folder's result (no `good` unit, a single spike),
+    /// also appended to `spikecube.json`'s `warnings`.
+    pub warnings: Vec<String>,
+}
+
+/// Recordings shorter than this (s) are named as the likely reason when no
+/// unit passes the refractory test.
+const SHORT_FOR_REFRACTORY_S: f64 = 60.0;
+
+/// Warnings about a written sort: no unit passed the refractory test (with
+/// the likely reason), or the sort holds a single spike, which Phy's loader
+/// (phylib's `TemplateModel`, as of 2.7) cannot open: it squeezes one-element
+/// arrays to scalars.
+fn result_warnings(
+    n_units: usize,
+    n_good: usize,
+    n_spikes: usize,
+    settings: &ExportSettings,
+) -> Vec<String> {
+    let mut w = Vec::new();
+    if n_good == 0 {
+        // The test compares a unit's refractory bins with its correlogram's
+        // shoulders: a short recording holds too few spikes for either.
+        let seconds = settings.n_samples as f64 / settings.fs;
+        let why = if settings.n_samples > 0 && seconds < SHORT_FOR_REFRACTORY_S {
+            format!(
+                "the recording is {seconds:.1} s long, too short for the test to find a refractory period (it needs minutes); otherwise check the recording's sample rate and scale"
+            )
+        } else {
+            "check the recording's sample rate and scale".to_string()
+        };
+        w.push(format!(
+            "none of the {n_units} units passed the refractory test (acg_threshold {}): {why}",
+            settings.merge.thresholds.acg
+        ));
+    }
+    if n_spikes == 1 {
+        w.push("the sort holds a single spike: Phy cannot open the folder (its loader turns one-element arrays into scalars), although every file is complete; numpy's np.load reads them".to_string());
+    }
+    w
 }
 
 /// Merges the final clustering ([`merge_ccg`]) and writes the Phy folder `out`
@@ -367,6 +407,15 @@ pub fn write_phy(
         serde_json::Value::Object(m) => m,
         _ => serde_json::Map::new(),
     };
+    let warnings = result_warnings(u, n_good, nk, settings);
+    if !warnings.is_empty() {
+        let listed = manifest
+            .entry("warnings")
+            .or_insert_with(|| serde_json::Value::Array(Vec::new()));
+        if let serde_json::Value::Array(a) = listed {
+            a.extend(warnings.iter().cloned().map(serde_json::Value::String));
+        }
+    }
     manifest.insert(
         "counts".into(),
         serde_json::json!({
@@ -382,6 +431,7 @@ pub fn write_phy(
         n_spikes: nk,
         n_duplicates: n - nk,
         n_merges,
+        warnings,
     })
 }
 
@@ -588,6 +638,29 @@ fn write_cluster_tables(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_single_spike_and_no_good_unit_are_warned_about() {
+        let mut s = ExportSettings::new(30_000.0, 4, vec![]);
+        let one = result_warnings(3, 1, 1, &s);
+        assert!(
+            one.len() == 1 && one[0].contains("Phy cannot open"),
+            "{one:?}"
+        );
+        assert!(result_warnings(3, 1, 0, &s).is_empty());
+        assert!(result_warnings(3, 1, 2, &s).is_empty());
+        s.n_samples = 300_000;
+        let none = result_warnings(3, 0, 50, &s);
+        assert!(
+            none.len() == 1
+                && none[0].contains("none of the 3 units")
+                && none[0].contains("10.0 s long"),
+            "{none:?}"
+        );
+        s.n_samples = 30_000 * 600;
+        let long = result_warnings(3, 0, 50, &s);
+        assert!(!long[0].contains("too short"), "{long:?}");
+    }
+
     use super::*;
 
     #[test]

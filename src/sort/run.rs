@@ -288,20 +288,6 @@ pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Res
     sort_into(job, work.path(), progress)
 }
 
-/// Recordings shorter than this (s) are named as the likely reason when no
-/// unit passes the refractory test.
-const SHORT_FOR_REFRACTORY_S: f64 = 60.0;
-
-/// The warning for a sort of exactly one spike: Phy's loader (phylib's
-/// `TemplateModel`, as of 2.7) squeezes its one-element arrays to scalars and
-/// stops, although the folder's files have Kilosort4's shapes (n = 1);
-/// `None` for any other count.
-fn single_spike_warning(n_spikes: usize) -> Option<String> {
-    (n_spikes == 1).then(|| {
-        "the sort holds a single spike: Phy cannot open the folder (its loader turns one-element arrays into scalars), although every file is complete; numpy's np.load reads them".to_string()
-    })
-}
-
 /// The tag of the sort's working folder, `.<out>.spikecube-detection-<pid>`.
 const WORK_TAG: &str = "spikecube-detection";
 
@@ -456,23 +442,7 @@ fn sort_into(
     let result = sort_result(ex, fin, det, icc, iu);
     let phy = save_sorting(&out, result, &probe, &export, manifest, "sort")?;
     lap(&mut timings, "merges_export");
-    if phy.n_good == 0 {
-        // The test compares a unit's refractory bins with its correlogram's
-        // shoulders: a short recording holds too few spikes for either.
-        let why = if detection.seconds < SHORT_FOR_REFRACTORY_S {
-            format!(
-                "the recording is {:.1} s long, too short for the test to find a refractory period (it needs minutes); otherwise check the recording's sample rate and scale",
-                detection.seconds
-            )
-        } else {
-            "check the recording's sample rate and scale".to_string()
-        };
-        warnings.push(format!(
-            "none of the {} units passed the refractory test (acg_threshold {}): {why}",
-            phy.n_units, s.acg_threshold
-        ));
-    }
-    warnings.extend(single_spike_warning(phy.n_spikes));
+    warnings.extend(phy.warnings.iter().cloned());
     Ok(SortReport {
         phy,
         seconds: detection.seconds,
@@ -1269,16 +1239,4 @@ fn read_manifest(work: &Path) -> Result<serde_json::Value> {
     let text =
         std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{} does not read", p.display()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_single_spike_is_warned_about() {
-        assert!(single_spike_warning(1).is_some_and(|w| w.contains("Phy cannot open")));
-        assert_eq!(single_spike_warning(0), None);
-        assert_eq!(single_spike_warning(2), None);
-    }
 }
