@@ -32,7 +32,7 @@
 //! | `cluster_Amplitude.tsv` | text | | template L2 norm, one decimal |
 //! | `params.py` | text | | `n_channels_dat`, `offset` (0 but for a flat binary file read with `--offset`), `sample_rate`, `dtype`, `hp_filtered = False`, `dat_path` (list of absolute paths) |
 //! | `spikecube.json` | JSON | | provenance (spikecube's own; Kilosort4 writes `ops.npy` instead) |
-//! | `units.png` | PNG | 2000 × 1000 | units on the probe, amplitude and firing rate by depth, ACGs of the 8 largest ([`crate::sort::summary`]; spikecube's own) |
+//! | `units.png` | PNG | 2000 × 1000 | units on the probe, amplitude and firing rate by depth, ACGs of the 4 largest and the 4 fastest other units, ids beside their dots ([`crate::sort::summary`]; spikecube's own) |
 
 use std::path::{Path, PathBuf};
 

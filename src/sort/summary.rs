@@ -9,9 +9,14 @@
 //! 2. template amplitude (whitened units) against depth: units that are
 //!    too small to trust, and the probe's silent stretches, stand out;
 //! 3. firing rate (Hz, log scale) against depth;
-//! 4. the autocorrelograms (±50 ms, 1-ms bins) of the eight largest units,
-//!    with the ±2-ms refractory stretch shaded: the first thing to look at
-//!    to judge whether a unit is one neuron.
+//! 4. the autocorrelograms (±50 ms, 1-ms bins) of eight units, with the
+//!    ±2-ms refractory stretch shaded: the first thing to look at to judge
+//!    whether a unit is one neuron. The four largest units (the ones most
+//!    worth keeping) and the four firing fastest among the rest (a unit
+//!    firing far faster than its neighbours is the likeliest merge of
+//!    several neurons, or noise, and its ACG has the counts to show it);
+//!    their ids are written beside their dots in panels 2 and 3, so that
+//!    each can be found in Phy.
 
 use std::path::Path;
 
@@ -150,6 +155,11 @@ pub fn draw_units(
     // Good units drawn last, on top.
     let mut order: Vec<usize> = (0..u).filter(|&k| s.n_spikes[k] > 0).collect();
     order.sort_by_key(|&k| s.good[k]);
+    let shown = acg_units(s);
+    // Unit k's id, just right of and above its dot at `at`.
+    let id_label = |k: usize, at: (f64, f64)| {
+        EmptyElement::at(at) + Text::new(k.to_string(), (7, -16), (plot::FONT, 15).into_font())
+    };
 
     let mut buf = vec![255u8; (w * h * 3) as usize];
     {
@@ -231,6 +241,8 @@ pub fn draw_units(
             )
         }))
         .map_err(&err)?;
+        ch.draw_series(shown.iter().map(|&k| id_label(k, (s.amplitude[k], s.y[k]))))
+            .map_err(&err)?;
 
         // 3. Firing rate against depth (log scale).
         let mut cb = ChartBuilder::on(&panels[2]);
@@ -257,18 +269,46 @@ pub fn draw_units(
                 .map(|&k| Circle::new((rates[k], s.y[k]), 5, colour(s.good[k]).mix(0.7).filled())),
         )
         .map_err(&err)?;
+        ch.draw_series(
+            shown
+                .iter()
+                .filter(|&&k| rates[k] > 0.0)
+                .map(|&k| id_label(k, (rates[k], s.y[k]))),
+        )
+        .map_err(&err)?;
 
-        // 4. Autocorrelograms of the largest units.
-        draw_acgs(&right, s, times, clu, fs, path)?;
+        // 4. Autocorrelograms of the units chosen above.
+        draw_acgs(&right, s, &shown, times, clu, fs, path)?;
         root.present().map_err(&err)?;
     }
     plot::save_png(path, buf, w, h)
 }
 
-/// The ACG panel: up to eight units, largest template amplitude first.
+/// Units whose ACGs the picture shows (at most eight, of those with two
+/// spikes or more): the four of largest template amplitude, then the four
+/// firing fastest among the others (ties to the lower id).
+pub fn acg_units(s: &UnitSummary) -> Vec<usize> {
+    let with_pairs: Vec<usize> = (0..s.amplitude.len())
+        .filter(|&k| s.n_spikes[k] > 1)
+        .collect();
+    let mut big = with_pairs.clone();
+    big.sort_by(|&a, &b| s.amplitude[b].total_cmp(&s.amplitude[a]).then(a.cmp(&b)));
+    big.truncate(4);
+    let mut fast: Vec<usize> = with_pairs
+        .into_iter()
+        .filter(|k| !big.contains(k))
+        .collect();
+    fast.sort_by(|&a, &b| s.n_spikes[b].cmp(&s.n_spikes[a]).then(a.cmp(&b)));
+    fast.truncate(4);
+    big.extend(fast);
+    big
+}
+
+/// The ACG panel: the units of [`acg_units`], in that order.
 fn draw_acgs(
     area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
     s: &UnitSummary,
+    shown: &[usize],
     times: &[i64],
     clu: &[i32],
     fs: f64,
@@ -276,13 +316,8 @@ fn draw_acgs(
 ) -> Result<()> {
     let err = plot::plot_err(path);
     const HALF_MS: usize = 50;
-    let mut big: Vec<usize> = (0..s.amplitude.len())
-        .filter(|&k| s.n_spikes[k] > 1)
-        .collect();
-    big.sort_by(|&a, &b| s.amplitude[b].total_cmp(&s.amplitude[a]).then(a.cmp(&b)));
-    big.truncate(8);
     let cells = area.split_evenly((4, 2));
-    for (cell, &k) in cells.iter().zip(&big) {
+    for (i, (cell, &k)) in cells.iter().zip(shown).enumerate() {
         let own: Vec<i64> = times
             .iter()
             .zip(clu)
@@ -292,9 +327,10 @@ fn draw_acgs(
         let counts = acg(&own, fs, HALF_MS);
         let top = f64::from(counts.iter().copied().max().unwrap_or(0)).max(1.0) * 1.1;
         let caption = format!(
-            "unit {k}: {:.1} Hz, {}",
+            "unit {k}: {:.1} Hz, {}, {}",
             s.rate(k),
-            if s.good[k] { "good" } else { "mua" }
+            if s.good[k] { "good" } else { "mua" },
+            if i < 4 { "large" } else { "fast" }
         );
         let mut ch = ChartBuilder::on(cell)
             .caption(&caption, (plot::FONT, 18))
@@ -361,6 +397,32 @@ mod tests {
         assert_eq!(at(10), 1); // 300 samples
         assert_eq!(at(8), 1); // 255 samples = 8.5 ms
         assert_eq!(c.iter().sum::<u32>(), 6);
+    }
+
+    #[test]
+    fn acg_units_are_the_largest_then_the_fastest() {
+        // Amplitudes: unit 5 largest, then 0, 6, 2, 7...; spikes: unit 3
+        // fires most, then 1, 4; unit 8 has one spike (no ACG).
+        let amplitude = vec![9.0, 2.0, 7.0, 1.0, 1.5, 10.0, 8.0, 6.0, 20.0, 0.5];
+        let n_spikes = vec![10, 50, 10, 90, 40, 10, 10, 10, 1, 30];
+        let s = UnitSummary {
+            x: vec![0.0; 10],
+            y: vec![0.0; 10],
+            good: vec![true; 10],
+            seconds: 10.0,
+            amplitude,
+            n_spikes,
+        };
+        assert_eq!(acg_units(&s), vec![5, 0, 6, 2, 3, 1, 4, 9]);
+        let few = UnitSummary {
+            n_spikes: vec![3, 0, 2],
+            x: vec![0.0; 3],
+            y: vec![0.0; 3],
+            amplitude: vec![1.0, 5.0, 2.0],
+            good: vec![false; 3],
+            seconds: 1.0,
+        };
+        assert_eq!(acg_units(&few), vec![2, 0]);
     }
 
     #[test]
