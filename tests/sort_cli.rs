@@ -233,6 +233,23 @@ fn an_unusable_output_folder_is_refused_before_detection() {
         err.contains("--drift-only") && err.contains("spikecube detect"),
         "{err}"
     );
+    // An --out inside a file: the error names that --out, not the sort's
+    // hidden working folder.
+    let inside_file = mine.join("notes.txt").join("sorted");
+    let o = spikecube(&[
+        "sort",
+        s(&bin),
+        "--out",
+        s(&inside_file),
+        "--backend",
+        "cpu",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains(s(&inside_file)) && !err.contains("spikecube-detection"),
+        "{err}"
+    );
     let names: Vec<String> = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

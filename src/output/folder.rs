@@ -312,6 +312,39 @@ pub fn check_target(out: &Path, command: &str) -> Result<Existing> {
     ))
 }
 
+/// Creates the folder that will hold `out` (and its parents) when it does
+/// not exist, with a warning once it is made: a mistyped `--out` would
+/// otherwise grow folders unseen.
+///
+/// # Errors
+/// When `out` has no name, its parent is a file, or the folder cannot be
+/// created (`out` is named, as the user gave it).
+pub fn make_parent(out: &Path) -> Result<()> {
+    let (parent, _) = split(out)?;
+    if parent.exists() && !parent.is_dir() {
+        bail!(
+            "cannot create the output folder {}: {} is a file, not a folder",
+            out.display(),
+            parent.display()
+        );
+    }
+    if parent.exists() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(&parent).with_context(|| {
+        format!(
+            "cannot create the output folder {}: cannot create {}",
+            out.display(),
+            parent.display()
+        )
+    })?;
+    tracing::warn!(
+        "the output folder's parent {} did not exist; it was created",
+        parent.display()
+    );
+    Ok(())
+}
+
 /// An output folder being written under a temporary name (see the module docs).
 #[derive(Debug)]
 pub struct StagedFolder {
@@ -331,27 +364,7 @@ impl StagedFolder {
     pub fn create(out: &Path, command: &str) -> Result<Self> {
         let (parent, name) = split(out)?;
         check_target(out, command)?;
-        if parent.exists() && !parent.is_dir() {
-            bail!(
-                "cannot create the output folder {}: {} is a file, not a folder",
-                out.display(),
-                parent.display()
-            );
-        }
-        if !parent.exists() {
-            // Said, not silent: a mistyped --out would otherwise grow folders unseen.
-            tracing::warn!(
-                "the output folder's parent {} did not exist; it was created",
-                parent.display()
-            );
-        }
-        std::fs::create_dir_all(&parent).with_context(|| {
-            format!(
-                "cannot create the output folder {}: cannot create {}",
-                out.display(),
-                parent.display()
-            )
-        })?;
+        make_parent(out)?;
         remove_stale(out)?;
         let mut tmp_name = name;
         tmp_name.push(format!(".partial-{}", std::process::id()));

@@ -278,6 +278,9 @@ pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Res
     // An output folder that cannot take the Phy folder fails now, not after
     // the detection stage (the same check runs again when it is published).
     crate::output::folder::check_target(&out, "sort")?;
+    // The working folder goes beside the output folder: its parent is made
+    // now, and a failure names the output folder.
+    crate::output::folder::make_parent(&out)?;
     // What a killed sort into the same place left.
     crate::output::folder::remove_stale_working(&out, WORK_TAG)?;
     // The detection stage's working folder, removed when the sort ends, also
