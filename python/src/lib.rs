@@ -393,7 +393,18 @@ fn detect_job(
     backend: Backend,
     interrupt: &Interrupt,
 ) -> anyhow::Result<DetectJob> {
-    let (opened, probe, checks) = open_recording(paths, probe, o)?;
+    let (opened, probe, mut checks) = open_recording(paths, probe, o)?;
+    let asked = OpenOptions {
+        dtype: match &o.dtype {
+            None => Dtype::Int16,
+            Some(s) => Dtype::parse(s).unwrap_or(Dtype::Int16),
+        },
+        offset: o.offset,
+        ..OpenOptions::default()
+    };
+    // A dtype or offset the file's format overrode: warned about, and the
+    // outputs name what was read.
+    checks.warnings.extend(opened.overridden(&asked, &paths[0]));
     let rec: Arc<dyn Recording> = Arc::new(Interruptible {
         inner: opened.recording.clone(),
         interrupt: interrupt.clone(),
@@ -403,8 +414,8 @@ fn detect_job(
         input_description: rec.describe(),
         dat_path: spikecube::recording::raw_data_file(&paths[0]),
         n_channels_dat: rec.n_channels() as u64,
-        dtype: o.dtype.clone().unwrap_or_else(|| "int16".into()),
-        offset: o.offset,
+        dtype: opened.dtype.name().into(),
+        offset: opened.offset,
         hp_filtered: false,
         ..RunInfo::default()
     };

@@ -102,23 +102,9 @@ pub(super) fn build_job(
     // A --dtype or --offset that the file's format overrides: the samples
     // are read as the format says, and the outputs that describe the raw file
     // (params.py, spikecube.json) name what was read.
-    if args.rec.dtype != opened.dtype {
-        checks.warnings.push(format!(
-            "--dtype {} was given but {} holds {} samples (its format's only type); they were read as {}, and params.py says so",
-            args.rec.dtype.name(),
-            args.recording[0].display(),
-            opened.dtype.name(),
-            opened.dtype.name()
-        ));
-    }
-    if args.rec.offset != opened.offset {
-        checks.warnings.push(format!(
-            "--offset {} was given but {} has no header to skip (only flat binary files take --offset); it was read from byte {}",
-            args.rec.offset,
-            args.recording[0].display(),
-            opened.offset
-        ));
-    }
+    checks
+        .warnings
+        .extend(opened.overridden(&args.rec.open_options(), &args.recording[0]));
     checks.blanking = args.checks.blanking(rec.as_ref(), &mut checks.warnings)?;
     let out = match &args.out {
         Some(o) => o.clone(),

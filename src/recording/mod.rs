@@ -310,6 +310,34 @@ pub struct Opened {
     pub offset: u64,
 }
 
+impl Opened {
+    /// Warnings for a `--dtype` or `--offset` in `asked` that the file's format
+    /// overrode (`path` is the recording as given): the samples were read as
+    /// [`Opened::dtype`] from byte [`Opened::offset`], and the outputs that
+    /// describe the raw file say so.
+    pub fn overridden(&self, asked: &OpenOptions, path: &Path) -> Vec<String> {
+        let mut w = Vec::new();
+        if asked.dtype != self.dtype {
+            w.push(format!(
+                "--dtype {} was given but {} holds {} samples (its format's only type); they were read as {}, and params.py says so",
+                asked.dtype.name(),
+                path.display(),
+                self.dtype.name(),
+                self.dtype.name()
+            ));
+        }
+        if asked.offset != self.offset {
+            w.push(format!(
+                "--offset {} was given but {} has no header to skip (only flat binary files take --offset); it was read from byte {}",
+                asked.offset,
+                path.display(),
+                self.offset
+            ));
+        }
+        w
+    }
+}
+
 impl std::fmt::Debug for Opened {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Opened")
