@@ -44,6 +44,23 @@ fn sort_with(rec: &Path, out: &Path, threads: &str, env: &[(&str, &str)]) {
     );
 }
 
+/// A 2-s, 4-unit simulation of the default probe in `dir/sim` (its folder).
+fn simulate_short(dir: &Path) -> PathBuf {
+    let rec = dir.join("sim");
+    let o = spikecube(&[
+        "simulate",
+        "--seconds",
+        "2",
+        "--n-units",
+        "4",
+        "--out",
+        s(&rec),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    rec
+}
+
 /// Fraction of the simulated unit's spikes that the best-matching sorted unit
 /// holds within ±12 samples (0.4 ms), and that unit's precision.
 fn best_match(gt: &[i64], times: &[i64], clu: &[i32], n_units: usize) -> (f64, f64) {
@@ -185,18 +202,7 @@ fn sort_writes_a_phy_folder_that_finds_the_simulated_units() {
 #[test]
 fn an_unusable_output_folder_is_refused_before_detection() {
     let dir = tempfile::tempdir().unwrap();
-    let rec = dir.path().join("sim");
-    let o = spikecube(&[
-        "simulate",
-        "--seconds",
-        "2",
-        "--n-units",
-        "4",
-        "--out",
-        s(&rec),
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rec = simulate_short(dir.path());
     let bin = rec.join("sim_g0_t0.imec0.ap.bin");
     let mine = dir.path().join("mine");
     std::fs::create_dir(&mine).unwrap();
@@ -265,18 +271,7 @@ fn an_unusable_output_folder_is_refused_before_detection() {
 #[test]
 fn params_py_names_the_raw_file_as_it_was_read() {
     let dir = tempfile::tempdir().unwrap();
-    let rec = dir.path().join("sim");
-    let o = spikecube(&[
-        "simulate",
-        "--seconds",
-        "2",
-        "--n-units",
-        "4",
-        "--out",
-        s(&rec),
-        "-q",
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rec = simulate_short(dir.path());
     let bin = rec.join("sim_g0_t0.imec0.ap.bin");
     let glx = dir.path().join("glx");
     let o = spikecube(&[
