@@ -346,6 +346,18 @@ fn check_sim32_device_fed<R: Runtime>(device: &R::Device) {
         assert_eq!(queued, one_at_a_time, "sim32: queued, in place {in_place}");
         assert!(m.flush().unwrap().is_empty());
     }
+    // A matcher dropped with a window's download still queued (a pass
+    // stopped by an error) waits for it; the device's next matcher is right.
+    let x = det
+        .preprocess_to_device(packer.pack(windows[3].view()), &probe.yc)
+        .unwrap();
+    m.queue_device(&x, n).unwrap();
+    drop(m);
+    let mut m = matcher::<R>(device, &setup, 4, false);
+    let x = det
+        .preprocess_to_device(packer.pack(windows[0].view()), &probe.yc)
+        .unwrap();
+    assert_eq!(m.match_device(&x, n).unwrap(), one_at_a_time[0]);
 }
 
 /// Window 0 of the sim32 recording, made again from its seed

@@ -327,6 +327,12 @@ impl PhaseTimes {
 
 impl<R: Runtime> Drop for GpuMatcher<R> {
     fn drop(&mut self) {
+        // A download still in flight (a pass stopped by an error after a
+        // window was queued) is waited for: its host buffers must not go back
+        // to CubeCL's pools while the device still copies into them.
+        if let Some(p) = self.pending.take() {
+            let _ = cubecl::future::block_on(p.read);
+        }
         if let Some(k) = &self.kernel_clock
             && let Ok(k) = k.lock()
         {
