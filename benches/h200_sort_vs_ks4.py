@@ -100,6 +100,8 @@ def sort_run(binary, name, backend, threads, env, work):
            '--probe', str(SIM / 'probe.json'), '--json', '--backend', backend, '--out', str(out)]
     if threads:
         cmd += ['--threads', str(threads)]
+    env = dict(env)
+    cmd += env.pop('ARGS', '').split()
     gpu = GpuMemory()
     t0 = time.time()
     with open(log, 'w') as f:
@@ -115,7 +117,7 @@ def sort_run(binary, name, backend, threads, env, work):
         m = json.load(open(meta))
         r['timings_s'] = {k: round(v, 3) for k, v in m.get('timings_s', {}).items()}
         r['counts'] = m.get('counts')
-        r['detection_timings_s'] = {k: round(v, 3) for k, v in m.get('detection', {}).get('timings_s', {}).items()
+        r['detection_timings_s'] = {k: round(v, 6 if 'median' in k else 3) for k, v in m.get('detection', {}).get('timings_s', {}).items()
                                     if isinstance(v, (int, float))}
         r['sha1'] = {f: digest(out / f) for f in COMPARED}
     else:
