@@ -393,18 +393,7 @@ fn detect_job(
     backend: Backend,
     interrupt: &Interrupt,
 ) -> anyhow::Result<DetectJob> {
-    let (opened, probe, mut checks) = open_recording(paths, probe, o)?;
-    let asked = OpenOptions {
-        dtype: match &o.dtype {
-            None => Dtype::Int16,
-            Some(s) => Dtype::parse(s).unwrap_or(Dtype::Int16),
-        },
-        offset: o.offset,
-        ..OpenOptions::default()
-    };
-    // A dtype or offset the file's format overrode: warned about, and the
-    // outputs name what was read.
-    checks.warnings.extend(opened.overridden(&asked, &paths[0]));
+    let (opened, probe, checks) = open_recording(paths, probe, o)?;
     let rec: Arc<dyn Recording> = Arc::new(Interruptible {
         inner: opened.recording.clone(),
         interrupt: interrupt.clone(),

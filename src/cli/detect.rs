@@ -99,12 +99,6 @@ pub(super) fn build_job(
             rec.fs()
         ));
     }
-    // A --dtype or --offset that the file's format overrides: the samples
-    // are read as the format says, and the outputs that describe the raw file
-    // (params.py, spikecube.json) name what was read.
-    checks
-        .warnings
-        .extend(opened.overridden(&args.rec.open_options(), &args.recording[0]));
     checks.blanking = args.checks.blanking(rec.as_ref(), &mut checks.warnings)?;
     let out = match &args.out {
         Some(o) => o.clone(),
