@@ -3,7 +3,8 @@
 //! groups, as `SPIKECUBE_CLUSTER_PROFILE=1 SPIKECUBE_CLUSTER_DUMP=DIR` writes
 //! them (`group_<n>x<dim>.npy`, float32, n × dim). Prints, per file, the best
 //! of `SPIKECUBE_BENCH_RUNS` (default 3) runs on the CPU with every rayon
-//! thread, and a hash of the labels (the same for every run).
+//! thread, and a hash of the labels (the same for every run). The draws are
+//! torch's, or ChaCha8's with `SPIKECUBE_BENCH_GENERATOR=chacha8`.
 //!
 //! Usage: `cargo bench --bench seeding -- FILE.npy...`.
 
@@ -12,6 +13,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use ndarray::Array2;
+use spikecube::sort::clustering::SeedingRng;
 use spikecube::sort::clustering::seeding::kmeans_plusplus;
 use spikecube::sort::clustering::settings::N_CLUSTERS_INIT;
 
@@ -28,6 +30,10 @@ fn main() {
         eprintln!("usage: cargo bench --bench seeding -- FILE.npy...");
         return;
     }
+    let rng = match std::env::var("SPIKECUBE_BENCH_GENERATOR").as_deref() {
+        Ok("chacha8") => SeedingRng::chacha8(5),
+        _ => SeedingRng::torch(5),
+    };
     let mut total = 0.0;
     for f in &files {
         let x: Array2<f32> = spikecube::npy::read(Path::new(f)).expect("a float32 n × dim array");
@@ -41,7 +47,7 @@ fn main() {
         let mut hash = None;
         for _ in 0..runs {
             let t = Instant::now();
-            let labels = kmeans_plusplus(&xd, dim, N_CLUSTERS_INIT, 5);
+            let labels = kmeans_plusplus(&xd, dim, N_CLUSTERS_INIT, rng);
             best = best.min(t.elapsed().as_secs_f64());
             let mut h = DefaultHasher::new();
             labels.hash(&mut h);

@@ -357,7 +357,7 @@ fn stages(inp: &ClusterInput<'_>, s: &ClusteringSettings) {
         let t0 = cpu_seconds();
         let g = build_graph(&d.xd, d.dim, s);
         let t1 = cpu_seconds();
-        let init = kmeans_plusplus(&d.xd, d.dim, N_CLUSTERS_INIT, s.cluster_init_seed);
+        let init = kmeans_plusplus(&d.xd, d.dim, N_CLUSTERS_INIT, s.seeding_rng());
         let t2 = cpu_seconds();
         let Labels {
             iclust,

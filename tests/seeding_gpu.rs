@@ -9,10 +9,10 @@
 
 mod common;
 
-use spikecube::sort::clustering::SeedingDevice;
 use spikecube::sort::clustering::seeding::{
     kmeans_plusplus, kmeans_plusplus_on, kmeans_plusplus_on_device,
 };
+use spikecube::sort::clustering::{SeedingDevice, SeedingRng};
 
 /// A xorshift generator of uniform numbers in [−0.5, 0.5).
 fn uniform_gen(mut x: u64) -> impl FnMut() -> f32 {
@@ -67,13 +67,13 @@ fn check(device: &SeedingDevice) {
         ("blobs, 300 features", 300, blobs(1500, 300, 10, 4)),
     ];
     for (name, dim, xd) in &cases {
-        for seed in [5u64, 8] {
+        for seed in [SeedingRng::torch(5), SeedingRng::chacha8(8)] {
             let want = kmeans_plusplus(xd, *dim, 200, seed);
             let got = kmeans_plusplus_on(xd, *dim, 200, seed, device);
             let diff = want.iter().zip(&got).filter(|(a, b)| a != b).count();
-            assert_eq!(diff, 0, "{name}, seed {seed}: {diff} labels differ");
+            assert_eq!(diff, 0, "{name}, seed {seed:?}: {diff} labels differ");
             let again = kmeans_plusplus_on(xd, *dim, 200, seed, device);
-            assert_eq!(got, again, "{name}, seed {seed}: a second run differs");
+            assert_eq!(got, again, "{name}, seed {seed:?}: a second run differs");
         }
     }
 }
@@ -95,7 +95,7 @@ fn check_lockstep(device: &SeedingDevice) {
     groups.push((blobs(2100, 256, 12, 6), 256));
     let views: Vec<(&[f32], usize)> = groups.iter().map(|(x, d)| (x.as_slice(), *d)).collect();
     // Draws on 3 threads, then on 1 (the labels do not depend on it).
-    for (seed, threads) in [(5u64, 3usize), (8, 1)] {
+    for (seed, threads) in [(SeedingRng::torch(5), 3usize), (SeedingRng::chacha8(8), 1)] {
         let got = kmeans_plusplus_on_device(&views, 200, seed, device, threads)
             .expect("the device seeds these groups");
         for (g, &(xd, dim)) in views.iter().enumerate() {
@@ -103,13 +103,15 @@ fn check_lockstep(device: &SeedingDevice) {
             let diff = want.iter().zip(&got[g]).filter(|(a, b)| a != b).count();
             assert_eq!(
                 diff, 0,
-                "group {g} ({dim} features), seed {seed}: {diff} labels differ"
+                "group {g} ({dim} features), seed {seed:?}: {diff} labels differ"
             );
         }
     }
     // A group wider than the device takes: not seeded there.
     let wide = blobs(1500, 300, 10, 4);
-    assert!(kmeans_plusplus_on_device(&[(&wide, 300)], 200, 5, device, 2).is_none());
+    assert!(
+        kmeans_plusplus_on_device(&[(&wide, 300)], 200, SeedingRng::torch(5), device, 2).is_none()
+    );
 }
 
 #[cfg(feature = "wgpu")]

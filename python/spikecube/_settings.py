@@ -57,6 +57,8 @@ SETTINGS: dict[str, tuple[str, object]] = {
     "max_cluster_subset": ("sort", 25000),
     "cluster_neighbors": ("sort", 10),
     "cluster_init_seed": ("sort", 5),
+    # "torch" (Kilosort4's CPU draws) or "chacha8"
+    "cluster_init_generator": ("sort", "torch"),
     "duplicate_spike_ms": ("sort", 0.25),
     "acg_threshold": ("sort", 0.2),
     "ccg_threshold": ("sort", 0.25),

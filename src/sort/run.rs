@@ -31,7 +31,9 @@ use crate::drift::correct::DriftCorrection;
 use crate::pipeline::{DetectJob, Report, run_detection};
 use crate::preprocess::Preprocessor;
 use crate::recording::{Recording, WindowPlan};
-use crate::sort::clustering::{ClusteringSettings, final_clustering, first_clustering};
+use crate::sort::clustering::{
+    ClusteringSettings, SeedingGenerator, final_clustering, first_clustering,
+};
 use crate::sort::matching::backend::Matcher;
 use crate::sort::matching::{MatchingSettings, MatchingSetup, preprocessed_window_into};
 use crate::sort::merge::MergeSettings;
@@ -43,7 +45,8 @@ use crate::sort::templates::postprocess_templates;
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct SortSettings {
     /// Both clusterings (`cluster_downsampling`, `max_cluster_subset`,
-    /// `cluster_neighbors`, `cluster_init_seed`, `x_centers`, …).
+    /// `cluster_neighbors`, `cluster_init_seed`, `cluster_init_generator`,
+    /// `x_centers`, …).
     pub clustering: ClusteringSettings,
     /// The learned-template matching (`Th_learned`, `max_peels`,
     /// `nearest_chans`, `position_limit`).
@@ -105,6 +108,11 @@ pub struct SortFlags {
     /// Seed of the clusters' seeding, used afresh in every group (Kilosort4's cluster_init_seed).
     #[arg(long, default_value_t = 5)]
     pub cluster_init_seed: u64,
+    /// Generator of the seeding's candidate draws: `torch` draws what
+    /// Kilosort4's CPU runs draw (torch's CPU generator, MT19937), `chacha8`
+    /// a ChaCha8 stream; both are the same on every machine.
+    #[arg(long, default_value = "torch", value_name = "torch|chacha8")]
+    pub cluster_init_generator: SeedingGenerator,
     /// Spikes of one unit closer than this are duplicates, ms (Kilosort4's duplicate_spike_ms).
     #[arg(long, default_value_t = 0.25)]
     pub duplicate_spike_ms: f64,
@@ -160,6 +168,7 @@ impl SortFlags {
             (self.max_cluster_subset > 0).then_some(self.max_cluster_subset);
         s.clustering.cluster_neighbors = self.cluster_neighbors;
         s.clustering.cluster_init_seed = self.cluster_init_seed;
+        s.clustering.cluster_init_generator = self.cluster_init_generator;
         s.clustering.ks4_swarm_ccg_bug = self.ks4_swarm_ccg_bug;
         s.duplicate_spike_ms = self.duplicate_spike_ms;
         s.acg_threshold = self.acg_threshold;

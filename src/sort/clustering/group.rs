@@ -77,7 +77,7 @@ pub(crate) fn cluster_group_clocked(
                 xd,
                 dim,
                 N_CLUSTERS_INIT,
-                settings.cluster_init_seed,
+                settings.seeding_rng(),
                 &settings.seeding_device,
             );
             &seeded

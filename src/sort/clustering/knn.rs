@@ -37,7 +37,7 @@ pub fn landmarks(n: usize, nskip: usize, max_sub: Option<usize>) -> Vec<usize> {
 
 /// `round(linspace(0, last, num))` with numpy's arithmetic (`i·step`, the
 /// last point exactly `last`) and rounding (half to even).
-fn linspace_round(last: usize, num: usize) -> Vec<usize> {
+pub(super) fn linspace_round(last: usize, num: usize) -> Vec<usize> {
     if num == 1 {
         return vec![0];
     }

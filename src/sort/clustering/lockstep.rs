@@ -3,8 +3,8 @@
 //! (`clustering_qr.py:kmeans_plusplus`, as [`super::seeding`] states it),
 //! one step of every group a round trip.
 //!
-//! At each step the host draws each group's candidates (ChaCha8, as the CPU
-//! seeding draws them) and the device does the rest for all groups in three
+//! At each step the host draws each group's candidates (as the CPU seeding
+//! draws them, [`super::draws`]) and the device does the rest for all groups in three
 //! launches: every spike's gain t = 2x·c − ‖c‖² from every candidate and the
 //! positive parts of t − v0 summed per candidate ([`ExactSteps`]); each
 //! group's best candidate; the update of v0 and of the labels. The host then
@@ -27,11 +27,10 @@
 //! 100 candidates × every spike × the feature length, a dense product that a
 //! GPU does in about a millisecond for a million spikes.
 
-use rand_chacha::ChaCha8Rng;
-use rand_chacha::rand_core::SeedableRng;
 use rayon::prelude::*;
 
-use super::seeding::{dot, draw_candidates};
+use super::draws::{Drawer, SeedingRng};
+use super::seeding::dot;
 
 /// One step's candidates of one group: their rows in the group (draw order)
 /// and their ‖c‖² (float32, feature order).
@@ -57,19 +56,19 @@ pub(crate) trait ExactSteps: Send {
 /// One group's host state between steps.
 struct Draws {
     vtot: Vec<f32>,
-    rng: ChaCha8Rng,
+    rng: Drawer,
     done: bool,
 }
 
 /// Initial labels (0‥`n_clusters`) of each group (`(xd, dim)`, rows of
-/// float32 features) by Kilosort4's seeding with our generator seeded with
-/// `seed`, every gain computed by `steps` (made for these groups); the draws
+/// float32 features) by Kilosort4's seeding with the candidates drawn by
+/// `rng`, every gain computed by `steps` (made for these groups); the draws
 /// run on `pool`. Each group's labels are those of
 /// [`super::seeding::kmeans_plusplus`] on it alone.
 pub(crate) fn seed_lockstep(
     groups: &[(&[f32], usize)],
     n_clusters: usize,
-    seed: u64,
+    rng: SeedingRng,
     steps: &mut dyn ExactSteps,
     pool: &rayon::ThreadPool,
 ) -> Vec<Vec<u32>> {
@@ -81,7 +80,7 @@ pub(crate) fn seed_lockstep(
                 Draws {
                     done: vtot.is_empty(),
                     vtot,
-                    rng: ChaCha8Rng::seed_from_u64(seed),
+                    rng: Drawer::new(rng),
                 }
             })
             .collect()
@@ -98,7 +97,7 @@ pub(crate) fn seed_lockstep(
                     if s.done {
                         return None;
                     }
-                    let c = draw_candidates(&s.vtot, v0, &mut s.rng);
+                    let c = s.rng.candidates(&s.vtot, v0);
                     if c.is_empty() {
                         s.done = true;
                         return None;
@@ -827,9 +826,13 @@ mod tests {
             .build()
             .unwrap();
         let mut steps = CpuSteps::new(&views);
-        let got = seed_lockstep(&views, 60, 5, &mut steps, &pool);
+        let got = seed_lockstep(&views, 60, SeedingRng::torch(5), &mut steps, &pool);
         for (g, &(x, d)) in views.iter().enumerate() {
-            assert_eq!(got[g], kmeans_plusplus(x, d, 60, 5), "group {g}");
+            assert_eq!(
+                got[g],
+                kmeans_plusplus(x, d, 60, SeedingRng::torch(5)),
+                "group {g}"
+            );
         }
     }
 }

@@ -22,14 +22,16 @@
 //! labels are the same bytes either way.
 //!
 //! Where it differs from Kilosort4 4.1.7 (see README, "Where spikecube
-//! differs"): the seeding draws from ChaCha8 (seed `cluster_init_seed`), not
-//! torch's generator; neighbour distances are exact float32 sums with ties to
+//! differs"): the seeding draws torch's CPU candidates ([`draws`]), which
+//! Kilosort4's GPU runs do not, and sums its gains in fixed-order float64;
+//! neighbour distances are exact float32 sums with ties to
 //! the lower landmark, not faiss's BLAS expansion; the expected-edge term of
 //! the label updates is float64; and by default the final clustering's CCG
 //! test runs as intended (`ks4_swarm_ccg_bug` restores 4.1.7's skipped test).
 
 pub mod ccg;
 pub mod device;
+pub mod draws;
 pub mod group;
 pub mod groups;
 pub mod knn;
@@ -44,6 +46,7 @@ pub mod tree;
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
 
 pub use device::{DEVICE_BATCH_SPIKES, DEVICE_MIN_SPIKES, SeedingDevice};
+pub use draws::{SeedingGenerator, SeedingRng};
 pub use group::{GroupOutcome, cluster_group};
 pub use groups::{GroupData, Positions};
 use settings::N_CLUSTERS_INIT;
@@ -420,7 +423,7 @@ fn lockstep_batch(
                 lockstep::seed_lockstep(
                     &views,
                     N_CLUSTERS_INIT,
-                    settings.cluster_init_seed,
+                    settings.seeding_rng(),
                     steps.as_mut(),
                     pool,
                 )

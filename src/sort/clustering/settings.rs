@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::ClusteringError;
 use super::device::SeedingDevice;
+use super::draws::{SeedingGenerator, SeedingRng};
 
 /// Clusters seeded per group (Kilosort4's `nclust`, hard-coded 200).
 pub const N_CLUSTERS_INIT: usize = 200;
@@ -55,9 +56,12 @@ pub struct ClusteringSettings {
     /// Neighbours (landmarks) per spike in the graph. Default 10.
     pub cluster_neighbors: usize,
     /// Seed of the k-means++-style seeding, used afresh for every group.
-    /// Default 5 (Kilosort4's value; spikecube's generator is ChaCha8, so the
-    /// draws differ from torch's).
+    /// Default 5 (Kilosort4's value).
     pub cluster_init_seed: u64,
+    /// The generator of the seeding's candidate draws: torch's CPU draws
+    /// (default; Kilosort4's candidates as its CPU runs draw them) or
+    /// ChaCha8's ([`SeedingGenerator`]).
+    pub cluster_init_generator: SeedingGenerator,
     /// x-centres of the spatial groups; `None` finds them from a 50-µm
     /// histogram of site x (Kilosort4's automatic method, meant for probes
     /// with a few columns).
@@ -80,6 +84,7 @@ impl Default for ClusteringSettings {
             max_cluster_subset: Some(25_000),
             cluster_neighbors: 10,
             cluster_init_seed: 5,
+            cluster_init_generator: SeedingGenerator::Torch,
             x_centers: None,
             ks4_swarm_ccg_bug: false,
             seeding_device: SeedingDevice::cpu(),
@@ -93,6 +98,14 @@ impl ClusteringSettings {
         ClusteringSettings {
             ks4_swarm_ccg_bug: true,
             ..Self::default()
+        }
+    }
+
+    /// The seeding's generator and seed ([`SeedingRng`]).
+    pub fn seeding_rng(&self) -> SeedingRng {
+        SeedingRng {
+            generator: self.cluster_init_generator,
+            seed: self.cluster_init_seed,
         }
     }
 
