@@ -89,6 +89,16 @@ impl Npz {
         let a = self.f64(name);
         a.iter().next().copied().unwrap()
     }
+
+    /// A uint64 scalar (exact beyond 2⁵³).
+    pub fn u64(&self, name: &str) -> u64 {
+        ArrayD::<u64>::read_npy(self.bytes(name))
+            .unwrap_or_else(|e| panic!("{name}: not a uint64 array: {e}"))
+            .iter()
+            .next()
+            .copied()
+            .unwrap()
+    }
 }
 
 /// The fixture cases: folders of `tests/data/sort/` with a `first_in.npz`.

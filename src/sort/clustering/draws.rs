@@ -99,9 +99,45 @@ impl SeedingRng {
     }
 }
 
+/// torch's CPU generator as `torch.manual_seed(seed)` leaves it, with the two
+/// draws the seeding uses (see the module text).
+#[derive(Clone)]
+pub struct TorchCpuGenerator {
+    mt: rand_mt::Mt,
+}
+
+impl TorchCpuGenerator {
+    /// `torch.manual_seed(seed)`: MT19937 seeded with the low 32 bits.
+    pub fn manual_seed(seed: u64) -> Self {
+        TorchCpuGenerator {
+            mt: rand_mt::Mt::new(seed as u32),
+        }
+    }
+
+    /// The next element of `torch.empty(n).exponential_()` (float32, rate 1).
+    pub fn exponential(&mut self) -> f32 {
+        (-(-self.uniform()).ln_1p()) as f32
+    }
+
+    /// `torch.multinomial(w, ntry)` (without replacement) on a float32 CPU
+    /// tensor of non-negative weights: `min(ntry, w.len())` distinct indices,
+    /// the largest w_i / e_i first. Indices of equal ratios (in practice
+    /// weight 0, drawn when fewer than `ntry` weights are positive) come in
+    /// index order, where torch's order is unspecified.
+    pub fn multinomial(&mut self, w: &[f32], ntry: usize) -> Vec<usize> {
+        torch_multinomial(w, ntry, self)
+    }
+
+    /// u ∈ [0, 1) from the 53 low bits of `random64()`.
+    fn uniform(&mut self) -> f64 {
+        const MASK: u64 = (1 << 53) - 1;
+        (random64(&mut self.mt) & MASK) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
 /// One group's generator state between steps.
 pub(super) enum Drawer {
-    Torch(Box<rand_mt::Mt>),
+    Torch(Box<TorchCpuGenerator>),
     ChaCha8(Box<ChaCha8Rng>),
 }
 
@@ -114,7 +150,9 @@ impl Drawer {
     pub(super) fn new(rng: SeedingRng) -> Self {
         match rng.generator {
             // torch keeps the low 32 bits of the seed for MT19937.
-            SeedingGenerator::Torch => Drawer::Torch(Box::new(rand_mt::Mt::new(rng.seed as u32))),
+            SeedingGenerator::Torch => {
+                Drawer::Torch(Box::new(TorchCpuGenerator::manual_seed(rng.seed)))
+            }
             SeedingGenerator::ChaCha8 => {
                 Drawer::ChaCha8(Box::new(ChaCha8Rng::seed_from_u64(rng.seed)))
             }
@@ -135,7 +173,7 @@ impl Drawer {
             return Vec::new();
         }
         match self {
-            Drawer::Torch(mt) => torch_multinomial(&w, N_CANDIDATES, mt),
+            Drawer::Torch(g) => g.multinomial(&w, N_CANDIDATES),
             Drawer::ChaCha8(rng) => draw_without_replacement(&w, N_CANDIDATES, rng),
         }
     }
@@ -150,16 +188,6 @@ fn random64(mt: &mut rand_mt::Mt) -> u64 {
     (u64::from(hi) << 32) | u64::from(lo)
 }
 
-/// One Exp(1) draw of torch's CPU `exponential_` on a float32 tensor:
-/// u from the 53 low bits of `random64()`, −log1p(−u) in float64, rounded
-/// to float32.
-#[cfg(test)]
-fn torch_exponential(mt: &mut rand_mt::Mt) -> f32 {
-    const MASK: u64 = (1 << 53) - 1;
-    let u = (random64(mt) & MASK) as f64 * (1.0 / (1u64 << 53) as f64);
-    (-(-u).ln_1p()) as f32
-}
-
 /// `torch.multinomial(w, ntry)` without replacement on the CPU: the `ntry`
 /// largest w_i / e_i (float32), largest first, e_i drawn in spike order;
 /// over the evenly thinned subset when there are more than 2²⁴ spikes.
@@ -170,9 +198,7 @@ fn torch_exponential(mt: &mut rand_mt::Mt) -> f32 {
 /// float32 and log1p roundings, less than 2⁻²⁰ of it), and a spike whose
 /// bound is below the smallest ratio kept so far cannot displace it (a later
 /// spike with an equal ratio ranks after it).
-fn torch_multinomial(w: &[f32], ntry: usize, mt: &mut rand_mt::Mt) -> Vec<usize> {
-    const MASK: u64 = (1 << 53) - 1;
-    const SCALE: f64 = 1.0 / (1u64 << 53) as f64;
+fn torch_multinomial(w: &[f32], ntry: usize, g: &mut TorchCpuGenerator) -> Vec<usize> {
     /// Bound on the relative rounding between w/u and the float32 ratio.
     const MARGIN: f64 = 1.0 + 1.0 / (1u64 << 20) as f64;
     let n = w.len();
@@ -194,7 +220,7 @@ fn torch_multinomial(w: &[f32], ntry: usize, mt: &mut rand_mt::Mt) -> Vec<usize>
         std::collections::BinaryHeap::with_capacity(ntry + 1);
     for j in 0..m {
         let i = kept.as_ref().map_or(j, |k| k[j]);
-        let u = (random64(mt) & MASK) as f64 * SCALE;
+        let u = g.uniform();
         let wi = w[i];
         if heap.len() == ntry {
             let bar = heap.peek().map_or(f32::NEG_INFINITY, |r| r.ratio);
@@ -351,8 +377,8 @@ mod tests {
         assert_eq!(s.len(), N_CANDIDATES);
         assert!(c.iter().all(|&i| w[i] > 0.0));
         // The same generator state gives the same ranking, recomputed here.
-        let mut mt = rand_mt::Mt::new(5);
-        let r: Vec<f32> = w.iter().map(|&v| v / torch_exponential(&mut mt)).collect();
+        let mut g = TorchCpuGenerator::manual_seed(5);
+        let r: Vec<f32> = w.iter().map(|&v| v / g.exponential()).collect();
         for p in c.windows(2) {
             assert!(r[p[0]] >= r[p[1]]);
         }
@@ -380,11 +406,11 @@ mod tests {
     }
 
     /// `torch.multinomial` computed literally: every ratio, all sorted.
-    fn literal_multinomial(w: &[f32], ntry: usize, mt: &mut rand_mt::Mt) -> Vec<usize> {
+    fn literal_multinomial(w: &[f32], ntry: usize, g: &mut TorchCpuGenerator) -> Vec<usize> {
         let mut r: Vec<(f32, usize)> = w
             .iter()
             .enumerate()
-            .map(|(i, &v)| (v / torch_exponential(mt), i))
+            .map(|(i, &v)| (v / g.exponential(), i))
             .collect();
         r.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         r.into_iter().take(ntry).map(|(_, i)| i).collect()
@@ -399,7 +425,10 @@ mod tests {
             x ^= x << 17;
             (x >> 11) as f64 / (1u64 << 53) as f64
         };
-        let (mut a, mut b) = (rand_mt::Mt::new(7), rand_mt::Mt::new(7));
+        let (mut a, mut b) = (
+            TorchCpuGenerator::manual_seed(7),
+            TorchCpuGenerator::manual_seed(7),
+        );
         for case in 0..60 {
             let n = [150, 1000, 4000][case % 3];
             let w: Vec<f32> = (0..n)
@@ -416,12 +445,12 @@ mod tests {
                 .collect();
             let ntry = [100, 1, 37][case % 3];
             assert_eq!(
-                torch_multinomial(&w, ntry, &mut a),
+                a.multinomial(&w, ntry),
                 literal_multinomial(&w, ntry, &mut b),
                 "case {case}"
             );
             // The generators stay in step (every e is drawn).
-            assert_eq!(a.next_u32(), b.next_u32(), "case {case}");
+            assert_eq!(a.exponential(), b.exponential(), "case {case}");
         }
     }
 

@@ -46,7 +46,7 @@ pub mod tree;
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3};
 
 pub use device::{DEVICE_BATCH_SPIKES, DEVICE_MIN_SPIKES, SeedingDevice};
-pub use draws::{SeedingGenerator, SeedingRng};
+pub use draws::{SeedingGenerator, SeedingRng, TorchCpuGenerator};
 pub use group::{GroupOutcome, cluster_group};
 pub use groups::{GroupData, Positions};
 use settings::N_CLUSTERS_INIT;
