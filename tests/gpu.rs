@@ -46,7 +46,6 @@ const DENSE: GpuOptions = GpuOptions {
     hp_per_unit: 8,
     highpass: HighpassMode::Auto,
     whiten_rows_first: false,
-    whiten_tiled: false,
 };
 /// The default: every optimisation on.
 const FAST: GpuOptions = GpuOptions {
@@ -57,7 +56,6 @@ const FAST: GpuOptions = GpuOptions {
     hp_per_unit: 16,
     highpass: HighpassMode::Auto,
     whiten_rows_first: true,
-    whiten_tiled: false,
 };
 /// The other combinations, mixed.
 const MIXED: GpuOptions = GpuOptions {
@@ -68,7 +66,6 @@ const MIXED: GpuOptions = GpuOptions {
     hp_per_unit: 16,
     highpass: HighpassMode::Auto,
     whiten_rows_first: true,
-    whiten_tiled: true,
 };
 const MIXED2: GpuOptions = GpuOptions {
     pruned: true,
@@ -78,7 +75,6 @@ const MIXED2: GpuOptions = GpuOptions {
     hp_per_unit: 8,
     highpass: HighpassMode::Auto,
     whiten_rows_first: false,
-    whiten_tiled: false,
 };
 
 fn close(what: &str, a: &[f32], b: &[f32]) {
@@ -447,9 +443,7 @@ fn check_preprocessing<R: Runtime>(
         };
         let g = Geometry::new(&p, &s).unwrap();
         // The IIR high-pass where the device has doubles, and the direct kernel
-        // with both tilings (8 and 16 outputs per unit), alternately; the
-        // whitening's input rows in shared memory in three cases (31, 32 and
-        // 161 sites: blocks of eight rows with a short last one).
+        // with both tilings (8 and 16 outputs per unit), alternately.
         let options = GpuOptions {
             hp_per_unit: if case % 4 == 1 { 8 } else { 16 },
             highpass: if case % 2 == 0 {
@@ -457,7 +451,6 @@ fn check_preprocessing<R: Runtime>(
             } else {
                 HighpassMode::Direct
             },
-            whiten_tiled: matches!(case, 1 | 2 | 4),
             ..FAST
         };
         let mut det = gpu::<R>(device, &g, &s, options);
@@ -873,8 +866,8 @@ fn check_filtered<R: Runtime>(device: &R::Device) {
     }
 }
 
-/// The whitening kernel's layouts of cubes (rows first, the default, samples
-/// first, and the input rows in shared memory) give the same whitened window
+/// The whitening kernel's layouts of cubes (rows first, the default, and
+/// samples first) give the same whitened window
 /// bit for bit, with the fitted W and with a wider matrix (as drift
 /// correction's M_b·W is).
 fn check_whiten_grid<R: Runtime>(device: &R::Device) {
@@ -896,10 +889,9 @@ fn check_whiten_grid<R: Runtime>(device: &R::Device) {
         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 500.0)
         .collect();
     let mut outs = Vec::new();
-    for (rows_first, tiled) in [(true, false), (false, false), (true, true)] {
+    for rows_first in [true, false] {
         let options = GpuOptions {
             whiten_rows_first: rows_first,
-            whiten_tiled: tiled,
             ..FAST
         };
         let mut det = gpu::<R>(device, &g, &s, options);
@@ -911,10 +903,16 @@ fn check_whiten_grid<R: Runtime>(device: &R::Device) {
     }
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     assert!(outs[0].0.iter().any(|&v| v != 0.0), "a whitened window");
-    for (k, what) in [(1, "samples first"), (2, "tiled")] {
-        assert_eq!(bits(&outs[0].0), bits(&outs[k].0), "fitted W, {what}");
-        assert_eq!(bits(&outs[0].1), bits(&outs[k].1), "dense matrix, {what}");
-    }
+    assert_eq!(
+        bits(&outs[0].0),
+        bits(&outs[1].0),
+        "fitted W, samples first"
+    );
+    assert_eq!(
+        bits(&outs[0].1),
+        bits(&outs[1].1),
+        "dense matrix, samples first"
+    );
 }
 /// The template learning's clips cut on the device
 /// ([`GpuDetector::learning_clips`]) are, bit for bit, the host's

@@ -78,12 +78,6 @@ pub struct GpuOptions {
     /// or samples first (the environment variable `SPIKECUBE_WHITEN_GRID=samples`,
     /// for measuring); the same values either way.
     pub whiten_rows_first: bool,
-    /// The whitening kernel takes its input rows from shared memory, eight
-    /// output rows a cube, where the matrix's blocks of rows allow
-    /// ([`preprocess::whiten_tiled_kernel`]); off by default until measured
-    /// on a device, on with `SPIKECUBE_WHITEN_GRID=tiled`; the same values
-    /// either way.
-    pub whiten_tiled: bool,
 }
 
 impl Default for GpuOptions {
@@ -99,7 +93,6 @@ impl Default for GpuOptions {
             },
             highpass: highpass_iir::HighpassMode::from_env(),
             whiten_rows_first: std::env::var("SPIKECUBE_WHITEN_GRID").as_deref() != Ok("samples"),
-            whiten_tiled: std::env::var("SPIKECUBE_WHITEN_GRID").as_deref() == Ok("tiled"),
         }
     }
 }
@@ -305,27 +298,13 @@ type DirectUpload<R> = Box<dyn Fn(&ComputeClient<R>, Handle, &[u8]) -> bool + Se
 
 /// A whitening on the device ([`GpuDetector::upload_whitening`]): its CSR
 /// form (row starts, columns, values; an empty matrix's buffers hold one
-/// unread element), its non-zeros, and the plan for
-/// [`preprocess::whiten_tiled_kernel`] when that kernel is used.
+/// unread element) and its non-zeros.
 #[derive(Clone)]
 struct DeviceW {
     start: Handle,
     cols: Handle,
     vals: Handle,
     nnz: usize,
-    tiled: Option<TiledW>,
-}
-
-/// [`preprocess::tiled_plan`] on the device: block starts, the blocks'
-/// input rows, each non-zero's place among them, and the shared rows the
-/// kernel is compiled for.
-#[derive(Clone)]
-struct TiledW {
-    ustart: Handle,
-    ucols: Handle,
-    lcols: Handle,
-    n_ucols: usize,
-    umax: usize,
 }
 
 /// Preprocessing constants on the device ([`GpuDetector::set_preprocessing`]).
@@ -878,9 +857,7 @@ impl<R: Runtime> GpuDetector<R> {
         Ok(())
     }
 
-    /// A C × C whitening in CSR form on the device, with its plan for the
-    /// tiled kernel when [`GpuOptions::whiten_tiled`] asks for one
-    /// ([`GpuDetector::tiled_whitening`]).
+    /// A C × C whitening in CSR form on the device.
     fn upload_whitening(&self, start: &[u32], cols: &[u32], vals: &[f32]) -> DeviceW {
         // An all-zero matrix still gets one (unread) element per buffer.
         let cols_up: &[u32] = if cols.is_empty() { &[0] } else { cols };
@@ -890,39 +867,7 @@ impl<R: Runtime> GpuDetector<R> {
             cols: self.client.create_from_slice(bytes_u32(cols_up)),
             vals: self.client.create_from_slice(bytes_f32(vals_up)),
             nnz: cols.len(),
-            tiled: self.tiled_whitening(start, cols),
         }
-    }
-
-    /// The whitening's plan for [`preprocess::whiten_tiled_kernel`] on the
-    /// device, when [`GpuOptions::whiten_tiled`] asks for it and the
-    /// matrix's blocks of rows fit ([`preprocess::tiled_plan`]) in the
-    /// device's shared memory.
-    fn tiled_whitening(&self, start: &[u32], cols: &[u32]) -> Option<TiledW> {
-        if !self.options.whiten_tiled {
-            return None;
-        }
-        let preprocess::TiledPlan {
-            ustart,
-            ucols,
-            lcols,
-            umax,
-        } = preprocess::tiled_plan(start, cols)?;
-        let max_shared = self.client.properties().hardware.max_shared_memory_size;
-        if umax * preprocess::TILED_UNITS * 4 > max_shared {
-            return None;
-        }
-        let up = |v: &[u32]| {
-            let v: &[u32] = if v.is_empty() { &[0] } else { v };
-            self.client.create_from_slice(bytes_u32(v))
-        };
-        Some(TiledW {
-            ustart: up(&ustart),
-            ucols: up(&ucols),
-            lcols: up(&lcols),
-            n_ucols: ucols.len(),
-            umax,
-        })
     }
 
     /// Replaces the whitening of the device preprocessing by another C × C
@@ -1606,8 +1551,7 @@ impl<R: Runtime> GpuDetector<R> {
     }
 
     /// Launches the whitening X = W·Y of the C × N window `y` into `x` with
-    /// the device whitening `w`: [`preprocess::whiten_tiled_kernel`] when
-    /// `w` has a tiled plan, else [`preprocess::whiten_kernel`].
+    /// the device whitening `w` ([`preprocess::whiten_kernel`]).
     fn launch_whiten(&self, y: &Handle, w: &DeviceW, x: &Handle, c: usize, n_t: usize) {
         let arr = |h: &Handle, len: usize| unsafe { ArrayArg::from_raw_parts(h.clone(), len) };
         let DeviceW {
@@ -1615,34 +1559,8 @@ impl<R: Runtime> GpuDetector<R> {
             cols,
             vals,
             nnz,
-            tiled,
         } = w;
         let nnz = *nnz;
-        let tiles = n_t.div_ceil(preprocess::TILED_UNITS);
-        if let Some(tw) = tiled.as_ref().filter(|_| tiles <= u16::MAX as usize) {
-            let blocks = c.div_ceil(preprocess::TILED_ROWS);
-            // SAFETY: as below; the plan's block starts, union rows and
-            // places index `ucols` (rows < C) and shared memory (< umax rows),
-            // built from this CSR (preprocess::tiled_plan).
-            unsafe {
-                preprocess::whiten_tiled_kernel::launch_unchecked::<R>(
-                    &self.client,
-                    CubeCount::Static(blocks as u32, tiles as u32, 1),
-                    CubeDim::new_1d(preprocess::TILED_UNITS as u32),
-                    arr(y, c * n_t),
-                    arr(start, c + 1),
-                    arr(&tw.lcols, nnz.max(1)),
-                    arr(vals, nnz.max(1)),
-                    arr(&tw.ustart, blocks + 1),
-                    arr(&tw.ucols, tw.n_ucols.max(1)),
-                    arr(x, c * n_t),
-                    c as u32,
-                    n_t as u32,
-                    tw.umax,
-                );
-            }
-            return;
-        }
         // SAFETY: row r < c of the C × N buffers `y` and `x`, samples t < N;
         // CSR indices are < C by construction (DevicePreprocessing,
         // set_whitening's check), checked against the CPU in tests/gpu.rs.
