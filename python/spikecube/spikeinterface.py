@@ -381,6 +381,17 @@ from spikeinterface.sorters import sorterlist as _sorterlist  # noqa: E402
 #: SpikeInterface a ``frame_slice``) and what the recording itself says.
 _SORTER_SETTINGS = [k for k in _settings.SETTINGS if k not in ("tmin", "tmax", "shift", "scale")]
 
+# The settings that are spikecube's own, not Kilosort4's.
+_OWN_SETTINGS = {
+    "neighbourhoods": "Folder with Kilosort4's iC.npy, iC2.npy and weigh.npy, for exact comparisons",
+    "exclude_channels": "File channels to leave out (the role of Kilosort4's bad_channels)",
+    "mask_clipped": "Replace stuck (clipped) stretches by the channel's median before filtering",
+    "keep_boundary_duplicates": "Keep both detections of an event on a window boundary, as Kilosort4 does",
+    "cluster_init_generator": "Generator of the clusters' seeding draws: torch (Kilosort4's CPU draws) or chacha8",
+    "ks4_swarm_ccg_bug": "Kilosort4 4.1.5-4.1.7's skipped refractory test in the final clustering's tree",
+    "keep_windows_gb": "GB for keeping the detection's preprocessed windows for the matching",
+}
+
 
 class SpikecubeSorter(BaseSorter):
     """spikecube's whole sort (``spikecube sort``: Kilosort4 4.1.7's pipeline
@@ -408,7 +419,10 @@ class SpikecubeSorter(BaseSorter):
         progress=False,
     )
     _params_description = dict(
-        {k: f"Kilosort4's {k} (spikecube.settings() and README list them)" for k in _SORTER_SETTINGS},
+        {
+            k: _OWN_SETTINGS.get(k, f"Kilosort4's {k} (spikecube.settings() and README list them)")
+            for k in _SORTER_SETTINGS
+        },
         backend="Where detection runs: auto, cpu, cuda or wgpu",
         progress="Show a progress bar per stage (tqdm)",
     )
