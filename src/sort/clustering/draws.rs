@@ -164,17 +164,22 @@ impl Drawer {
     /// w = relu(‖x‖² − v0) (`vtot`, `v0` per spike); none when every w is 0
     /// (where torch would refuse to sample).
     pub(super) fn candidates(&mut self, vtot: &[f32], v0: &[f32]) -> Vec<usize> {
-        let w: Vec<f32> = vtot
-            .iter()
-            .zip(v0)
-            .map(|(&t, &e)| (t - e).max(0.0))
-            .collect();
-        if !w.iter().any(|&v| v > 0.0) {
+        let weight = |i: usize| (vtot[i] - v0[i]).max(0.0);
+        if !(0..vtot.len()).any(|i| weight(i) > 0.0) {
             return Vec::new();
         }
         match self {
-            Drawer::Torch(g) => g.multinomial(&w, N_CANDIDATES),
-            Drawer::ChaCha8(rng) => draw_without_replacement(&w, N_CANDIDATES, rng),
+            Drawer::Torch(g) if vtot.len() <= TORCH_MAX_CATEGORIES => {
+                race(vtot.len(), weight, N_CANDIDATES, g)
+            }
+            Drawer::Torch(g) => {
+                let w: Vec<f32> = (0..vtot.len()).map(weight).collect();
+                g.multinomial(&w, N_CANDIDATES)
+            }
+            Drawer::ChaCha8(rng) => {
+                let w: Vec<f32> = (0..vtot.len()).map(weight).collect();
+                draw_without_replacement(&w, N_CANDIDATES, rng)
+            }
         }
     }
 }
@@ -189,67 +194,83 @@ fn random64(mt: &mut rand_mt::Mt) -> u64 {
 }
 
 /// `torch.multinomial(w, ntry)` without replacement on the CPU: the `ntry`
-/// largest w_i / e_i (float32), largest first, e_i drawn in spike order;
-/// over the evenly thinned subset when there are more than 2²⁴ spikes.
+/// largest w_i / e_i (float32), largest first, e_i drawn in spike order
+/// ([`race`]); over the evenly thinned subset when there are more than 2²⁴
+/// spikes.
+fn torch_multinomial(w: &[f32], ntry: usize, g: &mut TorchCpuGenerator) -> Vec<usize> {
+    let n = w.len();
+    if n <= TORCH_MAX_CATEGORIES {
+        return race(n, |i| w[i], ntry, g);
+    }
+    let mut keep = vec![true; n];
+    for r in linspace_round(n - 1, n - TORCH_MAX_CATEGORIES) {
+        keep[r] = false;
+    }
+    let kept: Vec<usize> = (0..n).filter(|&i| keep[i]).collect();
+    race(kept.len(), |j| w[kept[j]], ntry, g)
+        .into_iter()
+        .map(|j| kept[j])
+        .collect()
+}
+
+/// The exponential race over `m` weights (`weight(i)`, float32, not
+/// negative): every spike i in order gets e_i ~ Exp(1) from `g`, and the
+/// `ntry` largest float32 ratios w_i / e_i are returned, largest first
+/// (equal ratios by index).
 ///
-/// Every e_i is drawn (the generator's state after the step is torch's),
+/// Every e_i is drawn (the generator's state after the race is torch's),
 /// but the logarithm is taken only where the ratio can enter the top
 /// `ntry`: −log1p(−u) ≥ u, so w/u bounds the ratio from above (within the
 /// float32 and log1p roundings, less than 2⁻²⁰ of it), and a spike whose
 /// bound is below the smallest ratio kept so far cannot displace it (a later
 /// spike with an equal ratio ranks after it).
-fn torch_multinomial(w: &[f32], ntry: usize, g: &mut TorchCpuGenerator) -> Vec<usize> {
+fn race(
+    m: usize,
+    weight: impl Fn(usize) -> f32,
+    ntry: usize,
+    g: &mut TorchCpuGenerator,
+) -> Vec<usize> {
     /// Bound on the relative rounding between w/u and the float32 ratio.
     const MARGIN: f64 = 1.0 + 1.0 / (1u64 << 20) as f64;
-    let n = w.len();
-    let kept: Option<Vec<usize>> = (n > TORCH_MAX_CATEGORIES).then(|| {
-        let mut keep = vec![true; n];
-        for r in linspace_round(n - 1, n - TORCH_MAX_CATEGORIES) {
-            keep[r] = false;
-        }
-        (0..n).filter(|&i| keep[i]).collect()
-    });
-    let m = kept.as_ref().map_or(n, Vec::len);
     let ntry = ntry.min(m);
     if ntry == 0 {
         return Vec::new();
     }
-    // The best `ntry` so far as a min-heap on (ratio, then later spike
-    // first), so its top is the one a newcomer must beat.
+    // The best `ntry` so far as a heap whose top is the worst kept, the one
+    // a newcomer must beat; `bar` is its ratio once the heap is full.
     let mut heap: std::collections::BinaryHeap<Ranked> =
         std::collections::BinaryHeap::with_capacity(ntry + 1);
-    for j in 0..m {
-        let i = kept.as_ref().map_or(j, |k| k[j]);
+    let mut bar = f64::NEG_INFINITY;
+    for i in 0..m {
         let u = g.uniform();
-        let wi = w[i];
-        if heap.len() == ntry {
-            let bar = heap.peek().map_or(f32::NEG_INFINITY, |r| r.ratio);
-            // w/u ≥ the float32 ratio up to MARGIN (u > 0); 0 ratios
-            // never beat a full heap.
-            if wi <= 0.0 || (u > 0.0 && f64::from(wi) / u * MARGIN < f64::from(bar)) {
-                continue;
-            }
+        let wi = weight(i);
+        // w/u < bar, as w < bar·u (u ≥ 0; u = 0 or a NaN product go on to
+        // the exact ratio); a 0 weight never beats a full heap.
+        if heap.len() == ntry && (wi <= 0.0 || f64::from(wi) * MARGIN < bar * u) {
+            continue;
         }
         let e = (-(-u).ln_1p()) as f32;
         let r = Ranked {
             ratio: wi / e,
-            spike: j as u32,
+            spike: i as u32,
         };
         if heap.len() < ntry {
             heap.push(r);
         } else if heap.peek().is_some_and(|top| r.beats(top)) {
             heap.pop();
             heap.push(r);
+        } else {
+            continue;
+        }
+        if heap.len() == ntry {
+            bar = heap
+                .peek()
+                .map_or(f64::NEG_INFINITY, |t| f64::from(t.ratio));
         }
     }
     let mut top = heap.into_vec();
     top.sort_unstable_by(|a, b| b.order(a));
-    top.into_iter()
-        .map(|r| match &kept {
-            Some(k) => k[r.spike as usize],
-            None => r.spike as usize,
-        })
-        .collect()
+    top.into_iter().map(|r| r.spike as usize).collect()
 }
 
 /// A spike's float32 ratio w/e in the exponential race.
