@@ -12,7 +12,8 @@ mod sort_fixture;
 use ndarray::{Array1, Array2, Array3, Ix1};
 use sort_fixture::{Case, cases, final_inputs, first_inputs};
 use spikecube::sort::clustering::{
-    self, ClusterInput, Clustering, ClusteringSettings, MIN_GROUP_SPIKES, cluster_group,
+    self, ClusterInput, Clustering, ClusteringSettings, MIN_GROUP_SPIKES, TorchCpuGenerator,
+    cluster_group,
     group::build_graph,
     labels::propagate,
     seeding::{kmeans_plusplus, kmeans_plusplus_traced},
@@ -537,4 +538,45 @@ fn seeding_with_torch_draws_gives_kilosort4s_initial_labels() {
     }
     eprintln!("{same} of {all} groups seeded exactly as Kilosort4 seeded them");
     assert!(all > 0 && same * 4 >= all * 3, "{same} of {all} groups");
+}
+
+/// torch's own CPU draws (`tests/data/sort/torch_multinomial.npz`, written by
+/// torch 2.15.0 with `make_torch_draws.py` beside it: `torch.manual_seed(seed)`, then three
+/// `torch.multinomial(w, 100)` calls per case, and 1000 elements of
+/// `exponential_()` after seed 5) against [`TorchCpuGenerator`]: the same
+/// exponentials bit for bit and the same indices in the same order (where
+/// fewer than 100 weights are positive, the positive ones, which come first).
+#[test]
+fn torch_generator_draws_what_torch_draws() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/sort/torch_multinomial.npz");
+    let z = sort_fixture::Npz::open(&path);
+    let mut g = TorchCpuGenerator::manual_seed(5);
+    let exp = z.f32("exp");
+    for (i, &e) in exp.iter().enumerate() {
+        assert_eq!(g.exponential().to_bits(), e.to_bits(), "exponential {i}");
+    }
+    let ncases = z.scalar("ncases") as usize;
+    assert!(ncases > 0);
+    for k in 0..ncases {
+        let w: Vec<f32> = z.f32(&format!("w{k}")).iter().copied().collect();
+        let seed = z.u64(&format!("seed{k}"));
+        let idx = z.f64(&format!("idx{k}"));
+        let positive = w.iter().filter(|&&v| v > 0.0).count();
+        let mut g = TorchCpuGenerator::manual_seed(seed);
+        for call in 0..idx.shape()[0] {
+            let theirs: Vec<usize> = idx
+                .index_axis(ndarray::Axis(0), call)
+                .iter()
+                .map(|&v| v as usize)
+                .collect();
+            let ours = g.multinomial(&w, theirs.len());
+            let m = positive.min(theirs.len());
+            assert_eq!(
+                ours[..m],
+                theirs[..m],
+                "case {k} (seed {seed}), call {call}"
+            );
+        }
+    }
 }
