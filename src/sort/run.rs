@@ -1252,3 +1252,27 @@ fn read_manifest(work: &Path) -> Result<serde_json::Value> {
         std::fs::read_to_string(&p).with_context(|| format!("cannot read {}", p.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{} does not read", p.display()))
 }
+#[cfg(test)]
+mod tests {
+    use super::SortFlags;
+    use crate::sort::clustering::SeedingGenerator;
+
+    /// The Python package sends every sort setting by name
+    /// (`python/spikecube/_settings.py`); the seeding's generator is a name.
+    #[test]
+    fn sort_settings_by_name_choose_the_seeding_generator() {
+        let json = r#"{"Th_learned": 8.0, "max_peels": 100, "position_limit": 100.0,
+            "cluster_downsampling": 20, "max_cluster_subset": 25000, "cluster_neighbors": 10,
+            "cluster_init_seed": 5, "cluster_init_generator": "torch", "duplicate_spike_ms": 0.25,
+            "acg_threshold": 0.2, "ccg_threshold": 0.25, "ks4_swarm_ccg_bug": false,
+            "keep_windows_gb": null}"#;
+        let generator = |json: &str| {
+            serde_json::from_str::<SortFlags>(json)
+                .map(|f| f.settings(10).clustering.cluster_init_generator)
+        };
+        assert_eq!(generator(json).unwrap(), SeedingGenerator::Torch);
+        let chacha = json.replace("\"torch\"", "\"chacha8\"");
+        assert_eq!(generator(&chacha).unwrap(), SeedingGenerator::ChaCha8);
+        assert!(generator(&json.replace("\"torch\"", "\"mt\"")).is_err());
+    }
+}
