@@ -226,6 +226,19 @@ fn final_clustering_agrees_with_kilosort4() {
     }
 }
 
+/// The groups a clustering clusters (at least [`MIN_GROUP_SPIKES`] spikes),
+/// in Kilosort4's order (the order of its per-group fixture files).
+fn clustered_groups(
+    input: &ClusterInput<'_>,
+    plan: &spikecube::sort::clustering::GroupPlan,
+) -> Vec<spikecube::sort::clustering::GroupData> {
+    plan.centres
+        .iter()
+        .filter_map(|&cn| input.group(plan, cn))
+        .filter(|d| d.spikes.len() >= MIN_GROUP_SPIKES)
+        .collect()
+}
+
 /// Runs the label updates of every clustered group from Kilosort4's own
 /// initial labels and counts the spikes whose label differs from Kilosort4's
 /// (after the relabelling, before the tree).
@@ -256,12 +269,7 @@ fn from_ks4_init(
     let ds: Vec<usize> = g.f64("d").iter().map(|&v| v as usize).collect();
     let init: Vec<u32> = g.f64("init").iter().map(|&v| v as u32).collect();
     let fin: Vec<u32> = g.f64("final").iter().map(|&v| v as u32).collect();
-    let groups: Vec<_> = plan
-        .centres
-        .iter()
-        .filter_map(|&cn| input.group(&plan, cn))
-        .filter(|d| d.spikes.len() >= MIN_GROUP_SPIKES)
-        .collect();
+    let groups = clustered_groups(input, &plan);
     assert_eq!(groups.len(), ns.len(), "{}: clustered groups", c.name);
     let (mut off, mut differ, mut groups_differ, mut final_differ) = (0, 0, 0, 0);
     for (gi, d) in groups.iter().enumerate() {
@@ -460,12 +468,7 @@ fn seeding_against_ks4(c: &Case, input: &ClusterInput<'_>, file: &str) -> (usize
     let g = c.npz(file);
     let ns: Vec<usize> = g.f64("n").iter().map(|&v| v as usize).collect();
     let init: Vec<u32> = g.f64("init").iter().map(|&v| v as u32).collect();
-    let groups: Vec<_> = plan
-        .centres
-        .iter()
-        .filter_map(|&cn| input.group(&plan, cn))
-        .filter(|d| d.spikes.len() >= MIN_GROUP_SPIKES)
-        .collect();
+    let groups = clustered_groups(input, &plan);
     assert_eq!(groups.len(), ns.len(), "{}: clustered groups", c.name);
     let (mut off, mut differ, mut groups_differ) = (0, 0, 0);
     for (gi, d) in groups.iter().enumerate() {
