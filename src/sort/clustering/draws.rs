@@ -48,16 +48,6 @@ pub enum SeedingGenerator {
     ChaCha8,
 }
 
-impl SeedingGenerator {
-    /// The name used by the command line and `spikecube.json`.
-    pub fn name(self) -> &'static str {
-        match self {
-            SeedingGenerator::Torch => "torch",
-            SeedingGenerator::ChaCha8 => "chacha8",
-        }
-    }
-}
-
 impl std::str::FromStr for SeedingGenerator {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -125,7 +115,7 @@ impl TorchCpuGenerator {
     /// weight 0, drawn when fewer than `ntry` weights are positive) come in
     /// index order, where torch's order is unspecified.
     pub fn multinomial(&mut self, w: &[f32], ntry: usize) -> Vec<usize> {
-        torch_multinomial(w, ntry, self)
+        torch_multinomial(w.len(), |i| w[i], ntry, self)
     }
 
     /// u ∈ [0, 1) from the 53 low bits of `random64()`.
@@ -149,7 +139,6 @@ impl Drawer {
     /// The generator as Kilosort4 leaves it after seeding it for a group.
     pub(super) fn new(rng: SeedingRng) -> Self {
         match rng.generator {
-            // torch keeps the low 32 bits of the seed for MT19937.
             SeedingGenerator::Torch => {
                 Drawer::Torch(Box::new(TorchCpuGenerator::manual_seed(rng.seed)))
             }
@@ -169,13 +158,7 @@ impl Drawer {
             return Vec::new();
         }
         match self {
-            Drawer::Torch(g) if vtot.len() <= TORCH_MAX_CATEGORIES => {
-                race(vtot.len(), weight, N_CANDIDATES, g)
-            }
-            Drawer::Torch(g) => {
-                let w: Vec<f32> = (0..vtot.len()).map(weight).collect();
-                g.multinomial(&w, N_CANDIDATES)
-            }
+            Drawer::Torch(g) => torch_multinomial(vtot.len(), weight, N_CANDIDATES, g),
             Drawer::ChaCha8(rng) => {
                 let w: Vec<f32> = (0..vtot.len()).map(weight).collect();
                 draw_without_replacement(&w, N_CANDIDATES, rng)
@@ -193,21 +176,25 @@ fn random64(mt: &mut rand_mt::Mt) -> u64 {
     (u64::from(hi) << 32) | u64::from(lo)
 }
 
-/// `torch.multinomial(w, ntry)` without replacement on the CPU: the `ntry`
-/// largest w_i / e_i (float32), largest first, e_i drawn in spike order
-/// ([`race`]); over the evenly thinned subset when there are more than 2²⁴
-/// spikes.
-fn torch_multinomial(w: &[f32], ntry: usize, g: &mut TorchCpuGenerator) -> Vec<usize> {
-    let n = w.len();
+/// `torch.multinomial(w, ntry)` without replacement on the CPU, over the `n`
+/// weights `weight(i)`: the `ntry` largest w_i / e_i (float32), largest
+/// first, e_i drawn in spike order ([`race`]); over the evenly thinned subset
+/// when there are more than 2²⁴ spikes.
+fn torch_multinomial(
+    n: usize,
+    weight: impl Fn(usize) -> f32,
+    ntry: usize,
+    g: &mut TorchCpuGenerator,
+) -> Vec<usize> {
     if n <= TORCH_MAX_CATEGORIES {
-        return race(n, |i| w[i], ntry, g);
+        return race(n, weight, ntry, g);
     }
     let mut keep = vec![true; n];
     for r in linspace_round(n - 1, n - TORCH_MAX_CATEGORIES) {
         keep[r] = false;
     }
     let kept: Vec<usize> = (0..n).filter(|&i| keep[i]).collect();
-    race(kept.len(), |j| w[kept[j]], ntry, g)
+    race(kept.len(), |j| weight(kept[j]), ntry, g)
         .into_iter()
         .map(|j| kept[j])
         .collect()

@@ -4,10 +4,10 @@
 //! one step of every group a round trip.
 //!
 //! At each step the host draws each group's candidates (as the CPU seeding
-//! draws them, [`super::draws`]) and the device does the rest for all groups in three
-//! launches: every spike's gain t = 2x·c − ‖c‖² from every candidate and the
-//! positive parts of t − v0 summed per candidate ([`ExactSteps`]); each
-//! group's best candidate; the update of v0 and of the labels. The host then
+//! draws them, [`super::draws`]) and the device does the rest for all groups
+//! in three launches: every spike's gain t = 2x·c − ‖c‖² from every
+//! candidate and the positive parts of t − v0 summed per candidate
+//! ([`ExactSteps`]); each group's best candidate; the update of v0 and of the labels. The host then
 //! reads back the spikes whose v0 changed, for the next draws.
 //!
 //! The device computes the CPU seeding's bits: each x·c is summed in float32

@@ -12,8 +12,8 @@
 //! Kilosort4 draws with torch's generator, seeded at every call; the draws
 //! here ([`super::draws`]) are torch's CPU draws by default, or a ChaCha8
 //! stream's, seeded with `cluster_init_seed` at every call: the same for any
-//! run, thread count or machine. Dot products are summed in float32 in feature order;
-//! per-candidate totals in float64 over fixed blocks of spikes.
+//! run, thread count or machine. Dot products are summed in float32 in
+//! feature order; per-candidate totals in float64 over fixed blocks of spikes.
 //!
 //! Most candidates are drawn at many steps (spikes far from every seed keep a
 //! large weight), and v0 only grows, so a candidate's gains need computing
@@ -102,15 +102,7 @@ pub fn kmeans_plusplus_traced(
     rng: SeedingRng,
 ) -> (Vec<u32>, Vec<SeedStep>) {
     let n = xd.len() / dim.max(1);
-    let level = Level::detect();
-    let mut s = Seeder::new(
-        xd,
-        dim,
-        n_clusters,
-        rng,
-        n.saturating_mul(MEMO_GAINS_PER_SPIKE),
-        (level >= Level::Avx512Bw).then_some(level),
-    );
+    let mut s = Seeder::new(xd, dim, n_clusters, rng, default_memo_cap(n), cpu_screen());
     s.trace = Some(Vec::new());
     while s.draw().is_some() {
         s.step(None);
@@ -173,17 +165,27 @@ pub fn kmeans_plusplus_many(
     rng: SeedingRng,
     device: &SeedingDevice,
 ) -> Vec<Vec<u32>> {
-    // The integer screen pays only where its 16-bit products run in
-    // AVX-512; elsewhere every gain is computed in float32 (the same bits).
-    let level = Level::detect();
     seed_many(
         groups,
         n_clusters,
         rng,
-        &|n| n.saturating_mul(MEMO_GAINS_PER_SPIKE),
-        (level >= Level::Avx512Bw).then_some(level),
+        &default_memo_cap,
+        cpu_screen(),
         device,
     )
+}
+
+/// The memo's cap for a group of `n` spikes ([`MEMO_GAINS_PER_SPIKE`] a spike).
+fn default_memo_cap(n: usize) -> usize {
+    n.saturating_mul(MEMO_GAINS_PER_SPIKE)
+}
+
+/// The CPU screen's level: the integer screen pays only where its 16-bit
+/// products run in AVX-512; elsewhere every gain is computed in float32 (the
+/// same bits).
+fn cpu_screen() -> Option<Level> {
+    let level = Level::detect();
+    (level >= Level::Avx512Bw).then_some(level)
 }
 
 /// [`kmeans_plusplus`] with a memo of at most `memo_cap` gains and the
