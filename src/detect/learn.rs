@@ -434,8 +434,9 @@ fn dist2(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + s
 }
 
-/// A uniform number in [0, 1) from 53 random bits.
-fn uniform(rng: &mut ChaCha8Rng) -> f64 {
+/// A uniform number in [0, 1) from 53 random bits (also the clusters'
+/// ChaCha8 seeding draws').
+pub(crate) fn uniform(rng: &mut ChaCha8Rng) -> f64 {
     (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 

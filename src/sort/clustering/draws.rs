@@ -30,11 +30,12 @@
 //! Linux build).
 
 use rand_chacha::ChaCha8Rng;
-use rand_chacha::rand_core::{Rng, SeedableRng};
+use rand_chacha::rand_core::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 use super::knn::linspace_round;
 use super::settings::N_CANDIDATES;
+use crate::detect::learn::uniform;
 
 /// The generator of the seeding's candidate draws (see the module text).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -300,11 +301,6 @@ impl Ord for Ranked {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         other.order(self)
     }
-}
-
-/// A uniform number in [0, 1) from 53 random bits.
-fn uniform(rng: &mut ChaCha8Rng) -> f64 {
-    (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
 /// Most rejected (already drawn) candidates in a row before the weights are
