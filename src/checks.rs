@@ -1070,10 +1070,11 @@ pub fn unused_channels_warning(
     }
     let mut cols: Vec<u64> = probe.chan_map.clone();
     cols.sort_unstable();
-    // Only the last column unread: the sync channel of a Neuropixels file
-    // (385 columns, 384 sites) read as flat binary.
+    // Only the last column unread besides the expected ones (e.g. channels
+    // excluded with --exclude-channels): the sync channel of a Neuropixels
+    // file (385 columns, 384 sites) read as flat binary.
     let last = n_file_channels as u64 - 1;
-    if used + 1 == n_file_channels && !cols.contains(&last) {
+    if used + expected_unused + 1 == n_file_channels && !cols.contains(&last) {
         return None;
     }
     let shown = if cols.len() > 12 {
@@ -1838,6 +1839,10 @@ mod tests {
             source: "p.json".into(),
         };
         assert!(unused_channels_warning(&probe((0..384).collect()), 385, 0).is_none());
+        // Two sites excluded (expected unused) and the sync column unread.
+        let excluded: Vec<u64> = (0..384).filter(|&c| c != 3 && c != 7).collect();
+        assert!(unused_channels_warning(&probe(excluded.clone()), 385, 2).is_none());
+        assert!(unused_channels_warning(&probe(excluded), 385, 1).is_some());
         let w = unused_channels_warning(&probe((1..385).collect()), 385, 0).unwrap();
         assert!(w.contains("the other one is not read"), "{w}");
         let w = unused_channels_warning(&probe((0..383).collect()), 385, 0).unwrap();

@@ -346,3 +346,167 @@ fn params_py_names_the_raw_file_as_it_was_read() {
         "the flat file's spikes"
     );
 }
+
+/// Runs `spikecube sort` with `args` (the CPU back end, quiet) and returns
+/// its output, asserting success.
+fn sort_args(args: &[&str]) -> std::process::Output {
+    let mut all = vec!["sort"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--backend", "cpu", "-q"]);
+    let o = spikecube(&all);
+    assert!(
+        o.status.success(),
+        "sort {args:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+/// A tetrode has fewer sites than `nearest_chans` (10): detection and the
+/// matching both use its 4 (README's locust example, sorted).
+#[test]
+fn a_tetrode_sorts_with_nearest_chans_lowered_to_its_sites() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("locust_sorted");
+    let raw = common::data("data/real/locust_tetrode_tridesclous/locust_trial_01.raw");
+    let probe = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/probes/locust_tetrode.json");
+    sort_args(&[
+        s(&raw),
+        "--n-channels",
+        "4",
+        "--fs",
+        "15000",
+        "--probe",
+        s(&probe),
+        "--do-car",
+        "false",
+        "--out",
+        s(&out),
+    ]);
+    let times: Array1<i64> = npy::read(&out.join("spike_times.npy")).unwrap();
+    assert!(!times.is_empty());
+    let ind: Array2<u32> = npy::read(&out.join("pc_feature_ind.npy")).unwrap();
+    assert_eq!(
+        ind.ncols(),
+        4,
+        "each unit's features on the tetrode's 4 sites"
+    );
+}
+
+/// `--n-pcs` below 6: the features, the matching and the export use that many
+/// components.
+#[test]
+fn fewer_pcs_sort_with_that_many_features() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = simulate_short(dir.path());
+    let out = dir.path().join("pcs3");
+    sort_args(&[
+        s(&rec.join("sim_g0_t0.imec0.ap.bin")),
+        "--n-pcs",
+        "3",
+        "--out",
+        s(&out),
+    ]);
+    let pcs: ndarray::Array3<f32> = npy::read(&out.join("pc_features.npy")).unwrap();
+    assert_eq!(pcs.dim().1, 3, "pc_features is (n, n_pcs, sites)");
+}
+
+/// With `--tmin`, spike times still count from the file's first sample, as
+/// `detect`'s do and as `params.py` (the whole file) needs: the events of a
+/// sort from 0.5 s are those of the whole recording's sort at the same samples.
+#[test]
+fn tmin_spike_times_count_from_the_files_first_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = simulate_short(dir.path());
+    let bin = rec.join("sim_g0_t0.imec0.ap.bin");
+    let (whole, late) = (dir.path().join("whole"), dir.path().join("late"));
+    sort_args(&[s(&bin), "--out", s(&whole)]);
+    sort_args(&[s(&bin), "--tmin", "0.5", "--out", s(&late)]);
+    let all: Array1<i64> = npy::read(&whole.join("spike_times.npy")).unwrap();
+    let part: Array1<i64> = npy::read(&late.join("spike_times.npy")).unwrap();
+    assert!(!part.is_empty());
+    assert!(part.iter().all(|&t| t >= 15_000), "from sample 15 000 on");
+    let near = part
+        .iter()
+        .filter(|&&t| all.iter().any(|&u| (u - t).abs() <= 3))
+        .count();
+    assert!(
+        near * 10 >= part.len() * 9,
+        "{near} of {} within 3 samples of the whole sort's",
+        part.len()
+    );
+}
+
+/// Several files sorted as one recording: `params.py` lists every file, in
+/// order, so that Phy reads the whole recording.
+#[test]
+fn params_py_lists_every_file_of_a_concatenated_recording() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = simulate_short(dir.path());
+    let bytes = std::fs::read(rec.join("sim_g0_t0.imec0.ap.bin")).unwrap();
+    let frame = 385 * 2;
+    let half = (bytes.len() / frame / 2) * frame;
+    let (a, b) = (dir.path().join("part1.bin"), dir.path().join("part2.bin"));
+    std::fs::write(&a, &bytes[..half]).unwrap();
+    std::fs::write(&b, &bytes[half..]).unwrap();
+    let out = dir.path().join("two");
+    sort_args(&[
+        s(&a),
+        s(&b),
+        "--n-channels",
+        "385",
+        "--fs",
+        "30000",
+        "--probe",
+        s(&rec.join("probe.json")),
+        "--out",
+        s(&out),
+    ]);
+    let params = std::fs::read_to_string(out.join("params.py")).unwrap();
+    let line = params
+        .lines()
+        .find(|l| l.starts_with("dat_path"))
+        .unwrap_or_default();
+    let (pa, pb) = (
+        std::fs::canonicalize(&a).unwrap(),
+        std::fs::canonicalize(&b).unwrap(),
+    );
+    let (ia, ib) = (
+        line.find(pa.to_str().unwrap()),
+        line.find(pb.to_str().unwrap()),
+    );
+    assert!(ia.is_some() && ib.is_some() && ia < ib, "{line}");
+}
+
+/// A setting of the stages after detection that cannot work fails before any
+/// data is read, naming the flag; negative numbers are values, not flags.
+#[test]
+fn sort_settings_are_checked_before_detection() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = simulate_short(dir.path());
+    let bin = rec.join("sim_g0_t0.imec0.ap.bin");
+    for (flag, value) in [
+        ("--max-peels", "0"),
+        ("--th-learned", "-3"),
+        ("--cluster-neighbors", "0"),
+        ("--ccg-threshold", "nan"),
+    ] {
+        let out = dir.path().join("refused");
+        let o = spikecube(&[
+            "sort",
+            s(&bin),
+            flag,
+            value,
+            "--backend",
+            "cpu",
+            "--out",
+            s(&out),
+            "-q",
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{flag} {value} was accepted");
+        assert!(err.contains(flag), "{flag} {value}: {err}");
+        assert!(!err.contains("detection"), "refused after detection: {err}");
+        assert!(!out.exists());
+    }
+}

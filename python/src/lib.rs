@@ -402,6 +402,10 @@ fn detect_job(
     let run_info = RunInfo {
         input_description: rec.describe(),
         dat_path: spikecube::recording::raw_data_file(&paths[0]),
+        more_dat_paths: paths[1..]
+            .iter()
+            .map(|p| spikecube::recording::raw_data_file(p))
+            .collect(),
         n_channels_dat: rec.n_channels() as u64,
         dtype: opened.dtype.name().into(),
         offset: opened.offset,

@@ -18,7 +18,7 @@ pub struct RecordingArgs {
     #[arg(long)]
     pub n_channels: Option<u64>,
     /// Sampling rate of a flat binary file, Hz.
-    #[arg(long)]
+    #[arg(allow_negative_numbers = true, long)]
     pub fs: Option<f64>,
     /// Sample type of a flat binary file: int16, uint16, int32 or float32 (Kilosort4's data_dtype).
     #[arg(long, default_value = "int16", value_parser = parse_dtype)]
@@ -27,16 +27,16 @@ pub struct RecordingArgs {
     #[arg(long, default_value_t = 0)]
     pub offset: u64,
     /// Multiply raw values by this (Kilosort4's scale); a non-zero number.
-    #[arg(long, value_parser = parse_scale)]
+    #[arg(allow_negative_numbers = true, long, value_parser = parse_scale)]
     pub scale: Option<f32>,
     /// Add this to raw values after scaling (Kilosort4's shift).
-    #[arg(long)]
+    #[arg(allow_negative_numbers = true, long)]
     pub shift: Option<f32>,
     /// Start of the time range to process, seconds (Kilosort4's tmin).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.0)]
     pub tmin: f64,
     /// End of the time range, seconds, exclusive (Kilosort4's tmax).
-    #[arg(long, default_value_t = f64::INFINITY)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = f64::INFINITY)]
     pub tmax: f64,
     /// Probe file: Kilosort JSON, probeinterface JSON, .prb (read as data) or a
     /// SpikeGLX .meta. Default: the geometry in the recording's SpikeGLX metadata.
@@ -102,7 +102,7 @@ pub struct PreprocessArgs {
     #[arg(long, default_value_t = 60_000)]
     pub batch_size: usize,
     /// High-pass cutoff, Hz (Kilosort4's highpass_cutoff).
-    #[arg(long, default_value_t = 300.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 300.0)]
     pub highpass_cutoff: f64,
     /// Sites in each channel's local whitening (Kilosort4's whitening_range).
     #[arg(long, default_value_t = 32)]
@@ -114,7 +114,7 @@ pub struct PreprocessArgs {
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub do_car: bool,
     /// Zero a window whose high-passed values reach this (Kilosort4's artifact_threshold; default: never).
-    #[arg(long)]
+    #[arg(allow_negative_numbers = true, long)]
     pub artifact_threshold: Option<f64>,
 }
 
@@ -138,16 +138,16 @@ impl PreprocessArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct DetectionArgs {
     /// Detection threshold on the best filter output (Kilosort4's Th_universal).
-    #[arg(long, default_value_t = 9.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 9.0)]
     pub th_universal: f32,
     /// Vertical site pitch, µm (Kilosort4's dmin; default: the median spacing).
-    #[arg(long)]
+    #[arg(allow_negative_numbers = true, long)]
     pub dmin: Option<f64>,
     /// Horizontal site pitch, µm (Kilosort4's dminx).
-    #[arg(long, default_value_t = 32.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 32.0)]
     pub dminx: f64,
     /// Smallest spatial template size, µm (Kilosort4's min_template_size).
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 10.0)]
     pub min_template_size: f64,
     /// Number of spatial sizes (Kilosort4's template_sizes).
     #[arg(long, default_value_t = 5)]
@@ -159,7 +159,7 @@ pub struct DetectionArgs {
     #[arg(long, default_value_t = 100)]
     pub nearest_templates: usize,
     /// Drop template centres farther than this from every site, µm (Kilosort4's max_channel_distance).
-    #[arg(long, default_value_t = 32.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 32.0)]
     pub max_channel_distance: f64,
     /// Keep each centre's neighbour centres on its own shank (spikecube's; false = Kilosort4's rule).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]

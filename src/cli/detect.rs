@@ -115,6 +115,10 @@ pub(super) fn build_job(
     let run_info = RunInfo {
         input_description: rec.describe(),
         dat_path: spikecube::recording::raw_data_file(&args.recording[0]),
+        more_dat_paths: args.recording[1..]
+            .iter()
+            .map(|p| spikecube::recording::raw_data_file(p))
+            .collect(),
         n_channels_dat: rec.n_channels() as u64,
         dtype: opened.dtype.name().into(),
         offset: opened.offset,

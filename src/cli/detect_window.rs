@@ -27,7 +27,7 @@ pub struct Args {
     #[arg(long)]
     out: PathBuf,
     /// Detection threshold (Kilosort4's Th_universal).
-    #[arg(long, default_value_t = 9.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 9.0)]
     th_universal: f32,
     #[command(flatten)]
     backend: super::common::BackendArg,

@@ -16,11 +16,11 @@ pub struct DriftArgs {
     pub drift_smoothing: Vec<f64>,
     /// Width of the interpolation kernel of the correction, µm (Kilosort4's
     /// sig_interp).
-    #[arg(long, default_value_t = 20.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 20.0)]
     pub sig_interp: f64,
     /// Height of the depth bins of the drift histogram, µm (Kilosort4's
     /// binning_depth).
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 5.0)]
     pub binning_depth: f64,
     /// Stop after estimating drift: write drift.npy, drift_blocks.npy,
     /// drift.png and the first pass's (uncorrected) spikes (`detect` only;
@@ -34,7 +34,7 @@ pub struct DriftArgs {
     /// µm: sites whose drift-corrected position lies more than this beyond the
     /// probe's end read zero (no data there); `inf` keeps Kilosort4's
     /// extrapolation (always so with --drift-mode kilosort).
-    #[arg(long, default_value_t = 15.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 15.0)]
     pub drift_edge_margin: f64,
 }
 

@@ -21,16 +21,16 @@ pub struct Args {
     #[arg(long)]
     png: Option<PathBuf>,
     /// Vertical site pitch, µm (Kilosort4's dmin); derived from the probe when unset.
-    #[arg(long)]
+    #[arg(allow_negative_numbers = true, long)]
     dmin: Option<f64>,
     /// Horizontal site pitch, µm (Kilosort4's dminx).
-    #[arg(long, default_value_t = 32.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 32.0)]
     dminx: f64,
     /// Sites per template centre (Kilosort4's nearest_chans).
     #[arg(long, default_value_t = 10)]
     nearest_chans: usize,
     /// Centres farther than this from every site are dropped, µm (Kilosort4's max_channel_distance).
-    #[arg(long, default_value_t = 32.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 32.0)]
     max_channel_distance: f64,
 }
 

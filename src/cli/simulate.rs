@@ -16,26 +16,26 @@ pub struct Args {
     #[arg(long)]
     probe: Option<PathBuf>,
     /// Length of the recording, seconds.
-    #[arg(long)]
+    #[arg(allow_negative_numbers = true, long)]
     seconds: f64,
     /// Output folder (created if missing): sim_g0_t0.imec0.ap.bin/.meta,
     /// ground_truth.npy, ground_truth_units.npy, probe.json.
     #[arg(long)]
     out: PathBuf,
     /// Sample rate, Hz.
-    #[arg(long, default_value_t = 30_000.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 30_000.0)]
     fs: f64,
     /// Number of units.
     #[arg(long, default_value_t = 30)]
     n_units: usize,
     /// Mean firing rate per unit, Hz.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 5.0)]
     rate: f64,
     /// Seed of the random draws (same seed, same file).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Noise standard deviation, counts.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 10.0)]
     noise_sd: f32,
     /// Units move relative to the probe: `rigid` (all depths alike) or
     /// `nonrigid` (the top moves 9× as much as the bottom). Defaults: 40 µm
@@ -45,19 +45,19 @@ pub struct Args {
     #[arg(long, value_enum)]
     drift: Option<DriftKind>,
     /// Linear drift over the whole recording, µm (with --drift).
-    #[arg(long, requires = "drift")]
+    #[arg(allow_negative_numbers = true, long, requires = "drift")]
     drift_linear: Option<f64>,
     /// Size of the step, µm (with --drift).
-    #[arg(long, requires = "drift")]
+    #[arg(allow_negative_numbers = true, long, requires = "drift")]
     drift_step: Option<f64>,
     /// Time of the step, seconds (with --drift).
-    #[arg(long, requires = "drift")]
+    #[arg(allow_negative_numbers = true, long, requires = "drift")]
     drift_step_at: Option<f64>,
     /// Amplitude of the sinusoid, µm (with --drift).
-    #[arg(long, requires = "drift")]
+    #[arg(allow_negative_numbers = true, long, requires = "drift")]
     drift_sine: Option<f64>,
     /// Period of the sinusoid, seconds (with --drift).
-    #[arg(long, requires = "drift")]
+    #[arg(allow_negative_numbers = true, long, requires = "drift")]
     drift_period: Option<f64>,
 }
 

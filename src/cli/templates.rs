@@ -17,7 +17,7 @@ pub struct TemplateArgs {
     #[arg(long, action = clap::ArgAction::Set)]
     pub templates_from_data: Option<bool>,
     /// Threshold for the single-channel peaks templates are learned from, whitened units (Kilosort4's Th_single_ch).
-    #[arg(long, default_value_t = 6.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 6.0)]
     pub th_single_ch: f32,
     /// Temporal templates (Kilosort4's n_templates; the detector takes 6).
     #[arg(long, default_value_t = 6)]

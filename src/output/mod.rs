@@ -124,6 +124,9 @@ pub struct RunInfo {
     pub input_description: String,
     /// Raw recording path, written into `params.py` as given.
     pub dat_path: PathBuf,
+    /// The recording's further files, in order, when several were given
+    /// (concatenated): the sort's `params.py` lists them after `dat_path`.
+    pub more_dat_paths: Vec<PathBuf>,
     /// Channels (columns) in the raw file, including sync channels.
     pub n_channels_dat: u64,
     /// NumPy name of the raw sample type (`int16`, `uint16`, `float32`, ...).

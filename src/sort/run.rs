@@ -66,6 +66,51 @@ pub struct SortSettings {
 }
 
 impl SortSettings {
+    /// Checks the values the later stages cannot run with, before any data is
+    /// read: the same limits the matching and the clusterings check when they
+    /// start, named by flag and by Kilosort4's name.
+    ///
+    /// # Errors
+    /// A message naming the flag, the setting and the value.
+    pub fn validate(&self) -> Result<()> {
+        let m = &self.matching;
+        let positive = |flag: &str, ks: &str, v: f64| -> Result<()> {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                bail!("{flag} (Kilosort4's {ks}) is {v}; it must be a positive number")
+            }
+        };
+        let non_negative = |flag: &str, ks: &str, v: f64| -> Result<()> {
+            if v.is_finite() && v >= 0.0 {
+                Ok(())
+            } else {
+                bail!("{flag} (Kilosort4's {ks}) is {v}; it must be 0 or more")
+            }
+        };
+        positive("--th-learned", "Th_learned", m.th_learned)?;
+        if m.max_peels == 0 {
+            bail!("--max-peels (Kilosort4's max_peels) is 0; it must be at least 1");
+        }
+        positive("--position-limit", "position_limit", m.position_limit)?;
+        non_negative(
+            "--duplicate-spike-ms",
+            "duplicate_spike_ms",
+            self.duplicate_spike_ms,
+        )?;
+        non_negative("--acg-threshold", "acg_threshold", self.acg_threshold)?;
+        non_negative("--ccg-threshold", "ccg_threshold", self.ccg_threshold)?;
+        if let Err(e) = self.clustering.validate() {
+            match &e {
+                crate::sort::clustering::ClusteringError::Setting { name, .. } => {
+                    bail!("--{}: {e}", name.replace('_', "-"))
+                }
+                _ => bail!("{e}"),
+            }
+        }
+        Ok(())
+    }
+
     /// Kilosort4 4.1.7's defaults.
     pub fn kilosort() -> Self {
         SortSettings {
@@ -87,14 +132,14 @@ impl SortSettings {
 #[serde(deny_unknown_fields)]
 pub struct SortFlags {
     /// A learned-template spike needs relu(B)²/‖U‖² above its square (Kilosort4's Th_learned).
-    #[arg(long, default_value_t = 8.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 8.0)]
     #[serde(rename = "Th_learned")]
     pub th_learned: f64,
     /// Rounds of the matching pursuit per window (Kilosort4's max_peels).
     #[arg(long, default_value_t = 100)]
     pub max_peels: usize,
     /// Sites within this of a spike's site count for its position, µm (Kilosort4's position_limit).
-    #[arg(long, default_value_t = 100.0)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 100.0)]
     pub position_limit: f64,
     /// Every N-th spike of a group is a landmark of the neighbour graph (Kilosort4's cluster_downsampling).
     #[arg(long, default_value_t = 20)]
@@ -114,13 +159,13 @@ pub struct SortFlags {
     #[arg(long, default_value = "torch", value_name = "torch|chacha8")]
     pub cluster_init_generator: SeedingGenerator,
     /// Spikes of one unit closer than this are duplicates, ms (Kilosort4's duplicate_spike_ms).
-    #[arg(long, default_value_t = 0.25)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.25)]
     pub duplicate_spike_ms: f64,
     /// A unit is `good` when its autocorrelogram's R12 is below it (Kilosort4's acg_threshold).
-    #[arg(long, default_value_t = 0.2)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.2)]
     pub acg_threshold: f64,
     /// Two units merge when their cross-correlogram's R12 is below it (Kilosort4's ccg_threshold).
-    #[arg(long, default_value_t = 0.25)]
+    #[arg(allow_negative_numbers = true, long, default_value_t = 0.25)]
     pub ccg_threshold: f64,
     /// Reproduce Kilosort4 4.1.5–4.1.7's `swarmsplitter.check_CCG` guard, which
     /// switches the refractory test inside the final clustering's tree off
@@ -244,7 +289,13 @@ fn read_detected(dir: &Path) -> Result<Detected> {
     let r = |name: &str| dir.join(name);
     let centres: Array1<i64> = crate::npy::read(&r("spike_centers.npy"))?;
     let tf0: Array3<f32> = crate::npy::read(&r("pc_features.npy"))?;
-    let wpca: Array2<f32> = crate::npy::read(&r("wPCA.npy"))?;
+    let mut wpca: Array2<f32> = crate::npy::read(&r("wPCA.npy"))?;
+    // The features use the first n_pcs components (`--n-pcs`); the folder's
+    // wPCA keeps every component of the templates file.
+    let n_pcs = tf0.dim().2;
+    if wpca.nrows() > n_pcs {
+        wpca = wpca.slice(ndarray::s![..n_pcs, ..]).to_owned();
+    }
     let wtemp: Array2<f32> = crate::npy::read(&r("wTEMP.npy"))?;
     let wrot: Array2<f32> = crate::npy::read(&r("whitening_mat.npy"))?;
     let dshift = if r("drift.npy").exists() {
@@ -278,6 +329,7 @@ pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Res
     job.detect.last_device_use = false;
     // The detection stage's folder is this run's working folder.
     job.detect.scratch = true;
+    job.sort.validate()?;
     if job.detect.drift.drift_only {
         bail!(
             "--drift-only (drift_only) stops after the drift estimate, before any spike is sorted: run `spikecube detect --drift-only` for drift.npy and drift.png, or sort without it"
@@ -440,6 +492,9 @@ fn sort_into(
     progress(stage("merges and export", u1));
     let mut export = export_settings(&run_info, rec.fs(), &s);
     export.n_samples = rec.n_samples();
+    // Spike times count from the file's first sample, as `params.py`'s
+    // dat_path is the whole file (Kilosort4 adds imin likewise).
+    export.imin = rec.first_sample() as i64;
     let mut warnings = [detection.warnings.clone(), matching_warnings].concat();
     let manifest = manifest(
         &s,
@@ -541,6 +596,16 @@ fn matching_pass(
     let mut matching = input.settings.clone();
     matching.nt = input.detection.nt;
     matching.batch_size = input.pre_settings.batch_size;
+    // As in detection: a probe with fewer sites than nearest_chans (a tetrode)
+    // uses all of them.
+    let n_sites = input.probe.xc.len();
+    if matching.nearest_chans > n_sites {
+        tracing::info!(
+            "matching: nearest_chans lowered from {} to {n_sites}, the number of sites",
+            matching.nearest_chans
+        );
+        matching.nearest_chans = n_sites;
+    }
     let t_setup = Instant::now();
     let setup = Arc::new(
         MatchingSetup::new(
@@ -1101,8 +1166,11 @@ fn take_matched(
 
 /// The merges' and the Phy folder's settings from the run and the sort settings.
 fn export_settings(run_info: &crate::output::RunInfo, fs: f64, s: &SortSettings) -> ExportSettings {
-    let mut export =
-        ExportSettings::new(fs, run_info.n_channels_dat, vec![run_info.dat_path.clone()]);
+    let dat_paths = std::iter::once(&run_info.dat_path)
+        .chain(&run_info.more_dat_paths)
+        .cloned()
+        .collect();
+    let mut export = ExportSettings::new(fs, run_info.n_channels_dat, dat_paths);
     export.dtype = run_info.dtype.clone();
     export.offset = run_info.offset;
     export.duplicate_spike_ms = s.duplicate_spike_ms;
