@@ -510,3 +510,84 @@ fn sort_settings_are_checked_before_detection() {
         assert!(!out.exists());
     }
 }
+
+/// What the reader finds when opening the file (a partial last frame, a size
+/// the metadata contradicts, a rate it overrides) is a run warning: in
+/// `spikecube.json`, and printed once when found and once in the closing list.
+#[test]
+fn the_readers_warnings_are_kept_in_the_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = simulate_short(dir.path());
+    let glx = dir.path().join("cut");
+    std::fs::create_dir(&glx).unwrap();
+    let bytes = std::fs::read(rec.join("sim_g0_t0.imec0.ap.bin")).unwrap();
+    let bin = glx.join("x_g0_t0.imec0.ap.bin");
+    std::fs::write(&bin, &bytes[..bytes.len() - 385 * 2 * 1000 + 51]).unwrap();
+    std::fs::copy(
+        rec.join("sim_g0_t0.imec0.ap.meta"),
+        glx.join("x_g0_t0.imec0.ap.meta"),
+    )
+    .unwrap();
+    let out = dir.path().join("sorted");
+    let o = spikecube(&[
+        "sort",
+        s(&bin),
+        "--fs",
+        "25000",
+        "--backend",
+        "cpu",
+        "--out",
+        s(&out),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("spikecube.json")).unwrap())
+            .unwrap();
+    let warnings = json["warnings"].to_string();
+    for what in [
+        "bytes after the last whole frame",
+        "declares fileSizeBytes",
+        "fs = 25000 Hz was given",
+    ] {
+        assert!(warnings.contains(what), "{what}: {warnings}");
+        assert!(
+            err.matches(what).count() <= 2,
+            "{what} printed more than twice: {err}"
+        );
+    }
+}
+
+/// A probe whose `n_chan` exceeds the file's channel count (`--n-channels`
+/// too small, or another recording's probe) is named in a warning.
+#[test]
+fn a_probe_for_more_channels_than_the_file_is_warned_about() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = simulate_short(dir.path());
+    let mut probe: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(rec.join("probe.json")).unwrap()).unwrap();
+    probe["n_chan"] = serde_json::json!(386);
+    let wide = dir.path().join("probe386.json");
+    std::fs::write(&wide, probe.to_string()).unwrap();
+    let flat = dir.path().join("flat.bin");
+    std::fs::copy(rec.join("sim_g0_t0.imec0.ap.bin"), &flat).unwrap();
+    let out = dir.path().join("det");
+    let o = spikecube(&[
+        "detect",
+        s(&flat),
+        "--n-channels",
+        "385",
+        "--fs",
+        "30000",
+        "--probe",
+        s(&wide),
+        "--backend",
+        "cpu",
+        "--out",
+        s(&out),
+        "-q",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("n_chan = 386 channels"), "{err}");
+}

@@ -89,16 +89,6 @@ pub(super) fn build_job(
     start_threads(args.threads)?;
     let (opened, probe, mut checks) = open_input(&args.rec, &args.checks, &args.recording)?;
     let rec = opened.recording.clone();
-    // A --fs the recording's metadata overrides (logged when opening) is also
-    // repeated at the end and kept in spikecube.json.
-    if let Some(asked) = args.rec.fs
-        && (asked - rec.fs()).abs() > 1e-9 * rec.fs()
-    {
-        checks.warnings.push(format!(
-            "--fs {asked} was given but the recording's metadata says {} Hz; the metadata's rate was used",
-            rec.fs()
-        ));
-    }
     checks.blanking = args.checks.blanking(rec.as_ref(), &mut checks.warnings)?;
     let out = match &args.out {
         Some(o) => o.clone(),

@@ -62,6 +62,9 @@ fn recording_check(path: &Path, probe: &Probe) -> Result<Option<String>> {
         return Ok(None);
     }
     let opened = spikecube::recording::open(path, &spikecube::recording::OpenOptions::default())?;
+    for w in &opened.warnings {
+        tracing::warn!("{w}");
+    }
     let settings = spikecube::preprocess::PreprocessSettings {
         fs: opened.recording.fs(),
         ..Default::default()

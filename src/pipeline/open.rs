@@ -147,6 +147,17 @@ pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opene
     ) {
         warnings.push(w);
     }
+    // A probe made for a file of more columns than this one: the sites are
+    // likely read from the wrong columns (a wrong --n-channels, or a probe of
+    // another recording), which no later check can see on noise-like data.
+    if probe.n_chan > n_file as u64 {
+        warnings.push(format!(
+            "the probe {} describes a file of n_chan = {} channels, but {} has {n_file}: its sites may be read from the wrong columns; check --n-channels and the probe",
+            probe.source.display(),
+            probe.n_chan,
+            first.display()
+        ));
+    }
     let structured = first.is_dir()
         || first.extension().is_some_and(|e| e == "oebin")
         || first.with_extension("meta").is_file();
@@ -155,8 +166,13 @@ pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opene
     }
     // A --dtype or --offset that the file's format overrode: the outputs
     // that describe the raw file (params.py, spikecube.json) name what was read.
+    warnings.extend(opened.warnings.iter().cloned());
     warnings.extend(opened.overridden(&req.open, first));
-    warnings.extend(crate::recording::junction_warnings(&req.paths, &req.open));
+    warnings.extend(crate::recording::junction_warnings(
+        &req.paths,
+        &req.open,
+        &probe.chan_map,
+    ));
     let checks = Checks {
         warnings,
         auto_scale: req.open.scale.is_none(),

@@ -135,13 +135,13 @@ impl BinaryRecording {
                         nearest: nearest_channel_counts(data_bytes, itemsize, p.n_channels),
                     });
                 }
-                PartialFrame::Warn => tracing::warn!(
-                    file = %path.display(),
-                    "{} bytes after the last whole frame are ignored: {data_bytes} data bytes = {n_samples} frames of {frame_bytes} bytes ({} channels × {itemsize} bytes of {}) + {remainder} bytes",
+                PartialFrame::Warn => super::open_warning(format!(
+                    "{}: {} bytes after the last whole frame are ignored: {data_bytes} data bytes = {n_samples} frames of {frame_bytes} bytes ({} channels × {itemsize} bytes of {}) + {remainder} bytes",
+                    path.display(),
                     remainder,
                     p.n_channels,
                     p.dtype.name()
-                ),
+                )),
             }
         }
         // An empty file cannot be mapped on every platform; keep `None` then.

@@ -203,11 +203,14 @@ fn median(v: &mut [f32]) -> f64 {
     f64::from(*m)
 }
 
-/// Per channel: (baseline step across the junction, noise sd), file units,
-/// from the last samples of `a` and the first of `b`.
-fn steps(a: &dyn Recording, b: &dyn Recording) -> Result<Vec<(f64, f64)>, RecordingError> {
-    let n_ch = a.n_channels();
-    let map: Vec<u64> = (0..n_ch as u64).collect();
+/// Per file channel of `map`: (baseline step across the junction, noise sd),
+/// file units, from the last samples of `a` and the first of `b`.
+fn steps(
+    a: &dyn Recording,
+    b: &dyn Recording,
+    map: &[u64],
+) -> Result<Vec<(f64, f64)>, RecordingError> {
+    let n_ch = map.len();
     let na = (a.n_samples() as usize).min(JUNCTION_NOISE);
     let nb = (b.n_samples() as usize).min(JUNCTION_NOISE);
     if na < JUNCTION_EDGE || nb < JUNCTION_EDGE {
@@ -215,8 +218,8 @@ fn steps(a: &dyn Recording, b: &dyn Recording) -> Result<Vec<(f64, f64)>, Record
     }
     let mut xa = vec![0f32; n_ch * na];
     let mut xb = vec![0f32; n_ch * nb];
-    a.read_channels(a.n_samples() - na as u64, na, &map, &mut xa)?;
-    b.read_channels(0, nb, &map, &mut xb)?;
+    a.read_channels(a.n_samples() - na as u64, na, map, &mut xa)?;
+    b.read_channels(0, nb, map, &mut xb)?;
     let mut out = Vec::with_capacity(n_ch);
     for c in 0..n_ch {
         let ra = &xa[c * na..(c + 1) * na];
@@ -241,20 +244,37 @@ fn steps(a: &dyn Recording, b: &dyn Recording) -> Result<Vec<(f64, f64)>, Record
 /// largest step (file units and noise sd, with its channel) and how many
 /// channels step by at least [`JUNCTION_STEP_SDS`] sd. The high-pass filter
 /// rings at such a step, and the ringing is detected as spikes around the
-/// junction. Files that cannot be read give no warning (opening them reports that).
-pub fn junction_warnings(paths: &[PathBuf], opts: &super::OpenOptions) -> Vec<String> {
-    let mut parts = Vec::new();
-    for p in paths {
-        match super::open_untrimmed(p, opts) {
-            Ok(o) => parts.push(o.recording),
-            Err(_) => return Vec::new(),
-        }
+/// junction. Only the file channels in `channels` (the probe's `chanMap`) are
+/// compared: a sync channel's level is not a baseline. Files that cannot be
+/// read give no warning, and what opening them finds is left to the run's own
+/// opening ([`super::open_many`]), which reports it once.
+pub fn junction_warnings(
+    paths: &[PathBuf],
+    opts: &super::OpenOptions,
+    channels: &[u64],
+) -> Vec<String> {
+    if paths.len() < 2 {
+        return Vec::new();
     }
+    let (opened, _reported_by_the_run) = super::with_warning_sink(|| {
+        let mut parts = Vec::new();
+        for p in paths {
+            parts.push(super::open_untrimmed(p, opts)?.recording);
+        }
+        Ok::<_, RecordingError>(parts)
+    });
+    let Ok(parts) = opened else {
+        return Vec::new();
+    };
+    let Some(n_file) = parts.first().map(|r| r.n_channels() as u64) else {
+        return Vec::new();
+    };
+    let channels: Vec<u64> = channels.iter().copied().filter(|&c| c < n_file).collect();
     let mut warnings = Vec::new();
     let mut at = 0u64;
     for j in 0..parts.len().saturating_sub(1) {
         at += parts[j].n_samples();
-        let Ok(s) = steps(parts[j].as_ref(), parts[j + 1].as_ref()) else {
+        let Ok(s) = steps(parts[j].as_ref(), parts[j + 1].as_ref(), &channels) else {
             continue;
         };
         let ratio = |&(step, sd): &(f64, f64)| {
@@ -278,11 +298,12 @@ pub fn junction_warnings(paths: &[PathBuf], opts: &super::OpenOptions) -> Vec<St
             continue;
         }
         warnings.push(format!(
-            "the baseline steps where {} ends and {} begins (sample {at}, {:.3} s): by up to {:.1} file units on channel {c} ({:.0} × its noise sd; {over} of {} channels step by {JUNCTION_STEP_SDS} sd or more). The high-pass filter rings at a step and the ringing is detected as spikes within a few ms of it; remove each file's offset (subtract its per-channel median) or sort the files separately",
+            "the baseline steps where {} ends and {} begins (sample {at}, {:.3} s): by up to {:.1} file units on channel {} ({:.0} × its noise sd; {over} of {} channels step by {JUNCTION_STEP_SDS} sd or more). The high-pass filter rings at a step and the ringing is detected as spikes within a few ms of it; remove each file's offset (subtract its per-channel median) or sort the files separately",
             paths[j].display(),
             paths[j + 1].display(),
             at as f64 / parts[0].fs(),
             worst.0,
+            channels[c],
             ratio(worst),
             s.len()
         ));

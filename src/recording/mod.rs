@@ -308,6 +308,11 @@ pub struct Opened {
     /// Header bytes skipped at the start of the file: 0 for SpikeGLX and Open
     /// Ephys, [`OpenOptions::offset`] for flat binary.
     pub offset: u64,
+    /// What opening found worth a warning (a partial last frame, a size the
+    /// metadata contradicts, a rate that differs from the one given, …), one
+    /// line each naming the file: a run adds them to its warnings, which are
+    /// printed once and kept in `spikecube.json`.
+    pub warnings: Vec<String>,
 }
 
 impl Opened {
@@ -348,6 +353,51 @@ impl std::fmt::Debug for Opened {
     }
 }
 
+thread_local! {
+    /// Warnings of the [`open`] or [`open_many`] running on this thread.
+    static OPEN_WARNINGS: std::cell::RefCell<Option<Vec<String>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A fact about a file being opened that deserves a warning: kept for
+/// [`Opened::warnings`] while [`open`] or [`open_many`] runs on this thread,
+/// else logged at once.
+pub(crate) fn open_warning(message: String) {
+    let unclaimed = OPEN_WARNINGS.with_borrow_mut(|w| match w {
+        Some(list) => {
+            list.push(message);
+            None
+        }
+        None => Some(message),
+    });
+    if let Some(m) = unclaimed {
+        tracing::warn!("{m}");
+    }
+}
+
+/// Runs `f` with this thread's opening warnings collected: its result and
+/// the warnings.
+pub(crate) fn with_warning_sink<T>(f: impl FnOnce() -> T) -> (T, Vec<String>) {
+    let outer = OPEN_WARNINGS.with_borrow_mut(|w| w.replace(Vec::new()));
+    let result = f();
+    let found = OPEN_WARNINGS
+        .with_borrow_mut(|w| std::mem::replace(w, outer))
+        .unwrap_or_default();
+    (result, found)
+}
+
+/// Runs `f` with this thread's opening warnings collected, and puts them in
+/// its [`Opened`].
+fn collecting_warnings(
+    f: impl FnOnce() -> Result<Opened, RecordingError>,
+) -> Result<Opened, RecordingError> {
+    let (result, mut found) = with_warning_sink(f);
+    result.map(|mut opened| {
+        found.append(&mut opened.warnings);
+        opened.warnings = found;
+        opened
+    })
+}
+
 /// Opens one recording; see [`Format::Auto`] for how the reader is chosen.
 ///
 /// # Errors
@@ -355,11 +405,13 @@ impl std::fmt::Debug for Opened {
 /// flat binary), sizes that are not whole frames (flat binary), metadata that is
 /// missing, unreadable or contradicts the settings, an empty `tmin`/`tmax` range.
 pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
-    let base = open_untrimmed(path, opts)?;
-    let rec = trim(base.recording, path, opts)?;
-    Ok(Opened {
-        recording: rec,
-        ..base
+    collecting_warnings(|| {
+        let base = open_untrimmed(path, opts)?;
+        let rec = trim(base.recording, path, opts)?;
+        Ok(Opened {
+            recording: rec,
+            ..base
+        })
     })
 }
 
@@ -381,16 +433,18 @@ pub fn open_many(paths: &[PathBuf], opts: &OpenOptions) -> Result<Opened, Record
     if paths.len() == 1 {
         return open(first_path, opts);
     }
-    let first = open_untrimmed(first_path, opts)?;
-    let mut parts = vec![first.recording.clone()];
-    for p in &paths[1..] {
-        parts.push(open_untrimmed(p, opts)?.recording);
-    }
-    let cat: Arc<dyn Recording> = Arc::new(ConcatRecording::new(parts, paths)?);
-    let rec = trim(cat, first_path, opts)?;
-    Ok(Opened {
-        recording: rec,
-        ..first
+    collecting_warnings(|| {
+        let first = open_untrimmed(first_path, opts)?;
+        let mut parts = vec![first.recording.clone()];
+        for p in &paths[1..] {
+            parts.push(open_untrimmed(p, opts)?.recording);
+        }
+        let cat: Arc<dyn Recording> = Arc::new(ConcatRecording::new(parts, paths)?);
+        let rec = trim(cat, first_path, opts)?;
+        Ok(Opened {
+            recording: rec,
+            ..first
+        })
     })
 }
 
@@ -450,6 +504,7 @@ fn open_untrimmed(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingEr
                 first_sample_number: None,
                 dtype: opts.dtype,
                 offset: opts.offset,
+                warnings: Vec::new(),
             })
         }
     }
@@ -481,11 +536,11 @@ fn trim(
     let end = if tmax.is_finite() {
         let asked = (tmax * fs).floor();
         if asked > n as f64 {
-            tracing::warn!(
+            open_warning(format!(
                 "tmax = {tmax} s is past the end of {} ({:.6} s): the run stops at the end",
                 path.display(),
                 n as f64 / fs
-            );
+            ));
         }
         (asked as u64).min(n)
     } else {
@@ -548,10 +603,10 @@ pub(crate) fn check_against_metadata(
     if let Some(asked) = opts.fs
         && (asked - fs).abs() > 1e-9 * fs
     {
-        tracing::warn!(
-            file = %meta.display(),
-            "fs = {asked} Hz was given but {fs_field} is {fs} Hz; using the metadata's rate"
-        );
+        open_warning(format!(
+            "{}: fs = {asked} Hz was given but {fs_field} is {fs} Hz; using the metadata's rate",
+            meta.display()
+        ));
     }
     Ok(())
 }

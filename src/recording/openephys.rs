@@ -302,12 +302,12 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
             })?,
         None => {
             if oebin.streams.len() > 1 {
-                tracing::warn!(
-                    file = %oebin_path.display(),
-                    "{} continuous streams; using the first, {}",
+                super::open_warning(format!(
+                    "{}: {} continuous streams; using the first, {}",
+                    oebin_path.display(),
                     oebin.streams.len(),
                     oebin.streams[0].folder_name
-                );
+                ));
             }
             &oebin.streams[0]
         }
@@ -360,5 +360,6 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
         first_sample_number,
         dtype: Dtype::Int16,
         offset: 0,
+        warnings: Vec::new(),
     })
 }

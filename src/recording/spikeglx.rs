@@ -652,11 +652,11 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
         ("imSampRate", meta.fs),
     )?;
     if opts.dtype != Dtype::Int16 {
-        tracing::warn!(
-            file = %bin.display(),
-            "SpikeGLX files are int16; dtype {} is ignored",
+        super::open_warning(format!(
+            "{}: SpikeGLX files are int16; dtype {} is ignored",
+            bin.display(),
             opts.dtype.name()
-        );
+        ));
     }
     let rec = BinaryRecording::open(
         &bin,
@@ -680,20 +680,23 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
         && declared != real
     {
         let frame = meta.n_saved_chans * 2;
-        tracing::warn!(
-            file = %bin.display(),
-            "file holds {real} bytes but {} declares fileSizeBytes = {declared} ({} vs {} samples of {} channels); using the real size: {} whole samples",
+        super::open_warning(format!(
+            "{}: the file holds {real} bytes but {} declares fileSizeBytes = {declared} ({} vs {} samples of {} channels); using the real size: {} whole samples",
+            bin.display(),
             meta_path.display(),
             real as f64 / frame as f64,
             declared as f64 / frame as f64,
             meta.n_saved_chans,
             real / frame
-        );
+        ));
     }
     let probe = match meta.probe() {
         Ok(p) => Some(p),
         Err(e) => {
-            tracing::warn!("no probe geometry from the SpikeGLX metadata: {e}");
+            super::open_warning(format!(
+                "{}: no probe geometry from the SpikeGLX metadata: {e}",
+                meta_path.display()
+            ));
             None
         }
     };
@@ -704,5 +707,6 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
         first_sample_number: None,
         dtype: Dtype::Int16,
         offset: 0,
+        warnings: Vec::new(),
     })
 }
