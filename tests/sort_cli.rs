@@ -591,3 +591,29 @@ fn a_probe_for_more_channels_than_the_file_is_warned_about() {
     assert!(o.status.success(), "{err}");
     assert!(err.contains("n_chan = 386 channels"), "{err}");
 }
+
+/// A sort's folder whose `cluster_group.tsv` someone edited (curation by hand
+/// or by a tool that leaves no `.phy` folder) is not replaced by a new sort.
+#[test]
+fn curated_labels_are_not_overwritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = simulate_short(dir.path());
+    let bin = rec.join("sim_g0_t0.imec0.ap.bin");
+    let out = dir.path().join("sorted");
+    sort_args(&[s(&bin), "--out", s(&out)]);
+    // The same sort again replaces its own folder.
+    sort_args(&[s(&bin), "--out", s(&out)]);
+    let group = out.join("cluster_group.tsv");
+    let text = std::fs::read_to_string(&group).unwrap();
+    let mut lines: Vec<String> = text.lines().map(String::from).collect();
+    let (id, label) = lines[1].split_once('\t').unwrap();
+    let flipped = if label == "good" { "noise" } else { "good" };
+    lines[1] = format!("{id}\t{flipped}");
+    let curated = lines.join("\n") + "\n";
+    std::fs::write(&group, &curated).unwrap();
+    let o = spikecube(&["sort", s(&bin), "--backend", "cpu", "--out", s(&out), "-q"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "a curated folder was replaced");
+    assert!(err.contains("curation") && err.contains("1 unit"), "{err}");
+    assert_eq!(std::fs::read_to_string(&group).unwrap(), curated);
+}

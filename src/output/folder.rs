@@ -307,9 +307,48 @@ pub fn check_target(out: &Path, command: &str) -> Result<Existing> {
             );
         }
     }
+    if let Some(changed) = curated_labels(out) {
+        bail!(
+            "output folder {} holds curation: its cluster_group.tsv differs from the sort's own labels (cluster_KSLabel.tsv) for {}; nothing was changed: choose another --out, or move the folder away",
+            out.display(),
+            crate::error::count(changed as u64, "unit")
+        );
+    }
     Ok(Existing::EarlierResult(
         names.into_iter().map(|(n, _)| n).collect(),
     ))
+}
+
+/// For a sort's folder: how many units' `cluster_group.tsv` labels differ
+/// from `cluster_KSLabel.tsv`'s, which the sort writes identical, so that a
+/// difference is someone's curation (by hand or by a tool other than Phy,
+/// which leaves its `.phy` folder); `None` when they agree or either file is
+/// missing or unreadable.
+fn curated_labels(out: &Path) -> Option<usize> {
+    let rows = |name: &str| -> Option<Vec<(String, String)>> {
+        let text = std::fs::read_to_string(out.join(name)).ok()?;
+        Some(
+            text.lines()
+                .skip(1)
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| {
+                    let mut f = l.split('\t');
+                    let id = f.next().unwrap_or("").trim().to_string();
+                    let label = f.next().unwrap_or("").trim().to_string();
+                    (id, label)
+                })
+                .collect(),
+        )
+    };
+    let group = rows("cluster_group.tsv")?;
+    let ks = rows("cluster_KSLabel.tsv")?;
+    let ks: std::collections::HashMap<_, _> = ks.into_iter().collect();
+    let changed = group
+        .iter()
+        .filter(|(id, label)| ks.get(id) != Some(label))
+        .count()
+        + ks.len().saturating_sub(group.len());
+    (changed > 0).then_some(changed)
 }
 
 /// Creates the folder that will hold `out` (and its parents) when it does
