@@ -527,7 +527,8 @@ class Sorting:
     Attributes
     ----------
     spike_times : int64 (n,)
-        Samples from the recording's first sample (after ``tmin``).
+        Samples from the file's first sample, at each spike's trough (with
+        ``tmin`` too, as ``params.py``'s ``dat_path`` is the whole file).
     spike_clusters : int32 (n,)
         Unit of each spike.
     amplitudes : float32 (n,)
