@@ -459,6 +459,48 @@ fn drift_range_check_on_synthetic_steps() {
     assert_eq!(under, vec![(64, 120.0)]);
 }
 
+/// Windows without first-pass spikes (a silent stretch, or tiny batches)
+/// tie on every lag and the registration picks the edge: they are left out
+/// of the range check, so a recording without drift gets no drift warning.
+#[test]
+fn silent_windows_do_not_look_like_large_drift() {
+    let yc: Vec<f32> = (0..384).map(|i| 15.0 * (i / 2) as f32).collect();
+    let n_windows = 10;
+    let mut sp = drifting(n_windows, |_| 0.0, (100.0, 2700.0), 5);
+    // Windows 4, 5 and 6 silent.
+    let keep: Vec<bool> = sp.batch.iter().map(|&b| !(4..=6).contains(&b)).collect();
+    let pick = |v: &Vec<f32>| -> Vec<f32> {
+        v.iter()
+            .zip(&keep)
+            .filter(|(_, k)| **k)
+            .map(|(x, _)| *x)
+            .collect()
+    };
+    sp.y = pick(&sp.y);
+    sp.amp = pick(&sp.amp);
+    sp.batch = sp
+        .batch
+        .iter()
+        .zip(&keep)
+        .filter(|(_, k)| **k)
+        .map(|(x, _)| *x)
+        .collect();
+    sp.sample = sp
+        .sample
+        .iter()
+        .zip(&keep)
+        .filter(|(_, k)| **k)
+        .map(|(x, _)| *x)
+        .collect();
+    let hist = bin_spikes(&sp, &yc, 5.0, 9.0, n_windows).unwrap();
+    assert_eq!(&hist.counts[4..7], &[0, 0, 0]);
+    let reference = n_windows / 2;
+    let reg = register(&hist, 1, [0.5, 0.5, 0.5], reference).unwrap();
+    let check = check_search_range(&hist, &reg, reference);
+    assert!(check.edge_batches.is_empty(), "{check:?}");
+    assert!(range_warning(&check, 5.0, n_windows).is_none());
+}
+
 /// Item 2, where it does not: `simulate --drift rigid` with a 120-µm (and a
 /// 200-µm) step on the 384-site probe; Kilosort4's registration estimates the
 /// 120-µm step as 65 µm (measured). Wherever the estimate misses the truth by

@@ -467,8 +467,8 @@ pub struct RangeCheck {
     pub wide_lags: i32,
 }
 
-/// Checks a registration against its search range: batches whose last rigid
-/// pass chose an edge lag, and batches that, shifted by their estimated
+/// Checks a registration against its search range: batches with spikes whose
+/// last rigid pass chose an edge lag, and batches that, shifted by their estimated
 /// rigid offset, still match the reference batch best at a lag beyond the
 /// fine step's ±[`FINE_LAGS`] bins, searching up to ±4·[`RIGID_LAGS`] bins
 /// (at most a third of the depth bins, so the circular roll does not alias;
@@ -477,8 +477,11 @@ pub fn check_search_range(hist: &Histogram, reg: &Registration, reference: usize
     let (nbat, d, nc) = hist.f.dim();
     let wide = (4 * RIGID_LAGS).min((d / 3) as i32);
     let mut out = RangeCheck {
+        // A batch without first-pass spikes scores every lag alike, and the
+        // first (an edge) wins: it says nothing about the search range (its
+        // shift is interpolated, with its own warning).
         edge_batches: (0..nbat)
-            .filter(|&b| reg.rigid_last[b].abs() == RIGID_LAGS)
+            .filter(|&b| hist.counts[b] > 0 && reg.rigid_last[b].abs() == RIGID_LAGS)
             .collect(),
         missed: Vec::new(),
         wide_lags: wide,
