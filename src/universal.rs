@@ -46,7 +46,7 @@ pub struct ChosenTemplates {
 
 /// Reads `wTEMP` and `wPCA` from a `.npz` file in Kilosort4's `wTEMP.npz`
 /// layout (float32 or float64 arrays, n_templates × nt and n_pcs × nt; the
-/// file `np.savez` writes, not compressed) and checks them against the
+/// file `np.savez` or `np.savez_compressed` writes) and checks them against the
 /// detector: `n_templates` rows of `nt` samples in wTEMP, at least `n_pcs` rows
 /// in wPCA, finite values.
 ///
@@ -64,7 +64,7 @@ pub fn load_npz(
         .with_context(|| format!("--templates {}: cannot open the file", path.display()))?;
     let mut npz = NpzReader::new(f).with_context(|| {
         format!(
-            "--templates {}: not an .npz file (np.savez, uncompressed)",
+            "--templates {}: not an .npz file (np.savez or np.savez_compressed)",
             path.display()
         )
     })?;
@@ -103,6 +103,28 @@ pub fn load_npz(
             "--templates {}: wTEMP or wPCA holds a non-finite value",
             path.display()
         );
+    }
+    // An all-zero row detects nothing (wTEMP) or gives a zero feature (wPCA):
+    // a file written wrong, which would otherwise look like bad data.
+    let zero_rows = |m: &Array2<f32>, rows: usize| -> Vec<usize> {
+        (0..rows)
+            .filter(|&r| m.row(r).iter().all(|&v| v == 0.0))
+            .collect()
+    };
+    for (name, m, rows) in [("wTEMP", &wtemp, n_templates), ("wPCA", &wpca, n_pcs)] {
+        let zero = zero_rows(m, rows);
+        if !zero.is_empty() {
+            bail!(
+                "--templates {}: {name} row{} {} {} all zeros; each template must be a waveform (unit norm, as Kilosort4's)",
+                path.display(),
+                if zero.len() == 1 { "" } else { "s" },
+                zero.iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                if zero.len() == 1 { "is" } else { "are" }
+            );
+        }
     }
     Ok(UniversalTemplates {
         wtemp,
@@ -320,4 +342,56 @@ fn draw(path: &Path, wtemp: &Array2<f32>, title: &str) -> Result<()> {
         root.present().map_err(&err)?;
     }
     plot::save_png(path, buf, w, h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(path: &Path, wtemp: &Array2<f32>, wpca: &Array2<f32>) {
+        let mut npz = ndarray_npy::NpzWriter::new(std::fs::File::create(path).unwrap());
+        npz.add_array("wTEMP", wtemp).unwrap();
+        npz.add_array("wPCA", wpca).unwrap();
+        npz.finish().unwrap();
+    }
+
+    #[test]
+    fn all_zero_template_rows_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.npz");
+        let ok = Array2::from_shape_fn((6, 61), |(k, t)| ((k + 1) * (t + 3) % 7) as f32 - 3.0);
+        write(&path, &ok, &ok);
+        assert!(load_npz(&path, 6, 6, 61).is_ok());
+        let mut zero = ok.clone();
+        zero.row_mut(2).fill(0.0);
+        zero.row_mut(4).fill(0.0);
+        write(&path, &zero, &ok);
+        let e = format!("{:#}", load_npz(&path, 6, 6, 61).err().unwrap());
+        assert!(e.contains("wTEMP rows 2, 4 are all zeros"), "{e}");
+        write(&path, &ok, &Array2::zeros((6, 61)));
+        let e = format!("{:#}", load_npz(&path, 6, 6, 61).err().unwrap());
+        assert!(
+            e.contains("wPCA rows 0, 1, 2, 3, 4, 5 are all zeros"),
+            "{e}"
+        );
+        // np.savez_compressed's files load too (deflated members).
+        let zipped = dir.path().join("z.npz");
+        let mut zip = zip::ZipWriter::new(std::fs::File::create(&zipped).unwrap());
+        let deflated = zip::write::SimpleFileOptions::default()
+            .compression_method(zip::CompressionMethod::Deflated);
+        for name in ["wTEMP.npy", "wPCA.npy"] {
+            use ndarray_npy::WriteNpyExt;
+            zip.start_file(name, deflated).unwrap();
+            let mut bytes = Vec::new();
+            ok.write_npy(&mut bytes).unwrap();
+            std::io::Write::write_all(&mut zip, &bytes).unwrap();
+        }
+        zip.finish().unwrap();
+        assert!(load_npz(&zipped, 6, 6, 61).is_ok());
+        // Rows of wPCA past n_pcs are not used, so not checked.
+        let mut tail = ok.clone();
+        tail.row_mut(5).fill(0.0);
+        write(&path, &ok, &tail);
+        assert!(load_npz(&path, 6, 5, 61).is_ok());
+    }
 }
