@@ -21,13 +21,18 @@ pub struct PlanArgs {
     pub flags: Vec<String>,
 }
 
+/// The detect and sort flags whose value is a file the task reads: written to
+/// the manifest as absolute paths, like the recordings and the probe.
+const FILE_FLAGS: [&str; 3] = ["--templates", "--artifact-times", "--neighbourhoods"];
+
 /// Splits the arguments of `batch plan`: the recordings are the arguments
 /// before the first one that starts with `-`; `--out RUN` (or `--out=RUN`) and
-/// `--probe P` are taken out; the rest are the subcommand's flags.
+/// `--probe P` are taken out; the rest are the subcommand's flags, those
+/// naming a file ([`FILE_FLAGS`]) with the file's absolute path.
 ///
 /// # Errors
-/// When no recording comes first, `--out` is missing or given twice, or an
-/// argument is not UTF-8.
+/// When no recording comes first, `--out` is missing or given twice, an
+/// argument is not UTF-8, or a file flag's file does not exist.
 pub fn split_args(args: &[OsString]) -> Result<PlanArgs> {
     let args: Vec<String> = args
         .iter()
@@ -52,6 +57,23 @@ pub fn split_args(args: &[OsString]) -> Result<PlanArgs> {
             Some((n, v)) if n.starts_with("--") => (n, Some(v.to_string())),
             _ => (a.as_str(), None),
         };
+        if FILE_FLAGS.contains(&name) {
+            // A file a task reads: absolute (tasks run from any folder), and
+            // it must exist now.
+            let value = match inline {
+                Some(v) => v,
+                None => rest
+                    .next()
+                    .cloned()
+                    .with_context(|| format!("{name} needs a value"))?,
+            };
+            let path = absolute(Path::new(&value), &format!("{name} file"))?;
+            let path = path
+                .to_str()
+                .with_context(|| format!("{name} {value}: the absolute path is not UTF-8"))?;
+            flags.push(format!("{name}={path}"));
+            continue;
+        }
         let slot = match name {
             "--out" => &mut run,
             "--probe" => &mut probe,
@@ -210,6 +232,42 @@ mod tests {
         assert_eq!(a.run, PathBuf::from("runs/w49"));
         assert_eq!(a.probe, Some(PathBuf::from("p.json")));
         assert_eq!(a.flags, ["--backend", "cpu", "--th-universal", "8"]);
+    }
+
+    #[test]
+    fn file_flags_get_absolute_paths_and_must_exist() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("t.npz");
+        std::fs::write(&t, b"x").unwrap();
+        let canonical = std::fs::canonicalize(&t).unwrap();
+        let a = split_args(&os(&[
+            "a.bin",
+            "--out",
+            "r",
+            "--templates",
+            t.to_str().unwrap(),
+            "--nblocks",
+            "0",
+        ]))
+        .unwrap();
+        assert_eq!(
+            a.flags,
+            [
+                format!("--templates={}", canonical.display()),
+                "--nblocks".into(),
+                "0".into()
+            ]
+        );
+        let missing = dir.path().join("none.csv");
+        let e = split_args(&os(&[
+            "a.bin",
+            "--out",
+            "r",
+            &format!("--artifact-times={}", missing.display()),
+        ]))
+        .err()
+        .unwrap();
+        assert!(e.to_string().contains("does not exist"), "{e}");
     }
 
     #[test]
