@@ -495,3 +495,45 @@ fn preprocess_writes_the_blanked_stretches_as_zeros() {
         }
     }
 }
+
+/// An `--artifact-window` typed in microseconds or samples (seconds long),
+/// and event stretches that blank most of the recording, are warned about.
+#[test]
+fn blanking_most_of_the_recording_is_warned_about() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = dir.path().join("sim");
+    let o = common::spikecube(&[
+        "simulate",
+        "--seconds",
+        "4",
+        "--n-units",
+        "4",
+        "--out",
+        common::s(&sim),
+        "-q",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let times = dir.path().join("events.csv");
+    std::fs::write(&times, "1\n2\n3\n").unwrap();
+    let out = dir.path().join("out");
+    let o = common::spikecube(&[
+        "detect",
+        common::s(&sim.join("sim_g0_t0.imec0.ap.bin")),
+        "--artifact-times",
+        common::s(&times),
+        "--artifact-window=500,2000",
+        "--nblocks",
+        "0",
+        "--templates-from-data",
+        "false",
+        "--backend",
+        "cpu",
+        "--out",
+        common::s(&out),
+        "-q",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("blanks 2.5 s around each event"), "{err}");
+    assert!(err.contains("% of the recording"), "{err}");
+}

@@ -339,6 +339,22 @@ impl CheckArgs {
             rec.fs(),
             self.blank_transients,
         )?;
+        let (before, after) = self.artifact_window;
+        if before + after > 1000.0 {
+            warnings.push(format!(
+                "--artifact-window {before},{after} blanks {:.1} s around each event: it is in milliseconds before and after the event",
+                (before + after) / 1000.0
+            ));
+        }
+        let share = b.events_share(rec.first_sample(), rec.n_samples());
+        if share > 0.1 {
+            warnings.push(format!(
+                "the --artifact-times stretches blank {:.0} % of the recording ({:.1} s of {:.1} s): few spikes can be found in the rest; check the times and --artifact-window",
+                100.0 * share,
+                share * rec.n_samples() as f64 / rec.fs(),
+                rec.n_samples() as f64 / rec.fs()
+            ));
+        }
         Ok(Some(std::sync::Arc::new(b)))
     }
 }

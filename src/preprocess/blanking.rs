@@ -64,6 +64,27 @@ impl Blanking {
         })
     }
 
+    /// Fraction of samples `first_sample .. first_sample + n_samples` that the
+    /// given event times' stretches cover (overlaps counted once); the
+    /// transients found while reading are not known before and not counted.
+    pub fn events_share(&self, first_sample: u64, n_samples: u64) -> f64 {
+        if n_samples == 0 {
+            return 0.0;
+        }
+        let (lo, hi) = (first_sample, first_sample + n_samples);
+        let mut covered = 0u64;
+        let mut reach = lo;
+        for &e in &self.events {
+            let start = e.saturating_sub(self.before as u64).max(reach);
+            let end = (e + self.after as u64).min(hi);
+            if end > start {
+                covered += end - start;
+                reach = end;
+            }
+        }
+        covered as f64 / n_samples as f64
+    }
+
     /// The column ranges `[start, end)` of a raw window (C × N, column 0 at
     /// absolute sample `first_sample`) to zero after preprocessing, in
     /// order and not overlapping.
@@ -296,6 +317,11 @@ mod tests {
         let mut x = Array2::<f32>::ones((2, 10));
         assert_eq!(zero_columns(&mut x, &[(2, 4), (8, 20)]), 4);
         assert_eq!(x.sum(), 12.0);
+        // 1 ms before and 2 after at 10 kHz: 30 samples an event; two
+        // overlapping events share theirs.
+        let b = Blanking::new(vec![100, 110, 5000], (1.0, 2.0), 10_000.0, false).unwrap();
+        assert!((b.events_share(0, 1000) - 40.0 / 1000.0).abs() < 1e-12);
+        assert!((b.events_share(0, 10_000) - 70.0 / 10_000.0).abs() < 1e-12);
         assert!(Blanking::new(vec![], (-1.0, 2.0), 1e4, false).is_err());
         assert!(Blanking::new(vec![], (0.0, 0.0), 1e4, false).is_err());
     }
