@@ -617,3 +617,42 @@ fn curated_labels_are_not_overwritten() {
     assert!(err.contains("curation") && err.contains("1 unit"), "{err}");
     assert_eq!(std::fs::read_to_string(&group).unwrap(), curated);
 }
+
+/// A probe left with one site (here by `--exclude-channels`) cannot take a
+/// median common reference (it would zero every sample): refused, naming
+/// `--do-car false`, which then runs.
+#[test]
+fn one_site_with_car_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = common::data(
+        "data/real/openephys_example_16ch/binary_format/Record Node 101/experiment1/recording1",
+    );
+    let probe =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/probes/openephys_16ch_linear.json");
+    let run = |car: &str, out: &str| {
+        spikecube(&[
+            "detect",
+            s(&rec),
+            "--probe",
+            s(&probe),
+            "--exclude-channels",
+            "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
+            "--do-car",
+            car,
+            "--backend",
+            "cpu",
+            "--out",
+            s(&dir.path().join(out)),
+            "-q",
+        ])
+    };
+    let o = run("true", "car");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--do-car false"),
+        "{err}"
+    );
+    assert!(!dir.path().join("car").exists());
+    let o = run("false", "nocar");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

@@ -214,6 +214,12 @@ pub(crate) fn layout_checks(
     if let Some(w) = checks::millimetre_warning(probe) {
         warnings.push(w);
     }
+    if settings.do_car && probe.n_sites() == 1 {
+        bail!(
+            "the probe {} has one site (after any --exclude-channels): its median common reference is the site itself and would zero every sample; give --do-car false",
+            probe.source.display()
+        );
+    }
     if let Some(w) = checks::car_warning(probe, settings.do_car) {
         warnings.push(w);
     }
