@@ -106,13 +106,10 @@ pub fn load_npz(
     }
     // An all-zero row detects nothing (wTEMP) or gives a zero feature (wPCA):
     // a file written wrong, which would otherwise look like bad data.
-    let zero_rows = |m: &Array2<f32>, rows: usize| -> Vec<usize> {
-        (0..rows)
-            .filter(|&r| m.row(r).iter().all(|&v| v == 0.0))
-            .collect()
-    };
     for (name, m, rows) in [("wTEMP", &wtemp, n_templates), ("wPCA", &wpca, n_pcs)] {
-        let zero = zero_rows(m, rows);
+        let zero: Vec<usize> = (0..rows)
+            .filter(|&r| m.row(r).iter().all(|&v| v == 0.0))
+            .collect();
         if !zero.is_empty() {
             bail!(
                 "--templates {}: {name} row{} {} {} all zeros; each template must be a waveform (unit norm, as Kilosort4's)",

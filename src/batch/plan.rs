@@ -57,26 +57,10 @@ pub fn split_args(args: &[OsString]) -> Result<PlanArgs> {
             Some((n, v)) if n.starts_with("--") => (n, Some(v.to_string())),
             _ => (a.as_str(), None),
         };
-        if FILE_FLAGS.contains(&name) {
-            // A file a task reads: absolute (tasks run from any folder), and
-            // it must exist now.
-            let value = match inline {
-                Some(v) => v,
-                None => rest
-                    .next()
-                    .cloned()
-                    .with_context(|| format!("{name} needs a value"))?,
-            };
-            let path = absolute(Path::new(&value), &format!("{name} file"))?;
-            let path = path
-                .to_str()
-                .with_context(|| format!("{name} {value}: the absolute path is not UTF-8"))?;
-            flags.push(format!("{name}={path}"));
-            continue;
-        }
         let slot = match name {
-            "--out" => &mut run,
-            "--probe" => &mut probe,
+            "--out" => Some(&mut run),
+            "--probe" => Some(&mut probe),
+            _ if FILE_FLAGS.contains(&name) => None,
             _ => {
                 flags.push(a.clone());
                 continue;
@@ -88,6 +72,16 @@ pub fn split_args(args: &[OsString]) -> Result<PlanArgs> {
                 .next()
                 .cloned()
                 .with_context(|| format!("{name} needs a value"))?,
+        };
+        let Some(slot) = slot else {
+            // A file a task reads: absolute (tasks run from any folder), and
+            // it must exist now.
+            let path = absolute(Path::new(&value), &format!("{name} file"))?;
+            let path = path
+                .to_str()
+                .with_context(|| format!("{name} {value}: the absolute path is not UTF-8"))?;
+            flags.push(format!("{name}={path}"));
+            continue;
         };
         if slot.replace(PathBuf::from(value)).is_some() {
             bail!("{name} is given twice");

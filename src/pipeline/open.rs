@@ -164,9 +164,9 @@ pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opene
     if !structured && let Some(w) = checks::dtype::dtype_warning(first, &req.open) {
         warnings.insert(0, w); // before any rescaling's message
     }
+    warnings.extend(opened.warnings.iter().cloned());
     // A --dtype or --offset that the file's format overrode: the outputs
     // that describe the raw file (params.py, spikecube.json) name what was read.
-    warnings.extend(opened.warnings.iter().cloned());
     warnings.extend(opened.overridden(&req.open, first));
     warnings.extend(crate::recording::junction_warnings(
         &req.paths,

@@ -598,7 +598,7 @@ fn matching_pass(
     matching.batch_size = input.pre_settings.batch_size;
     // As in detection: a probe with fewer sites than nearest_chans (a tetrode)
     // uses all of them.
-    let n_sites = input.probe.xc.len();
+    let n_sites = input.probe.n_sites();
     if matching.nearest_chans > n_sites {
         tracing::info!(
             "matching: nearest_chans lowered from {} to {n_sites}, the number of sites",
