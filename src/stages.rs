@@ -428,6 +428,30 @@ pub struct KeepWindows {
     pub slot: Arc<std::sync::Mutex<Option<KeptWindows>>>,
 }
 
+/// The host memory, bytes, that a pass keeps preprocessed windows in when
+/// `--keep-windows-gb` is not given: half of what this process may still
+/// take, the smaller of the system's available memory and, under a cgroup
+/// memory limit (a Slurm job's `--mem`, a container's limit), the free memory
+/// of this process's cgroup. 0 when the system reports neither.
+pub fn default_host_keep_budget() -> u64 {
+    use sysinfo::{MemoryRefreshKind, Pid, ProcessRefreshKind, ProcessesToUpdate, System};
+    let Ok(mut sys) = System::new() else {
+        return 0;
+    };
+    sys.refresh_memory_specifics(MemoryRefreshKind::nothing().with_ram());
+    let mut free = sys.available_memory();
+    let pid = Pid::from_u32(std::process::id());
+    sys.refresh_processes_specifics(
+        ProcessesToUpdate::Some(&[pid]),
+        false,
+        ProcessRefreshKind::nothing(),
+    );
+    if let Some(limits) = sys.process(pid).and_then(|p| p.cgroup_limits()) {
+        free = free.min(limits.free_memory);
+    }
+    free / 2
+}
+
 /// The windows a pass keeps ([`WindowPass::keep_windows`]): windows 0 .. k,
 /// in order, while they fit in the budget.
 #[derive(Debug)]
@@ -692,9 +716,10 @@ impl WindowPass for HostPass {
     }
 
     fn keep_windows(&mut self, budget: Option<u64>) {
-        // Nothing by default: on the development VM the copies into fresh
-        // memory cost more than the matching saved (BENCHMARKS.md).
-        let budget = budget.unwrap_or(0);
+        // By default half of the memory the process may still take: the
+        // matching then neither reads nor preprocesses those windows again
+        // (the same bytes; BENCHMARKS.md measures the time it saves).
+        let budget = budget.unwrap_or_else(default_host_keep_budget);
         tracing::debug!("keeping preprocessed windows in host memory within {budget} bytes");
         self.keep = Some(Keeping::new(budget));
     }
@@ -1707,6 +1732,22 @@ mod tests {
     use std::collections::HashSet;
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// The host default keeps something on a Linux machine with free memory,
+    /// and never more than half of what the system reports available.
+    #[test]
+    fn default_host_keep_budget_is_half_of_what_is_free() {
+        let budget = default_host_keep_budget();
+        let mut sys = sysinfo::System::new().expect("system information on Linux");
+        sys.refresh_memory();
+        assert!(budget > 0, "no host memory reported free");
+        // Memory may be freed between the two readings: allow 1 GB.
+        assert!(
+            budget <= sys.available_memory() / 2 + (1 << 30),
+            "{budget} bytes against {} available",
+            sys.available_memory()
+        );
+    }
 
     /// A recording in memory: sample t of channel c is c·1000 + t.
     #[derive(Debug)]
