@@ -411,3 +411,82 @@ fn sort_tasks_equal_plain_sort_and_are_skipped_when_complete() {
     assert_eq!(&cols[..3], &["0", NAME, "ok"], "{summary}");
     assert_eq!(cols[3], j["counts"]["n_spikes"].to_string(), "{summary}");
 }
+
+/// `batch plan` checks the flags' values against every recording and the
+/// probe, as each task would before reading any sample: a value a task would
+/// refuse is an error at plan time naming the task, the recording, the flag
+/// and the number, and no manifest is written.
+#[test]
+fn plan_refuses_values_a_task_would_refuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let (recs, probe) = recordings(dir.path());
+    let run = dir.path().join("run");
+    let labelled = dir.path().join("light.csv");
+    std::fs::write(&labelled, "time,label\n0.2,laser\nlaser,0.4\n").unwrap();
+    let plan = |recs: &[&Path], extra: &[&str]| {
+        let mut a = vec!["batch", "plan"];
+        a.extend(recs.iter().map(|r| s(r)));
+        a.extend(["--out", s(&run), "--probe", s(&probe), "--backend", "cpu"]);
+        a.extend(extra);
+        spikecube(&a)
+    };
+    let both = [recs[0].as_path(), recs[1].as_path()];
+    let cases: [(&[&str], &[&str]); 9] = [
+        (&["--batch-size", "10"], &["--batch-size", "10"]),
+        (&["--nblocks", "100"], &["--nblocks 100", "at most"]),
+        (&["--exclude-channels", "999"], &["999"]),
+        (&["--threads", "0"], &["--threads 0"]),
+        (&["--binning-depth", "-5"], &["--binning-depth", "-5"]),
+        (&["--tmin", "30"], &["30"]),
+        (
+            &["--artifact-times", s(&labelled)],
+            &["light.csv", "line 3", "\"laser\""],
+        ),
+        (
+            &["--command", "sort", "--th-learned", "-3"],
+            &["--th-learned", "-3"],
+        ),
+        (
+            &["--command", "sort", "--max-peels", "0"],
+            &["--max-peels", "is 0"],
+        ),
+    ];
+    for (flags, want) in cases {
+        let o = plan(&both, flags);
+        let t = text(&o);
+        assert!(!o.status.success(), "{flags:?}: {t}");
+        assert!(
+            t.contains("task 0 (a_sim_g0_t0.imec0.ap)")
+                && t.contains(&format!("a/{}", "sim_g0_t0.imec0.ap.bin")),
+            "{flags:?}: {t}"
+        );
+        for w in want {
+            assert!(t.contains(w), "{flags:?}: wants {w:?}: {t}");
+        }
+        assert!(!t.contains("panicked"), "{flags:?}: {t}");
+        assert!(!run.join("manifest.tsv").exists(), "{flags:?}");
+    }
+    // Each recording is checked, not only the first: one cut to a few
+    // samples (shorter than a window's nt) is named.
+    let short = dir.path().join("short");
+    std::fs::create_dir(&short).unwrap();
+    let bin = short.join("cut.bin");
+    let bytes = std::fs::read(&recs[1]).unwrap();
+    std::fs::write(&bin, &bytes[..33 * 2 * 20]).unwrap();
+    let o = plan(
+        &[recs[0].as_path(), bin.as_path()],
+        &["--n-channels", "33", "--fs", "30000"],
+    );
+    let t = text(&o);
+    assert!(
+        !o.status.success() && t.contains("task 1") && t.contains("cut.bin"),
+        "{t}"
+    );
+    assert!(!run.join("manifest.tsv").exists());
+    // Good values still plan.
+    ok(&plan(
+        &both,
+        &["--batch-size", "30000", "--nblocks", "1", "-q"],
+    ));
+    assert!(run.join("manifest.tsv").exists());
+}

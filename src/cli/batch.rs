@@ -7,7 +7,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::Parser;
 use spikecube::batch::{self, State, Task, Written};
 
@@ -20,8 +20,10 @@ pub enum Args {
     ///
     /// The recordings are the arguments before the first flag; every flag but
     /// --out and --command goes to each task's `spikecube detect` (the
-    /// default) or `spikecube sort` (--probe included), and is checked now.
-    /// Tasks write RUN/out/<name>/ (a sort's Phy folder).
+    /// default) or `spikecube sort` (--probe included), and is checked now
+    /// against each recording (its metadata, not its data) and the probe, as
+    /// the task checks it before reading the data. Tasks write
+    /// RUN/out/<name>/ (a sort's Phy folder).
     #[command(disable_help_flag = true)]
     Plan {
         /// INPUTS… --out RUN [detect flags…]
@@ -107,7 +109,9 @@ fn plan(mut args: Vec<OsString>, quiet: bool) -> Result<ExitCode> {
     let command = take_command(&mut args)?;
     let split = batch::split_args(&args)?;
     let manifest = batch::manifest_for(&command, &split)?;
-    // Every line's flags are checked now, not when the tasks run.
+    // Every line's flags are checked now, not when the tasks run: their
+    // syntax, then their values against the line's recording and probe, as
+    // the task will check them before it reads any sample.
     for line in &manifest.lines {
         let argv = line.argv(&split.run);
         // `detect --help` or `--version` would print and exit from inside the check.
@@ -118,7 +122,12 @@ fn plan(mut args: Vec<OsString>, quiet: bool) -> Result<ExitCode> {
         {
             bail!("--help and --version are not task flags");
         }
-        parse_line(argv, &format!("task {} ({})", line.index, line.name))?;
+        let what = format!("task {} ({})", line.index, line.name);
+        let checked = match parse_line(argv, &what)? {
+            LineCommand::Detect(args) => super::detect::check(&args),
+            LineCommand::Sort(args) => super::sort::check(&args),
+        };
+        checked.with_context(|| format!("{what}, {}", line.inputs[0].display()))?;
     }
     let written = batch::write_once(&split.run, &manifest)?;
     let path = split.run.join(batch::MANIFEST_TSV);

@@ -64,12 +64,18 @@ pub(super) fn speed(x: f64) -> String {
     }
 }
 
+/// Refuses `--threads 0`.
+fn check_threads(threads: Option<usize>) -> Result<()> {
+    if threads == Some(0) {
+        anyhow::bail!("--threads 0: give at least 1 thread (or leave it out for one per core)");
+    }
+    Ok(())
+}
+
 /// Starts the global thread pool with `--threads` (the size every parallel step uses).
 pub(super) fn start_threads(threads: Option<usize>) -> Result<()> {
+    check_threads(threads)?;
     if let Some(n) = threads {
-        if n == 0 {
-            anyhow::bail!("--threads 0: give at least 1 thread (or leave it out for one per core)");
-        }
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()
@@ -87,6 +93,25 @@ pub(super) fn build_job(
     task: Option<spikecube::provenance::Task>,
 ) -> Result<DetectJob> {
     start_threads(args.threads)?;
+    job_of(args, quiet, command, task)
+}
+
+/// The detection job of `args` for checking, as `spikecube batch plan` checks
+/// each task: the recording opened (its metadata, not its samples) and every
+/// flag turned into settings as [`build_job`] does, without starting the
+/// thread pool or printing anything.
+pub(super) fn job_to_check(args: &Args, command: &str) -> Result<DetectJob> {
+    check_threads(args.threads)?;
+    job_of(args, true, command, None)
+}
+
+/// [`build_job`] after the thread pool is started.
+fn job_of(
+    args: &Args,
+    quiet: bool,
+    command: &str,
+    task: Option<spikecube::provenance::Task>,
+) -> Result<DetectJob> {
     let (opened, probe, mut checks) = open_input(&args.rec, &args.checks, &args.recording)?;
     let rec = opened.recording.clone();
     checks.blanking = args.checks.blanking(rec.as_ref(), &mut checks.warnings)?;
@@ -146,6 +171,12 @@ pub(super) fn build_job(
 
 pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     run_task(args, quiet, None)
+}
+
+/// Checks `detect ARGS` as the run would before reading any sample
+/// ([`spikecube::pipeline::check_job`]); returns its warnings so far.
+pub fn check(args: &Args) -> Result<Vec<String>> {
+    spikecube::pipeline::check_job(job_to_check(args, "detect")?)
 }
 
 /// `detect`, as line `task` of a `spikecube batch` run when given (recorded in

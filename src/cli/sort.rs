@@ -21,6 +21,14 @@ pub fn run(args: Args, quiet: bool) -> Result<ExitCode> {
     run_task(args, quiet, None)
 }
 
+/// Checks `sort ARGS` as the run would before reading any sample
+/// ([`SortJob::check`]); returns the warnings so far.
+pub fn check(args: &Args) -> Result<Vec<String>> {
+    let detect = super::detect::job_to_check(&args.detect, "sort")?;
+    let sort = args.sort.settings(detect.detection.nearest_chans);
+    SortJob { detect, sort }.check()
+}
+
 /// `sort`, as line `task` of a `spikecube batch` run when given (recorded in
 /// spikecube.json's provenance).
 pub fn run_task(

@@ -98,8 +98,6 @@ impl Default for Checks {
     }
 }
 
-/// What a run asks of [`open_for_detection`]: the recording's files, how to
-/// read them, the probe (or `None`: the one in the recording's metadata) and
 impl Checks {
     /// Kilosort4's behaviour: no correction (warnings are still collected).
     pub fn kilosort() -> Self {

@@ -84,7 +84,7 @@ use anyhow::Result;
 pub use fit::{WhiteningFit, channel_check, fit_whitening_for, fit_whitening_with};
 pub use fit_device::{FIT_READERS, FIT_WINDOWS_IN_FLIGHT};
 pub use job::{Checks, DetectJob, Progress, Report};
-pub use open::{InputRequest, memory_estimate, open_for_detection};
+pub use open::{InputRequest, check_job, memory_estimate, open_for_detection};
 pub use whitened::{PreprocessReport, WhitenedFormat, write_whitened};
 
 use crate::preprocess::Preprocessor;

@@ -37,35 +37,8 @@ pub(crate) struct OpenRun {
 /// template centres; a recording shorter than one window; an `--nblocks` the
 /// probe cannot hold; an output folder that cannot be made.
 pub(crate) fn open_run(job: &mut DetectJob) -> Result<OpenRun> {
-    let rec = job.recording.clone();
-    job.preprocess.fs = rec.fs();
-    job.preprocess.nt = job.detection.nt;
-    job.detection.validate()?;
-    job.preprocess.validate()?;
     let mut warnings = Warnings::default();
-    for w in std::mem::take(&mut job.checks.warnings) {
-        warnings.push(w);
-    }
-    fit_batch_to_recording(rec.as_ref(), &mut job.preprocess);
-    let plan = plan_windows(
-        rec.as_ref(),
-        &job.probe,
-        job.preprocess.batch_size,
-        job.detection.nt,
-    )?;
-    layout_checks(
-        rec.as_ref(),
-        &job.probe,
-        &job.preprocess,
-        &job.checks,
-        &mut warnings,
-    )?;
-    // Geometry first: a probe that cannot work fails before any data is read.
-    let geometry = Geometry::new(&job.probe, &job.detection)?;
-    // So does an --nblocks the probe cannot hold.
-    if job.drift.nblocks > 0 {
-        crate::drift::check_nblocks(&job.drift, &job.probe)?;
-    }
+    let (plan, geometry) = settle(job, &mut |w| warnings.push(w), true)?;
     // So does an output folder that cannot be written.
     let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
     writer.set_scratch(job.scratch);
@@ -84,6 +57,76 @@ pub(crate) fn open_run(job: &mut DetectJob) -> Result<OpenRun> {
     })
 }
 
+/// Checks `job` as [`run_detection`](super::run_detection) checks it before
+/// it reads any sample — the settings' ranges, the probe against the
+/// recording, the windows, the geometry, `--nblocks` and the drift settings —
+/// without reading samples, staging an output folder or opening a device.
+/// For planning many runs (`spikecube batch plan`) that must not fail later
+/// on a value a run refuses at its start. The job is used up: its settings
+/// are completed as a run completes them.
+///
+/// Returns the warnings a run would raise before reading samples (the job's
+/// own, then the layout checks'), not logged; the channel-count check of a
+/// flat file, which reads samples, is left out.
+///
+/// # Errors
+/// As [`run_detection`](super::run_detection) before it reads the data:
+/// invalid settings, a probe that does not fit the recording or gives no
+/// template centres, a recording shorter than one window, an `--nblocks` the
+/// probe cannot hold, drift settings out of range.
+pub fn check_job(mut job: DetectJob) -> Result<Vec<String>> {
+    job.checks.check_channel_count = false;
+    let mut warnings = Vec::new();
+    settle(&mut job, &mut |w| warnings.push(w), false)?;
+    Ok(warnings)
+}
+
+/// Everything [`open_run`] checks and builds before it stages the output
+/// folder: `job`'s settings completed from the recording and validated, the
+/// windows planned, the layout checked, the geometry built, the drift
+/// settings and `--nblocks` checked. The job's warnings, then the layout
+/// checks', go to `warn` as they are found; `log` logs the information that
+/// the batch was shortened to the recording.
+fn settle(
+    job: &mut DetectJob,
+    warn: &mut dyn FnMut(String),
+    log: bool,
+) -> Result<(WindowPlan, Geometry)> {
+    let rec = job.recording.clone();
+    job.preprocess.fs = rec.fs();
+    job.preprocess.nt = job.detection.nt;
+    job.detection.validate()?;
+    job.preprocess.validate()?;
+    for w in std::mem::take(&mut job.checks.warnings) {
+        warn(w);
+    }
+    if let Some(m) = fit_batch_quietly(rec.as_ref(), &mut job.preprocess)
+        && log
+    {
+        tracing::info!("{m}");
+    }
+    let plan = plan_windows(
+        rec.as_ref(),
+        &job.probe,
+        job.preprocess.batch_size,
+        job.detection.nt,
+    )?;
+    for w in layout_checks(rec.as_ref(), &job.probe, &job.preprocess, &job.checks)? {
+        warn(w);
+    }
+    // Geometry first: a probe that cannot work fails before any data is read.
+    let geometry = Geometry::new(&job.probe, &job.detection)?;
+    // So do drift settings out of range (else found only after the
+    // whitening fit and the templates) and an --nblocks the probe cannot hold.
+    job.drift.validate()?;
+    if job.drift.nblocks > 0 {
+        crate::drift::check_nblocks(&job.drift, &job.probe)?;
+    }
+    Ok((plan, geometry))
+}
+
+/// What a run asks of [`open_for_detection`]: the recording's files, how to
+/// read them, the probe (or `None`: the one in the recording's metadata) and
 /// the input checks (the command line's and the Python package's options).
 #[derive(Debug, Clone, Default)]
 pub struct InputRequest {
@@ -191,26 +234,36 @@ pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opene
 /// the batch overhangs the data. Kilosort4 itself cannot whiten a
 /// single-window recording (its covariance average is 0/0).
 pub(crate) fn fit_batch_to_recording(rec: &dyn Recording, settings: &mut PreprocessSettings) {
+    if let Some(m) = fit_batch_quietly(rec, settings) {
+        tracing::info!("{m}");
+    }
+}
+
+/// [`fit_batch_to_recording`], its message returned instead of logged.
+fn fit_batch_quietly(rec: &dyn Recording, settings: &mut PreprocessSettings) -> Option<String> {
     let n = rec.n_samples();
     if n > 0 && n < settings.batch_size as u64 && n >= settings.nt as u64 {
-        tracing::info!(
+        let m = format!(
             "the recording ({n} samples) is shorter than one batch ({}): batch_size is set to {n}, so the whitening is fitted on real samples only",
             settings.batch_size
         );
         settings.batch_size = n as usize;
+        return Some(m);
     }
+    None
 }
 
 /// The layout checks (BR-26, BR-27) that need only the probe, the settings
 /// and the file: millimetre coordinates, median CAR over too few sites, and
-/// (flat binary files) a channel count that looks wrong.
+/// (flat binary files) a channel count that looks wrong. Returns the
+/// warnings, not logged.
 pub(crate) fn layout_checks(
     rec: &dyn Recording,
     probe: &Probe,
     settings: &PreprocessSettings,
     checks: &Checks,
-    warnings: &mut Warnings,
-) -> Result<()> {
+) -> Result<Vec<String>> {
+    let mut warnings = Vec::new();
     if let Some(w) = checks::millimetre_warning(probe) {
         warnings.push(w);
     }
@@ -228,7 +281,7 @@ pub(crate) fn layout_checks(
     {
         warnings.push(w);
     }
-    Ok(())
+    Ok(warnings)
 }
 
 /// Host memory a run holds at once, bytes: the windows in flight

@@ -78,7 +78,9 @@ pub fn write_whitened(
     for w in &checks.warnings {
         warnings.push(w.clone());
     }
-    layout_checks(recording.as_ref(), probe, &settings, checks, &mut warnings)?;
+    for w in layout_checks(recording.as_ref(), probe, &settings, checks)? {
+        warnings.push(w);
+    }
     let min_run = checks::stuck_min_run(settings.fs);
     let plan = plan_windows(recording.as_ref(), probe, settings.batch_size, settings.nt)?;
     let chan_map = probe.chan_map.clone();

@@ -233,6 +233,37 @@ pub struct SortJob {
     pub sort: SortSettings,
 }
 
+impl SortJob {
+    /// The settings a sort refuses before it opens its output: the later
+    /// stages' values ([`SortSettings::validate`]) and `--drift-only`,
+    /// which stops before any spike is sorted.
+    ///
+    /// # Errors
+    /// A message naming the flag and the value.
+    fn check_settings(&self) -> Result<()> {
+        self.sort.validate()?;
+        if self.detect.drift.drift_only {
+            bail!(
+                "--drift-only (drift_only) stops after the drift estimate, before any spike is sorted: run `spikecube detect --drift-only` for drift.npy and drift.png, or sort without it"
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks the sort as [`run_sort`] checks it before it reads any sample
+    /// (its own settings, then the detection's with
+    /// [`crate::pipeline::check_job`]), without reading samples or writing
+    /// anything: for planning many sorts (`spikecube batch plan --command
+    /// sort`). Returns the detection's warnings so far, not logged.
+    ///
+    /// # Errors
+    /// As [`run_sort`] before it reads the data.
+    pub fn check(self) -> Result<Vec<String>> {
+        self.check_settings()?;
+        crate::pipeline::check_job(self.detect)
+    }
+}
+
 /// Where a sort is, reported between stages and once per matched window.
 #[derive(Debug, Clone)]
 pub struct SortProgress {
@@ -330,12 +361,7 @@ pub fn run_sort(mut job: SortJob, progress: &mut dyn FnMut(SortProgress)) -> Res
     job.detect.last_device_use = false;
     // The detection stage's folder is this run's working folder.
     job.detect.scratch = true;
-    job.sort.validate()?;
-    if job.detect.drift.drift_only {
-        bail!(
-            "--drift-only (drift_only) stops after the drift estimate, before any spike is sorted: run `spikecube detect --drift-only` for drift.npy and drift.png, or sort without it"
-        );
-    }
+    job.check_settings()?;
     let out = job.detect.out.clone();
     // An output folder that cannot take the Phy folder fails now, not after
     // the detection stage (the same check runs again when it is published).
