@@ -360,6 +360,33 @@ fn bad_artifact_times_are_named() {
         w.contains("some.txt: 1 of 3 times are outside") && w.contains("7.5"),
         "{w}"
     );
+    // A spreadsheet's export, with a header and a label column, gives the
+    // same times: the same spikes.
+    let labelled = dir.path().join("labelled.csv");
+    std::fs::write(
+        &labelled,
+        "\u{feff}time_s,label\n0.1,light on\n0.35,light off\n7.5,light on\n",
+    )
+    .unwrap();
+    let out2 = dir.path().join("o2");
+    ok(&run(&["--artifact-times", s(&labelled)], s(&out2)));
+    let spikes = |d: &Path| std::fs::read(d.join("spike_times.npy")).unwrap();
+    assert_eq!(spikes(&out2), spikes(&out));
+    // A row whose time is not a number is refused, naming the line and the text.
+    let swapped = dir.path().join("swapped.csv");
+    std::fs::write(&swapped, "label,time_s\nlight on,0.1\n").unwrap();
+    let e = run(
+        &["--artifact-times", s(&swapped)],
+        s(&dir.path().join("o3")),
+    );
+    let msg = String::from_utf8_lossy(&e.stderr);
+    assert!(
+        !e.status.success()
+            && msg.contains("swapped.csv")
+            && msg.contains("line 2")
+            && msg.contains("\"light\""),
+        "{msg}"
+    );
 }
 
 /// `spikecube sort --artifact-times`: the learned-template matching reads the

@@ -258,9 +258,12 @@ pub struct CheckArgs {
     #[arg(long)]
     pub keep_boundary_duplicates: bool,
     /// Stimulus / light artifact times, seconds from the start of the file: a
-    /// text or CSV file (one time per line or its first column; a header line
-    /// is skipped) or a .npy array. The preprocessed data of every site are
-    /// set to zero over --artifact-window around each (Kilosort4 has no such step).
+    /// .npy array, or a text or CSV file whose first column holds the times
+    /// (a first line that does not start with a number is a header and
+    /// skipped; other columns, e.g. labels, are ignored; with ; between
+    /// columns a comma is a decimal mark; a line whose time is not a number is
+    /// an error naming it). The preprocessed data of every site are set to
+    /// zero over --artifact-window around each (Kilosort4 has no such step).
     #[arg(long, value_name = "FILE")]
     pub artifact_times: Option<PathBuf>,
     /// Stretch set to zero around each artifact: milliseconds before and after

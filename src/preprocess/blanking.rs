@@ -157,15 +157,15 @@ pub struct EventTimes {
 }
 
 /// Reads event times (seconds) from `path`: a `.npy` array (1-D, or 2-D
-/// whose first column is taken; float64, float32, int64 or int32), or text:
-/// numbers separated by commas, semicolons, tabs or spaces, `#` starting a
-/// comment, a first line that is not a number taken as a header. Text of one
-/// line gives all its numbers; text of several lines gives the first number
-/// of each (a CSV's first column).
+/// whose first column is taken; float64, float32, int64 or int32), or text
+/// as a spreadsheet exports it ([`parse_times_text`]): the times are the
+/// first column, a header line is skipped, the other columns (labels,
+/// durations, channels) are ignored.
 ///
 /// # Errors
-/// When the file cannot be read, holds something that is not a number (named
-/// with its line), a time that is not finite, or no time at all.
+/// When the file cannot be read, a line's time is not a number (named with
+/// its line and the text found), a time is not finite, or there is no time
+/// at all.
 pub fn read_event_times(path: &Path) -> Result<EventTimes> {
     let seconds = if path.extension().is_some_and(|e| e == "npy") {
         read_npy_times(path)?
@@ -215,36 +215,93 @@ fn read_npy_times(path: &Path) -> Result<Vec<f64>> {
     )
 }
 
-/// Parses the text form of [`read_event_times`].
+/// Parses the text form of [`read_event_times`], line by line:
+///
+/// * a UTF-8 byte order mark, text after `#` and lines of nothing else but
+///   separators (a spreadsheet's empty rows, `,,`) are ignored;
+/// * fields are separated by commas or semicolons (an empty field between two
+///   is a field: `,4` has an empty first field), and by tabs or spaces; in a
+///   file that uses semicolons (a spreadsheet's export where the comma is
+///   the decimal mark) commas are decimal marks, not separators (`12,5;laser`
+///   is 12.5 s); double quotes around a field are removed;
+/// * the first line is a header, and skipped, when its first field does not
+///   start like a number (a digit, or `+`, `-` or `.` before one): `time,label`;
+/// * the time of each line is its first field, which must be a finite number
+///   of seconds; the other fields are ignored (`12.5,laser` is 12.5 s);
+/// * text of a single line whose fields are all numbers is a row of times
+///   (`0.5, 1.5 2`).
+///
+/// # Errors
+/// A line whose first field is not a finite number, named with the line
+/// number and the text found.
 fn parse_times_text(text: &str) -> std::result::Result<Vec<f64>, String> {
-    let lines: Vec<(usize, Vec<&str>)> = text
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    let uncommented = |l: &'_ str| l.split('#').next().unwrap_or("").to_string();
+    // Semicolons anywhere: the export of a spreadsheet whose decimal mark is the comma.
+    let semicolons = text.lines().any(|l| uncommented(l).contains(';'));
+    let separator = if semicolons { ';' } else { ',' };
+    let lines: Vec<(usize, &str, Vec<String>)> = text
         .lines()
         .enumerate()
         .map(|(i, l)| {
-            let l = l.split('#').next().unwrap_or("");
-            let fields = l
-                .split(|c: char| c == ',' || c == ';' || c.is_whitespace())
-                .filter(|f| !f.is_empty())
-                .collect::<Vec<_>>();
-            (i + 1, fields)
+            let mut fields = Vec::new();
+            for cell in uncommented(l).split(separator) {
+                let cell = cell.trim().trim_matches('"');
+                let cell = if semicolons {
+                    cell.replace(',', ".")
+                } else {
+                    cell.to_string()
+                };
+                if cell.is_empty() {
+                    fields.push(cell);
+                } else {
+                    fields.extend(
+                        cell.split_whitespace()
+                            .map(|f| f.trim_matches('"').to_string()),
+                    );
+                }
+            }
+            (i + 1, l.trim(), fields)
         })
-        .filter(|(_, f)| !f.is_empty())
+        // Blank lines, comments, and rows of empty cells (`,,`).
+        .filter(|(_, _, f)| f.iter().any(|f| !f.is_empty()))
         .collect();
     let mut data = &lines[..];
-    if let Some((_, first)) = data.first()
-        && first[0].parse::<f64>().is_err()
+    if let Some((_, _, first)) = data.first()
+        && !starts_like_a_number(&first[0])
+        && !first[0].is_empty()
     {
         data = &data[1..]; // a header
     }
-    let field = |line: usize, f: &str| {
-        f.parse::<f64>()
-            .map_err(|_| format!("line {line}: {f:?} is not a number of seconds"))
+    let seconds = |(line, raw): (usize, &str), f: &str| match f.parse::<f64>() {
+        Ok(t) if t.is_finite() => Ok(t),
+        Ok(_) => Err(format!(
+            "line {line} ({raw:?}): {f:?} is not a finite number of seconds"
+        )),
+        Err(_) if f.is_empty() => Err(format!(
+            "line {line} ({raw:?}): the first field, the time, is empty"
+        )),
+        Err(_) => Err(format!(
+            "line {line} ({raw:?}): {f:?} is not a number of seconds (each line's time is its first field; only the first line may be a header)"
+        )),
     };
-    if data.len() == 1 {
-        let (line, fields) = &data[0];
-        return fields.iter().map(|f| field(*line, f)).collect();
+    if let [(line, raw, fields)] = data {
+        let given: Vec<&String> = fields.iter().filter(|f| !f.is_empty()).collect();
+        if given.iter().all(|f| f.parse::<f64>().is_ok()) {
+            return given.iter().map(|f| seconds((*line, raw), f)).collect();
+        }
     }
-    data.iter().map(|(line, f)| field(*line, f[0])).collect()
+    data.iter()
+        .map(|(line, raw, f)| seconds((*line, raw), &f[0]))
+        .collect()
+}
+
+/// Whether a field starts as a number does (a digit, or `+`, `-` or `.`
+/// before one): a first line whose first field does not is a header.
+fn starts_like_a_number(field: &str) -> bool {
+    let f = field.strip_prefix(['+', '-']).unwrap_or(field);
+    let f = f.strip_prefix('.').unwrap_or(f);
+    f.starts_with(|c: char| c.is_ascii_digit())
 }
 
 /// The given times as absolute samples of a recording whose sample 0 is
@@ -339,6 +396,33 @@ mod tests {
         );
         let e = parse_times_text("0.5\nabc\n").unwrap_err();
         assert!(e.contains("line 2") && e.contains("abc"), "{e}");
+        // A spreadsheet's export: a header, the times first, labels after.
+        for (text, want) in [
+            ("time,label\n12.5,laser\n", vec![12.5]),
+            ("12.5,laser\n", vec![12.5]),
+            ("12.5,laser\n13,laser off\n", vec![12.5, 13.0]),
+            ("\u{feff}12.5\n13\n", vec![12.5, 13.0]),
+            ("\u{feff}time,label\n12.5,a\n", vec![12.5]),
+            ("\"time\",\"label\"\n\"12.5\",\"laser, 5 mW\"\n", vec![12.5]),
+            ("time\tlabel\n12.5\tlaser\n14\t\n", vec![12.5, 14.0]),
+            ("time,label\n12.5,a\n,\n,,\n13,b\n", vec![12.5, 13.0]),
+            ("Zeit;Marke\n12,5;Laser\n13;Laser\n", vec![12.5, 13.0]),
+            ("t (s),chan\n-.5,3\n+2,4\n1e1,5\n", vec![-0.5, 2.0, 10.0]),
+        ] {
+            assert_eq!(parse_times_text(text).unwrap(), want, "{text:?}");
+        }
+        // A time that is not a number is refused with its line and text,
+        // also where the header is not the first line or the time not first.
+        for (text, line, found) in [
+            ("time,label\nlaser,12.5\n", "line 2", "\"laser\""),
+            ("time,label\n12.5,a\ntime,label\n", "line 3", "\"time\""),
+            ("12.5s,laser\n13s,laser\n", "line 1", "\"12.5s\""),
+            ("0.5\n,4\n", "line 2", "empty"),
+            ("# times\n0.5\nNaN\n", "line 3", "finite"),
+        ] {
+            let e = parse_times_text(text).unwrap_err();
+            assert!(e.contains(line) && e.contains(found), "{text:?}: {e}");
+        }
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("t.npy");
         crate::npy::write(&p, &ndarray::arr1(&[0.25f32, 1.0])).unwrap();
