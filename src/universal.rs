@@ -29,6 +29,66 @@ pub enum TemplateSource {
     },
 }
 
+/// The template settings as a user gives them: `detect`'s flags
+/// (`--templates-from-data`, `--th-single-ch`, `--seed`, `--min-learn-clips`,
+/// `--template-check`, `--templates`) and, by Kilosort4's names where it has
+/// them, the Python package's. [`TemplateChoice::source`] turns them into a
+/// [`TemplateSource`] for a detector's settings.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TemplateChoice {
+    /// Learn the templates from the recording (`None`: yes, unless `templates`
+    /// names a file); false: Kilosort4's built-in ones.
+    pub templates_from_data: Option<bool>,
+    /// Threshold of the single-channel peaks learned from, whitened units.
+    #[serde(rename = "Th_single_ch")]
+    pub th_single_ch: f32,
+    /// Seed of the learning's k-means++ draws.
+    pub seed: u64,
+    /// Fewer isolated clips than this: the built-in templates, with a warning.
+    pub min_learn_clips: usize,
+    /// Check each learned template for its peak at `nt0min` (realign or
+    /// replace one off centre); false keeps them as learned (Kilosort4).
+    pub template_check: bool,
+    /// wTEMP and wPCA from this `.npz` file instead of learning them.
+    pub templates: Option<PathBuf>,
+}
+
+impl TemplateChoice {
+    /// The source for a detector with `det`'s `n_templates`, `n_pcs` and `nt`
+    /// (a file's templates are read and checked now).
+    ///
+    /// # Errors
+    /// A file given with `templates_from_data` true (two sources), or one that
+    /// cannot be read or does not fit ([`load_npz`]).
+    pub fn source(&self, det: &crate::DetectionSettings) -> Result<TemplateSource> {
+        if let (Some(path), Some(true)) = (&self.templates, self.templates_from_data) {
+            bail!(
+                "--templates {} and --templates-from-data true ask for two template sources: give one",
+                path.display()
+            );
+        }
+        Ok(if let Some(path) = &self.templates {
+            TemplateSource::File {
+                path: std::fs::canonicalize(path).unwrap_or_else(|_| path.clone()),
+                templates: load_npz(path, det.n_templates, det.n_pcs, det.nt)?,
+            }
+        } else if self.templates_from_data.unwrap_or(true) {
+            TemplateSource::Learned(LearnSettings {
+                th_single_ch: self.th_single_ch,
+                n_templates: det.n_templates,
+                n_pcs: det.n_pcs,
+                seed: self.seed,
+                min_clips: self.min_learn_clips,
+                template_check: self.template_check,
+                ..LearnSettings::default()
+            })
+        } else {
+            TemplateSource::Builtin
+        })
+    }
+}
+
 /// The templates a run uses, with what to record about them.
 #[derive(Debug, Clone)]
 pub struct ChosenTemplates {

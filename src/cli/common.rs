@@ -300,9 +300,8 @@ fn parse_window(s: &str) -> Result<(f64, f64), String> {
 }
 
 impl CheckArgs {
-    /// The blanking these flags ask for on `rec` (`None`: none), with a
-    /// warning about event times outside the recording, or about
-    /// `--artifact-window` given alone, added to `warnings`.
+    /// The blanking these flags ask for on `rec` (`None`: none), with its
+    /// warnings added to `warnings` ([`spikecube::preprocess::blanking::blanking_for`]).
     ///
     /// # Errors
     /// A times file that cannot be read or parsed, or holds no time inside the
@@ -312,52 +311,12 @@ impl CheckArgs {
         rec: &dyn spikecube::recording::Recording,
         warnings: &mut Vec<String>,
     ) -> Result<Option<std::sync::Arc<spikecube::preprocess::Blanking>>> {
-        use spikecube::preprocess::blanking::{event_samples, read_event_times};
-        let mut events = Vec::new();
-        if let Some(path) = &self.artifact_times {
-            let times = read_event_times(path)?;
-            let (inside, w) =
-                event_samples(&times, path, rec.fs(), rec.first_sample(), rec.n_samples());
-            if inside.is_empty() {
-                anyhow::bail!(
-                    "{}",
-                    w.unwrap_or_else(|| format!(
-                        "--artifact-times {}: no time inside the recording",
-                        path.display()
-                    ))
-                );
-            }
-            warnings.extend(w);
-            events = inside;
-        }
-        if self.artifact_times.is_none() && !self.blank_transients {
-            if self.artifact_window != spikecube::preprocess::DEFAULT_ARTIFACT_WINDOW_MS {
-                warnings.push("--artifact-window was given without --artifact-times or --blank-transients true: nothing is blanked".into());
-            }
-            return Ok(None);
-        }
-        let b = spikecube::preprocess::Blanking::new(
-            events,
+        spikecube::preprocess::blanking::blanking_for(
+            rec,
+            self.artifact_times.as_deref(),
             self.artifact_window,
-            rec.fs(),
             self.blank_transients,
-        )?;
-        let (before, after) = self.artifact_window;
-        if before + after > 1000.0 {
-            warnings.push(format!(
-                "--artifact-window {before},{after} blanks {:.1} s around each event: it is in milliseconds before and after the event",
-                (before + after) / 1000.0
-            ));
-        }
-        let share = b.events_share(rec.first_sample(), rec.n_samples());
-        if share > 0.1 {
-            warnings.push(format!(
-                "the --artifact-times stretches blank {:.0} % of the recording ({:.1} s of {:.1} s): few spikes can be found in the rest; check the times and --artifact-window",
-                100.0 * share,
-                share * rec.n_samples() as f64 / rec.fs(),
-                rec.n_samples() as f64 / rec.fs()
-            ));
-        }
-        Ok(Some(std::sync::Arc::new(b)))
+            warnings,
+        )
     }
 }

@@ -4,8 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use spikecube::DetectionSettings;
-use spikecube::detect::learn::LearnSettings;
-use spikecube::universal::{TemplateSource, load_npz};
+use spikecube::universal::{TemplateChoice, TemplateSource};
 
 /// Universal templates: learned from the data (Kilosort4's default), built-in, or a file.
 #[derive(Debug, Clone, clap::Args)]
@@ -53,29 +52,14 @@ impl TemplateArgs {
         det.n_templates = self.n_templates;
         det.n_pcs = self.n_pcs;
         det.validate()?;
-        if let (Some(path), Some(true)) = (&self.templates, self.templates_from_data) {
-            anyhow::bail!(
-                "--templates {} and --templates-from-data true ask for two template sources: give one",
-                path.display()
-            );
+        TemplateChoice {
+            templates_from_data: self.templates_from_data,
+            th_single_ch: self.th_single_ch,
+            seed: self.seed,
+            min_learn_clips: self.min_learn_clips,
+            template_check: self.template_check,
+            templates: self.templates.clone(),
         }
-        Ok(if let Some(path) = &self.templates {
-            TemplateSource::File {
-                path: std::fs::canonicalize(path).unwrap_or_else(|_| path.clone()),
-                templates: load_npz(path, det.n_templates, det.n_pcs, det.nt)?,
-            }
-        } else if self.templates_from_data.unwrap_or(true) {
-            TemplateSource::Learned(LearnSettings {
-                th_single_ch: self.th_single_ch,
-                n_templates: self.n_templates,
-                n_pcs: self.n_pcs,
-                seed: self.seed,
-                min_clips: self.min_learn_clips,
-                template_check: self.template_check,
-                ..LearnSettings::default()
-            })
-        } else {
-            TemplateSource::Builtin
-        })
+        .source(det)
     }
 }

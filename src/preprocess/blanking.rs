@@ -13,6 +13,7 @@
 //! them detect in the same blanked windows.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use ndarray::Array2;
@@ -147,6 +148,67 @@ pub fn zero_columns(x: &mut Array2<f32>, ranges: &[(usize, usize)]) -> usize {
         zeroed += b - a;
     }
     zeroed
+}
+
+/// The blanking a run asks for on `rec` (`None`: none): the times of the
+/// file `artifact_times` (`--artifact-times`), each blanked over `window_ms`
+/// (`--artifact-window`, ms before and after), and, when `transients`
+/// (`--blank-transients`), the transients found in each window. Warnings go
+/// to `warnings`: times outside the recording, a window given with nothing
+/// to blank, a window over a second, stretches covering over 10 % of the
+/// recording.
+///
+/// # Errors
+/// A times file that cannot be read or parsed, or holds no time inside the
+/// recording; a window [`Blanking::new`] refuses.
+pub fn blanking_for(
+    rec: &dyn crate::recording::Recording,
+    artifact_times: Option<&Path>,
+    window_ms: (f64, f64),
+    transients: bool,
+    warnings: &mut Vec<String>,
+) -> Result<Option<Arc<Blanking>>> {
+    let mut events = Vec::new();
+    if let Some(path) = artifact_times {
+        let times = read_event_times(path)?;
+        let (inside, w) =
+            event_samples(&times, path, rec.fs(), rec.first_sample(), rec.n_samples());
+        if inside.is_empty() {
+            bail!(
+                "{}",
+                w.unwrap_or_else(|| format!(
+                    "--artifact-times {}: no time inside the recording",
+                    path.display()
+                ))
+            );
+        }
+        warnings.extend(w);
+        events = inside;
+    }
+    if artifact_times.is_none() && !transients {
+        if window_ms != DEFAULT_ARTIFACT_WINDOW_MS {
+            warnings.push("--artifact-window was given without --artifact-times or --blank-transients true: nothing is blanked".into());
+        }
+        return Ok(None);
+    }
+    let b = Blanking::new(events, window_ms, rec.fs(), transients)?;
+    let (before, after) = window_ms;
+    if before + after > 1000.0 {
+        warnings.push(format!(
+            "--artifact-window {before},{after} blanks {:.1} s around each event: it is in milliseconds before and after the event",
+            (before + after) / 1000.0
+        ));
+    }
+    let share = b.events_share(rec.first_sample(), rec.n_samples());
+    if share > 0.1 {
+        warnings.push(format!(
+            "the --artifact-times stretches blank {:.0} % of the recording ({:.1} s of {:.1} s): few spikes can be found in the rest; check the times and --artifact-window",
+            100.0 * share,
+            share * rec.n_samples() as f64 / rec.fs(),
+            rec.n_samples() as f64 / rec.fs()
+        ));
+    }
+    Ok(Some(Arc::new(b)))
 }
 
 /// Event times read from a file, seconds.
