@@ -338,12 +338,15 @@ def load(out_dir: PathLike, mmap: bool = False) -> Result:
     ``mmap=True`` memory-maps the arrays instead of reading them.
 
     Raises ``FileNotFoundError`` naming a missing file (an unfinished folder is
-    never at ``out_dir``: it is written as ``out_dir.partial-PID``).
+    never at ``out_dir``: it is written as ``out_dir.partial-PID``), and
+    ``ValueError`` for a ``spikecube sort`` (or ``preprocess``) folder,
+    naming the call that loads it (:func:`load_sorting` for a sort).
     """
     d = Path(out_dir)
     if not (d / "spikecube.json").is_file():
         raise FileNotFoundError(f"{d}: not a finished spikecube output folder (no spikecube.json)")
     info = json.loads((d / "spikecube.json").read_text())
+    _check_kind(d, info, "detect")
     arrays = {}
     for key, name in _FILES.items():
         f = d / name
@@ -352,6 +355,24 @@ def load(out_dir: PathLike, mmap: bool = False) -> Result:
         arrays[key] = np.load(f, mmap_mode="r" if mmap else None)
     fs = float(info.get("input", {}).get("fs", 0) or _fs_from_params(d))
     return Result(**arrays, fs=fs, info=info, path=d)
+
+
+# What each command's folder holds and how to load it.
+_KINDS = {
+    "detect": ("a `spikecube detect` output folder (detected spikes, not units)", "spikecube.load(folder)"),
+    "sort": ("a `spikecube sort` Phy folder (units)", "spikecube.load_sorting(folder)"),
+    "preprocess": ("a `spikecube preprocess` folder (whitened data, no spikes)", "numpy.memmap on its temp_wh.dat"),
+}
+
+
+def _check_kind(d: Path, info: dict, wanted: str) -> None:
+    """Raises ``ValueError`` when ``spikecube.json`` says the folder is another
+    command's, naming what it is and the call that loads it."""
+    command = info.get("command")
+    if command is None or command == wanted or command not in _KINDS:
+        return
+    what, how = _KINDS[command]
+    raise ValueError(f"{d} is {what}, not {_KINDS[wanted][0]}: load it with {how}")
 
 
 def _fs_from_params(d: Path) -> float:
@@ -588,9 +609,15 @@ class Sorting:
 def load_sorting(phy_dir: PathLike) -> Sorting:
     """Loads a finished ``spikecube sort`` (or Kilosort4) Phy folder.
 
-    Raises ``FileNotFoundError`` naming a missing file.
+    Raises ``FileNotFoundError`` naming a missing file, and ``ValueError``
+    for a ``spikecube detect`` (or ``preprocess``) folder, naming the call
+    that loads it (:func:`load` for detected spikes).
     """
     d = Path(phy_dir)
+    info = {}
+    if (d / "spikecube.json").is_file():
+        info = json.loads((d / "spikecube.json").read_text())
+        _check_kind(d, info, "sort")
     arrays = {}
     for key in ("spike_times", "spike_clusters", "amplitudes", "spike_positions", "templates"):
         f = d / f"{key}.npy"
@@ -604,9 +631,6 @@ def load_sorting(phy_dir: PathLike) -> Sorting:
             if line.strip():
                 cid, lab = line.split("\t")[:2]
                 labels[int(cid)] = lab.strip()
-    info = {}
-    if (d / "spikecube.json").is_file():
-        info = json.loads((d / "spikecube.json").read_text())
     return Sorting(
         spike_times=arrays["spike_times"].astype(np.int64, copy=False).ravel(),
         spike_clusters=arrays["spike_clusters"].astype(np.int32, copy=False).ravel(),

@@ -229,3 +229,11 @@ def test_preprocess_never_touches_a_users_file(tmp_path, n_ch, seconds, user_fil
     with pytest.raises(spikecube.SpikecubeError, match="extra.npy"):
         spikecube.preprocess(rec, probe, **kw)
     assert (out / "extra.npy").read_bytes() == b"x"
+
+
+def test_load_sorting_names_a_detection_folder(sim_cli):
+    with pytest.raises(ValueError) as e:
+        spikecube.load_sorting(sim_cli)
+    assert "`spikecube detect` output folder" in str(e.value)
+    assert "spikecube.load(folder)" in str(e.value)
+    assert len(spikecube.load(sim_cli)) > 0

@@ -169,3 +169,10 @@ def test_spikeinterface_run_sorter(flat32, tmp_path):
     assert sorted(sorting2.unit_ids.tolist()) == sorted(sorting.unit_ids.tolist())
     with pytest.raises(Exception, match="Th_learnt"):
         run_sorter("spikecube", rec, folder=tmp_path / "si3", Th_learnt=9, verbose=False)
+
+
+def test_load_names_a_sort_folder(sorted_cli):
+    with pytest.raises(ValueError) as e:
+        spikecube.load(sorted_cli)
+    assert "`spikecube sort` Phy folder" in str(e.value) and "spikecube.load_sorting(folder)" in str(e.value)
+
