@@ -12,7 +12,8 @@ from Python::
 
 Settings take Kilosort4's names and defaults (``Th_universal=9``,
 ``nearest_chans=10``, ``batch_size=60000``, ...); an unknown name raises
-``ValueError`` listing the valid ones (:func:`settings`). Long calls release
+``ValueError`` listing the valid ones (:func:`settings`), a value of the wrong
+type one naming the setting and the type expected. Long calls release
 the GIL and stop on Ctrl-C with ``KeyboardInterrupt``, leaving no partial
 output; Rust's errors are raised as :class:`SpikecubeError` with the command
 line's text; the core's log lines go to the ``logging`` logger ``"spikecube"``.
@@ -424,6 +425,13 @@ def _sync_log_level():
     _native.set_log_level(max(1, min(50, logging.getLogger("spikecube").getEffectiveLevel())))
 
 
+def _start_threads(groups: dict) -> None:
+    """Sizes the worker pool (``threads``) before a run starts."""
+    n = groups["run"]["threads"]
+    if n is not None:
+        _native.set_threads(n)
+
+
 def _paths(path_or_paths) -> list[str]:
     if isinstance(path_or_paths, (str, os.PathLike)):
         return [os.fspath(path_or_paths)]
@@ -482,7 +490,32 @@ def detect(
     **settings
         Kilosort4's settings by name (``Th_universal``, ``nearest_chans``,
         ``batch_size``, ``tmin``, ``tmax``, ...; :func:`settings` lists them
-        with their defaults).
+        with their defaults), and the command line's flags in snake case
+        where Kilosort4 has no such setting. Among them:
+
+        * universal templates: ``templates_from_data`` (None: learned from
+          the recording, as Kilosort4 does, unless ``templates`` is given;
+          False: Kilosort4's built-in templates), ``templates`` (a ``.npz``
+          file holding ``wTEMP`` and ``wPCA``), ``Th_single_ch`` (6, the
+          threshold of the peaks learned from), ``seed`` (1, of the
+          learning's k-means++ draws), ``min_learn_clips`` (300: fewer
+          isolated peaks and the built-in templates are used, with a
+          warning), ``template_check`` (True: a learned template whose peak
+          is off centre is realigned or replaced, with a warning);
+        * drift correction: ``nblocks`` (1; 0 turns it off),
+          ``drift_smoothing`` ((0.5, 0.5, 0.5), Gaussian σ over lag, window
+          and block), ``sig_interp`` (20 µm), ``binning_depth`` (5 µm);
+        * stimulus artifacts: ``artifact_times`` (a file of times in seconds
+          from the start of the file: text, CSV or ``.npy``), each blanked
+          over ``artifact_window`` ((0.5, 2): ms before and after) in the
+          preprocessed data; ``blank_transients`` (False) also blanks the
+          transients common to most channels;
+        * ``threads``: CPU worker threads (None: ``RAYON_NUM_THREADS``, else
+          one per core). The pool is made once per Python process, at its
+          first run: a different count afterwards raises ``ValueError``.
+
+        Paths (``templates``, ``artifact_times``, ``neighbourhoods``) may be
+        str or ``os.PathLike``.
 
     Returns
     -------
@@ -493,7 +526,10 @@ def detect(
     Raises
     ------
     ValueError
-        An unknown setting name (the message lists the valid ones) or back end.
+        An unknown setting name (the message lists the valid ones), a
+        setting's value of the wrong type (the message names the setting,
+        the value and the type expected), or an unknown back end; raised
+        before any work starts.
     SpikecubeError
         Anything the command line reports as an error (bad input, settings,
         a read or write failure), with the same message.
@@ -503,6 +539,7 @@ def detect(
     groups = _settings.split(settings, _settings.DETECT_NAMES)
     paths = _paths(path_or_paths)
     probe_t = None if probe is None else Probe.of(probe)._tuple()
+    _start_threads(groups)
     cb, close = _progress(progress)
     tmp = None
     if out is None:
@@ -519,6 +556,7 @@ def detect(
             _settings.detection_json(groups["detection"]),
             _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
             _settings.drift_json(groups["drift"]),
+            _settings.templates_json(groups["templates"]),
             os.fspath(target),
             backend,
             cb,
@@ -722,8 +760,9 @@ def sort(
         ``seconds_done``, ``elapsed``, ``units``) between stages and after
         each window of the windowed stages.
     **settings
-        Kilosort4's settings by name: those of :func:`detect`, ``nblocks``,
-        and the sort's (``Th_learned``, ``max_peels``, ``cluster_init_seed``,
+        Kilosort4's settings by name: those of :func:`detect` (the
+        templates, drift, artifact and ``threads`` settings included), and
+        the sort's (``Th_learned``, ``max_peels``, ``cluster_init_seed``,
         ``duplicate_spike_ms``, ``acg_threshold``, ``ccg_threshold``, ...;
         :func:`settings` lists them with their defaults).
 
@@ -735,7 +774,8 @@ def sort(
     Raises
     ------
     ValueError
-        An unknown setting name or back end.
+        An unknown setting name, a setting's value of the wrong type, or an
+        unknown back end; raised before any work starts.
     SpikecubeError
         Anything the command line reports as an error, with the same message.
     KeyboardInterrupt
@@ -745,6 +785,7 @@ def sort(
     groups = _settings.split(settings)
     paths = _paths(path_or_paths)
     probe_t = None if probe is None else Probe.of(probe)._tuple()
+    _start_threads(groups)
     cb, close = _sort_progress(progress)
     try:
         _sync_log_level()
@@ -756,6 +797,7 @@ def sort(
                 _settings.detection_json(groups["detection"]),
                 _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
                 _settings.drift_json(groups["drift"]),
+                _settings.templates_json(groups["templates"]),
                 _settings.sort_json(groups["sort"]),
                 os.fspath(out),
                 backend,
@@ -897,11 +939,13 @@ def preprocess(
     earlier ``preprocess`` result holding nothing else; a folder holding any
     other file raises ``RuntimeError`` naming it, and nothing is touched.
     Preprocessing settings by Kilosort4's names (``batch_size``,
-    ``highpass_cutoff``, ``whitening_range``, ``nskip``, ``do_CAR``, ...).
+    ``highpass_cutoff``, ``whitening_range``, ``nskip``, ``do_CAR``, ...) and
+    the recording's (``tmin``, ``tmax``, ``exclude_channels``, the artifact
+    blanking of :func:`detect`, ...).
 
     Raises as :func:`detect`.
     """
-    allowed = {k for k, (g, _) in _settings.SETTINGS.items() if g != "detection"}
+    allowed = {k for k, (g, _) in _settings.SETTINGS.items() if g in ("preprocessing", "recording")}
     allowed.discard("keep_boundary_duplicates")
     groups = _settings.split(settings, allowed)
     groups["recording"].setdefault("keep_boundary_duplicates", False)

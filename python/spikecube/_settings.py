@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
+import os
 
 # name: (group, default). Groups: detection and preprocessing go to the core's
 # DetectionSettings / PreprocessSettings (serde names), recording to the reader
-# and the input checks.
+# and the input checks (the artifact blanking included), templates to the
+# choice of universal templates, drift to the drift correction, run to the
+# process (its worker threads), sort to the stages after detection.
 SETTINGS: dict[str, tuple[str, object]] = {
     # detection (Kilosort4's spikedetect)
     "Th_universal": ("detection", 9.0),
@@ -47,8 +51,30 @@ SETTINGS: dict[str, tuple[str, object]] = {
     "exclude_channels": ("recording", ()),
     "mask_clipped": ("recording", True),
     "keep_boundary_duplicates": ("recording", False),
-    # drift correction (Kilosort4's datashift); 0 turns it off
+    # stimulus artifacts (spikecube's): a file of times in seconds (text, CSV
+    # or .npy), each blanked over artifact_window = (ms before, ms after) in
+    # the preprocessed data; blank_transients also blanks the transients
+    # common to most channels
+    "artifact_times": ("recording", None),
+    "artifact_window": ("recording", (0.5, 2.0)),
+    "blank_transients": ("recording", False),
+    # universal templates: learned from the recording (Kilosort4's
+    # templates_from_data; None: learned unless a templates file is given),
+    # Kilosort4's built-in ones (False) or a .npz file (templates)
+    "templates_from_data": ("templates", None),
+    "Th_single_ch": ("templates", 6.0),
+    "seed": ("templates", 1),
+    "min_learn_clips": ("templates", 300),
+    "template_check": ("templates", True),
+    "templates": ("templates", None),
+    # drift correction (Kilosort4's datashift); nblocks 0 turns it off
     "nblocks": ("drift", 1),
+    "drift_smoothing": ("drift", (0.5, 0.5, 0.5)),
+    "sig_interp": ("drift", 20.0),
+    "binning_depth": ("drift", 5.0),
+    # CPU worker threads; None: the RAYON_NUM_THREADS environment variable,
+    # else one per core. Set once per process (at its first run).
+    "threads": ("run", None),
     # the stages after detection (spikecube.sort only)
     "Th_learned": ("sort", 8.0),
     "max_peels": ("sort", 100),
@@ -70,6 +96,154 @@ SETTINGS: dict[str, tuple[str, object]] = {
     "keep_windows_gb": ("sort", None),
 }
 
+# What each setting's value must be, checked (and
+# numpy scalars made plain Python values) before any work starts.
+KINDS: dict[str, str] = {
+    "Th_universal": "number",
+    "nt": "count",
+    "nt0min": "count?",
+    "dmin": "number?",
+    "dminx": "number",
+    "min_template_size": "number",
+    "template_sizes": "count",
+    "nearest_chans": "count",
+    "nearest_templates": "count",
+    "max_channel_distance": "number",
+    "n_templates": "count",
+    "n_pcs": "count",
+    "separate_shanks": "bool",
+    "neighbourhoods": "path?",
+    "batch_size": "count",
+    "highpass_cutoff": "number",
+    "whitening_range": "count",
+    "nskip": "count",
+    "do_CAR": "bool",
+    "invert_sign": "bool",
+    "artifact_threshold": "number?",
+    "tmin": "number",
+    "tmax": "time?",
+    "scale": "number?",
+    "shift": "number?",
+    "exclude_channels": "channels",
+    "mask_clipped": "bool",
+    "keep_boundary_duplicates": "bool",
+    "artifact_times": "path?",
+    "artifact_window": "pair",
+    "blank_transients": "bool",
+    "templates_from_data": "bool?",
+    "Th_single_ch": "number",
+    "seed": "count",
+    "min_learn_clips": "count",
+    "template_check": "bool",
+    "templates": "path?",
+    "nblocks": "count",
+    "drift_smoothing": "triple",
+    "sig_interp": "number",
+    "binning_depth": "number",
+    "threads": "count?",
+    "Th_learned": "number",
+    "max_peels": "count",
+    "position_limit": "number",
+    "cluster_downsampling": "count",
+    "max_cluster_subset": "count?",
+    "cluster_neighbors": "count",
+    "cluster_init_seed": "count",
+    "cluster_init_generator": "generator",
+    "duplicate_spike_ms": "number",
+    "acg_threshold": "number",
+    "ccg_threshold": "number",
+    "ks4_swarm_ccg_bug": "bool",
+    "keep_windows_gb": "number?",
+}
+assert set(KINDS) == set(SETTINGS), set(KINDS) ^ set(SETTINGS)
+
+_EXPECTED = {
+    "number": "a finite number",
+    "count": "a whole number, 0 or more",
+    "bool": "True or False",
+    "path": "a path (str or os.PathLike)",
+    "time": "a number of seconds (inf: to the end)",
+    "channels": "a list of channel numbers (whole numbers, 0 or more)",
+    "pair": "two numbers of milliseconds, before and after each event, e.g. (0.5, 2)",
+    "triple": "three numbers (σ over lag, window and block), e.g. (0.5, 0.5, 0.5)",
+    "generator": "'torch' or 'chacha8'",
+}
+
+
+def _number(v):
+    """``v`` as a finite float, or None when it is not a real number."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def _count(v):
+    """``v`` as an int ≥ 0 (a whole float too), or None."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    if not isinstance(v, numbers.Integral):
+        v = float(v)
+        if not v.is_integer():
+            return None
+    v = int(v)
+    return v if v >= 0 else None
+
+
+def _numbers(v, n):
+    """``v`` as a tuple of ``n`` finite floats, or None."""
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        return None
+    vals = [_number(x) for x in v]
+    return tuple(vals) if len(vals) == n and None not in vals else None
+
+
+_MISSING = object()
+
+
+def check_value(key: str, value, kind: str):
+    """``value`` of setting ``key`` as the core takes it (plain Python types,
+    paths as str); raises ``ValueError`` naming the setting, the value and
+    what it must be."""
+    optional = kind.endswith("?")
+    base = kind.rstrip("?")
+    if value is None and optional:
+        return None
+    got = _MISSING
+    if base == "number":
+        got = _number(value)
+    elif base == "count":
+        got = _count(value)
+    elif base == "bool":
+        import numpy as np
+
+        if isinstance(value, (bool, np.bool_)):
+            got = bool(value)
+    elif base == "path":
+        if isinstance(value, (str, os.PathLike)):
+            got = os.fsdecode(os.fspath(value))
+    elif base == "time":
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) == math.inf:
+            got = math.inf
+        else:
+            got = _number(value)
+    elif base == "channels":
+        if not isinstance(value, (str, bytes)) and hasattr(value, "__iter__"):
+            chans = [_count(c) for c in value]
+            got = tuple(chans) if None not in chans else None
+    elif base == "pair":
+        got = _numbers(value, 2)
+    elif base == "triple":
+        got = _numbers(value, 3)
+    elif base == "generator":
+        if isinstance(value, str) and value in ("torch", "chacha8"):
+            got = str(value)
+    if got is _MISSING or got is None:
+        expected = _EXPECTED[base] + (" (or None)" if optional else "")
+        raise ValueError(f"{key} = {value!r}: expected {expected}")
+    return got
+
+
 #: Every setting but the sort's: what ``detect`` takes.
 DETECT_NAMES: set[str] = {n for n, (g, _) in SETTINGS.items() if g != "sort"}
 
@@ -83,11 +257,16 @@ def valid_names() -> list[str]:
 
 
 def split(settings: dict, allowed: set[str] | None = None) -> dict[str, dict]:
-    """Checks names and splits ``settings`` into groups, defaults filled in.
+    """Checks names and values and splits ``settings`` into groups, defaults
+    filled in.
 
-    Raises ``ValueError`` naming an unknown setting and listing the valid ones.
+    Raises ``ValueError`` naming an unknown setting and listing the valid
+    ones, or naming a setting whose value has the wrong type, the value and
+    the type expected.
     """
-    groups: dict[str, dict] = {"detection": {}, "preprocessing": {}, "recording": {}, "drift": {}, "sort": {}}
+    groups: dict[str, dict] = {
+        g: {} for g in ("detection", "preprocessing", "recording", "templates", "drift", "run", "sort")
+    }
     for name, (group, default) in SETTINGS.items():
         if allowed is None or name in allowed:
             groups[group][name] = default
@@ -98,12 +277,23 @@ def split(settings: dict, allowed: set[str] | None = None) -> dict[str, dict]:
             raise ValueError(
                 f"unknown setting {key!r}; valid settings (Kilosort4's names): {', '.join(names)}"
             )
-        groups[SETTINGS[name][0]][name] = value
+        groups[SETTINGS[name][0]][name] = check_value(key, value, KINDS[name])
     return groups
 
 
 def drift_json(d: dict) -> str:
-    return json.dumps({"nblocks": int(d.get("nblocks", 1))})
+    return json.dumps(
+        {
+            "nblocks": int(d.get("nblocks", 1)),
+            "drift_smoothing": [float(v) for v in d.get("drift_smoothing", (0.5, 0.5, 0.5))],
+            "sig_interp": float(d.get("sig_interp", 20.0)),
+            "binning_depth": float(d.get("binning_depth", 5.0)),
+        }
+    )
+
+
+def templates_json(d: dict) -> str:
+    return json.dumps(d)
 
 
 def sort_json(d: dict) -> str:
@@ -148,6 +338,9 @@ def recording_json(r: dict, n_channels, fs, dtype, offset) -> str:
             "exclude_channels": [int(c) for c in r["exclude_channels"]],
             "mask_clipped": bool(r["mask_clipped"]),
             "keep_boundary_duplicates": bool(r["keep_boundary_duplicates"]),
+            "artifact_times": r.get("artifact_times"),
+            "artifact_window": [float(v) for v in r.get("artifact_window", (0.5, 2.0))],
+            "blank_transients": bool(r.get("blank_transients", False)),
         }
     )
 

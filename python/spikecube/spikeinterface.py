@@ -88,12 +88,20 @@ peak_dtype = np.dtype(
     ]
 )
 
-_NODE_SETTINGS = {k for k, (g, _) in _settings.SETTINGS.items() if g not in ("sort", "drift")} - {
+# The chunked path preprocesses and detects each chunk with the built-in
+# templates: the settings of the templates, the drift correction, the artifact
+# blanking and the worker pool are the whole-run paths' (``detect``, the sorter).
+_NODE_SETTINGS = {
+    k for k, (g, _) in _settings.SETTINGS.items() if g in ("detection", "preprocessing", "recording")
+} - {
     "tmin",
     "tmax",
     "exclude_channels",
     "keep_boundary_duplicates",
     "shift",
+    "artifact_times",
+    "artifact_window",
+    "blank_transients",
 }
 
 
@@ -381,7 +389,9 @@ from spikeinterface.sorters import sorterlist as _sorterlist  # noqa: E402
 #: SpikeInterface a ``frame_slice``) and what the recording itself says.
 _SORTER_SETTINGS = [k for k in _settings.SETTINGS if k not in ("tmin", "tmax", "shift", "scale")]
 
-# The settings that are spikecube's own, not Kilosort4's.
+# What the settings mean, where more than Kilosort4's name is worth saying:
+# spikecube's own settings (the command line's flags in snake case) and the
+# ones that choose the templates, the drift correction and the worker pool.
 _OWN_SETTINGS = {
     "neighbourhoods": "Folder with Kilosort4's iC.npy, iC2.npy and weigh.npy, for exact comparisons",
     "exclude_channels": "File channels to leave out (the role of Kilosort4's bad_channels)",
@@ -390,6 +400,29 @@ _OWN_SETTINGS = {
     "cluster_init_generator": "Generator of the clusters' seeding draws: torch (Kilosort4's CPU draws) or chacha8",
     "ks4_swarm_ccg_bug": "Kilosort4 4.1.5-4.1.7's skipped refractory test in the final clustering's tree",
     "keep_windows_gb": "GB for keeping the detection's preprocessed windows for the matching",
+    "templates_from_data": (
+        "Learn the universal templates from the recording (Kilosort4's templates_from_data); "
+        "False: Kilosort4's built-in ones; None: learned unless templates is given"
+    ),
+    "templates": "A .npz file holding wTEMP and wPCA, used instead of learning the universal templates",
+    "Th_single_ch": "Threshold of the single-channel peaks the templates are learned from, whitened units",
+    "seed": "Seed of the k-means++ draws when learning templates (same seed, same templates on any machine)",
+    "min_learn_clips": "Fewer isolated peaks than this: the built-in templates are used, with a warning",
+    "template_check": "Realign or replace a learned template whose peak is off centre, with a warning",
+    "nblocks": "Drift correction: 0 off, 1 rigid, n > 1 non-rigid in 2n - 1 depth blocks (Kilosort4's nblocks)",
+    "drift_smoothing": "Gaussian sigma of the drift scores over lag, window and block: three numbers",
+    "sig_interp": "Width of the drift correction's interpolation kernel, um (Kilosort4's sig_interp)",
+    "binning_depth": "Height of the depth bins of the drift histogram, um (Kilosort4's binning_depth)",
+    "artifact_times": (
+        "File of stimulus-artifact times, seconds from the recording's start (text, CSV or .npy); "
+        "the preprocessed data are set to zero over artifact_window around each"
+    ),
+    "artifact_window": "Stretch set to zero around each artifact: (ms before, ms after)",
+    "blank_transients": "Also set to zero the preprocessed data around transients common to most channels",
+    "threads": (
+        "CPU worker threads (None: RAYON_NUM_THREADS, else one per core); fixed at a process's first "
+        "spikecube run"
+    ),
 }
 
 
@@ -443,7 +476,14 @@ class SpikecubeSorter(BaseSorter):
     @classmethod
     def _check_params(cls, recording, output_folder, params):
         settings = {k: v for k, v in params.items() if k not in ("backend", "progress")}
-        _settings.split(settings)  # raises ValueError naming an unknown setting
+        # Raises ValueError naming an unknown setting or a value of the wrong
+        # type; the values are kept as checked (paths as str, plain numbers),
+        # which SpikeInterface then writes to its parameters file.
+        groups = _settings.split(settings)
+        params = dict(params)
+        for k in settings:
+            name = _settings.ALIASES.get(k, k)
+            params[k] = groups[_settings.SETTINGS[name][0]][name]
         return params
 
     @classmethod

@@ -28,6 +28,7 @@ use spikecube::pipeline::{Checks, DetectJob, Progress};
 use spikecube::preprocess::{PreprocessSettings, Preprocessor};
 use spikecube::recording::{Dtype, OpenOptions, Opened, Recording};
 use spikecube::sort::run::{SortFlags, SortJob, SortProgress, run_sort};
+use spikecube::universal::TemplateChoice;
 use spikecube::{Probe, checks};
 
 create_exception!(
@@ -278,10 +279,17 @@ struct RecordingOpts {
     exclude_channels: Vec<u64>,
     mask_clipped: bool,
     keep_boundary_duplicates: bool,
+    /// Stimulus-artifact times file (`--artifact-times`), blanked over
+    /// `artifact_window` ms; `blank_transients` also blanks the transients
+    /// common to most channels.
+    artifact_times: Option<PathBuf>,
+    artifact_window: (f64, f64),
+    blank_transients: bool,
 }
 
-/// Opens the recording and applies the probe and input checks as the command
-/// line does (`src/cli/common.rs`: `RecordingArgs::open`, `CheckArgs::apply`).
+/// Opens the recording and applies the probe and input checks, the artifact
+/// blanking included, as the command line does (`src/cli/common.rs`:
+/// `open_input`, `CheckArgs::blanking`).
 fn open_recording(
     paths: &[PathBuf],
     probe: Option<ProbeTuple>,
@@ -322,7 +330,15 @@ fn open_recording(
         mask_clipped: o.mask_clipped,
         keep_boundary_duplicates: o.keep_boundary_duplicates,
     };
-    spikecube::pipeline::open_for_detection(&req)
+    let (opened, probe, mut checks) = spikecube::pipeline::open_for_detection(&req)?;
+    checks.blanking = spikecube::preprocess::blanking::blanking_for(
+        opened.recording.as_ref(),
+        o.artifact_times.as_deref(),
+        o.artifact_window,
+        o.blank_transients,
+        &mut checks.warnings,
+    )?;
+    Ok((opened, probe, checks))
 }
 
 fn progress_dict<'py>(py: Python<'py>, p: &Progress) -> PyResult<Bound<'py, PyDict>> {
@@ -379,8 +395,8 @@ fn guarded<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
 }
 
 /// The detection run of `detect` and `sort`, as the command line builds it
-/// (learned templates, drift correction with `drift`), reading through an
-/// [`Interruptible`] recording.
+/// (the universal templates `templates` chooses, drift correction with
+/// `drift`), reading through an [`Interruptible`] recording.
 #[allow(clippy::too_many_arguments)]
 fn detect_job(
     paths: &[PathBuf],
@@ -389,10 +405,13 @@ fn detect_job(
     det: DetectionSettings,
     pre: PreprocessSettings,
     drift: DriftOpts,
+    templates: &TemplateChoice,
     out: PathBuf,
     backend: Backend,
     interrupt: &Interrupt,
 ) -> anyhow::Result<DetectJob> {
+    det.validate()?;
+    let templates = templates.source(&det)?;
     let (opened, probe, checks) = open_recording(paths, probe, o)?;
     let rec: Arc<dyn Recording> = Arc::new(Interruptible {
         inner: opened.recording.clone(),
@@ -414,6 +433,9 @@ fn detect_job(
     };
     let drift = spikecube::drift::DriftSettings {
         nblocks: drift.nblocks,
+        binning_depth: drift.binning_depth,
+        drift_smoothing: drift.drift_smoothing,
+        sig_interp: drift.sig_interp,
         ..Default::default()
     };
     Ok(DetectJob {
@@ -425,7 +447,7 @@ fn detect_job(
         run_info,
         backend,
         checks,
-        templates: spikecube::universal::TemplateSource::Learned(Default::default()),
+        templates,
         drift,
         device_preprocessing: true,
         last_device_use: false,
@@ -434,11 +456,45 @@ fn detect_job(
     })
 }
 
-/// Drift settings from Python (`nblocks`; the rest at Kilosort4's defaults).
+/// Drift settings from Python (`nblocks`, `binning_depth`, `drift_smoothing`,
+/// `sig_interp`; the rest at the command line's defaults).
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct DriftOpts {
     nblocks: usize,
+    binning_depth: f64,
+    drift_smoothing: [f64; 3],
+    sig_interp: f64,
+}
+
+/// Sizes the worker pool of this process (`--threads`): the pool every
+/// parallel step uses is made once per process, at its first use, so a
+/// count can be set only before the first run, or again with the same value.
+#[pyfunction]
+fn set_threads(n: usize) -> PyResult<()> {
+    use pyo3::exceptions::PyValueError;
+    if n == 0 {
+        return Err(PyValueError::new_err(
+            "threads = 0: give at least 1 thread (or None for one per core)",
+        ));
+    }
+    if rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global()
+        .is_ok()
+    {
+        return Ok(());
+    }
+    let running = rayon::current_num_threads();
+    if running == n {
+        Ok(())
+    } else {
+        Err(PyValueError::new_err(format!(
+            "threads = {n}: this Python process already runs spikecube's worker pool with {}, \
+             set at its first run; start a new process to use another count",
+            spikecube::error::count(running as u64, "thread")
+        )))
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -461,7 +517,7 @@ fn check_probe(probe: ProbeTuple) -> PyResult<ProbeTuple> {
 /// The whole `spikecube detect` run (see `spikecube.detect`). Returns the run's
 /// report as JSON text.
 #[pyfunction]
-#[pyo3(signature = (paths, probe, recording_opts, detection, preprocess, drift, out, backend, progress=None))]
+#[pyo3(signature = (paths, probe, recording_opts, detection, preprocess, drift, templates, out, backend, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn detect(
     py: Python<'_>,
@@ -471,6 +527,7 @@ fn detect(
     detection: &str,
     preprocess: &str,
     drift: &str,
+    templates: &str,
     out: PathBuf,
     backend: &str,
     progress: Option<Py<PyAny>>,
@@ -479,10 +536,13 @@ fn detect(
     let det: DetectionSettings = settings_from(detection, "detection")?;
     let pre: PreprocessSettings = settings_from(preprocess, "preprocessing")?;
     let drift: DriftOpts = settings_from(drift, "drift")?;
+    let templates: TemplateChoice = settings_from(templates, "templates")?;
     let backend = backend_from(backend)?;
     let interrupt = Interrupt::default();
     let result = py.allow_threads(|| -> anyhow::Result<String> {
-        let job = detect_job(&paths, probe, &o, det, pre, drift, out, backend, &interrupt)?;
+        let job = detect_job(
+            &paths, probe, &o, det, pre, drift, &templates, out, backend, &interrupt,
+        )?;
         let report = guarded(|| {
             spikecube::pipeline::run_detection(
                 job,
@@ -524,7 +584,7 @@ fn sort_progress_dict<'py>(py: Python<'py>, p: &SortProgress) -> PyResult<Bound<
 /// clusterings, matching, merges and the Phy folder at `out`. Returns the
 /// run's report as JSON text.
 #[pyfunction]
-#[pyo3(signature = (paths, probe, recording_opts, detection, preprocess, drift, sort, out, backend, progress=None))]
+#[pyo3(signature = (paths, probe, recording_opts, detection, preprocess, drift, templates, sort, out, backend, progress=None))]
 #[allow(clippy::too_many_arguments)]
 fn sort(
     py: Python<'_>,
@@ -534,6 +594,7 @@ fn sort(
     detection: &str,
     preprocess: &str,
     drift: &str,
+    templates: &str,
     sort: &str,
     out: PathBuf,
     backend: &str,
@@ -543,12 +604,15 @@ fn sort(
     let det: DetectionSettings = settings_from(detection, "detection")?;
     let pre: PreprocessSettings = settings_from(preprocess, "preprocessing")?;
     let drift: DriftOpts = settings_from(drift, "drift")?;
+    let templates: TemplateChoice = settings_from(templates, "templates")?;
     let sort: SortFlags = settings_from(sort, "sort")?;
     let backend = backend_from(backend)?;
     let interrupt = Interrupt::default();
     let result = py.allow_threads(|| -> anyhow::Result<String> {
         let nearest_chans = det.nearest_chans;
-        let detect = detect_job(&paths, probe, &o, det, pre, drift, out, backend, &interrupt)?;
+        let detect = detect_job(
+            &paths, probe, &o, det, pre, drift, &templates, out, backend, &interrupt,
+        )?;
         let job = SortJob {
             detect,
             sort: sort.settings(nearest_chans),
@@ -973,6 +1037,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fit_whitening, m)?)?;
     m.add_function(wrap_pyfunction!(backends, m)?)?;
     m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
+    m.add_function(wrap_pyfunction!(set_threads, m)?)?;
     m.add_class::<ChunkDetector>()?;
     Ok(())
 }

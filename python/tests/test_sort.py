@@ -176,3 +176,39 @@ def test_load_names_a_sort_folder(sorted_cli):
         spikecube.load(sorted_cli)
     assert "`spikecube sort` Phy folder" in str(e.value) and "spikecube.load_sorting(folder)" in str(e.value)
 
+
+def test_sort_template_drift_and_artifact_settings_are_the_flags(sim32_bin, tmp_path):
+    times = tmp_path / "artifacts.csv"
+    times.write_text("time_s\n2.0\n7.5\n")
+    s = spikecube.sort(sim32_bin, out=tmp_path / "py", backend="cpu", progress=False,
+                       templates_from_data=False, drift_smoothing=(1, 1, 1), sig_interp=15, binning_depth=10,
+                       artifact_times=times, artifact_window=(1, 3), threads=None)
+    cli("sort", sim32_bin, "--backend", "cpu", "--out", tmp_path / "cli", "-q",
+        "--templates-from-data", "false", "--drift-smoothing", "1,1,1", "--sig-interp", "15",
+        "--binning-depth", "10", "--artifact-times", times, "--artifact-window", "1,3")
+    same_phy_arrays(s.path, tmp_path / "cli")
+    with pytest.raises(ValueError, match="sig_interp = 'wide': expected a finite number"):
+        spikecube.sort(sim32_bin, out=tmp_path / "x", sig_interp="wide")
+    assert not (tmp_path / "x").exists()
+
+
+def test_spikeinterface_sorter_takes_the_new_settings(tmp_path):
+    pytest.importorskip("spikeinterface")
+    import spikecube.spikeinterface as ssi
+    from spikeinterface.sorters import get_default_sorter_params, get_sorter_params_description
+
+    params = get_default_sorter_params("spikecube")
+    described = get_sorter_params_description("spikecube")
+    for name in ("templates_from_data", "Th_single_ch", "sig_interp", "drift_smoothing", "binning_depth",
+                 "artifact_times", "artifact_window", "blank_transients", "templates", "seed",
+                 "min_learn_clips", "template_check", "threads"):
+        assert params[name] == spikecube.settings()[name], name
+        assert described[name] and "spikecube.settings()" not in described[name], name
+    # Paths are kept as str (SpikeInterface writes the parameters as JSON);
+    # a value of the wrong type is named.
+    checked = ssi.SpikecubeSorter._check_params(None, tmp_path, dict(params, artifact_times=tmp_path / "t.txt",
+                                                                      templates=tmp_path / "t.npz"))
+    assert checked["artifact_times"] == str(tmp_path / "t.txt") and checked["templates"] == str(tmp_path / "t.npz")
+    json.dumps(checked)
+    with pytest.raises(ValueError, match="Th_learned = 'eight': expected a finite number"):
+        ssi.SpikecubeSorter._check_params(None, tmp_path, dict(params, Th_learned="eight"))
