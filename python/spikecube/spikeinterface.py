@@ -399,7 +399,11 @@ _OWN_SETTINGS = {
     "keep_boundary_duplicates": "Keep both detections of an event on a window boundary, as Kilosort4 does",
     "cluster_init_generator": "Generator of the clusters' seeding draws: torch (Kilosort4's CPU draws) or chacha8",
     "ks4_swarm_ccg_bug": "Kilosort4 4.1.5-4.1.7's skipped refractory test in the final clustering's tree",
-    "keep_windows_gb": "GB for keeping the detection's preprocessed windows for the matching",
+    "keep_windows_gb": (
+        "GB for keeping the detection's preprocessed windows for the matching "
+        "(None: half of the GPU's free memory with CUDA, else half of the host memory the process "
+        "may still take under its job's limit; 0: none; the sort is the same either way)"
+    ),
     "templates_from_data": (
         "Learn the universal templates from the recording (Kilosort4's templates_from_data); "
         "False: Kilosort4's built-in ones; None: learned unless templates is given"
