@@ -401,7 +401,7 @@ _OWN_SETTINGS = {
     "ks4_swarm_ccg_bug": "Kilosort4 4.1.5-4.1.7's skipped refractory test in the final clustering's tree",
     "keep_windows_gb": (
         "GB for keeping the detection's preprocessed windows for the matching "
-        "(None: half of the GPU's free memory with CUDA, else half of the host memory the process "
+        "(None: half of the GPU's free memory with CUDA, else a third of the host memory the process "
         "may still take under its job's limit; 0: none; the sort is the same either way)"
     ),
     "templates_from_data": (

@@ -43,11 +43,16 @@ pub(crate) fn open_run(job: &mut DetectJob) -> Result<OpenRun> {
     let mut writer = OutputWriter::create(&job.out, &job.probe, &geometry, job.detection.n_pcs)?;
     writer.set_scratch(job.scratch);
     tracing::info!(
-        "{} of {} samples, {} in flight; memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count",
+        "{} of {} samples, {} in flight; their memory about {:.0} MB, fixed by the window size and the probe, not by the recording's length or spike count{}",
         crate::error::count(plan.n_windows, "window"),
         plan.window_len(),
         crate::stages::WINDOWS_IN_FLIGHT,
-        memory_estimate(job.probe.n_sites(), plan.window_len(), geometry.n_centres()) as f64 / 1e6
+        memory_estimate(job.probe.n_sites(), plan.window_len(), geometry.n_centres()) as f64 / 1e6,
+        if job.keep_windows.is_some() {
+            " (the preprocessed windows kept for the matching come on top, within --keep-windows-gb)"
+        } else {
+            ""
+        }
     );
     Ok(OpenRun {
         plan,

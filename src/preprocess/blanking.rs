@@ -171,6 +171,11 @@ pub fn blanking_for(
     let mut events = Vec::new();
     if let Some(path) = artifact_times {
         let times = read_event_times(path)?;
+        if path.extension().is_none_or(|e| e != "npy")
+            && let Ok(text) = std::fs::read_to_string(path)
+        {
+            warnings.extend(decimal_comma_warning(&text, path));
+        }
         let (inside, w) =
             event_samples(&times, path, rec.fs(), rec.first_sample(), rec.n_samples());
         if inside.is_empty() {
@@ -285,7 +290,9 @@ fn read_npy_times(path: &Path) -> Result<Vec<f64>> {
 ///   is a field: `,4` has an empty first field), and by tabs or spaces; in a
 ///   file that uses semicolons (a spreadsheet's export where the comma is
 ///   the decimal mark) commas are decimal marks, not separators (`12,5;laser`
-///   is 12.5 s); double quotes around a field are removed;
+///   is 12.5 s, `1.234,5;laser` 1234.5 s); double quotes around a field are
+///   removed, and a separator inside them belongs to the field: a quoted
+///   number with thousands separators (`"1,234.5"`) is that number;
 /// * the first line is a header, and skipped, when its first field does not
 ///   start like a number (a digit, or `+`, `-` or `.` before one): `time,label`;
 /// * the time of each line is its first field, which must be a finite number
@@ -307,10 +314,12 @@ fn parse_times_text(text: &str) -> std::result::Result<Vec<f64>, String> {
         .enumerate()
         .map(|(i, l)| {
             let mut fields = Vec::new();
-            for cell in uncommented(l).split(separator) {
-                let cell = cell.trim().trim_matches('"');
+            for (cell, quoted) in split_cells(&uncommented(l), separator) {
+                let cell = cell.trim();
                 let cell = if semicolons {
-                    cell.replace(',', ".")
+                    decimal_comma_number(cell)
+                } else if quoted {
+                    thousands_commas_removed(cell)
                 } else {
                     cell.to_string()
                 };
@@ -356,6 +365,103 @@ fn parse_times_text(text: &str) -> std::result::Result<Vec<f64>, String> {
     data.iter()
         .map(|(line, raw, f)| seconds((*line, raw), &f[0]))
         .collect()
+}
+
+/// The cells of `line` between `separator`s, each with whether it was
+/// quoted: a separator inside double quotes belongs to the cell (a
+/// spreadsheet quotes `"1,234.5"` and `"laser, 5 mW"`), and a doubled quote
+/// inside quotes is one quote.
+fn split_cells(line: &str, separator: char) -> Vec<(String, bool)> {
+    let mut cells = Vec::new();
+    let (mut cell, mut quoted, mut inside) = (String::new(), false, false);
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if inside && chars.peek() == Some(&'"') => {
+                cell.push('"');
+                chars.next();
+            }
+            '"' => {
+                inside = !inside;
+                quoted = true;
+            }
+            c if c == separator && !inside => {
+                cells.push((std::mem::take(&mut cell), quoted));
+                quoted = false;
+            }
+            c => cell.push(c),
+        }
+    }
+    cells.push((cell, quoted));
+    cells
+}
+
+/// A quoted cell of a comma-separated file with its thousands separators
+/// removed when it is written as a number with them (`1,234.5` is 1234.5,
+/// as a spreadsheet formats it); any other cell as it is.
+fn thousands_commas_removed(cell: &str) -> String {
+    let digits = cell.strip_prefix(['+', '-']).unwrap_or(cell);
+    let whole = digits.split('.').next().unwrap_or("");
+    let mut groups = whole.split(',');
+    let first_ok = groups
+        .next()
+        .is_some_and(|g| (1..=3).contains(&g.len()) && g.bytes().all(|b| b.is_ascii_digit()));
+    let rest: Vec<&str> = groups.collect();
+    let grouped = !rest.is_empty()
+        && rest
+            .iter()
+            .all(|g| g.len() == 3 && g.bytes().all(|b| b.is_ascii_digit()));
+    if first_ok && grouped {
+        cell.replace(',', "")
+    } else {
+        cell.to_string()
+    }
+}
+
+/// A cell of a semicolon-separated file (a spreadsheet's export where the
+/// comma is the decimal mark): `12,5` is 12.5, and `1.234,5`, with points
+/// between groups of three digits, is 1234.5.
+fn decimal_comma_number(cell: &str) -> String {
+    if let Some((whole, _)) = cell.split_once(',') {
+        let digits = whole.strip_prefix(['+', '-']).unwrap_or(whole);
+        let groups: Vec<&str> = digits.split('.').collect();
+        let grouped = groups.len() > 1
+            && (1..=3).contains(&groups[0].len())
+            && groups[1..].iter().all(|g| g.len() == 3)
+            && groups.iter().all(|g| g.bytes().all(|b| b.is_ascii_digit()));
+        if grouped {
+            return cell.replace('.', "").replace(',', ".");
+        }
+    }
+    cell.replace(',', ".")
+}
+
+/// A warning when a comma-separated times file looks like one column of
+/// decimal commas (`1,5` on every line: two whole numbers, no header), which
+/// is read as a time and a label (1 s); `None` otherwise.
+fn decimal_comma_warning(text: &str, path: &Path) -> Option<String> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+    if text.contains(';') {
+        return None;
+    }
+    let rows: Vec<&str> = text
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .collect();
+    let whole = |f: &str| !f.is_empty() && f.bytes().all(|b| b.is_ascii_digit());
+    let looks = !rows.is_empty()
+        && rows.iter().all(|l| {
+            let f: Vec<&str> = l.split(',').map(str::trim).collect();
+            f.len() == 2 && whole(f[0]) && whole(f[1])
+        });
+    looks.then(|| {
+        format!(
+            "--artifact-times {}: every line is two whole numbers ({:?}), read as a time in seconds and a label; if the comma is a decimal mark, write the times with a point (or separate columns with semicolons)",
+            path.display(),
+            rows[0]
+        )
+    })
 }
 
 /// Whether a field starts as a number does (a digit, or `+`, `-` or `.`
@@ -470,6 +576,15 @@ mod tests {
             ("time,label\n12.5,a\n,\n,,\n13,b\n", vec![12.5, 13.0]),
             ("Zeit;Marke\n12,5;Laser\n13;Laser\n", vec![12.5, 13.0]),
             ("t (s),chan\n-.5,3\n+2,4\n1e1,5\n", vec![-0.5, 2.0, 10.0]),
+            // Quoted numbers with thousands separators, and quoted separators.
+            (
+                "time,label\n\"1,234.5\",laser\n\"12\",\"a, b\"\n",
+                vec![1234.5, 12.0],
+            ),
+            (
+                "Zeit;Marke\n1.234,5;Laser\n\"2,5\";\"a;b\"\n",
+                vec![1234.5, 2.5],
+            ),
         ] {
             assert_eq!(parse_times_text(text).unwrap(), want, "{text:?}");
         }
@@ -481,6 +596,8 @@ mod tests {
             ("12.5s,laser\n13s,laser\n", "line 1", "\"12.5s\""),
             ("0.5\n,4\n", "line 2", "empty"),
             ("# times\n0.5\nNaN\n", "line 3", "finite"),
+            // Not thousands groups: refused, never read as another number.
+            ("time\n\"1,23.5\"\n", "line 2", "\"1,23.5\""),
         ] {
             let e = parse_times_text(text).unwrap_err();
             assert!(e.contains(line) && e.contains(found), "{text:?}: {e}");
@@ -493,6 +610,23 @@ mod tests {
         std::fs::write(&p, "# nothing\n").unwrap();
         let e = read_event_times(&p).unwrap_err().to_string();
         assert!(e.contains("empty.txt") && e.contains("no times"), "{e}");
+    }
+
+    #[test]
+    fn one_column_of_decimal_commas_is_warned_about() {
+        let p = Path::new("t.csv");
+        let w = decimal_comma_warning("1,5\n5,25\n", p).unwrap();
+        assert!(w.contains("t.csv") && w.contains("decimal mark"), "{w}");
+        assert!(decimal_comma_warning("\u{feff}12,3\n", p).is_some());
+        for text in [
+            "time,trial\n1,5\n",
+            "1.5,2\n",
+            "1,5;2\n",
+            "1\n2\n",
+            "1,5\n2.5,3\n",
+        ] {
+            assert_eq!(decimal_comma_warning(text, p), None, "{text:?}");
+        }
     }
 
     #[test]

@@ -176,7 +176,7 @@ pub struct SortFlags {
     /// the matching, which then neither reads nor preprocesses them again:
     /// the GPU's when the detection preprocessed there (default: half of its
     /// free memory with CUDA, none with wgpu), else the host's (default:
-    /// half of the memory the process may still take, within a Slurm job's or
+    /// a third of the memory the process may still take, within a Slurm job's or
     /// container's cgroup limit). 0: none. Windows past it are read again. The sort is the same
     /// either way.
     #[arg(long, value_name = "GB", value_parser = gigabytes, allow_negative_numbers = true)]
