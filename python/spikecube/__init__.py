@@ -652,6 +652,8 @@ def load_sorting(phy_dir: PathLike) -> Sorting:
     that loads it (:func:`load` for detected spikes).
     """
     d = Path(phy_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d}: no such folder (a Phy folder written by spikecube.sort or Kilosort4)")
     info = {}
     if (d / "spikecube.json").is_file():
         info = json.loads((d / "spikecube.json").read_text())

@@ -153,13 +153,14 @@ KINDS: dict[str, str] = {
     "acg_threshold": "number",
     "ccg_threshold": "number",
     "ks4_swarm_ccg_bug": "bool",
-    "keep_windows_gb": "number?",
+    "keep_windows_gb": "size?",
 }
 assert set(KINDS) == set(SETTINGS), set(KINDS) ^ set(SETTINGS)
 
 _EXPECTED = {
     "number": "a finite number",
-    "count": "a whole number, 0 or more",
+    "size": "a size in GB, 0 or more",
+    "count": "a whole number from 0 to 2**64 - 1",
     "bool": "True or False",
     "path": "a path (str or os.PathLike)",
     "time": "a number of seconds (inf: to the end)",
@@ -187,7 +188,8 @@ def _count(v):
         if not v.is_integer():
             return None
     v = int(v)
-    return v if v >= 0 else None
+    # The core takes counts and seeds as unsigned 64-bit integers.
+    return v if 0 <= v < 2**64 else None
 
 
 def _numbers(v, n):
@@ -212,6 +214,9 @@ def check_value(key: str, value, kind: str):
     got = _MISSING
     if base == "number":
         got = _number(value)
+    elif base == "size":
+        got = _number(value)
+        got = got if got is not None and got >= 0 else None
     elif base == "count":
         got = _count(value)
     elif base == "bool":
@@ -272,7 +277,14 @@ def split(settings: dict, allowed: set[str] | None = None) -> dict[str, dict]:
             groups[group][name] = default
     for key, value in settings.items():
         name = ALIASES.get(key, key)
-        if name not in SETTINGS or (allowed is not None and name not in allowed):
+        if name in SETTINGS and allowed is not None and name not in allowed:
+            where = (
+                "spikecube.sort (a setting of the sort's later stages)"
+                if SETTINGS[name][0] == "sort"
+                else "spikecube.detect and spikecube.sort"
+            )
+            raise ValueError(f"{key!r} is not a setting of this call: it belongs to {where}")
+        if name not in SETTINGS:
             names = valid_names() if allowed is None else sorted(allowed)
             raise ValueError(
                 f"unknown setting {key!r}; valid settings (Kilosort4's names): {', '.join(names)}"

@@ -53,6 +53,7 @@ whitened units).
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -488,6 +489,10 @@ class SpikecubeSorter(BaseSorter):
         for k in settings:
             name = _settings.ALIASES.get(k, k)
             params[k] = groups[_settings.SETTINGS[name][0]][name]
+            # Files are looked for now, before the recording is copied.
+            if _settings.KINDS[name].rstrip("?") == "path" and params[k] is not None:
+                if not os.path.exists(params[k]):
+                    raise ValueError(f"{k} = {params[k]!r}: no such file")
         return params
 
     @classmethod

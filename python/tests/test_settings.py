@@ -132,7 +132,8 @@ def test_templates_file_and_builtin_templates_are_the_flags(sim_bin, sim_cli, si
 @pytest.mark.parametrize("name, value, expected", [
     ("Th_learned", "eight", "Th_learned = 'eight': expected a finite number"),
     ("nblocks", 1.5, "nblocks = 1.5: expected a whole number"),
-    ("nearest_chans", -2, "nearest_chans = -2: expected a whole number, 0 or more"),
+    ("nearest_chans", -2, "nearest_chans = -2: expected a whole number from 0 to 2**64 - 1"),
+    ("seed", 2**70, f"seed = {2**70}: expected a whole number from 0 to 2**64 - 1"),
     ("do_CAR", "yes", "do_CAR = 'yes': expected True or False"),
     ("templates", 3, "templates = 3: expected a path"),
     ("artifact_times", ["a.txt"], "artifact_times = ['a.txt']: expected a path"),

@@ -78,7 +78,7 @@ def test_sort_settings_by_kilosort_names(sim32_bin, sorted_cli, tmp_path):
     with pytest.raises(ValueError, match="keep_windows_gb"):
         spikecube.sort(sim32_bin, out=tmp_path / "x", keep_windows_gb=-1)
     # The sort's settings are not detect's.
-    with pytest.raises(ValueError, match="unknown setting 'max_peels'"):
+    with pytest.raises(ValueError, match="'max_peels' is not a setting of this call: it belongs to spikecube.sort"):
         spikecube.detect(sim32_bin, max_peels=10)
     assert not (tmp_path / "x").exists()
 
@@ -206,9 +206,16 @@ def test_spikeinterface_sorter_takes_the_new_settings(tmp_path):
         assert described[name] and "spikecube.settings()" not in described[name], name
     # Paths are kept as str (SpikeInterface writes the parameters as JSON);
     # a value of the wrong type is named.
+    (tmp_path / "t.txt").write_text("1.5\n")
+    (tmp_path / "t.npz").write_bytes(b"")
     checked = ssi.SpikecubeSorter._check_params(None, tmp_path, dict(params, artifact_times=tmp_path / "t.txt",
                                                                       templates=tmp_path / "t.npz"))
     assert checked["artifact_times"] == str(tmp_path / "t.txt") and checked["templates"] == str(tmp_path / "t.npz")
     json.dumps(checked)
     with pytest.raises(ValueError, match="Th_learned = 'eight': expected a finite number"):
         ssi.SpikecubeSorter._check_params(None, tmp_path, dict(params, Th_learned="eight"))
+    # A missing file and a negative budget are refused before the recording is copied.
+    with pytest.raises(ValueError, match="artifact_times = .*: no such file"):
+        ssi.SpikecubeSorter._check_params(None, tmp_path, dict(params, artifact_times=tmp_path / "none.csv"))
+    with pytest.raises(ValueError, match="keep_windows_gb = -3: expected a size in GB"):
+        ssi.SpikecubeSorter._check_params(None, tmp_path, dict(params, keep_windows_gb=-3))
