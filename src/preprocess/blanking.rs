@@ -501,8 +501,13 @@ pub fn event_samples(
     let few: Vec<String> = outside.iter().take(5).map(|t| format!("{t}")).collect();
     let more = if outside.len() > 5 { ", …" } else { "" };
     let max = times.seconds.iter().copied().fold(f64::MIN, f64::max);
-    let hint = if max >= hi && max / 1000.0 < hi {
+    // Milliseconds or samples put the last times an order of magnitude or
+    // more past the end; times just past it are more likely another, longer
+    // recording's (a batch gives every task the same file).
+    let hint = if max >= 10.0 * hi {
         " (they look like milliseconds or samples: the file must hold seconds)"
+    } else if max >= hi {
+        " (is the file this recording's? the times must be counted from its first sample, in seconds)"
     } else {
         ""
     };
@@ -642,5 +647,17 @@ mod tests {
             "{w}"
         );
         assert!(w.contains("milliseconds"), "{w}");
+        // Just past the end (another, longer recording's times): no
+        // milliseconds hint.
+        let t = EventTimes {
+            seconds: vec![0.5, 3.5],
+        };
+        let w = event_samples(&t, Path::new("light.csv"), 1000.0, 0, 3000)
+            .1
+            .unwrap();
+        assert!(
+            !w.contains("milliseconds") && w.contains("this recording's"),
+            "{w}"
+        );
     }
 }
