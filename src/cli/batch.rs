@@ -127,7 +127,15 @@ fn plan(mut args: Vec<OsString>, quiet: bool) -> Result<ExitCode> {
             LineCommand::Detect(args) => super::detect::check(&args),
             LineCommand::Sort(args) => super::sort::check(&args),
         };
-        checked.with_context(|| format!("{what}, {}", line.inputs[0].display()))?;
+        // The recording is named once: many of the checks' messages name it.
+        let input = line.inputs[0].display().to_string();
+        checked.map_err(|e| {
+            if format!("{e:#}").contains(&input) {
+                e.context(what)
+            } else {
+                e.context(format!("{what}, {input}"))
+            }
+        })?;
     }
     let written = batch::write_once(&split.run, &manifest)?;
     let path = split.run.join(batch::MANIFEST_TSV);
