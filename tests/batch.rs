@@ -216,6 +216,19 @@ fn bad_plans_and_failed_tasks_are_named() {
         text(&o)
     );
     assert!(!run.join("manifest.tsv").exists());
+    // A recording listed twice, also under another spelling, is refused.
+    let again = recs[0]
+        .parent()
+        .unwrap()
+        .join(".")
+        .join(recs[0].file_name().unwrap());
+    let o = spikecube(&["batch", "plan", s(&recs[0]), s(&again), "--out", s(&run)]);
+    assert!(
+        !o.status.success() && text(&o).contains("listed twice"),
+        "{}",
+        text(&o)
+    );
+    assert!(!run.join("manifest.tsv").exists());
     let o = spikecube(&[
         "batch",
         "plan",

@@ -113,13 +113,26 @@ fn absolute(p: &Path, what: &str) -> Result<PathBuf> {
 /// from [`names_for`], outputs `out/<name>`.
 ///
 /// # Errors
-/// When a recording or the probe does not exist.
+/// When a recording or the probe does not exist, or a recording is listed
+/// twice (two tasks would sort it into two folders with the same result).
 pub fn manifest_for(command: &str, args: &PlanArgs) -> Result<Manifest> {
     let inputs = args
         .inputs
         .iter()
         .map(|p| absolute(p, "recording"))
         .collect::<Result<Vec<_>>>()?;
+    // The paths are canonical: the same file under two spellings (`a/../b`,
+    // a link) is found too.
+    for (j, p) in inputs.iter().enumerate() {
+        if let Some(i) = inputs[..j].iter().position(|q| q == p) {
+            bail!(
+                "the recording {} is listed twice (recordings {} and {} of the list): list each once",
+                p.display(),
+                i + 1,
+                j + 1
+            );
+        }
+    }
     let probe = args
         .probe
         .as_deref()
