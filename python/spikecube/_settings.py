@@ -140,7 +140,7 @@ KINDS: dict[str, str] = {
     "drift_smoothing": "triple",
     "sig_interp": "number",
     "binning_depth": "number",
-    "threads": "count?",
+    "threads": "threads?",
     "Th_learned": "number",
     "max_peels": "count",
     "position_limit": "number",
@@ -160,6 +160,7 @@ assert set(KINDS) == set(SETTINGS), set(KINDS) ^ set(SETTINGS)
 _EXPECTED = {
     "number": "a finite number",
     "size": "a size in GB, 0 or more",
+    "threads": "a whole number of threads, 1 or more",
     "count": "a whole number from 0 to 2**64 - 1",
     "bool": "True or False",
     "path": "a path (str or os.PathLike)",
@@ -217,6 +218,9 @@ def check_value(key: str, value, kind: str):
     elif base == "size":
         got = _number(value)
         got = got if got is not None and got >= 0 else None
+    elif base == "threads":
+        got = _count(value)
+        got = got if got is not None and got >= 1 else None
     elif base == "count":
         got = _count(value)
     elif base == "bool":

@@ -142,6 +142,7 @@ def test_templates_file_and_builtin_templates_are_the_flags(sim_bin, sim_cli, si
     ("exclude_channels", "3,4", "exclude_channels = '3,4': expected a list of channel numbers"),
     ("cluster_init_generator", "mt", "cluster_init_generator = 'mt': expected 'torch' or 'chacha8'"),
     ("threads", "4", "threads = '4': expected a whole number"),
+    ("threads", 0, "threads = 0: expected a whole number of threads, 1 or more"),
 ])
 def test_a_wrong_type_is_named_before_any_work(tmp_path, name, value, expected):
     missing = tmp_path / "no-such-recording.bin"  # never opened: the check comes first
