@@ -171,11 +171,7 @@ pub fn blanking_for(
     let mut events = Vec::new();
     if let Some(path) = artifact_times {
         let times = read_event_times(path)?;
-        if path.extension().is_none_or(|e| e != "npy")
-            && let Ok(text) = std::fs::read_to_string(path)
-        {
-            warnings.extend(decimal_comma_warning(&text, path));
-        }
+        warnings.extend(times.warning.clone());
         let (inside, w) =
             event_samples(&times, path, rec.fs(), rec.first_sample(), rec.n_samples());
         if inside.is_empty() {
@@ -221,6 +217,9 @@ pub fn blanking_for(
 pub struct EventTimes {
     /// The times as read, seconds, in file order.
     pub seconds: Vec<f64>,
+    /// A warning about how the file was read (a text file that looks like one
+    /// column of decimal commas), or `None`.
+    pub warning: Option<String>,
 }
 
 /// Reads event times (seconds) from `path`: a `.npy` array (1-D, or 2-D
@@ -234,13 +233,14 @@ pub struct EventTimes {
 /// its line and the text found), a time is not finite, or there is no time
 /// at all.
 pub fn read_event_times(path: &Path) -> Result<EventTimes> {
-    let seconds = if path.extension().is_some_and(|e| e == "npy") {
-        read_npy_times(path)?
+    let (seconds, warning) = if path.extension().is_some_and(|e| e == "npy") {
+        (read_npy_times(path)?, None)
     } else {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("--artifact-times: cannot read {}", path.display()))?;
-        parse_times_text(&text)
-            .map_err(|e| anyhow::anyhow!("--artifact-times {}: {e}", path.display()))?
+        let seconds = parse_times_text(&text)
+            .map_err(|e| anyhow::anyhow!("--artifact-times {}: {e}", path.display()))?;
+        (seconds, decimal_comma_warning(&text, path))
     };
     if seconds.is_empty() {
         bail!(
@@ -256,7 +256,7 @@ pub fn read_event_times(path: &Path) -> Result<EventTimes> {
             seconds.len()
         );
     }
-    Ok(EventTimes { seconds })
+    Ok(EventTimes { seconds, warning })
 }
 
 #[allow(clippy::unnecessary_cast)] // the macro's `as f64` also runs on f64
@@ -638,6 +638,7 @@ mod tests {
     fn times_outside_are_named() {
         let t = EventTimes {
             seconds: vec![0.5, 1500.0, 2.5],
+            warning: None,
         };
         let (s, w) = event_samples(&t, Path::new("light.csv"), 1000.0, 0, 3000);
         assert_eq!(s, vec![500, 2500]);
@@ -651,6 +652,7 @@ mod tests {
         // milliseconds hint.
         let t = EventTimes {
             seconds: vec![0.5, 3.5],
+            warning: None,
         };
         let w = event_samples(&t, Path::new("light.csv"), 1000.0, 0, 3000)
             .1
