@@ -317,12 +317,7 @@ def sort_json(d: dict) -> str:
     # 0 (or None): no limit, as the command line's --max-cluster-subset 0.
     s["max_cluster_subset"] = int(s["max_cluster_subset"] or 0)
     s["ks4_swarm_ccg_bug"] = bool(s["ks4_swarm_ccg_bug"])
-    gb = s.get("keep_windows_gb")
-    if gb is not None:
-        gb = float(gb)
-        if not math.isfinite(gb) or gb < 0:
-            raise ValueError(f"keep_windows_gb = {s['keep_windows_gb']!r}: a size in GB, 0 or more (or None)")
-        s["keep_windows_gb"] = gb
+    # keep_windows_gb was checked by split() (kind "size?": finite, 0 or more, or None).
     return json.dumps(s)
 
 
