@@ -139,6 +139,22 @@ pub trait WindowWhitening: Send + Sync {
     /// # Errors
     /// As [`WindowWhitening::window_whitening`] and `pre`'s steps.
     fn preprocess(&self, pre: &Preprocessor, index: u64, x: &mut Array2<f32>) -> Result<()>;
+
+    /// The rest of [`WindowWhitening::preprocess`] on window `index` as
+    /// `pre`'s high-pass and artifact check left it
+    /// ([`Preprocessor::filter_timed`], e.g. kept from a pass before;
+    /// `artifact`: whether the check zeroed it): its whitening, in place. The
+    /// two give the same bits as `preprocess` on the raw window.
+    ///
+    /// # Errors
+    /// As [`WindowWhitening::preprocess`].
+    fn whiten_filtered(
+        &self,
+        pre: &Preprocessor,
+        index: u64,
+        x: &mut Array2<f32>,
+        artifact: bool,
+    ) -> Result<()>;
 }
 
 /// A window's place in the recording (a [`Window`] without its samples).
@@ -496,7 +512,6 @@ impl HostKeeping {
     /// `SPIKECUBE_HOST_KEEP=copy`, a copy of it (made in parallel, row by
     /// row; `x` stays), for measuring.
     fn keep(&mut self, index: u64, x: &mut Array2<f32>) {
-        use rayon::prelude::*;
         if !self.admits(index, (x.len() * 4) as u64) || !x.is_standard_layout() {
             self.stopped = true;
             return;
@@ -505,21 +520,92 @@ impl HostKeeping {
             self.kept.push(std::mem::replace(x, Array2::zeros((0, 0))));
             return;
         }
-        let src = x.as_slice().expect("standard layout");
-        let mut v: Vec<f32> = Vec::with_capacity(src.len());
-        let n = x.ncols().max(1);
-        v.spare_capacity_mut()
-            .par_chunks_mut(n)
-            .zip(src.par_chunks(n))
-            .for_each(|(d, s)| {
-                for (d, &s) in d.iter_mut().zip(s) {
-                    d.write(s);
-                }
-            });
-        // SAFETY: every one of the src.len() values was written just above.
-        unsafe { v.set_len(src.len()) };
-        self.kept
-            .push(Array2::from_shape_vec(x.dim(), v).expect("the window's shape"));
+        self.kept.push(parallel_copy(x));
+    }
+}
+
+/// A copy of window `x` (standard layout), made in parallel row by row on
+/// the thread pool, each value written once.
+fn parallel_copy(x: &Array2<f32>) -> Array2<f32> {
+    use rayon::prelude::*;
+    let src = x.as_slice().expect("standard layout");
+    let mut v: Vec<f32> = Vec::with_capacity(src.len());
+    let n = x.ncols().max(1);
+    v.spare_capacity_mut()
+        .par_chunks_mut(n)
+        .zip(src.par_chunks(n))
+        .for_each(|(d, s)| {
+            for (d, &s) in d.iter_mut().zip(s) {
+                d.write(s);
+            }
+        });
+    // SAFETY: every one of the src.len() values was written just above.
+    unsafe { v.set_len(src.len()) };
+    Array2::from_shape_vec(x.dim(), v).expect("the window's shape")
+}
+
+/// A window a [`HostPass`] kept after its high-pass in the pass before
+/// ([`WindowPass::keep_filtered`]), to be whitened again in the next pass
+/// instead of read and filtered again.
+#[derive(Debug)]
+struct HeldWindow {
+    /// Its samples after channel means, median CAR, high-pass and the
+    /// artifact check, before whitening (`n_sites × n_t`).
+    data: Array2<f32>,
+    /// The stimulus artifacts' stretches found in its raw values (columns),
+    /// zeroed after its whitening.
+    blank: Vec<(usize, usize)>,
+    /// Whether the artifact check zeroed it.
+    artifact: bool,
+}
+
+/// The high-passed windows of a [`HostPass`]: those it keeps during a pass
+/// ([`WindowPass::keep_filtered`]) and those it holds from the pass before
+/// ([`WindowPass::windows_held`]), shared with its stager.
+#[derive(Debug, Clone, Default)]
+struct HostFiltered {
+    /// Windows being kept in this pass, in order from window 0.
+    keeping: Option<Arc<std::sync::Mutex<Keeping<HeldWindow>>>>,
+    /// Windows `0 .. len` held from the pass before, each taken once.
+    held: Arc<Vec<std::sync::Mutex<Option<HeldWindow>>>>,
+}
+
+impl HostFiltered {
+    /// Window `index` when it is held (taken, so `None` afterwards).
+    ///
+    /// # Errors
+    /// When it is held but was taken already.
+    fn take_held(&self, index: u64) -> Result<Option<HeldWindow>> {
+        let Some(slot) = self.held.get(index as usize) else {
+            return Ok(None);
+        };
+        let taken = slot.lock().ok().and_then(|mut h| h.take());
+        match taken {
+            Some(h) => Ok(Some(h)),
+            None => Err(anyhow!(
+                "window {index}, kept after its high-pass, was whitened once already"
+            )),
+        }
+    }
+
+    /// Keeps a copy of high-passed window `index` when keeping and it is the
+    /// next to keep within the budget.
+    fn keep(&self, index: u64, x: &Array2<f32>, blank: &[(usize, usize)], artifact: bool) {
+        let Some(k) = &self.keeping else {
+            return;
+        };
+        let Ok(mut k) = k.lock() else {
+            return;
+        };
+        if !x.is_standard_layout() || !k.admits(index, (x.len() * 4) as u64) {
+            k.stopped = true;
+            return;
+        }
+        k.kept.push(HeldWindow {
+            data: parallel_copy(x),
+            blank: blank.to_vec(),
+            artifact,
+        });
     }
 }
 
@@ -565,13 +651,7 @@ pub fn window_pass(
     };
     #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
     let _ = on_device;
-    Ok(Box::new(HostPass {
-        pre: pre.clone(),
-        detector,
-        yc,
-        drift: None,
-        keep: None,
-    }))
+    Ok(Box::new(HostPass::new(pre.clone(), detector, yc)))
 }
 
 /// Preprocessing on the CPU ([`Preprocessor`]), then detection on any back
@@ -591,6 +671,9 @@ pub struct HostPass {
     /// The preprocessed windows kept so far ([`WindowPass::keep_windows`]);
     /// `None` when not keeping.
     pub keep: Option<HostKeeping>,
+    /// The high-passed windows kept in this pass or held from the pass
+    /// before ([`WindowPass::keep_filtered`]).
+    filtered: HostFiltered,
 }
 
 /// The preprocessing half of a [`HostPass`], run one window ahead of its
@@ -601,6 +684,7 @@ pub struct HostPass {
 struct HostStager {
     pre: Preprocessor,
     drift: Option<Arc<dyn WindowWhitening>>,
+    filtered: HostFiltered,
 }
 
 /// What [`HostStager`] made of a window: the window itself is preprocessed in place.
@@ -609,24 +693,59 @@ struct HostStaged;
 /// Preprocesses one window in place as [`HostPass`] does: `pre`'s steps,
 /// with the window's drift-corrected whitening when `drift` is on, then
 /// `pre`'s blanking of stimulus artifacts; stage name `preprocess` (and its
-/// parts).
+/// parts). A window `filtered` holds from the pass before (kept after its
+/// high-pass) is only whitened and blanked; one `filtered` keeps is kept
+/// after its high-pass, before its whitening. The same bits either way.
 fn host_preprocess(
     pre: &Preprocessor,
     drift: Option<&dyn WindowWhitening>,
+    filtered: &HostFiltered,
     w: &mut Window,
     times: &mut StageTimes,
 ) -> Result<()> {
     let t0 = Instant::now();
-    // Stimulus artifacts' stretches, found in the raw values, zeroed at the end.
-    let blank = pre.blank_ranges(&w.data, w.first_sample);
-    // With drift correction, G_b = M_b·W in place of W.
-    let res = match drift {
-        Some(d) => d.preprocess(pre, w.index, &mut w.data),
-        None => pre
-            .apply_timed(&mut w.data, &mut |part, s| {
-                times.add(&format!("preprocess.{part}"), s)
-            })
-            .map_err(anyhow::Error::from),
+    let mut lap = |part: &str, s: f64| times.add(&format!("preprocess.{part}"), s);
+    let (blank, res) = match filtered.take_held(w.index)? {
+        Some(HeldWindow {
+            data,
+            blank,
+            artifact,
+        }) => {
+            // Its high-pass ran in the pass before, and so did its count.
+            w.data = data;
+            if artifact {
+                pre.count_artifact_window();
+            }
+            let res = match drift {
+                Some(d) => d.whiten_filtered(pre, w.index, &mut w.data, artifact),
+                None if artifact => Ok(()),
+                None => pre
+                    .whiten_timed(&mut w.data, &mut lap)
+                    .map_err(anyhow::Error::from),
+            };
+            (blank, res)
+        }
+        None => {
+            // Stimulus artifacts' stretches, found in the raw values, zeroed
+            // at the end.
+            let blank = pre.blank_ranges(&w.data, w.first_sample);
+            // With drift correction, G_b = M_b·W in place of W.
+            let res = match drift {
+                Some(d) => d.preprocess(pre, w.index, &mut w.data),
+                None => (|| {
+                    let artifact = pre.filter_timed(&mut w.data, &mut lap)?;
+                    let t = Instant::now();
+                    filtered.keep(w.index, &w.data, &blank, artifact);
+                    lap("keep_filtered", t.elapsed().as_secs_f64());
+                    if !artifact {
+                        pre.whiten_timed(&mut w.data, &mut lap)?;
+                    }
+                    Ok::<(), crate::error::PreprocessError>(())
+                })()
+                .map_err(anyhow::Error::from),
+            };
+            (blank, res)
+        }
     };
     res.with_context(|| {
         format!(
@@ -641,16 +760,31 @@ fn host_preprocess(
 
 impl Stager for HostStager {
     fn stage(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Staged> {
-        host_preprocess(&self.pre, self.drift.as_deref(), w, times)?;
+        host_preprocess(&self.pre, self.drift.as_deref(), &self.filtered, w, times)?;
         Ok(Box::new(HostStaged))
     }
 }
 
 impl HostPass {
+    /// A pass preprocessing with `pre` and detecting with `detector` on a
+    /// probe whose sites are at depths `yc` (µm), keeping nothing and
+    /// without drift correction until told.
+    pub fn new(pre: Preprocessor, detector: Detector, yc: Vec<f32>) -> Self {
+        HostPass {
+            pre,
+            detector,
+            yc,
+            drift: None,
+            keep: None,
+            filtered: HostFiltered::default(),
+        }
+    }
+
     fn stager_now(&self) -> HostStager {
         HostStager {
             pre: self.pre.clone(),
             drift: self.drift.clone(),
+            filtered: self.filtered.clone(),
         }
     }
 
@@ -683,7 +817,7 @@ impl HostPass {
 
 impl WindowPass for HostPass {
     fn run(&mut self, w: &mut Window, times: &mut StageTimes) -> Result<Detections> {
-        host_preprocess(&self.pre, self.drift.as_deref(), w, times)?;
+        host_preprocess(&self.pre, self.drift.as_deref(), &self.filtered, w, times)?;
         self.detect(w, times)
     }
 
@@ -719,6 +853,29 @@ impl WindowPass for HostPass {
     }
 
     fn keep_windows(&mut self, budget: Option<u64>) {
+        let held = self
+            .filtered
+            .keeping
+            .take()
+            .and_then(|k| k.lock().ok().map(|mut k| std::mem::take(&mut k.kept)))
+            .unwrap_or_default();
+        if let Some(first) = held.first() {
+            // Each window kept after its high-pass is whitened again and kept
+            // whitened in the same buffer; no other window is kept (the
+            // budget was spent on those).
+            let bytes = (held.len() * first.data.len() * 4) as u64;
+            tracing::debug!(
+                "{} windows start from their high-passed samples kept in host memory; keeping them whitened ({bytes} bytes)",
+                held.len()
+            );
+            self.filtered.held = Arc::new(
+                held.into_iter()
+                    .map(|h| std::sync::Mutex::new(Some(h)))
+                    .collect(),
+            );
+            self.keep = Some(Keeping::new(bytes));
+            return;
+        }
         // By default a third of the memory the process may still take: the
         // matching then neither reads nor preprocesses those windows again
         // (the same bytes; BENCHMARKS.md measures the time it saves).
@@ -727,7 +884,24 @@ impl WindowPass for HostPass {
         self.keep = Some(Keeping::new(budget));
     }
 
+    fn windows_held(&self) -> u64 {
+        self.filtered.held.len() as u64
+    }
+
+    fn keep_filtered(&mut self, budget: Option<u64>) -> bool {
+        // The same default as the whitened windows': they take the place of
+        // these in the pass after.
+        let budget = budget.unwrap_or_else(default_host_keep_budget);
+        if budget == 0 {
+            return false;
+        }
+        tracing::debug!("keeping high-passed windows in host memory within {budget} bytes");
+        self.filtered.keeping = Some(Arc::new(std::sync::Mutex::new(Keeping::new(budget))));
+        true
+    }
+
     fn take_kept(&mut self) -> Option<KeptWindows> {
+        self.filtered = HostFiltered::default();
         let k = self.keep.take()?;
         let first = k.kept.first()?;
         let (n_sites, n_t) = first.dim();

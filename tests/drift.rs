@@ -808,13 +808,7 @@ fn first_pass_without_pc_features_gives_the_same_spikes_and_drift() {
             ds.clone(),
         )
         .unwrap();
-        let mut pass = HostPass {
-            pre: pre.clone(),
-            detector,
-            yc: probe.yc.clone(),
-            drift: None,
-            keep: None,
-        };
+        let mut pass = HostPass::new(pre.clone(), detector, probe.yc.clone());
         let fp = FirstPass {
             recording: &opened.recording,
             plan: &fit.plan,

@@ -29,11 +29,11 @@ fn simulate(dir: &Path) -> PathBuf {
     bin
 }
 
-/// Sorts `bin` on `backend` with `--keep-windows-gb gb` into `out`; returns
-/// the log line saying how many windows the matching found kept, and the
-/// one saying how many windows the detection pass did not read (empty when
-/// it read them all).
-fn sort(bin: &Path, out: &Path, backend: &str, gb: &str) -> (String, String) {
+/// Sorts `bin` on `backend` with `--keep-windows-gb gb` and the flags
+/// `extra` into `out`; returns the log line saying how many windows the
+/// matching found kept, and the one saying how many windows the detection
+/// pass did not read (empty when it read them all).
+fn sort(bin: &Path, out: &Path, backend: &str, gb: &str, extra: &[&str]) -> (String, String) {
     let o = std::process::Command::new(env!("CARGO_BIN_EXE_spikecube"))
         .args([
             "sort",
@@ -46,6 +46,7 @@ fn sort(bin: &Path, out: &Path, backend: &str, gb: &str) -> (String, String) {
             s(out),
             "-q",
         ])
+        .args(extra)
         .env("SPIKECUBE_LOG", "spikecube=info,spikecube::stages=debug")
         .output()
         .unwrap();
@@ -77,17 +78,24 @@ const ARRAYS: [&str; 9] = [
 /// folders' arrays and input checks are the same; `kept` says which log
 /// line each run must print (`None`: none, as when nothing is kept in host
 /// memory) and `unread` how many windows the detection pass must not have
-/// read (kept on the device after their high-pass in the first pass, which
-/// checked them).
-fn same_whatever_kept(backend: &str, kept: [Option<&str>; 3], unread: [u64; 3]) {
+/// read (kept after their high-pass in the first pass, which checked them).
+/// `extra`: more flags for every run, given the temporary folder.
+fn same_whatever_kept(
+    backend: &str,
+    kept: [Option<&str>; 3],
+    unread: [u64; 3],
+    extra: &dyn Fn(&Path) -> Vec<String>,
+) {
     let dir = tempfile::tempdir().unwrap();
     let bin = simulate(dir.path());
+    let extra = extra(dir.path());
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     // A window is 32 × 60 122 f32 = 7.7 MB: 0.02 GB holds two of the five.
     let mut outs = Vec::new();
     let mut checks = Vec::new();
     for ((gb, kept), unread) in ["0", "0.02", "1"].into_iter().zip(kept).zip(unread) {
         let out = dir.path().join(format!("out_{gb}"));
-        let (line, not_read) = sort(&bin, &out, backend, gb);
+        let (line, not_read) = sort(&bin, &out, backend, gb, &extra);
         match kept {
             Some(k) => assert!(line.contains(k), "--keep-windows-gb {gb}: {line:?}"),
             None => assert!(line.is_empty(), "--keep-windows-gb {gb}: {line:?}"),
@@ -152,12 +160,38 @@ fn the_sort_is_the_same_whatever_the_windows_kept_on_the_device() {
         "wgpu",
         [Some("0 of 5"), Some("2 of 5"), Some("5 of 5")],
         [0, 2, 5],
+        &|_| Vec::new(),
     );
 }
 
+/// On the CPU the windows kept after their high-pass in the first pass are
+/// not read again either.
 #[test]
 fn the_sort_is_the_same_whatever_the_windows_kept_in_host_memory() {
-    same_whatever_kept("cpu", [None, Some("2 of 5"), Some("5 of 5")], [0; 3]);
+    same_whatever_kept(
+        "cpu",
+        [None, Some("2 of 5"), Some("5 of 5")],
+        [0, 2, 5],
+        &|_| Vec::new(),
+    );
+}
+
+/// With stimulus artifacts blanked: a window kept after its high-pass keeps
+/// the stretches found in its raw values, zeroed after its whitening in the
+/// second pass as in the first.
+#[test]
+fn blanked_stretches_are_the_same_whatever_the_windows_kept_in_host_memory() {
+    same_whatever_kept(
+        "cpu",
+        [None, Some("2 of 5"), Some("5 of 5")],
+        [0, 2, 5],
+        &|dir| {
+            // In windows 0, 1 and 3 (2 s each).
+            let times = dir.join("artifacts.txt");
+            std::fs::write(&times, "0.5\n3.1\n7.25\n").unwrap();
+            vec!["--artifact-times".into(), s(&times).into()]
+        },
+    );
 }
 
 #[test]

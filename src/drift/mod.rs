@@ -582,6 +582,34 @@ impl DriftRun {
         Ok(())
     }
 
+    /// The whitening half of [`DriftRun::preprocess`] on window
+    /// `window_index` already high-passed by `pre`
+    /// ([`Preprocessor::filter_timed`], which said whether the artifact check
+    /// zeroed it: `artifact`): `G_b·X` in place; without a correction `W·X`,
+    /// or nothing for a zeroed window, as [`Preprocessor::apply`]. The same
+    /// bits as `preprocess` on the raw window.
+    ///
+    /// # Errors
+    /// As [`DriftRun::preprocess`].
+    pub fn whiten_filtered(
+        &self,
+        pre: &Preprocessor,
+        window_index: u64,
+        x: &mut Array2<f32>,
+        artifact: bool,
+    ) -> Result<()> {
+        if self.correction.is_none() {
+            if !artifact {
+                pre.whitening().apply(x)?;
+            }
+            return Ok(());
+        }
+        if let Some(g) = self.window_whitening(window_index, pre.whitening())? {
+            g.apply(x)?;
+        }
+        Ok(())
+    }
+
     /// Adds the drift step to the run's `spikecube.json`: `settings.drift`
     /// (settings, both passes' spike counts, shifts). `second_pass_spikes`:
     /// the output's count.
@@ -626,6 +654,16 @@ impl crate::stages::WindowWhitening for DriftRun {
 
     fn preprocess(&self, pre: &Preprocessor, index: u64, x: &mut Array2<f32>) -> Result<()> {
         DriftRun::preprocess(self, pre, index, x)
+    }
+
+    fn whiten_filtered(
+        &self,
+        pre: &Preprocessor,
+        index: u64,
+        x: &mut Array2<f32>,
+        artifact: bool,
+    ) -> Result<()> {
+        DriftRun::whiten_filtered(self, pre, index, x, artifact)
     }
 }
 

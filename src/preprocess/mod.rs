@@ -348,6 +348,25 @@ impl Preprocessor {
         window: &mut Array2<f32>,
         lap: &mut dyn FnMut(&'static str, f64),
     ) -> Result<(), PreprocessError> {
+        if self.filter_timed(window, lap)? {
+            return Ok(());
+        }
+        self.whiten_timed(window, lap)
+    }
+
+    /// The first part of [`Preprocessor::apply_timed`]: channel means, median
+    /// CAR, high-pass and the artifact check, with the busy seconds of `car`
+    /// and `highpass`. Returns whether the window exceeded the artifact
+    /// threshold (it is zero then, counted, and the chain whitens nothing);
+    /// [`Preprocessor::whiten_timed`] is the rest.
+    ///
+    /// # Errors
+    /// As [`Preprocessor::apply`].
+    pub fn filter_timed(
+        &self,
+        window: &mut Array2<f32>,
+        lap: &mut dyn FnMut(&'static str, f64),
+    ) -> Result<bool, PreprocessError> {
         self.check_shape(window)?;
         let t0 = std::time::Instant::now();
         common_reference(window, self.do_car)?;
@@ -355,19 +374,35 @@ impl Preprocessor {
         lap("car", (t1 - t0).as_secs_f64());
         self.highpass.apply(window)?;
         let artifact = exceeds_artifact_threshold(window, self.artifact_threshold);
-        let t2 = std::time::Instant::now();
-        lap("highpass", (t2 - t1).as_secs_f64());
+        lap("highpass", t1.elapsed().as_secs_f64());
         if artifact {
             self.count_artifact_window();
             window.fill(0.0);
-            return Ok(());
         }
+        Ok(artifact)
+    }
+
+    /// The last part of [`Preprocessor::apply_timed`]: `W·X` in place on a
+    /// window [`Preprocessor::filter_timed`] left, with its busy seconds as
+    /// `whitening`.
+    ///
+    /// # Errors
+    /// As [`Preprocessor::apply`].
+    pub fn whiten_timed(
+        &self,
+        window: &mut Array2<f32>,
+        lap: &mut dyn FnMut(&'static str, f64),
+    ) -> Result<(), PreprocessError> {
+        let t0 = std::time::Instant::now();
         self.whitening.apply(window)?;
-        lap("whitening", t2.elapsed().as_secs_f64());
+        lap("whitening", t0.elapsed().as_secs_f64());
         Ok(())
     }
 
-    fn count_artifact_window(&self) {
+    /// Counts a window zeroed by the artifact threshold
+    /// ([`Preprocessor::artifact_windows`]) when its high-pass ran in an
+    /// earlier pass (a window kept after its high-pass and whitened again).
+    pub(crate) fn count_artifact_window(&self) {
         self.artifact_windows
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }

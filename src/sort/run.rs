@@ -826,6 +826,11 @@ fn host_fed(
     let rec = input.rec;
     let chan_map = &input.probe.chan_map;
     std::thread::scope(|scope| -> Result<()> {
+        // Kept windows, once matched, are freed on a thread of their own:
+        // returning a window's pages to the system takes milliseconds that
+        // would otherwise stand between one window's matching and the next.
+        let (drop_tx, drop_rx) = crossbeam_channel::unbounded::<Array2<f32>>();
+        scope.spawn(move || drop_rx.iter().for_each(drop));
         let (tx, rx) = crossbeam_channel::bounded::<Result<Array2<f32>>>(1);
         // Matched windows' buffers go back to the reader: at most three
         // exist (one read, one queued, one matched).
@@ -858,7 +863,7 @@ fn host_fed(
                 let w = matcher
                     .match_window_in_place(&mut x)
                     .with_context(|| format!("matching: window {i} kept in host memory"))?;
-                drop(x);
+                let _ = drop_tx.send(x);
                 parts.push(w);
                 done(i);
                 continue;
