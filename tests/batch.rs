@@ -168,12 +168,15 @@ fn plan_task_collect_equal_plain_detect_and_skip_complete_tasks() {
     let rows: Vec<&str> = summary.lines().collect();
     assert_eq!(rows.len(), 3, "{summary}");
     assert!(rows[0].starts_with(
-        "index\tname\tstatus\tspikes\trecording_s\twall_s\trealtime\twarnings\tdevice\thost"
+        "index\tname\tstatus\tspikes\tunits\tgood_units\trecording_s\twall_s\trealtime\twarnings\tdevice\thost"
     ));
     assert!(
         rows[1].starts_with(&format!("0\t{}\tok\t", NAMES[0])),
         "{summary}"
     );
+    // A detection has no units.
+    let cols: Vec<&str> = rows[1].split('\t').collect();
+    assert_eq!(&cols[4..6], &["", ""], "{summary}");
 
     // Half-written: a file cut short makes collect fail, naming it.
     let amps = out0.join("amplitudes.npy");
@@ -423,6 +426,10 @@ fn sort_tasks_equal_plain_sort_and_are_skipped_when_complete() {
     let cols: Vec<&str> = row.split('\t').collect();
     assert_eq!(&cols[..3], &["0", NAME, "ok"], "{summary}");
     assert_eq!(cols[3], j["counts"]["n_spikes"].to_string(), "{summary}");
+    // A sort's units and good units.
+    assert_eq!(cols[4], j["counts"]["units"].to_string(), "{summary}");
+    assert_eq!(cols[5], j["counts"]["good"].to_string(), "{summary}");
+    assert!(j["counts"]["units"].as_u64().unwrap() > 0, "{summary}");
 }
 
 /// `batch plan` checks the flags' values against every recording and the
@@ -501,5 +508,33 @@ fn plan_refuses_values_a_task_would_refuse() {
         &both,
         &["--batch-size", "30000", "--nblocks", "1", "-q"],
     ));
+    assert!(run.join("manifest.tsv").exists());
+}
+
+/// `batch plan` says what a task would warn about before reading samples,
+/// naming the task and the recording, and still writes the manifest.
+#[test]
+fn plan_shows_the_warnings_a_task_would_give() {
+    let dir = tempfile::tempdir().unwrap();
+    let (recs, probe) = recordings(dir.path());
+    let run = dir.path().join("run");
+    let o = spikecube(&[
+        "batch",
+        "plan",
+        s(&recs[0]),
+        "--out",
+        s(&run),
+        "--probe",
+        s(&probe),
+        "--artifact-window",
+        "1,1",
+        "-q",
+    ]);
+    ok(&o);
+    let t = text(&o);
+    assert!(
+        t.contains("task 0 (") && t.contains("nothing is blanked"),
+        "{t}"
+    );
     assert!(run.join("manifest.tsv").exists());
 }

@@ -10,14 +10,18 @@ use super::manifest::{Line, Manifest};
 /// The summary's file name inside a run folder.
 pub const SUMMARY_TSV: &str = "summary.tsv";
 
-/// The summary's columns: `realtime` is seconds of recording per second of
-/// the task's run; `warnings` counts the run's warnings (listed in its
-/// `spikecube.json`); `job` is Slurm's `<array job>_<index>` or job id.
-pub const SUMMARY_COLUMNS: [&str; 12] = [
+/// The summary's columns: `units` and `good_units` are a sort's units and
+/// those labelled `good` (empty for a detection); `realtime` is seconds of
+/// recording per second of the task's run; `warnings` counts the run's
+/// warnings (listed in its `spikecube.json`); `job` is Slurm's
+/// `<array job>_<index>` or job id.
+pub const SUMMARY_COLUMNS: [&str; 14] = [
     "index",
     "name",
     "status",
     "spikes",
+    "units",
+    "good_units",
     "recording_s",
     "wall_s",
     "realtime",
@@ -78,6 +82,8 @@ impl Row {
             self.name.clone(),
             self.status.to_string(),
             text(&j["counts"]["n_spikes"]),
+            text(&j["counts"]["units"]),
+            text(&j["counts"]["good"]),
             secs.map(|s| format!("{s:.3}")).unwrap_or_default(),
             wall.map(|s| format!("{s:.3}")).unwrap_or_default(),
             match (secs, wall) {

@@ -129,13 +129,23 @@ fn plan(mut args: Vec<OsString>, quiet: bool) -> Result<ExitCode> {
         };
         // The recording is named once: many of the checks' messages name it.
         let input = line.inputs[0].display().to_string();
-        checked.map_err(|e| {
-            if format!("{e:#}").contains(&input) {
-                e.context(what)
+        let named = |m: &str| {
+            if m.contains(&input) {
+                what.clone()
             } else {
-                e.context(format!("{what}, {input}"))
+                format!("{what}, {input}")
             }
+        };
+        let warnings = checked.map_err(|e| {
+            let context = named(&format!("{e:#}"));
+            e.context(context)
         })?;
+        // What the task would warn about before reading samples (a probe
+        // made for more channels than the file, millimetre coordinates, …)
+        // is said now too; the task's log says it again.
+        for w in warnings {
+            tracing::warn!("{}: {w}", named(&w));
+        }
     }
     let written = batch::write_once(&split.run, &manifest)?;
     let path = split.run.join(batch::MANIFEST_TSV);
