@@ -236,8 +236,14 @@ pub fn read_event_times(path: &Path) -> Result<EventTimes> {
     let (seconds, warning) = if path.extension().is_some_and(|e| e == "npy") {
         (read_npy_times(path)?, None)
     } else {
-        let text = std::fs::read_to_string(path)
+        let bytes = std::fs::read(path)
             .with_context(|| format!("--artifact-times: cannot read {}", path.display()))?;
+        let text = times_text(bytes).map_err(|e| {
+            anyhow::anyhow!(
+                "--artifact-times {}: {e}; save it as UTF-8 text or CSV (in Excel: \"CSV UTF-8\")",
+                path.display()
+            )
+        })?;
         let seconds = parse_times_text(&text)
             .map_err(|e| anyhow::anyhow!("--artifact-times {}: {e}", path.display()))?;
         (seconds, decimal_comma_warning(&text, path))
@@ -257,6 +263,44 @@ pub fn read_event_times(path: &Path) -> Result<EventTimes> {
         );
     }
     Ok(EventTimes { seconds, warning })
+}
+
+/// The text of a times file: UTF-8, or UTF-16 with its byte order mark (a
+/// spreadsheet's "Unicode text" export), decoded.
+///
+/// # Errors
+/// A file that is neither, saying what it looks like.
+fn times_text(bytes: Vec<u8>) -> std::result::Result<String, String> {
+    let utf16 = |rest: &[u8], le: bool| -> std::result::Result<String, String> {
+        if !rest.len().is_multiple_of(2) {
+            return Err("UTF-16 text with an odd number of bytes".into());
+        }
+        let units: Vec<u16> = rest
+            .chunks_exact(2)
+            .map(|b| {
+                if le {
+                    u16::from_le_bytes([b[0], b[1]])
+                } else {
+                    u16::from_be_bytes([b[0], b[1]])
+                }
+            })
+            .collect();
+        String::from_utf16(&units).map_err(|_| "UTF-16 text that does not decode".into())
+    };
+    match bytes.as_slice() {
+        [0xFF, 0xFE, rest @ ..] => utf16(rest, true),
+        [0xFE, 0xFF, rest @ ..] => utf16(rest, false),
+        _ if bytes.contains(&0) => Err(
+            "not UTF-8 text (it holds zero bytes: UTF-16 without a byte order mark, or a binary file)"
+                .into(),
+        ),
+        _ => String::from_utf8(bytes).map_err(|e| {
+            format!(
+                "not UTF-8 text (byte {} is not UTF-8)",
+                e.utf8_error().valid_up_to() + 1
+            )
+        }),
+    }
 }
 
 #[allow(clippy::unnecessary_cast)] // the macro's `as f64` also runs on f64
@@ -615,6 +659,41 @@ mod tests {
         std::fs::write(&p, "# nothing\n").unwrap();
         let e = read_event_times(&p).unwrap_err().to_string();
         assert!(e.contains("empty.txt") && e.contains("no times"), "{e}");
+    }
+
+    /// A spreadsheet's "Unicode text" export (UTF-16 with its byte order
+    /// mark, either byte order) is read; other text that is not UTF-8 is an
+    /// error saying to save the file as UTF-8.
+    #[test]
+    fn utf16_files_are_read_and_other_encodings_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = "time\tlabel\r\n1.5\tlaser\r\n2.25\tlaser\r\n";
+        let units: Vec<u16> = text.encode_utf16().collect();
+        for le in [true, false] {
+            let mut bytes = if le {
+                vec![0xFF, 0xFE]
+            } else {
+                vec![0xFE, 0xFF]
+            };
+            for u in &units {
+                bytes.extend(if le { u.to_le_bytes() } else { u.to_be_bytes() });
+            }
+            let p = dir.path().join("times.txt");
+            std::fs::write(&p, &bytes).unwrap();
+            assert_eq!(read_event_times(&p).unwrap().seconds, vec![1.5, 2.25]);
+        }
+        let p = dir.path().join("nobom.txt");
+        let bytes: Vec<u8> = units.iter().flat_map(|u| u.to_le_bytes()).collect();
+        std::fs::write(&p, bytes).unwrap();
+        let e = read_event_times(&p).unwrap_err().to_string();
+        assert!(
+            e.contains("nobom.txt") && e.contains("UTF-16") && e.contains("UTF-8"),
+            "{e}"
+        );
+        let p = dir.path().join("latin1.txt");
+        std::fs::write(&p, b"1.5 \xe9clair\n").unwrap();
+        let e = read_event_times(&p).unwrap_err().to_string();
+        assert!(e.contains("latin1.txt") && e.contains("not UTF-8"), "{e}");
     }
 
     #[test]
