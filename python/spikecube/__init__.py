@@ -505,8 +505,9 @@ def detect(
         * drift correction: ``nblocks`` (1; 0 turns it off),
           ``drift_smoothing`` ((0.5, 0.5, 0.5), Gaussian σ over lag, window
           and block), ``sig_interp`` (20 µm), ``binning_depth`` (5 µm);
-        * stimulus artifacts: ``artifact_times`` (a file of times in seconds
-          from the start of the file: text, CSV or ``.npy``), each blanked
+        * stimulus artifacts: ``artifact_times`` (times in seconds from the
+          start of the file: a text, CSV or ``.npy`` file, or a 1-D list or
+          array of the times themselves), each blanked
           over ``artifact_window`` ((0.5, 2): ms before and after) in the
           preprocessed data; ``blank_transients`` (False) also blanks the
           transients common to most channels;

@@ -127,7 +127,7 @@ KINDS: dict[str, str] = {
     "exclude_channels": "channels",
     "mask_clipped": "bool",
     "keep_boundary_duplicates": "bool",
-    "artifact_times": "path?",
+    "artifact_times": "times?",
     "artifact_window": "pair",
     "blank_transients": "bool",
     "templates_from_data": "bool?",
@@ -164,6 +164,7 @@ _EXPECTED = {
     "count": "a whole number from 0 to 2**64 - 1",
     "bool": "True or False",
     "path": "a path (str or os.PathLike)",
+    "times": "a path (str or os.PathLike) or a 1-D sequence of finite times in seconds",
     "time": "a number of seconds (inf: to the end)",
     "channels": "a list of channel numbers (whole numbers, 0 or more)",
     "pair": "two numbers of milliseconds, before and after each event, e.g. (0.5, 2)",
@@ -231,6 +232,16 @@ def check_value(key: str, value, kind: str):
     elif base == "path":
         if isinstance(value, (str, os.PathLike)):
             got = os.fsdecode(os.fspath(value))
+    elif base == "times":
+        if isinstance(value, (str, os.PathLike)):
+            got = os.fsdecode(os.fspath(value))
+        elif not isinstance(value, bytes) and hasattr(value, "__iter__"):
+            import numpy as np
+
+            arr = np.asarray(value)
+            if arr.ndim == 1 and arr.size > 0 and arr.dtype.kind in "iuf":
+                ts = [_number(t) for t in arr.tolist()]
+                got = ts if None not in ts else None
     elif base == "time":
         if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) == math.inf:
             got = math.inf

@@ -419,8 +419,8 @@ _OWN_SETTINGS = {
     "sig_interp": "Width of the drift correction's interpolation kernel, um (Kilosort4's sig_interp)",
     "binning_depth": "Height of the depth bins of the drift histogram, um (Kilosort4's binning_depth)",
     "artifact_times": (
-        "File of stimulus-artifact times, seconds from the recording's start (text, CSV or .npy); "
-        "the preprocessed data are set to zero over artifact_window around each"
+        "Stimulus-artifact times, seconds from the recording's start: a file (text, CSV or .npy) "
+        "or a list of times; the preprocessed data are set to zero over artifact_window around each"
     ),
     "artifact_window": "Stretch set to zero around each artifact: (ms before, ms after)",
     "blank_transients": "Also set to zero the preprocessed data around transients common to most channels",
@@ -490,7 +490,8 @@ class SpikecubeSorter(BaseSorter):
             name = _settings.ALIASES.get(k, k)
             params[k] = groups[_settings.SETTINGS[name][0]][name]
             # Files are looked for now, before the recording is copied.
-            if _settings.KINDS[name].rstrip("?") == "path" and params[k] is not None:
+            kind = _settings.KINDS[name].rstrip("?")
+            if kind in ("path", "times") and isinstance(params[k], str):
                 if not os.path.exists(params[k]):
                     raise ValueError(f"{k} = {params[k]!r}: no such file")
         return params

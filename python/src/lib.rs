@@ -265,6 +265,14 @@ fn settings_from<T: serde::de::DeserializeOwned>(json: &str, what: &str) -> PyRe
         .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("{what} settings: {e}")))
 }
 
+/// `artifact_times` as Python gives it: a file's path, or the times.
+#[derive(serde::Deserialize)]
+#[serde(untagged)]
+enum ArtifactTimes {
+    File(PathBuf),
+    Seconds(Vec<f64>),
+}
+
 /// How to open the recording (the command line's recording flags).
 #[derive(serde::Deserialize)]
 struct RecordingOpts {
@@ -279,10 +287,10 @@ struct RecordingOpts {
     exclude_channels: Vec<u64>,
     mask_clipped: bool,
     keep_boundary_duplicates: bool,
-    /// Stimulus-artifact times file (`--artifact-times`), blanked over
-    /// `artifact_window` ms; `blank_transients` also blanks the transients
-    /// common to most channels.
-    artifact_times: Option<PathBuf>,
+    /// Stimulus-artifact times (`--artifact-times`): a file, or the times
+    /// in seconds; blanked over `artifact_window` ms; `blank_transients`
+    /// also blanks the transients common to most channels.
+    artifact_times: Option<ArtifactTimes>,
     artifact_window: (f64, f64),
     blank_transients: bool,
 }
@@ -331,9 +339,13 @@ fn open_recording(
         keep_boundary_duplicates: o.keep_boundary_duplicates,
     };
     let (opened, probe, mut checks) = spikecube::pipeline::open_for_detection(&req)?;
+    use spikecube::preprocess::blanking::TimesSource;
     checks.blanking = spikecube::preprocess::blanking::blanking_for(
         opened.recording.as_ref(),
-        o.artifact_times.as_deref(),
+        o.artifact_times.as_ref().map(|t| match t {
+            ArtifactTimes::File(p) => TimesSource::File(p),
+            ArtifactTimes::Seconds(s) => TimesSource::Seconds(s),
+        }),
         o.artifact_window,
         o.blank_transients,
         &mut checks.warnings,

@@ -104,6 +104,16 @@ def test_template_drift_and_artifact_settings_are_the_flags(sim_bin, tmp_path):
     assert (learn["Th_single_ch"], learn["seed"], learn["min_clips"], learn["template_check"]) == (7.0, 3, 50, False)
     assert got["blanking"]["events_given"] == 3 and got["blanking"]["around_transients"]
     assert (got["blanking"]["ms_before"], got["blanking"]["ms_after"]) == (1.0, 3.0)
+    # The times themselves, as a list or an array, blank as the file does.
+    for given in ([1.0, 2.5, 4.0], np.array([1.0, 2.5, 4.0])):
+        r = spikecube.detect(
+            sim_bin, progress=False,
+            Th_single_ch=7, seed=3, min_learn_clips=50, template_check=False,
+            drift_smoothing=(1, 1, 1), sig_interp=15, binning_depth=10,
+            artifact_times=given, artifact_window=(1, 3), blank_transients=True,
+        )
+        assert_same(r, folder)
+        assert r.info["settings"]["checks"]["transients"]["blanking"] == recorded(folder)["blanking"]
 
 
 def test_templates_file_and_builtin_templates_are_the_flags(sim_bin, sim_cli, sim_cli_keep, tmp_path):
@@ -137,6 +147,9 @@ def test_templates_file_and_builtin_templates_are_the_flags(sim_bin, sim_cli, si
     ("do_CAR", "yes", "do_CAR = 'yes': expected True or False"),
     ("templates", 3, "templates = 3: expected a path"),
     ("artifact_times", ["a.txt"], "artifact_times = ['a.txt']: expected a path"),
+    ("artifact_times", [1.0, float("nan")], "artifact_times = [1.0, nan]: expected a path (str or os.PathLike) "
+                                             "or a 1-D sequence of finite times"),
+    ("artifact_times", [], "artifact_times = []: expected a path"),
     ("drift_smoothing", 0.5, "drift_smoothing = 0.5: expected three numbers"),
     ("artifact_window", (1, "x"), "artifact_window = (1, 'x'): expected two numbers"),
     ("exclude_channels", "3,4", "exclude_channels = '3,4': expected a list of channel numbers"),

@@ -212,6 +212,10 @@ def test_spikeinterface_sorter_takes_the_new_settings(tmp_path):
                                                                       templates=tmp_path / "t.npz"))
     assert checked["artifact_times"] == str(tmp_path / "t.txt") and checked["templates"] == str(tmp_path / "t.npz")
     json.dumps(checked)
+    # The times themselves (a list or an array) are kept as a list of floats.
+    checked = ssi.SpikecubeSorter._check_params(None, tmp_path, dict(params, artifact_times=np.array([1.5, 3])))
+    assert checked["artifact_times"] == [1.5, 3.0]
+    json.dumps(checked)
     with pytest.raises(ValueError, match="Th_learned = 'eight': expected a finite number"):
         ssi.SpikecubeSorter._check_params(None, tmp_path, dict(params, Th_learned="eight"))
     # A missing file and a negative budget are refused before the recording is copied.

@@ -313,7 +313,9 @@ impl CheckArgs {
     ) -> Result<Option<std::sync::Arc<spikecube::preprocess::Blanking>>> {
         spikecube::preprocess::blanking::blanking_for(
             rec,
-            self.artifact_times.as_deref(),
+            self.artifact_times
+                .as_deref()
+                .map(spikecube::preprocess::blanking::TimesSource::File),
             self.artifact_window,
             self.blank_transients,
             warnings,

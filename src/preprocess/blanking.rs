@@ -163,30 +163,34 @@ pub fn zero_columns(x: &mut Array2<f32>, ranges: &[(usize, usize)]) -> usize {
 /// recording; a window [`Blanking::new`] refuses.
 pub fn blanking_for(
     rec: &dyn crate::recording::Recording,
-    artifact_times: Option<&Path>,
+    artifact_times: Option<TimesSource<'_>>,
     window_ms: (f64, f64),
     transients: bool,
     warnings: &mut Vec<String>,
 ) -> Result<Option<Arc<Blanking>>> {
     let mut events = Vec::new();
-    if let Some(path) = artifact_times {
-        let times = read_event_times(path)?;
+    let given = artifact_times.is_some();
+    if let Some(source) = artifact_times {
+        let times = source.read()?;
+        let label = source.label();
         warnings.extend(times.warning.clone());
-        let (inside, w) =
-            event_samples(&times, path, rec.fs(), rec.first_sample(), rec.n_samples());
+        let (inside, w) = event_samples(
+            &times,
+            &label,
+            rec.fs(),
+            rec.first_sample(),
+            rec.n_samples(),
+        );
         if inside.is_empty() {
             bail!(
                 "{}",
-                w.unwrap_or_else(|| format!(
-                    "--artifact-times {}: no time inside the recording",
-                    path.display()
-                ))
+                w.unwrap_or_else(|| format!("{label}: no time inside the recording"))
             );
         }
         warnings.extend(w);
         events = inside;
     }
-    if artifact_times.is_none() && !transients {
+    if !given && !transients {
         if window_ms != DEFAULT_ARTIFACT_WINDOW_MS {
             warnings.push("--artifact-window was given without --artifact-times or --blank-transients true: nothing is blanked".into());
         }
@@ -210,6 +214,60 @@ pub fn blanking_for(
         ));
     }
     Ok(Some(Arc::new(b)))
+}
+
+/// Where a run's stimulus artifact times come from: a file
+/// (`--artifact-times`, [`read_event_times`]) or, from Python, the times
+/// themselves (seconds from the start of the file).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TimesSource<'a> {
+    /// A `.npy` array or a text/CSV file of times.
+    File(&'a Path),
+    /// The times, seconds.
+    Seconds(&'a [f64]),
+}
+
+impl TimesSource<'_> {
+    /// How messages name the times: `--artifact-times FILE`, or
+    /// `artifact_times (a list of N times)`.
+    pub fn label(&self) -> String {
+        match self {
+            TimesSource::File(p) => format!("--artifact-times {}", p.display()),
+            TimesSource::Seconds(t) => {
+                format!(
+                    "artifact_times (a list of {})",
+                    crate::error::count(t.len() as u64, "time")
+                )
+            }
+        }
+    }
+
+    /// The times: read from the file, or checked as given.
+    ///
+    /// # Errors
+    /// As [`read_event_times`] (no time at all, a time that is not finite).
+    pub fn read(&self) -> Result<EventTimes> {
+        match self {
+            TimesSource::File(p) => read_event_times(p),
+            TimesSource::Seconds(t) => checked_times(t.to_vec(), None, &self.label()),
+        }
+    }
+}
+
+/// `seconds` when there is at least one and every one is finite; errors
+/// name `label`.
+fn checked_times(seconds: Vec<f64>, warning: Option<String>, label: &str) -> Result<EventTimes> {
+    if seconds.is_empty() {
+        bail!("{label}: no times given");
+    }
+    if let Some((i, t)) = seconds.iter().enumerate().find(|(_, t)| !t.is_finite()) {
+        bail!(
+            "{label}: time {} of {} is {t}; every time must be a finite number of seconds",
+            i + 1,
+            seconds.len()
+        );
+    }
+    Ok(EventTimes { seconds, warning })
 }
 
 /// Event times read from a file, seconds.
@@ -254,15 +312,7 @@ pub fn read_event_times(path: &Path) -> Result<EventTimes> {
             path.display()
         );
     }
-    if let Some((i, t)) = seconds.iter().enumerate().find(|(_, t)| !t.is_finite()) {
-        bail!(
-            "--artifact-times {}: time {} of {} is {t}; every time must be a finite number of seconds",
-            path.display(),
-            i + 1,
-            seconds.len()
-        );
-    }
-    Ok(EventTimes { seconds, warning })
+    checked_times(seconds, warning, &TimesSource::File(path).label())
 }
 
 /// The text of a times file: UTF-8, or UTF-16 with its byte order mark (a
@@ -520,10 +570,11 @@ fn starts_like_a_number(field: &str) -> bool {
 /// absolute sample `first` and which holds `n_samples` samples at `fs`:
 /// `round(t·fs)`, those inside it; and a warning about those outside (their
 /// count, the first few, the recording's range, and a hint when the times
-/// look like milliseconds or samples), or `None`.
+/// look like milliseconds or samples), or `None`, beginning with `label`
+/// ([`TimesSource::label`]).
 pub fn event_samples(
     times: &EventTimes,
-    path: &Path,
+    label: &str,
     fs: f64,
     first: u64,
     n_samples: u64,
@@ -549,15 +600,14 @@ pub fn event_samples(
     // more past the end; times just past it are more likely another, longer
     // recording's (a batch gives every task the same file).
     let hint = if max >= 10.0 * hi {
-        " (they look like milliseconds or samples: the file must hold seconds)"
+        " (they look like milliseconds or samples: the times must be seconds)"
     } else if max >= hi {
-        " (is the file this recording's? the times must be counted from its first sample, in seconds)"
+        " (are they this recording's? the times must be counted from its first sample, in seconds)"
     } else {
         ""
     };
     let w = format!(
-        "--artifact-times {}: {} of {} times are outside the recording ({lo:.3}–{hi:.3} s) and were ignored: {}{more}{hint}",
-        path.display(),
+        "{label}: {} of {} times are outside the recording ({lo:.3}–{hi:.3} s) and were ignored: {}{more}{hint}",
         outside.len(),
         times.seconds.len(),
         few.join(", ")
@@ -719,7 +769,7 @@ mod tests {
             seconds: vec![0.5, 1500.0, 2.5],
             warning: None,
         };
-        let (s, w) = event_samples(&t, Path::new("light.csv"), 1000.0, 0, 3000);
+        let (s, w) = event_samples(&t, "--artifact-times light.csv", 1000.0, 0, 3000);
         assert_eq!(s, vec![500, 2500]);
         let w = w.unwrap();
         assert!(
@@ -733,7 +783,7 @@ mod tests {
             seconds: vec![0.5, 3.5],
             warning: None,
         };
-        let w = event_samples(&t, Path::new("light.csv"), 1000.0, 0, 3000)
+        let w = event_samples(&t, "--artifact-times light.csv", 1000.0, 0, 3000)
             .1
             .unwrap();
         assert!(
