@@ -173,7 +173,9 @@ pub struct SortFlags {
     #[arg(long)]
     pub ks4_swarm_ccg_bug: bool,
     /// Memory, GB, for keeping the detection pass's preprocessed windows for
-    /// the matching, which then neither reads nor preprocesses them again:
+    /// the matching, which then neither reads nor preprocesses them again
+    /// (and, with drift correction, the first pass's high-passed windows,
+    /// which the corrected pass whitens again instead of reading them):
     /// the GPU's when the detection preprocessed there (default: half of its
     /// free memory with CUDA, none with wgpu), else the host's (default:
     /// a third of the memory the process may still take, within a Slurm job's or
