@@ -446,17 +446,21 @@ pub struct KeepWindows {
 
 /// The host memory, bytes, that a pass keeps preprocessed windows in when
 /// `--keep-windows-gb` is not given: a third of what this process may still
-/// take, the smaller of the system's available memory and, under a cgroup
-/// memory limit (a Slurm job's `--mem`, a container's limit), the free memory
-/// of this process's cgroup. A third, not half: the kept windows are held
+/// take ([`host_free_memory`]). A third, not half: the kept windows are held
 /// through the first clustering, which on a long recording needs about as
 /// much again (13.8 GB for 20 million spikes). 0 when the system reports
-/// neither.
+/// nothing.
 pub fn default_host_keep_budget() -> u64 {
+    host_free_memory().map_or(0, |free| free / 3)
+}
+
+/// The host memory, bytes, this process may still take: the smaller of the
+/// system's available memory and, under a cgroup memory limit (a Slurm job's
+/// `--mem`, a container's limit), the free memory of this process's cgroup;
+/// `None` when the system reports neither.
+pub fn host_free_memory() -> Option<u64> {
     use sysinfo::{MemoryRefreshKind, Pid, ProcessRefreshKind, ProcessesToUpdate, System};
-    let Ok(mut sys) = System::new() else {
-        return 0;
-    };
+    let mut sys = System::new().ok()?;
     sys.refresh_memory_specifics(MemoryRefreshKind::nothing().with_ram());
     let mut free = sys.available_memory();
     let pid = Pid::from_u32(std::process::id());
@@ -468,7 +472,35 @@ pub fn default_host_keep_budget() -> u64 {
     if let Some(limits) = sys.process(pid).and_then(|p| p.cgroup_limits()) {
         free = free.min(limits.free_memory);
     }
-    free / 3
+    (free > 0).then_some(free)
+}
+
+/// Share of the memory left (host or GPU) that a budget given with
+/// `--keep-windows-gb` may take ([`capped_budget`]).
+pub const GIVEN_BUDGET_SHARE: f64 = 0.8;
+
+/// `--keep-windows-gb`'s `given` bytes, or [`GIVEN_BUDGET_SHARE`] of `free`
+/// (the memory left where the windows are kept: `place`, `host` or `GPU`)
+/// when that is less, with a warning saying so: windows past the budget are
+/// read again, so the sort is the same, while a budget past the memory
+/// would end the run (the host's out-of-memory killer, or a failed GPU
+/// allocation). `free` unknown: `given`.
+pub fn capped_budget(given: u64, free: Option<u64>, place: &str) -> u64 {
+    let Some(free) = free else {
+        return given;
+    };
+    let cap = (free as f64 * GIVEN_BUDGET_SHARE) as u64;
+    if given <= cap {
+        return given;
+    }
+    tracing::warn!(
+        "--keep-windows-gb {:.1} is more than {:.0} % of the {place} memory left ({:.1} GB): windows are kept within {:.1} GB, the others read again (the sort is the same)",
+        given as f64 / 1e9,
+        GIVEN_BUDGET_SHARE * 100.0,
+        free as f64 / 1e9,
+        cap as f64 / 1e9
+    );
+    cap
 }
 
 /// The windows a pass keeps ([`WindowPass::keep_windows`]): windows 0 .. k,
@@ -879,7 +911,10 @@ impl WindowPass for HostPass {
         // By default a third of the memory the process may still take: the
         // matching then neither reads nor preprocesses those windows again
         // (the same bytes; BENCHMARKS.md measures the time it saves).
-        let budget = budget.unwrap_or_else(default_host_keep_budget);
+        let budget = match budget {
+            Some(b) => capped_budget(b, host_free_memory(), "host"),
+            None => default_host_keep_budget(),
+        };
         tracing::debug!("keeping preprocessed windows in host memory within {budget} bytes");
         self.keep = Some(Keeping::new(budget));
     }
@@ -891,7 +926,10 @@ impl WindowPass for HostPass {
     fn keep_filtered(&mut self, budget: Option<u64>) -> bool {
         // The same default as the whitened windows': they take the place of
         // these in the pass after.
-        let budget = budget.unwrap_or_else(default_host_keep_budget);
+        let budget = match budget {
+            Some(b) => capped_budget(b, host_free_memory(), "host"),
+            None => default_host_keep_budget(),
+        };
         if budget == 0 {
             return false;
         }
@@ -1440,7 +1478,11 @@ impl WindowPass for DevicePass {
             self.keep = Some(Keeping::new(bytes));
             return;
         }
-        let budget = budget.unwrap_or_else(|| self.detector.free_device_memory().unwrap_or(0) / 2);
+        let free = self.detector.free_device_memory();
+        let budget = match budget {
+            Some(b) => capped_budget(b, free, "GPU"),
+            None => free.unwrap_or(0) / 2,
+        };
         tracing::debug!("keeping whitened windows on the device within {budget} bytes");
         self.keep = Some(Keeping::new(budget));
     }
@@ -1450,7 +1492,11 @@ impl WindowPass for DevicePass {
     }
 
     fn keep_filtered(&mut self, budget: Option<u64>) -> bool {
-        let budget = budget.unwrap_or_else(|| self.detector.free_device_memory().unwrap_or(0) / 2);
+        let free = self.detector.free_device_memory();
+        let budget = match budget {
+            Some(b) => capped_budget(b, free, "GPU"),
+            None => free.unwrap_or(0) / 2,
+        };
         tracing::debug!("keeping high-passed windows on the device within {budget} bytes");
         self.filtered = Some(Keeping::new(budget));
         true
@@ -1909,6 +1955,18 @@ mod tests {
     use std::collections::HashSet;
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A given budget stands when it fits in the memory left (or that is
+    /// unknown), and is cut to [`GIVEN_BUDGET_SHARE`] of it otherwise.
+    #[test]
+    fn a_given_budget_is_capped_by_the_memory_left() {
+        let gb = 1_000_000_000u64;
+        assert_eq!(capped_budget(10 * gb, Some(100 * gb), "host"), 10 * gb);
+        assert_eq!(capped_budget(80 * gb, Some(100 * gb), "host"), 80 * gb);
+        assert_eq!(capped_budget(500 * gb, Some(100 * gb), "host"), 80 * gb);
+        assert_eq!(capped_budget(500 * gb, None, "GPU"), 500 * gb);
+        assert_eq!(capped_budget(0, Some(gb), "host"), 0);
+    }
 
     /// The host default keeps something on a Linux machine with free memory,
     /// and never more than a third of what the system reports available.

@@ -179,8 +179,9 @@ pub struct SortFlags {
     /// the GPU's when the detection preprocessed there (default: half of its
     /// free memory with CUDA, none with wgpu), else the host's (default:
     /// a third of the memory the process may still take, within a Slurm job's or
-    /// container's cgroup limit). 0: none. Windows past it are read again. The sort is the same
-    /// either way.
+    /// container's cgroup limit). 0: none. A value over 80 % of the memory
+    /// left is cut to that, with a warning. Windows past it are read again.
+    /// The sort is the same either way.
     #[arg(long, value_name = "GB", value_parser = gigabytes, allow_negative_numbers = true)]
     #[serde(default)]
     pub keep_windows_gb: Option<f64>,
