@@ -504,7 +504,11 @@ def detect(
           is off centre is realigned or replaced, with a warning);
         * drift correction: ``nblocks`` (1; 0 turns it off),
           ``drift_smoothing`` ((0.5, 0.5, 0.5), Gaussian σ over lag, window
-          and block), ``sig_interp`` (20 µm), ``binning_depth`` (5 µm);
+          and block), ``sig_interp`` (20 µm), ``binning_depth`` (5 µm),
+          ``drift_mode`` ("spikecube"; "kilosort" keeps Kilosort4's sharp
+          edges), ``drift_edge_margin`` (15 µm; ``math.inf``: Kilosort4's
+          extrapolation), ``drift_only`` (False; ``detect`` only: stop after
+          the drift estimate);
         * stimulus artifacts: ``artifact_times`` (times in seconds from the
           start of the file: a text, CSV or ``.npy`` file, or a 1-D list or
           array of the times themselves), each blanked

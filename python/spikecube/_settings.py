@@ -72,6 +72,13 @@ SETTINGS: dict[str, tuple[str, object]] = {
     "drift_smoothing": ("drift", (0.5, 0.5, 0.5)),
     "sig_interp": ("drift", 20.0),
     "binning_depth": ("drift", 5.0),
+    # Kilosort4's sharp edges made safe ("spikecube") or kept ("kilosort");
+    # sites whose corrected position lies more than drift_edge_margin µm
+    # beyond the probe's end read zero (inf: Kilosort4's extrapolation);
+    # drift_only stops after the drift estimate (detect only)
+    "drift_mode": ("drift", "spikecube"),
+    "drift_edge_margin": ("drift", 15.0),
+    "drift_only": ("drift", False),
     # CPU worker threads; None: the RAYON_NUM_THREADS environment variable,
     # else one per core. Set once per process (at its first run).
     "threads": ("run", None),
@@ -140,6 +147,9 @@ KINDS: dict[str, str] = {
     "drift_smoothing": "triple",
     "sig_interp": "number",
     "binning_depth": "number",
+    "drift_mode": "drift_mode",
+    "drift_edge_margin": "margin",
+    "drift_only": "bool",
     "threads": "threads?",
     "Th_learned": "number",
     "max_peels": "count",
@@ -170,6 +180,8 @@ _EXPECTED = {
     "pair": "two numbers of milliseconds, before and after each event, e.g. (0.5, 2)",
     "triple": "three numbers (σ over lag, window and block), e.g. (0.5, 0.5, 0.5)",
     "generator": "'torch' or 'chacha8'",
+    "drift_mode": "'spikecube' or 'kilosort'",
+    "margin": "a number of µm, 0 or more (inf: Kilosort4's extrapolation)",
 }
 
 
@@ -255,6 +267,15 @@ def check_value(key: str, value, kind: str):
         got = _numbers(value, 2)
     elif base == "triple":
         got = _numbers(value, 3)
+    elif base == "drift_mode":
+        if isinstance(value, str) and value in ("spikecube", "kilosort"):
+            got = str(value)
+    elif base == "margin":
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) == math.inf:
+            got = math.inf
+        else:
+            got = _number(value)
+            got = got if got is not None and got >= 0 else None
     elif base == "generator":
         if isinstance(value, str) and value in ("torch", "chacha8"):
             got = str(value)
@@ -309,12 +330,17 @@ def split(settings: dict, allowed: set[str] | None = None) -> dict[str, dict]:
 
 
 def drift_json(d: dict) -> str:
+    margin = float(d.get("drift_edge_margin", 15.0))
     return json.dumps(
         {
             "nblocks": int(d.get("nblocks", 1)),
             "drift_smoothing": [float(v) for v in d.get("drift_smoothing", (0.5, 0.5, 0.5))],
             "sig_interp": float(d.get("sig_interp", 20.0)),
             "binning_depth": float(d.get("binning_depth", 5.0)),
+            "drift_mode": str(d.get("drift_mode", "spikecube")),
+            # JSON has no infinity: None stands for it.
+            "drift_edge_margin": None if math.isinf(margin) else margin,
+            "drift_only": bool(d.get("drift_only", False)),
         }
     )
 

@@ -418,6 +418,15 @@ _OWN_SETTINGS = {
     "drift_smoothing": "Gaussian sigma of the drift scores over lag, window and block: three numbers",
     "sig_interp": "Width of the drift correction's interpolation kernel, um (Kilosort4's sig_interp)",
     "binning_depth": "Height of the depth bins of the drift histogram, um (Kilosort4's binning_depth)",
+    "drift_mode": (
+        "'spikecube' makes Kilosort4's drift sharp edges safe (empty windows, probes too short for the "
+        "search, too many blocks); 'kilosort' keeps them, with warnings"
+    ),
+    "drift_edge_margin": (
+        "um: sites whose drift-corrected position lies more than this beyond the probe's end read zero; "
+        "inf keeps Kilosort4's extrapolation"
+    ),
+    "drift_only": "Stop after the drift estimate (detection only; a sort refuses it)",
     "artifact_times": (
         "Stimulus-artifact times, seconds from the recording's start: a file (text, CSV or .npy) "
         "or a list of times; the preprocessed data are set to zero over artifact_window around each"

@@ -443,12 +443,19 @@ fn detect_job(
         hp_filtered: false,
         ..RunInfo::default()
     };
+    let mode = match drift.drift_mode.as_str() {
+        "spikecube" => spikecube::drift::DriftMode::Spikecube,
+        "kilosort" => spikecube::drift::DriftMode::Kilosort,
+        other => anyhow::bail!("drift_mode = {other:?}: expected 'spikecube' or 'kilosort'"),
+    };
     let drift = spikecube::drift::DriftSettings {
         nblocks: drift.nblocks,
         binning_depth: drift.binning_depth,
         drift_smoothing: drift.drift_smoothing,
         sig_interp: drift.sig_interp,
-        ..Default::default()
+        drift_only: drift.drift_only,
+        mode,
+        edge_margin: drift.drift_edge_margin.unwrap_or(f64::INFINITY),
     };
     Ok(DetectJob {
         recording: rec,
@@ -468,8 +475,8 @@ fn detect_job(
     })
 }
 
-/// Drift settings from Python (`nblocks`, `binning_depth`, `drift_smoothing`,
-/// `sig_interp`; the rest at the command line's defaults).
+/// Drift settings from Python, the command line's drift flags
+/// (`drift_edge_margin` `None`: infinite, Kilosort4's extrapolation).
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct DriftOpts {
@@ -477,6 +484,9 @@ struct DriftOpts {
     binning_depth: f64,
     drift_smoothing: [f64; 3],
     sig_interp: f64,
+    drift_mode: String,
+    drift_edge_margin: Option<f64>,
+    drift_only: bool,
 }
 
 /// Sizes the worker pool of this process (`--threads`): the pool every

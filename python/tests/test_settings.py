@@ -26,6 +26,9 @@ FLAGS = {
     "drift_smoothing": "--drift-smoothing",
     "sig_interp": "--sig-interp",
     "binning_depth": "--binning-depth",
+    "drift_mode": "--drift-mode",
+    "drift_edge_margin": "--drift-edge-margin",
+    "drift_only": "--drift-only",
     "artifact_times": "--artifact-times",
     "artifact_window": "--artifact-window",
     "blank_transients": "--blank-transients",
@@ -49,6 +52,8 @@ def as_python(text):
     """A flag's default text as the value Python takes."""
     if text in ("true", "false"):
         return text == "true"
+    if text in ("spikecube", "kilosort"):
+        return text
     nums = [float(v) for v in re.split(r"[ ,]+", text.strip())]
     return nums[0] if len(nums) == 1 else tuple(nums)
 
@@ -60,8 +65,9 @@ def test_defaults_are_the_flags(command):
     for name, flag in FLAGS.items():
         assert flag in defaults, (command, flag)
         if defaults[flag] is None:
-            # No default on the command line: left out, the same as None.
-            assert ours[name] is None, name
+            # No default on the command line: left out, the same as None (or
+            # False for a switch such as --drift-only).
+            assert ours[name] in (None, False), name
         else:
             got = ours[name]
             want = as_python(defaults[flag])
@@ -104,6 +110,23 @@ def test_template_drift_and_artifact_settings_are_the_flags(sim_bin, tmp_path):
     assert (learn["Th_single_ch"], learn["seed"], learn["min_clips"], learn["template_check"]) == (7.0, 3, 50, False)
     assert got["blanking"]["events_given"] == 3 and got["blanking"]["around_transients"]
     assert (got["blanking"]["ms_before"], got["blanking"]["ms_after"]) == (1.0, 3.0)
+    # The drift's sharp edges and margin, as their flags.
+    r = spikecube.detect(sim_bin, out=tmp_path / "py_edges", progress=False, drift_mode="kilosort",
+                         drift_edge_margin=np.inf)
+    edges = cli_detect(sim_bin, tmp_path / "cli_edges", "--drift-mode", "kilosort",
+                        "--drift-edge-margin", "inf")
+    assert_same(r, edges)
+    assert recorded(r.path)["drift"] == recorded(edges)["drift"]
+    assert recorded(edges)["drift"]["mode"] == "kilosort"
+    r = spikecube.detect(sim_bin, out=tmp_path / "py_margin", progress=False, drift_edge_margin=40)
+    edges = cli_detect(sim_bin, tmp_path / "cli_margin", "--drift-edge-margin", "40")
+    assert_same(r, edges)
+    assert recorded(r.path)["drift"] == recorded(edges)["drift"]
+    # The first pass only: the drift files, and the first pass's spikes.
+    r = spikecube.detect(sim_bin, out=tmp_path / "py_only", progress=False, drift_only=True)
+    edges = cli_detect(sim_bin, tmp_path / "cli_only", "--drift-only")
+    assert_same(r, edges)
+    assert (tmp_path / "py_only" / "drift.npy").exists()
     # The times themselves, as a list or an array, blank as the file does.
     for given in ([1.0, 2.5, 4.0], np.array([1.0, 2.5, 4.0])):
         r = spikecube.detect(
@@ -154,6 +177,8 @@ def test_templates_file_and_builtin_templates_are_the_flags(sim_bin, sim_cli, si
     ("artifact_window", (1, "x"), "artifact_window = (1, 'x'): expected two numbers"),
     ("exclude_channels", "3,4", "exclude_channels = '3,4': expected a list of channel numbers"),
     ("cluster_init_generator", "mt", "cluster_init_generator = 'mt': expected 'torch' or 'chacha8'"),
+    ("drift_mode", "ks4", "drift_mode = 'ks4': expected 'spikecube' or 'kilosort'"),
+    ("drift_edge_margin", -5, "drift_edge_margin = -5: expected a number of µm, 0 or more"),
     ("threads", "4", "threads = '4': expected a whole number"),
     ("threads", 0, "threads = 0: expected a whole number of threads, 1 or more"),
 ])
