@@ -370,6 +370,12 @@ pub trait WindowPass: Send {
         false
     }
 
+    /// The warnings the pass raised since last asked (a keeping budget cut
+    /// to the memory left), for the run's warnings.
+    fn take_warnings(&mut self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Windows `0 .. k` of this run whose samples the pass holds already
     /// (kept after their high-pass in the pass before,
     /// [`WindowPass::keep_filtered`]): they need not be read again, once
@@ -485,22 +491,22 @@ pub const GIVEN_BUDGET_SHARE: f64 = 0.8;
 /// read again, so the sort is the same, while a budget past the memory
 /// would end the run (the host's out-of-memory killer, or a failed GPU
 /// allocation). `free` unknown: `given`.
-pub fn capped_budget(given: u64, free: Option<u64>, place: &str) -> u64 {
+pub fn capped_budget(given: u64, free: Option<u64>, place: &str) -> (u64, Option<String>) {
     let Some(free) = free else {
-        return given;
+        return (given, None);
     };
     let cap = (free as f64 * GIVEN_BUDGET_SHARE) as u64;
     if given <= cap {
-        return given;
+        return (given, None);
     }
-    tracing::warn!(
+    let w = format!(
         "--keep-windows-gb {:.1} is more than {:.0} % of the {place} memory left ({:.1} GB): windows are kept within {:.1} GB, the others read again (the sort is the same)",
         given as f64 / 1e9,
         GIVEN_BUDGET_SHARE * 100.0,
         free as f64 / 1e9,
         cap as f64 / 1e9
     );
-    cap
+    (cap, Some(w))
 }
 
 /// The windows a pass keeps ([`WindowPass::keep_windows`]): windows 0 .. k,
@@ -706,6 +712,8 @@ pub struct HostPass {
     /// The high-passed windows kept in this pass or held from the pass
     /// before ([`WindowPass::keep_filtered`]).
     filtered: HostFiltered,
+    /// Warnings not yet taken ([`WindowPass::take_warnings`]).
+    warnings: Vec<String>,
 }
 
 /// The preprocessing half of a [`HostPass`], run one window ahead of its
@@ -809,6 +817,7 @@ impl HostPass {
             drift: None,
             keep: None,
             filtered: HostFiltered::default(),
+            warnings: Vec::new(),
         }
     }
 
@@ -912,7 +921,11 @@ impl WindowPass for HostPass {
         // matching then neither reads nor preprocesses those windows again
         // (the same bytes; BENCHMARKS.md measures the time it saves).
         let budget = match budget {
-            Some(b) => capped_budget(b, host_free_memory(), "host"),
+            Some(b) => {
+                let (b, w) = capped_budget(b, host_free_memory(), "host");
+                self.warnings.extend(w);
+                b
+            }
             None => default_host_keep_budget(),
         };
         tracing::debug!("keeping preprocessed windows in host memory within {budget} bytes");
@@ -923,11 +936,19 @@ impl WindowPass for HostPass {
         self.filtered.held.len() as u64
     }
 
+    fn take_warnings(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.warnings)
+    }
+
     fn keep_filtered(&mut self, budget: Option<u64>) -> bool {
         // The same default as the whitened windows': they take the place of
         // these in the pass after.
         let budget = match budget {
-            Some(b) => capped_budget(b, host_free_memory(), "host"),
+            Some(b) => {
+                let (b, w) = capped_budget(b, host_free_memory(), "host");
+                self.warnings.extend(w);
+                b
+            }
             None => default_host_keep_budget(),
         };
         if budget == 0 {
@@ -993,6 +1014,8 @@ pub struct DevicePass {
     /// each is handed to the detector when its window is queued, which
     /// hands back the window whitened, to keep.
     from_filtered: Vec<Option<cubecl::server::Handle>>,
+    /// Warnings not yet taken ([`WindowPass::take_warnings`]).
+    warnings: Vec<String>,
 }
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
@@ -1035,6 +1058,7 @@ impl DevicePass {
             queue_windows: std::env::var("SPIKECUBE_DEVICE_QUEUE").as_deref() != Ok("0"),
             filtered: None,
             from_filtered: Vec::new(),
+            warnings: Vec::new(),
         }))
     }
 }
@@ -1480,7 +1504,11 @@ impl WindowPass for DevicePass {
         }
         let free = self.detector.free_device_memory();
         let budget = match budget {
-            Some(b) => capped_budget(b, free, "GPU"),
+            Some(b) => {
+                let (b, w) = capped_budget(b, free, "GPU");
+                self.warnings.extend(w);
+                b
+            }
             None => free.unwrap_or(0) / 2,
         };
         tracing::debug!("keeping whitened windows on the device within {budget} bytes");
@@ -1491,10 +1519,18 @@ impl WindowPass for DevicePass {
         self.from_filtered.len() as u64
     }
 
+    fn take_warnings(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.warnings)
+    }
+
     fn keep_filtered(&mut self, budget: Option<u64>) -> bool {
         let free = self.detector.free_device_memory();
         let budget = match budget {
-            Some(b) => capped_budget(b, free, "GPU"),
+            Some(b) => {
+                let (b, w) = capped_budget(b, free, "GPU");
+                self.warnings.extend(w);
+                b
+            }
             None => free.unwrap_or(0) / 2,
         };
         tracing::debug!("keeping high-passed windows on the device within {budget} bytes");
@@ -1961,11 +1997,23 @@ mod tests {
     #[test]
     fn a_given_budget_is_capped_by_the_memory_left() {
         let gb = 1_000_000_000u64;
-        assert_eq!(capped_budget(10 * gb, Some(100 * gb), "host"), 10 * gb);
-        assert_eq!(capped_budget(80 * gb, Some(100 * gb), "host"), 80 * gb);
-        assert_eq!(capped_budget(500 * gb, Some(100 * gb), "host"), 80 * gb);
-        assert_eq!(capped_budget(500 * gb, None, "GPU"), 500 * gb);
-        assert_eq!(capped_budget(0, Some(gb), "host"), 0);
+        assert_eq!(
+            capped_budget(10 * gb, Some(100 * gb), "host"),
+            (10 * gb, None)
+        );
+        assert_eq!(
+            capped_budget(80 * gb, Some(100 * gb), "host"),
+            (80 * gb, None)
+        );
+        let (b, w) = capped_budget(500 * gb, Some(100 * gb), "host");
+        assert_eq!(b, 80 * gb);
+        let w = w.unwrap();
+        assert!(
+            w.contains("--keep-windows-gb 500.0") && w.contains("host memory left (100.0 GB)"),
+            "{w}"
+        );
+        assert_eq!(capped_budget(500 * gb, None, "GPU"), (500 * gb, None));
+        assert_eq!(capped_budget(0, Some(gb), "host"), (0, None));
     }
 
     /// The host default keeps something on a Linux machine with free memory,

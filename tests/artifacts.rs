@@ -337,7 +337,7 @@ fn bad_artifact_times_are_named() {
     assert!(
         !e.status.success()
             && msg.contains("ms.txt")
-            && msg.contains("2 of 2")
+            && msg.contains("none of its 2 times is inside the recording")
             && msg.contains("milliseconds"),
         "{msg}"
     );

@@ -210,3 +210,38 @@ fn a_negative_budget_is_refused() {
         );
     }
 }
+
+/// A budget past the memory left is cut to it, and the warning saying so
+/// is one of the run's warnings (the end-of-run list and `spikecube.json`),
+/// not only a log line; the sort is the one keeping every window.
+#[test]
+fn a_budget_past_the_memory_left_is_cut_with_a_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = simulate(dir.path());
+    let (all, huge) = (dir.path().join("all"), dir.path().join("huge"));
+    let (line, _) = sort(&bin, &all, "cpu", "1", &[]);
+    assert!(line.contains("5 of 5"), "{line:?}");
+    let (line, _) = sort(&bin, &huge, "cpu", "1e9", &[]);
+    assert!(line.contains("5 of 5"), "{line:?}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(huge.join("spikecube.json")).unwrap())
+            .unwrap();
+    let warnings = json["warnings"].as_array().unwrap();
+    assert_eq!(
+        warnings
+            .iter()
+            .filter(|w| w
+                .as_str()
+                .unwrap()
+                .contains("--keep-windows-gb 1000000000.0 is more than 80 %"))
+            .count(),
+        1,
+        "{warnings:?}"
+    );
+    for name in ARRAYS {
+        assert!(
+            std::fs::read(all.join(name)).unwrap() == std::fs::read(huge.join(name)).unwrap(),
+            "{name} differs"
+        );
+    }
+}

@@ -217,6 +217,40 @@ def _numbers(v, n):
 _MISSING = object()
 
 
+def _times(key: str, value):
+    """``value``, a sequence or array of times in seconds, as a list of
+    floats; raises ``ValueError`` naming the setting and what is wrong
+    (empty, not one row or column, a time that is not a finite number)."""
+    import reprlib
+
+    import numpy as np
+
+    try:
+        arr = np.asarray(value, dtype=object)
+    except ValueError:
+        arr = None
+    if arr is None or arr.ndim > 2 or (arr.ndim == 2 and 1 not in arr.shape):
+        shape = "ragged" if arr is None else f"of shape {arr.shape}"
+        raise ValueError(
+            f"{key} = {reprlib.repr(value)}: expected one row or column of times in seconds, "
+            f"got an array {shape}"
+        )
+    # A (1, N) or (N, 1) array (MATLAB's row or column vector): its times.
+    items = arr.ravel().tolist()
+    if not items:
+        raise ValueError(f"{key}: no times given (an empty sequence)")
+    out = []
+    for i, t in enumerate(items):
+        v = _number(t)
+        if v is None:
+            raise ValueError(
+                f"{key}: time {i + 1} of {len(items)} is {reprlib.repr(t)}; "
+                "every time must be a finite number of seconds"
+            )
+        out.append(v)
+    return out
+
+
 def check_value(key: str, value, kind: str):
     """``value`` of setting ``key`` as the core takes it (plain Python types,
     paths as str); raises ``ValueError`` naming the setting, the value and
@@ -248,12 +282,7 @@ def check_value(key: str, value, kind: str):
         if isinstance(value, (str, os.PathLike)):
             got = os.fsdecode(os.fspath(value))
         elif not isinstance(value, bytes) and hasattr(value, "__iter__"):
-            import numpy as np
-
-            arr = np.asarray(value)
-            if arr.ndim == 1 and arr.size > 0 and arr.dtype.kind in "iuf":
-                ts = [_number(t) for t in arr.tolist()]
-                got = ts if None not in ts else None
+            got = _times(key, value)
     elif base == "time":
         if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) == math.inf:
             got = math.inf

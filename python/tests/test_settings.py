@@ -169,10 +169,13 @@ def test_templates_file_and_builtin_templates_are_the_flags(sim_bin, sim_cli, si
     ("seed", 2**70, f"seed = {2**70}: expected a whole number from 0 to 2**64 - 1"),
     ("do_CAR", "yes", "do_CAR = 'yes': expected True or False"),
     ("templates", 3, "templates = 3: expected a path"),
-    ("artifact_times", ["a.txt"], "artifact_times = ['a.txt']: expected a path"),
-    ("artifact_times", [1.0, float("nan")], "artifact_times = [1.0, nan]: expected a path (str or os.PathLike) "
-                                             "or a 1-D sequence of finite times"),
-    ("artifact_times", [], "artifact_times = []: expected a path"),
+    ("artifact_times", ["a.txt"], "artifact_times: time 1 of 1 is 'a.txt'; every time must be a finite number"),
+    ("artifact_times", [1.0, float("nan")], "artifact_times: time 2 of 2 is nan; every time must be a finite "
+                                             "number of seconds"),
+    ("artifact_times", ["2.5"], "artifact_times: time 1 of 1 is '2.5'; every time must be"),
+    ("artifact_times", [], "artifact_times: no times given"),
+    ("artifact_times", [[1.0, 2.0], [3.0, 4.0]], "artifact_times = [[1.0, 2.0], [3.0, 4.0]]: expected one row or "
+                                                  "column of times in seconds, got an array of shape (2, 2)"),
     ("drift_smoothing", 0.5, "drift_smoothing = 0.5: expected three numbers"),
     ("artifact_window", (1, "x"), "artifact_window = (1, 'x'): expected two numbers"),
     ("exclude_channels", "3,4", "exclude_channels = '3,4': expected a list of channel numbers"),

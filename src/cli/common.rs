@@ -268,7 +268,7 @@ pub struct CheckArgs {
     pub artifact_times: Option<PathBuf>,
     /// Stretch set to zero around each artifact: milliseconds before and after
     /// it (a transient's first and last sample).
-    #[arg(long, value_name = "MS_BEFORE,MS_AFTER", default_value = "0.5,2", value_parser = parse_window)]
+    #[arg(long, value_name = "MS_BEFORE,MS_AFTER", default_value = "0.5,2", value_parser = parse_window, allow_hyphen_values = true)]
     pub artifact_window: (f64, f64),
     /// Also zero the preprocessed data around transients common to most
     /// channels (found in every run and warned about either way).

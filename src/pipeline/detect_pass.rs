@@ -81,6 +81,12 @@ pub(crate) fn detect_pass(
     if let Some(keep) = &job.keep_windows {
         pass.keep_windows(keep.budget);
     }
+    for w in pass.take_warnings() {
+        // The first pass may have said the same of its own keeping.
+        if !run.warnings.0.contains(&w) {
+            run.warnings.push(w);
+        }
+    }
     let check = WindowCheck::new(plan, fs, job.checks.mask_clipped);
     // Checks the first pass found for every window are used as they are.
     let early = early.filter(|c| c.windows() == plan.n_windows);

@@ -62,6 +62,9 @@ pub(crate) fn drift_step(
         }
         _ => false,
     };
+    for w in pass.take_warnings() {
+        run.warnings.push(w);
+    }
     let checks = keeps_filtered.then(|| Mutex::new(PassChecks::new(&job.probe.chan_map)));
     let fp = FirstPass {
         recording: &job.recording,

@@ -315,11 +315,13 @@ pub fn read_event_times(path: &Path) -> Result<EventTimes> {
     checked_times(seconds, warning, &TimesSource::File(path).label())
 }
 
-/// The text of a times file: UTF-8, or UTF-16 with its byte order mark (a
+/// The text of a times file: UTF-8 (bytes that are not, as in a Latin-1
+/// label, replaced by U+FFFD), or UTF-16 with its byte order mark (a
 /// spreadsheet's "Unicode text" export), decoded.
 ///
 /// # Errors
-/// A file that is neither, saying what it looks like.
+/// UTF-16 that does not decode, and a file holding zero bytes (UTF-16
+/// without its byte order mark, or not text), saying what it looks like.
 fn times_text(bytes: Vec<u8>) -> std::result::Result<String, String> {
     let utf16 = |rest: &[u8], le: bool| -> std::result::Result<String, String> {
         if !rest.len().is_multiple_of(2) {
@@ -344,12 +346,11 @@ fn times_text(bytes: Vec<u8>) -> std::result::Result<String, String> {
             "not UTF-8 text (it holds zero bytes: UTF-16 without a byte order mark, or a binary file)"
                 .into(),
         ),
-        _ => String::from_utf8(bytes).map_err(|e| {
-            format!(
-                "not UTF-8 text (byte {} is not UTF-8)",
-                e.utf8_error().valid_up_to() + 1
-            )
-        }),
+        // Another 8-bit encoding (Latin-1, Windows-1252) differs from UTF-8
+        // only outside ASCII, in labels and comments, which are not read:
+        // those bytes become U+FFFD, and a time field holding one is an
+        // error naming its line.
+        _ => Ok(String::from_utf8_lossy(&bytes).into_owned()),
     }
 }
 
@@ -362,7 +363,13 @@ fn read_npy_times(path: &Path) -> Result<Vec<f64>> {
                 return Ok(a.iter().map(|&v| v as f64).collect());
             }
             if let Ok(a) = crate::npy::read::<$t, ndarray::Ix2>(path) {
-                return Ok(a.index_axis(Axis(1), 0).iter().map(|&v| v as f64).collect());
+                // One row (MATLAB's row vector): every value is a time.
+                let times = if a.nrows() == 1 {
+                    a.index_axis(Axis(0), 0)
+                } else {
+                    a.index_axis(Axis(1), 0)
+                };
+                return Ok(times.iter().map(|&v| v as f64).collect());
             }
         };
     }
@@ -606,12 +613,20 @@ pub fn event_samples(
     } else {
         ""
     };
-    let w = format!(
-        "{label}: {} of {} times are outside the recording ({lo:.3}–{hi:.3} s) and were ignored: {}{more}{hint}",
-        outside.len(),
-        times.seconds.len(),
-        few.join(", ")
-    );
+    let w = if inside.is_empty() {
+        format!(
+            "{label}: none of its {} times is inside the recording ({lo:.3}–{hi:.3} s): {}{more}{hint}",
+            times.seconds.len(),
+            few.join(", ")
+        )
+    } else {
+        format!(
+            "{label}: {} of {} times are outside the recording ({lo:.3}–{hi:.3} s) and were ignored: {}{more}{hint}",
+            outside.len(),
+            times.seconds.len(),
+            few.join(", ")
+        )
+    };
     (inside, Some(w))
 }
 
@@ -712,8 +727,8 @@ mod tests {
     }
 
     /// A spreadsheet's "Unicode text" export (UTF-16 with its byte order
-    /// mark, either byte order) is read; other text that is not UTF-8 is an
-    /// error saying to save the file as UTF-8.
+    /// mark, either byte order) is read; UTF-16 without its mark is an error
+    /// saying to save the file as UTF-8; Latin-1 labels are not read.
     #[test]
     fn utf16_files_are_read_and_other_encodings_named() {
         let dir = tempfile::tempdir().unwrap();
@@ -740,10 +755,21 @@ mod tests {
             e.contains("nobom.txt") && e.contains("UTF-16") && e.contains("UTF-8"),
             "{e}"
         );
+        // Latin-1 labels and comments are not read; a time that is not a
+        // number is named with its line.
         let p = dir.path().join("latin1.txt");
-        std::fs::write(&p, b"1.5 \xe9clair\n").unwrap();
+        std::fs::write(&p, b"# caf\xe9\n1.5 \xe9clair\n2\n").unwrap();
+        assert_eq!(read_event_times(&p).unwrap().seconds, vec![1.5, 2.0]);
+        std::fs::write(&p, b"1.5\n2\xe9\n").unwrap();
         let e = read_event_times(&p).unwrap_err().to_string();
-        assert!(e.contains("latin1.txt") && e.contains("not UTF-8"), "{e}");
+        assert!(e.contains("latin1.txt") && e.contains("line 2"), "{e}");
+        // A row vector (MATLAB's) in a .npy: every value is a time.
+        let p = dir.path().join("row.npy");
+        crate::npy::write(&p, &ndarray::array![[2.5f64, 7.25, 12.0]]).unwrap();
+        assert_eq!(read_event_times(&p).unwrap().seconds, vec![2.5, 7.25, 12.0]);
+        let p = dir.path().join("pairs.npy");
+        crate::npy::write(&p, &ndarray::array![[2.5f64, 3.0], [7.25, 8.0]]).unwrap();
+        assert_eq!(read_event_times(&p).unwrap().seconds, vec![2.5, 7.25]);
     }
 
     #[test]
