@@ -962,7 +962,18 @@ impl WindowPass for HostPass {
     fn take_kept(&mut self) -> Option<KeptWindows> {
         self.filtered = HostFiltered::default();
         let k = self.keep.take()?;
-        let first = k.kept.first()?;
+        let Some(first) = k.kept.first() else {
+            let (c, n) = self.pre.window_shape();
+            let window = (c * n * 4) as u64;
+            if k.budget > 0 && k.budget < window {
+                tracing::info!(
+                    "no preprocessed window kept in host memory: one takes {:.3} GB, more than the budget of {:.3} GB (--keep-windows-gb); the matching reads them again",
+                    window as f64 / 1e9,
+                    k.budget as f64 / 1e9
+                );
+            }
+            return None;
+        };
         let (n_sites, n_t) = first.dim();
         tracing::info!(
             "{} preprocessed windows kept in host memory ({:.1} GB)",
@@ -1541,10 +1552,18 @@ impl WindowPass for DevicePass {
     fn take_kept(&mut self) -> Option<KeptWindows> {
         self.from_filtered = Vec::new();
         let k = self.keep.take()?;
+        let (n_sites, n_t) = self.pre.window_shape();
         if k.kept.is_empty() {
+            let window = (n_sites * n_t * 4) as u64;
+            if k.budget > 0 && k.budget < window {
+                tracing::info!(
+                    "no whitened window kept on the device: one takes {:.3} GB, more than the budget of {:.3} GB (--keep-windows-gb); the matching reads them again",
+                    window as f64 / 1e9,
+                    k.budget as f64 / 1e9
+                );
+            }
             return None;
         }
-        let (n_sites, n_t) = self.pre.window_shape();
         tracing::info!(
             "{} whitened windows kept on the device ({:.1} GB)",
             k.kept.len(),
