@@ -530,6 +530,18 @@ impl<T> Keeping<T> {
         }
     }
 
+    /// Says (info) that no `what` was kept when a window of `window` bytes
+    /// is more than a budget that is not 0 (`--keep-windows-gb` too small).
+    fn say_if_none_fit(&self, window: u64, what: &str) {
+        if self.kept.is_empty() && self.budget > 0 && self.budget < window {
+            tracing::info!(
+                "no {what}: one takes {:.3} GB, more than the budget of {:.3} GB (--keep-windows-gb); the matching reads them again",
+                window as f64 / 1e9,
+                self.budget as f64 / 1e9
+            );
+        }
+    }
+
     /// Whether window `index`, of `bytes` bytes, is the next one to keep and
     /// fits in the budget; once one is not, keeping stops.
     fn admits(&mut self, index: u64, bytes: u64) -> bool {
@@ -774,9 +786,11 @@ fn host_preprocess(
                 Some(d) => d.preprocess(pre, w.index, &mut w.data),
                 None => (|| {
                     let artifact = pre.filter_timed(&mut w.data, &mut lap)?;
-                    let t = Instant::now();
-                    filtered.keep(w.index, &w.data, &blank, artifact);
-                    lap("keep_filtered", t.elapsed().as_secs_f64());
+                    if filtered.keeping.is_some() {
+                        let t = Instant::now();
+                        filtered.keep(w.index, &w.data, &blank, artifact);
+                        lap("keep_filtered", t.elapsed().as_secs_f64());
+                    }
                     if !artifact {
                         pre.whiten_timed(&mut w.data, &mut lap)?;
                     }
@@ -806,6 +820,20 @@ impl Stager for HostStager {
 }
 
 impl HostPass {
+    /// The bytes to keep windows in: `given` (`--keep-windows-gb`) cut to
+    /// the host memory left ([`capped_budget`], its warning kept for
+    /// [`WindowPass::take_warnings`]), else [`default_host_keep_budget`].
+    fn keep_budget(&mut self, given: Option<u64>) -> u64 {
+        match given {
+            Some(b) => {
+                let (b, w) = capped_budget(b, host_free_memory(), "host");
+                self.warnings.extend(w);
+                b
+            }
+            None => default_host_keep_budget(),
+        }
+    }
+
     /// A pass preprocessing with `pre` and detecting with `detector` on a
     /// probe whose sites are at depths `yc` (µm), keeping nothing and
     /// without drift correction until told.
@@ -920,14 +948,7 @@ impl WindowPass for HostPass {
         // By default a third of the memory the process may still take: the
         // matching then neither reads nor preprocesses those windows again
         // (the same bytes; BENCHMARKS.md measures the time it saves).
-        let budget = match budget {
-            Some(b) => {
-                let (b, w) = capped_budget(b, host_free_memory(), "host");
-                self.warnings.extend(w);
-                b
-            }
-            None => default_host_keep_budget(),
-        };
+        let budget = self.keep_budget(budget);
         tracing::debug!("keeping preprocessed windows in host memory within {budget} bytes");
         self.keep = Some(Keeping::new(budget));
     }
@@ -943,14 +964,7 @@ impl WindowPass for HostPass {
     fn keep_filtered(&mut self, budget: Option<u64>) -> bool {
         // The same default as the whitened windows': they take the place of
         // these in the pass after.
-        let budget = match budget {
-            Some(b) => {
-                let (b, w) = capped_budget(b, host_free_memory(), "host");
-                self.warnings.extend(w);
-                b
-            }
-            None => default_host_keep_budget(),
-        };
+        let budget = self.keep_budget(budget);
         if budget == 0 {
             return false;
         }
@@ -964,14 +978,10 @@ impl WindowPass for HostPass {
         let k = self.keep.take()?;
         let Some(first) = k.kept.first() else {
             let (c, n) = self.pre.window_shape();
-            let window = (c * n * 4) as u64;
-            if k.budget > 0 && k.budget < window {
-                tracing::info!(
-                    "no preprocessed window kept in host memory: one takes {:.3} GB, more than the budget of {:.3} GB (--keep-windows-gb); the matching reads them again",
-                    window as f64 / 1e9,
-                    k.budget as f64 / 1e9
-                );
-            }
+            k.say_if_none_fit(
+                (c * n * 4) as u64,
+                "preprocessed window kept in host memory",
+            );
             return None;
         };
         let (n_sites, n_t) = first.dim();
@@ -1201,6 +1211,22 @@ impl Stager for DeviceStager {
 
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 impl DevicePass {
+    /// The bytes to keep windows in: `given` (`--keep-windows-gb`) cut to
+    /// the device's free memory ([`capped_budget`], its warning kept for
+    /// [`WindowPass::take_warnings`]), else half of it (none when the device
+    /// cannot say, as wgpu).
+    fn keep_budget(&mut self, given: Option<u64>) -> u64 {
+        let free = self.detector.free_device_memory();
+        match given {
+            Some(b) => {
+                let (b, w) = capped_budget(b, free, "GPU");
+                self.warnings.extend(w);
+                b
+            }
+            None => free.unwrap_or(0) / 2,
+        }
+    }
+
     fn stager_now(&self) -> DeviceStager {
         DeviceStager {
             packer: self.packer.clone(),
@@ -1513,15 +1539,7 @@ impl WindowPass for DevicePass {
             self.keep = Some(Keeping::new(bytes));
             return;
         }
-        let free = self.detector.free_device_memory();
-        let budget = match budget {
-            Some(b) => {
-                let (b, w) = capped_budget(b, free, "GPU");
-                self.warnings.extend(w);
-                b
-            }
-            None => free.unwrap_or(0) / 2,
-        };
+        let budget = self.keep_budget(budget);
         tracing::debug!("keeping whitened windows on the device within {budget} bytes");
         self.keep = Some(Keeping::new(budget));
     }
@@ -1535,15 +1553,7 @@ impl WindowPass for DevicePass {
     }
 
     fn keep_filtered(&mut self, budget: Option<u64>) -> bool {
-        let free = self.detector.free_device_memory();
-        let budget = match budget {
-            Some(b) => {
-                let (b, w) = capped_budget(b, free, "GPU");
-                self.warnings.extend(w);
-                b
-            }
-            None => free.unwrap_or(0) / 2,
-        };
+        let budget = self.keep_budget(budget);
         tracing::debug!("keeping high-passed windows on the device within {budget} bytes");
         self.filtered = Some(Keeping::new(budget));
         true
@@ -1554,14 +1564,10 @@ impl WindowPass for DevicePass {
         let k = self.keep.take()?;
         let (n_sites, n_t) = self.pre.window_shape();
         if k.kept.is_empty() {
-            let window = (n_sites * n_t * 4) as u64;
-            if k.budget > 0 && k.budget < window {
-                tracing::info!(
-                    "no whitened window kept on the device: one takes {:.3} GB, more than the budget of {:.3} GB (--keep-windows-gb); the matching reads them again",
-                    window as f64 / 1e9,
-                    k.budget as f64 / 1e9
-                );
-            }
+            k.say_if_none_fit(
+                (n_sites * n_t * 4) as u64,
+                "whitened window kept on the device",
+            );
             return None;
         }
         tracing::info!(
