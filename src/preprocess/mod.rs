@@ -312,6 +312,18 @@ impl Preprocessor {
         &self.whitening
     }
 
+    /// The high-pass of a (C × N) window in place: the circular IIR with f64
+    /// state in the device's chunks ([`CircularIir::apply`], the arithmetic of
+    /// the device kernels, so that CPU and GPU give the same bits) where the
+    /// filter has that form, else the FFT form ([`HighpassFilter::apply`]).
+    /// The two are the same operator within [`IIR_BOUND`] of max|x|.
+    ///
+    /// # Errors
+    /// [`PreprocessError::Shape`] if the window does not have N columns.
+    fn apply_highpass(&self, window: &mut Array2<f32>) -> Result<(), PreprocessError> {
+        highpass_window(&self.highpass, self.iir.as_ref(), window)
+    }
+
     /// Steps 1–3: channel means, median CAR (if `do_CAR`), high-pass, artifact
     /// check; no whitening. `window`: (C × N) f32 raw values, modified in place.
     ///
@@ -320,7 +332,7 @@ impl Preprocessor {
     pub fn filter_only(&self, window: &mut Array2<f32>) -> Result<(), PreprocessError> {
         self.check_shape(window)?;
         common_reference(window, self.do_car)?;
-        self.highpass.apply(window)?;
+        self.apply_highpass(window)?;
         if exceeds_artifact_threshold(window, self.artifact_threshold) {
             self.count_artifact_window();
             window.fill(0.0);
@@ -372,7 +384,7 @@ impl Preprocessor {
         common_reference(window, self.do_car)?;
         let t1 = std::time::Instant::now();
         lap("car", (t1 - t0).as_secs_f64());
-        self.highpass.apply(window)?;
+        self.apply_highpass(window)?;
         let artifact = exceeds_artifact_threshold(window, self.artifact_threshold);
         lap("highpass", t1.elapsed().as_secs_f64());
         if artifact {
@@ -500,6 +512,23 @@ impl Preprocessor {
             w_cols,
             w_vals,
         })
+    }
+}
+
+/// The high-pass of a (C × N) window in place: `iir` (f64 state, the device's
+/// chunks: the device kernels' arithmetic, so the same bits) when given, else
+/// the FFT form `hp`. [`Preprocessor`] and the whitening fit both filter so.
+///
+/// # Errors
+/// [`PreprocessError::Shape`] if the window does not have N columns.
+pub(crate) fn highpass_window(
+    hp: &HighpassFilter,
+    iir: Option<&CircularIir>,
+    window: &mut Array2<f32>,
+) -> Result<(), PreprocessError> {
+    match iir {
+        Some(iir) => iir.apply::<f64>(window, crate::detect::gpu::highpass_iir::iir_chunk()),
+        None => hp.apply(window),
     }
 }
 

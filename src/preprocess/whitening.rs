@@ -418,6 +418,7 @@ fn preprocess_for_fit(
     i: u64,
     settings: &PreprocessSettings,
     hp: &HighpassFilter,
+    iir: Option<&super::CircularIir>,
     times: &mut FitTimes,
 ) -> Result<Array2<f32>, PreprocessError> {
     let t = std::time::Instant::now();
@@ -427,7 +428,7 @@ fn preprocess_for_fit(
     let t = times.lap("invert", t);
     common_reference(&mut x, settings.do_car)?;
     let t = times.lap("car", t);
-    hp.apply(&mut x)?;
+    super::highpass_window(hp, iir, &mut x)?;
     let t = times.lap("highpass", t);
     if exceeds_artifact_threshold(&x, settings.artifact_threshold) {
         tracing::info!(
@@ -511,6 +512,8 @@ where
     let nt = settings.nt;
     let kernel = highpass_kernel(settings.fs, settings.highpass_cutoff)?;
     let hp = HighpassFilter::new(&kernel, n)?;
+    let iir =
+        super::highpass_iir::iir_for_kernel(settings.fs, settings.highpass_cutoff, &kernel, n)?;
     let windows = covariance_windows(n_windows, settings.nskip as u64);
     if n_windows == 1 {
         tracing::info!(
@@ -579,7 +582,7 @@ where
                 let mut sum_times = FitTimes::default();
                 let previous = pending.take();
                 let (pre, added) = rayon::join(
-                    || preprocess_for_fit(x, i, settings, &hp, &mut pre_times),
+                    || preprocess_for_fit(x, i, settings, &hp, iir.as_ref(), &mut pre_times),
                     || match previous {
                         Some(p) => add(&mut sum, &mut cc, p, &mut sum_times).map(Some),
                         None => Ok(None),
@@ -592,7 +595,7 @@ where
                 }
                 pending = Some(pre?);
             } else {
-                let x = preprocess_for_fit(x, i, settings, &hp, times)?;
+                let x = preprocess_for_fit(x, i, settings, &hp, iir.as_ref(), times)?;
                 let done = add(&mut sum, &mut cc, x, times)?;
                 let _ = free_tx.send(done);
             }
@@ -800,10 +803,15 @@ impl Whitening {
     pub fn new(w: Array2<f32>) -> Result<Self, PreprocessError> {
         let (r, c) = square(&w)?;
         let w = w.as_standard_layout().into_owned();
+        let _ = (r, c);
+        // Always the sum of each row's non-zeros in the order of
+        // [`Whitening::csr`], which the device kernels follow, so that CPU and
+        // GPU whiten to the same bits (a dense sgemm sums in its own order).
         let rows = nonzero_rows(&w);
-        let nnz: usize = rows.iter().map(Vec::len).sum();
-        let sparse = (nnz * 4 <= r * c).then_some(rows);
-        Ok(Whitening { w, sparse })
+        Ok(Whitening {
+            w,
+            sparse: Some(rows),
+        })
     }
 
     /// The (C × C) matrix.

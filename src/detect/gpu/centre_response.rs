@@ -19,6 +19,8 @@
 
 use cubecl::prelude::*;
 
+use super::exact::product;
+
 /// Samples per cube.
 pub const TILE: usize = 256;
 
@@ -34,6 +36,7 @@ pub(crate) fn centre_response_kernel(
     imax_out: &mut Array<i32>,
     n_t: u32,
     th2: f32,
+    nz: f32,
     #[comptime] nc: usize,
     #[comptime] nsz: usize,
     #[comptime] nk: usize,
@@ -69,7 +72,7 @@ pub(crate) fn centre_response_kernel(
                     let bv = b[(s * nk + k) * n_t + t];
                     #[unroll]
                     for z in 0..nsz {
-                        acc[z * nk + k] += weights[(j * nc + c) * nsz + z] * bv;
+                        acc[z * nk + k] += product::<f32>(weights[(j * nc + c) * nsz + z], bv, nz);
                     }
                 }
             }

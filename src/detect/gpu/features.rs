@@ -9,6 +9,8 @@
 
 use cubecl::prelude::*;
 
+use super::exact::product;
+
 #[cube(launch_unchecked)]
 // Nested ifs: the bound test must not evaluate `p - half` for p < half.
 #[allow(clippy::collapsible_if)]
@@ -31,6 +33,7 @@ pub(crate) fn features_kernel(
     out_tf: &mut Array<f32>,
     n_t: u32,
     cap: u32,
+    nz: f32,
     #[comptime] nc: usize,
     #[comptime] nk: usize,
     #[comptime] npc: usize,
@@ -67,7 +70,7 @@ pub(crate) fn features_kernel(
             for cc in 0..nc {
                 let sc = sites[j * nc + cc] as usize;
                 let a = b[(sc * nk + k) * n_t + t] * sign;
-                yct += (max(a, 0.0f32) / wsum) * yc[sc];
+                yct += product::<f32>(max(a, 0.0f32) / wsum, yc[sc], nz);
             }
             out_yct[i] = yct;
         }
@@ -83,7 +86,7 @@ pub(crate) fn features_kernel(
                         v = x[s * n_t + tt - half];
                     }
                 }
-                acc += v * wpca[p * ntaps + m];
+                acc += product::<f32>(v, wpca[p * ntaps + m], nz);
             }
             out_tf[(i * nc + c) * npc + p] = acc;
         }

@@ -12,6 +12,8 @@
 
 use cubecl::prelude::*;
 
+use super::exact::product;
+
 /// Units per cube.
 pub const UNITS: usize = 256;
 /// Samples per unit.
@@ -28,6 +30,7 @@ pub(crate) fn filter_bank_kernel(
     b: &mut Array<f32>,
     q: &mut Array<f32>,
     n_t: u32,
+    nz: f32,
     #[comptime] nk: usize,
     #[comptime] ntaps: usize,
     #[comptime] units: usize,
@@ -78,7 +81,7 @@ pub(crate) fn filter_bank_kernel(
             let xv = xs[u + r * units + m];
             #[unroll]
             for k in 0..nk {
-                acc[r * nk + k] += wv[k] * xv;
+                acc[r * nk + k] += product::<f32>(wv[k], xv, nz);
             }
         }
     }

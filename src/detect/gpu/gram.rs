@@ -123,3 +123,122 @@ pub(crate) fn gram_kernel(
         }
     }
 }
+
+/// Columns of one summation block of [`gram_f64_kernel`]: the CPU's
+/// [`KC`](crate::preprocess::covariance::KC) (faer's depth block).
+pub const GRAM_BLOCK: usize = 512;
+
+/// The Gram matrix of rows of `q` (C × N, row-major) over samples `lo .. hi`
+/// with the bits of the CPU's [`covariance::gram`](crate::preprocess::covariance):
+/// in f64, each entry a chain `s ← s + q_i·q_j` from s = 0 over one block of
+/// [`GRAM_BLOCK`] consecutive samples (blocks from `lo`), the blocks' sums then
+/// added in order from 0. A product of two f32 values is exact in f64, so
+/// whether the device fuses it into the add does not matter. Cube (bx, by)
+/// writes the 32 × 32 tile of rows `bx·32 ..` and columns `by·32 ..` (by ≤ bx)
+/// into `out[row·C + col]`.
+#[cube(launch_unchecked)]
+// Kernel code: `is_multiple_of` has no CubeCL expansion.
+#[allow(clippy::manual_is_multiple_of)]
+pub(crate) fn gram_f64_kernel(
+    q: &Array<f32>,
+    out: &mut Array<f64>,
+    n_rows: u32,
+    n_t: u32,
+    lo: u32,
+    hi: u32,
+) {
+    let stride = comptime!(GRAM_RUN + 1);
+    let mut sa = SharedMemory::<f32>::new(comptime!(GRAM_TILE * (GRAM_RUN + 1)));
+    let mut sb = SharedMemory::<f32>::new(comptime!(GRAM_TILE * (GRAM_RUN + 1)));
+    let bx = CUBE_POS_X as usize;
+    let by = CUBE_POS_Y as usize;
+    let c = n_rows as usize;
+    let n_t = n_t as usize;
+    let u = UNIT_POS_X as usize;
+    // Uniform over the cube: the whole cube leaves (no sync is skipped by part of it).
+    if by <= bx {
+        let start = lo as usize;
+        let end = hi as usize;
+        let ua = (u / 16) * 2;
+        let ub = (u % 16) * 2;
+        let mut t00 = 0.0f64;
+        let mut t01 = 0.0f64;
+        let mut t10 = 0.0f64;
+        let mut t11 = 0.0f64;
+        let mut p00 = 0.0f64;
+        let mut p01 = 0.0f64;
+        let mut p10 = 0.0f64;
+        let mut p11 = 0.0f64;
+        let mut s0 = start;
+        while s0 < end {
+            // Stage GRAM_TILE rows × GRAM_RUN samples of both row blocks.
+            let mut i = u;
+            while i < comptime!(GRAM_TILE * GRAM_RUN) {
+                let r = i / GRAM_RUN;
+                let k = i % GRAM_RUN;
+                let t = s0 + k;
+                let ra = bx * GRAM_TILE + r;
+                let rb = by * GRAM_TILE + r;
+                let mut va = 0.0f32;
+                let mut vb = 0.0f32;
+                if t < end {
+                    if ra < c {
+                        va = q[ra * n_t + t];
+                    }
+                    if rb < c {
+                        vb = q[rb * n_t + t];
+                    }
+                }
+                sa[r * stride + k] = va;
+                sb[r * stride + k] = vb;
+                i += GRAM_UNITS;
+            }
+            sync_cube();
+            // Samples past `end` are staged as 0: adding their +0 products
+            // changes no sum of the block (s + 0 = s, and an all-zero sum is +0
+            // either way).
+            #[unroll]
+            for k in 0..GRAM_RUN {
+                let a0 = f64::cast_from(sa[ua * stride + k]);
+                let a1 = f64::cast_from(sa[(ua + 1) * stride + k]);
+                let b0 = f64::cast_from(sb[ub * stride + k]);
+                let b1 = f64::cast_from(sb[(ub + 1) * stride + k]);
+                p00 += a0 * b0;
+                p01 += a0 * b1;
+                p10 += a1 * b0;
+                p11 += a1 * b1;
+            }
+            sync_cube();
+            s0 += GRAM_RUN;
+            // A block ends every GRAM_BLOCK samples from `lo`, and at `end`.
+            if (s0 - start) % GRAM_BLOCK == 0 || s0 >= end {
+                t00 += p00;
+                t01 += p01;
+                t10 += p10;
+                t11 += p11;
+                p00 = 0.0f64;
+                p01 = 0.0f64;
+                p10 = 0.0f64;
+                p11 = 0.0f64;
+            }
+        }
+        let r0 = bx * GRAM_TILE + ua;
+        let c0 = by * GRAM_TILE + ub;
+        if r0 < c {
+            if c0 < c {
+                out[r0 * c + c0] = t00;
+            }
+            if c0 + 1 < c {
+                out[r0 * c + c0 + 1] = t01;
+            }
+        }
+        if r0 + 1 < c {
+            if c0 < c {
+                out[(r0 + 1) * c + c0] = t10;
+            }
+            if c0 + 1 < c {
+                out[(r0 + 1) * c + c0 + 1] = t11;
+            }
+        }
+    }
+}

@@ -10,7 +10,8 @@
 //!
 //! u lives in the detector's filter-bank buffer B (C × 6 × N f32, idle during
 //! preprocessing and rewritten by step 1 later in stream order), so the IIR takes
-//! no device memory of its own beyond its 8 coefficients.
+//! no device memory of its own beyond its 8 coefficients (and the −0.0 of
+//! [`super::exact::product`]).
 //!
 //! F is f64 where the device has doubles ([`supports_f64`]: CUDA, and wgpu
 //! adapters with `SHADER_F64`, lavapipe among them): the result is the CPU
@@ -28,6 +29,8 @@
 //! the plane's stores (forward) and loads (backward) of u are contiguous.
 
 use cubecl::prelude::*;
+
+use super::exact::product;
 use cubecl::server::Handle;
 
 use crate::error::DetectError;
@@ -92,7 +95,7 @@ pub fn supports_f64<R: Runtime>(client: &ComputeClient<R>) -> bool {
 /// Forward pass: unit (r, k) computes u\[r, kC .. kC + len\] (len = C, or what
 /// is left of the row) from zero state at x\[r, (kC + lead) mod N\], with
 /// `lead` = (s + N − L mod N) mod N: L warm-up steps, then len kept ones.
-/// `coef`: b\[0..4\], a\[0..4\]. u is stored chunk-interleaved (see
+/// `coef`: b\[0..4\], a\[0..4\], −0.0. u is stored chunk-interleaved (see
 /// [`u_index`]), so that the units of a plane, on consecutive chunks of a row,
 /// store to consecutive addresses.
 #[cube(launch_unchecked)]
@@ -125,16 +128,17 @@ pub(crate) fn iir_forward_kernel<F: Float>(
         let a1 = coef[5];
         let a2 = coef[6];
         let a3 = coef[7];
+        let nz = coef[8];
         let mut z0 = F::new(0.0);
         let mut z1 = F::new(0.0);
         let mut z2 = F::new(0.0);
         let mut p = (start + lead as usize) % n;
         for _ in 0..warm as usize {
             let xn = F::cast_from(x[row + p]);
-            let yn = b0 * xn + z0;
-            z0 = z1 + b1 * xn - a1 * yn;
-            z1 = z2 + b2 * xn - a2 * yn;
-            z2 = b3 * xn - a3 * yn;
+            let yn = product::<F>(b0, xn, nz) + z0;
+            z0 = z1 + product::<F>(b1, xn, nz) - product::<F>(a1, yn, nz);
+            z1 = z2 + product::<F>(b2, xn, nz) - product::<F>(a2, yn, nz);
+            z2 = product::<F>(b3, xn, nz) - product::<F>(a3, yn, nz);
             p += 1;
             if p == n {
                 p = 0;
@@ -142,10 +146,10 @@ pub(crate) fn iir_forward_kernel<F: Float>(
         }
         for i in 0..len {
             let xn = F::cast_from(x[row + p]);
-            let yn = b0 * xn + z0;
-            z0 = z1 + b1 * xn - a1 * yn;
-            z1 = z2 + b2 * xn - a2 * yn;
-            z2 = b3 * xn - a3 * yn;
+            let yn = product::<F>(b0, xn, nz) + z0;
+            z0 = z1 + product::<F>(b1, xn, nz) - product::<F>(a1, yn, nz);
+            z1 = z2 + product::<F>(b2, xn, nz) - product::<F>(a2, yn, nz);
+            z2 = product::<F>(b3, xn, nz) - product::<F>(a3, yn, nz);
             u[urow + i * nc] = yn;
             p += 1;
             if p == n {
@@ -193,6 +197,7 @@ pub(crate) fn iir_backward_kernel<F: Float>(
         let a1 = coef[5];
         let a2 = coef[6];
         let a3 = coef[7];
+        let nz = coef[8];
         let mut z0 = F::new(0.0);
         let mut z1 = F::new(0.0);
         let mut z2 = F::new(0.0);
@@ -202,10 +207,10 @@ pub(crate) fn iir_backward_kernel<F: Float>(
         let mut j = p % cl;
         for _ in 0..warm as usize {
             let xn = u[urow + j * nc + kk];
-            let yn = b0 * xn + z0;
-            z0 = z1 + b1 * xn - a1 * yn;
-            z1 = z2 + b2 * xn - a2 * yn;
-            z2 = b3 * xn - a3 * yn;
+            let yn = product::<F>(b0, xn, nz) + z0;
+            z0 = z1 + product::<F>(b1, xn, nz) - product::<F>(a1, yn, nz);
+            z1 = z2 + product::<F>(b2, xn, nz) - product::<F>(a2, yn, nz);
+            z2 = product::<F>(b3, xn, nz) - product::<F>(a3, yn, nz);
             if p == 0 {
                 p = n;
                 kk = (n - 1) / cl;
@@ -219,10 +224,10 @@ pub(crate) fn iir_backward_kernel<F: Float>(
         }
         for _ in 0..len {
             let xn = u[urow + j * nc + kk];
-            let yn = b0 * xn + z0;
-            z0 = z1 + b1 * xn - a1 * yn;
-            z1 = z2 + b2 * xn - a2 * yn;
-            z2 = b3 * xn - a3 * yn;
+            let yn = product::<F>(b0, xn, nz) + z0;
+            z0 = z1 + product::<F>(b1, xn, nz) - product::<F>(a1, yn, nz);
+            z1 = z2 + product::<F>(b2, xn, nz) - product::<F>(a2, yn, nz);
+            z2 = product::<F>(b3, xn, nz) - product::<F>(a3, yn, nz);
             y[row + p] = f32::cast_from(yn);
             if p == 0 {
                 p = n;
@@ -279,7 +284,14 @@ impl DeviceIir {
             _ => return None,
         };
         let chunk = iir_chunk();
-        let c: Vec<f64> = iir.b.iter().chain(&iir.a).copied().collect();
+        // b[0..4], a[0..4], then the −0.0 of `exact::product`.
+        let c: Vec<f64> = iir
+            .b
+            .iter()
+            .chain(&iir.a)
+            .copied()
+            .chain([super::exact::NEG_ZERO_F64])
+            .collect();
         let coef = if f64 {
             client.create_from_slice(f64::as_bytes(&c))
         } else {
@@ -343,7 +355,7 @@ impl DeviceIir {
         // SAFETY: unit id < n_units = C·⌈N/chunk⌉ reads and writes indices
         // r·N + p with r < C and p < N of x and y (≥ C·N elements each) and
         // r·chunk·n_chunks + j·n_chunks + k with j < chunk, k < n_chunks of u
-        // (≥ u_len elements), all checked above, and coefficients 0..8.
+        // (≥ u_len elements), all checked above, and coefficients 0..9.
         unsafe {
             if self.f64 {
                 launch_passes::<f64, R>(client, x, &self.coef, scratch, y, len, u_len, &shape);
@@ -391,7 +403,7 @@ unsafe fn launch_passes<F: Float, R: Runtime>(
             count.clone(),
             dim,
             arr(x, len),
-            arr(coef, 8),
+            arr(coef, 9),
             arr(scratch, u_len),
             shape.n_units as u32,
             shape.n_t as u32,
@@ -405,7 +417,7 @@ unsafe fn launch_passes<F: Float, R: Runtime>(
             count,
             dim,
             arr(scratch, u_len),
-            arr(coef, 8),
+            arr(coef, 9),
             arr(y, len),
             shape.n_units as u32,
             shape.n_t as u32,

@@ -20,6 +20,7 @@
 
 pub mod blocks;
 pub mod centre_response;
+pub mod exact;
 pub mod features;
 pub mod filter_bank;
 pub mod gram;
@@ -1131,6 +1132,51 @@ impl<R: Runtime> GpuDetector<R> {
         let clock = Instant::now();
         let w = self.window.as_ref().expect("allocated");
         let nb = c.div_ceil(gram::GRAM_TILE);
+        if highpass_iir::supports_f64(&self.client) {
+            // The CPU's sums exactly: f64, in 512-sample blocks from `lo`.
+            let bytes = c * c * 8;
+            if self.gram_out.as_ref().map(|(n, _)| *n) != Some(bytes) {
+                self.gram_out = None;
+                self.gram_out = Some((bytes, self.persistent(|client| client.empty(bytes))));
+            }
+            let out = self.gram_out.as_ref().expect("allocated").1.clone();
+            // SAFETY: rows < c and samples < hi ≤ n_t are read from the C × n_t
+            // buffer `q`; entries row·C + col with row, col < c are written to
+            // the C·C buffer `out`.
+            unsafe {
+                gram::gram_f64_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(nb as u32, nb as u32, 1),
+                    CubeDim::new_1d(gram::GRAM_UNITS as u32),
+                    ArrayArg::from_raw_parts(w.q.clone(), c * n_t),
+                    ArrayArg::from_raw_parts(out.clone(), c * c),
+                    c as u32,
+                    n_t as u32,
+                    lo as u32,
+                    hi as u32,
+                );
+            }
+            let bytes =
+                cubecl::future::block_on(self.client.read_async(vec![out])).map_err(|e| {
+                    DetectError::Device {
+                        message: format!(
+                            "{} failed reading a Gram matrix: {e:?}",
+                            self.device_name
+                        ),
+                    }
+                })?;
+            let v = f64::from_bytes(&bytes[0]);
+            let mut g = ndarray::Array2::<f64>::zeros((c, c));
+            for i in 0..c {
+                for k in 0..=i {
+                    g[(i, k)] = v[i * c + k];
+                    g[(k, i)] = v[i * c + k];
+                }
+            }
+            self.gram_s[2] += clock.elapsed().as_secs_f64();
+            return Ok(g);
+        }
+        // Without doubles: f32 sums in parts, added in f64 here.
         let tiles = nb * (nb + 1) / 2;
         // Enough cubes for every SM of a large GPU, each part ≥ a few runs long.
         let parts = 264usize
@@ -1575,6 +1621,7 @@ impl<R: Runtime> GpuDetector<R> {
                 arr(vals, nnz.max(1)),
                 arr(x, c * n_t),
                 n_t as u32,
+                exact::NEG_ZERO,
                 self.options.whiten_rows_first,
             );
         }
@@ -2008,6 +2055,7 @@ impl<R: Runtime> GpuDetector<R> {
                 arr(&w.b, n_ch * NK * n_t),
                 arr(&w.q, n_ch * n_t),
                 n_t as u32,
+                exact::NEG_ZERO,
                 NK,
                 ntaps,
                 filter_bank::UNITS,
@@ -2042,6 +2090,7 @@ impl<R: Runtime> GpuDetector<R> {
                 arr(&w.imax, nf * n_t),
                 n_t as u32,
                 th * th,
+                exact::NEG_ZERO,
                 nc,
                 nsz,
                 NK,
@@ -2366,6 +2415,7 @@ impl<R: Runtime> GpuDetector<R> {
                 arr(&p.tf, p.cap * nc * npc),
                 n_t as u32,
                 p.cap as u32,
+                exact::NEG_ZERO,
                 nc,
                 NK,
                 npc,

@@ -32,6 +32,8 @@
 
 use cubecl::prelude::*;
 
+use super::exact::product;
+
 /// Units per cube of every preprocessing kernel.
 pub const UNITS: usize = 256;
 /// Consecutive outputs per unit of the high-pass kernel, by default
@@ -343,6 +345,7 @@ pub(crate) fn whiten_kernel(
     vals: &Array<f32>,
     x: &mut Array<f32>,
     n_t: u32,
+    nz: f32,
     #[comptime] rows_first: bool,
 ) {
     let mut j = CUBE_POS_Y as usize;
@@ -360,14 +363,14 @@ pub(crate) fn whiten_kernel(
         let mut acc = 0.0f32;
         for qd in 0..quads {
             let o = a + qd * 4;
-            let s0 = vals[o] * y[cols[o] as usize * n_t + t];
-            let s1 = vals[o + 1] * y[cols[o + 1] as usize * n_t + t];
-            let s2 = vals[o + 2] * y[cols[o + 2] as usize * n_t + t];
-            let s3 = vals[o + 3] * y[cols[o + 3] as usize * n_t + t];
+            let s0 = product::<f32>(vals[o], y[cols[o] as usize * n_t + t], nz);
+            let s1 = product::<f32>(vals[o + 1], y[cols[o + 1] as usize * n_t + t], nz);
+            let s2 = product::<f32>(vals[o + 2], y[cols[o + 2] as usize * n_t + t], nz);
+            let s3 = product::<f32>(vals[o + 3], y[cols[o + 3] as usize * n_t + t], nz);
             acc += (s0 + s1) + (s2 + s3);
         }
         for o in a + quads * 4..b {
-            acc += vals[o] * y[cols[o] as usize * n_t + t];
+            acc += product::<f32>(vals[o], y[cols[o] as usize * n_t + t], nz);
         }
         x[j * n_t + t] = acc;
     }
