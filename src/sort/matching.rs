@@ -1309,11 +1309,12 @@ fn features(setup: &MatchingSetup, xres: ArrayView2<f32>, sp: &WindowSpikes) -> 
             let c = setup.icc[[ci, centre]] as usize;
             let row = xres.row(c);
             for p in 0..npc {
-                let mut acc = 0f64;
+                // float32, i ascending, each product rounded: the device's sum.
+                let mut acc = 0f32;
                 for i in 0..nt {
-                    acc += f64::from(row[t - half + i]) * f64::from(setup.wpca[[p, i]]);
+                    acc += row[t - half + i] * setup.wpca[[p, i]];
                 }
-                o[ci * npc + p] = (acc as f32) + sp.amp[s] * setup.u[[j, p, c]];
+                o[ci * npc + p] = acc + sp.amp[s] * setup.u[[j, p, c]];
             }
         }
     });

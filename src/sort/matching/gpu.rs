@@ -55,6 +55,7 @@
 pub mod kernels;
 mod simple;
 
+use crate::detect::gpu::exact::NEG_ZERO;
 use std::sync::Arc;
 
 use cubecl::prelude::*;
@@ -997,6 +998,7 @@ impl<R: Runtime> GpuMatcher<R> {
                 n as u32,
                 count as u32,
                 n_c as u32,
+                NEG_ZERO,
                 nc,
                 npc,
                 nt,
@@ -1103,6 +1105,7 @@ impl<R: Runtime> GpuMatcher<R> {
                     arr(&self.sites, self.n_used),
                     arr(&w.f, self.n_used * npc * n),
                     n as u32,
+                    NEG_ZERO,
                     npc,
                     nt,
                 );
@@ -1120,6 +1123,7 @@ impl<R: Runtime> GpuMatcher<R> {
                     arr(&self.sites, self.n_used),
                     arr(&w.f, self.n_used * npc * n),
                     n as u32,
+                    NEG_ZERO,
                     npc,
                     nt,
                     kernels::FILTER_R,
@@ -1151,6 +1155,7 @@ impl<R: Runtime> GpuMatcher<R> {
                 arr(&w.b, k * n),
                 n as u32,
                 k as u32,
+                NEG_ZERO,
                 npc,
             );
         }
@@ -1278,6 +1283,7 @@ impl<R: Runtime> GpuMatcher<R> {
                     arr(xres, n_c * n),
                     n as u32,
                     parity,
+                    NEG_ZERO,
                     nt,
                     npc,
                     precomputed,

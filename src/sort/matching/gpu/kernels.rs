@@ -4,6 +4,8 @@
 
 use cubecl::prelude::*;
 
+use crate::detect::gpu::exact::product;
+
 /// Units per cube of the element-wise kernels.
 pub const UNITS: usize = 256;
 /// Templates per tile of the filter product.
@@ -44,6 +46,7 @@ pub(crate) fn filter_kernel(
     sites: &Array<u32>,
     f: &mut Array<f32>,
     n: u32,
+    nz: f32,
     #[comptime] npc: usize,
     #[comptime] nt: usize,
     #[comptime] per_unit: usize,
@@ -94,7 +97,7 @@ pub(crate) fn filter_kernel(
             let xv = xs[u + r * UNITS + m];
             #[unroll]
             for p in 0..npc {
-                acc[r * npc + p] += xv * wv[p];
+                acc[r * npc + p] += product::<f32>(xv, wv[p], nz);
             }
         }
     }
@@ -131,6 +134,7 @@ pub(crate) fn product_kernel(
     b: &mut Array<f32>,
     n: u32,
     k: u32,
+    nz: f32,
     #[comptime] npc: usize,
 ) {
     let mut su = SharedMemory::<f32>::new(comptime!(SLOTS_PER_STAGE * KB * npc));
@@ -185,7 +189,8 @@ pub(crate) fn product_kernel(
                     let uv = su[ub + (kr * 4usize + r) * npc + p];
                     #[unroll]
                     for m in 0..4usize {
-                        acc[r * 4usize + m] += uv * sf[fb + p * TT + tc + 32usize * m];
+                        acc[r * 4usize + m] +=
+                            product::<f32>(uv, sf[fb + p * TT + tc + 32usize * m], nz);
                     }
                 }
             }
@@ -566,6 +571,7 @@ pub(crate) fn subtract_kernel(
     xres: &mut Array<f32>,
     n: u32,
     parity: u32,
+    nz: f32,
     #[comptime] nt: usize,
     #[comptime] npc: usize,
     #[comptime] precomputed: bool,
@@ -596,11 +602,15 @@ pub(crate) fn subtract_kernel(
             } else {
                 #[unroll]
                 for q in 0..comptime!(npc * npc) {
-                    c += pairs[(p0 + pi) * comptime!(npc * npc) + q] * wtw[q * nl + d];
+                    c += product::<f32>(
+                        pairs[(p0 + pi) * comptime!(npc * npc) + q],
+                        wtw[q * nl + d],
+                        nz,
+                    );
                 }
             }
             let idx = kk * n + t - nt + d;
-            b[idx] = b[idx] - a * c;
+            b[idx] = b[idx] - product::<f32>(a, c, nz);
             e += stride;
         }
         let s0 = sup_off[j] as usize;
@@ -611,7 +621,7 @@ pub(crate) fn subtract_kernel(
             let i = e % nt;
             let site = sup_site[s0 + si] as usize;
             let idx = site * n + t - half + i;
-            xres[idx] = xres[idx] - a * wave[(s0 + si) * nt + i];
+            xres[idx] = xres[idx] - product::<f32>(a, wave[(s0 + si) * nt + i], nz);
             e += stride;
         }
         r += 2 * CUBE_COUNT_X as usize;
@@ -635,6 +645,7 @@ pub(crate) fn features_kernel(
     n: u32,
     count: u32,
     n_c: u32,
+    nz: f32,
     #[comptime] nc: usize,
     #[comptime] npc: usize,
     #[comptime] nt: usize,
@@ -651,8 +662,8 @@ pub(crate) fn features_kernel(
         let c = icc[ci * n_c + iu[j] as usize] as usize;
         let mut acc = 0.0f32;
         for i in 0..nt {
-            acc += xres[c * n + t + i] * wpca[p * nt + i];
+            acc += product::<f32>(xres[c * n + t + i], wpca[p * nt + i], nz);
         }
-        tf[g] = acc + amp[s] * u_all[(j * npc + p) * n_c + c];
+        tf[g] = acc + product::<f32>(amp[s], u_all[(j * npc + p) * n_c + c], nz);
     }
 }

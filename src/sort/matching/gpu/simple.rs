@@ -7,6 +7,7 @@
 use cubecl::prelude::*;
 
 use super::kernels::{S_BASE, S_ROUND, UNITS};
+use crate::detect::gpu::exact::product;
 
 /// F\[(slot·npc + p)·n + t\] = Σ_i X\[site, t − nt/2 + i\]·wPCA\[p, i\] (zero
 /// padding), i ascending from zero, for the used sites (`sites[slot]`). Cube
@@ -19,6 +20,7 @@ pub(crate) fn filter_kernel(
     sites: &Array<u32>,
     f: &mut Array<f32>,
     n: u32,
+    nz: f32,
     #[comptime] npc: usize,
     #[comptime] nt: usize,
 ) {
@@ -55,7 +57,7 @@ pub(crate) fn filter_kernel(
         for p in 0..npc {
             let mut acc = 0.0f32;
             for m in 0..nt {
-                acc += xs[u + m] * ws[p * nt + m];
+                acc += product::<f32>(xs[u + m], ws[p * nt + m], nz);
             }
             f[(slot * npc + p) * n + t] = acc;
         }
