@@ -104,6 +104,11 @@ fn main() {
         remove_channel_means(&mut y);
     });
     let hp_ms = time_runs(runs, || hp.apply(&mut x).expect("hp"));
+    // The same high-pass as the device's chunked f64 IIR (the form the CPU
+    // runs, for the device's bits), rows side by side.
+    let iir = pre.highpass_iir().expect("the IIR form").clone();
+    let chunk = spikecube::preprocess::IIR_CHUNK;
+    let iir_ms = time_runs(runs, || iir.apply_f64(&mut x, chunk).expect("iir"));
     let white = time_runs(runs, || pre.whitening().apply(&mut x).expect("whiten"));
     let all = time_runs(runs, || {
         x.assign(&raw);
@@ -152,6 +157,7 @@ fn main() {
     report("channel means", (means - copy).max(0.0));
     report("channel means + median CAR", (car - copy).max(0.0));
     report("high-pass (FFT, f32)", hp_ms);
+    report("high-pass (IIR, f64, the CPU's)", iir_ms);
     report("whitening W·X", white);
     report("CAR + HP + whitening", (all - copy).max(0.0));
     report("transients check (f32)", transients_f32);

@@ -8,10 +8,13 @@
 //! CUDA (`#[ignore]`d: they need an NVIDIA GPU; run them there with
 //! `cargo test --release --test gpu -- --include-ignored`).
 //!
-//! What must agree: the detections — (centre, sample), imax and sign — exactly;
-//! amp, adist, yct and tF within |Δ| ≤ 1e-5·max(|ref|, 1) (whitened units, noise
-//! sd 1). GPU compilers contract a + w·x into fused multiply-adds, so the floats
-//! are not the CPU's bits; the difference is float32 rounding (~1e-7 relative).
+//! What must agree: the detections — (centre, sample), imax and sign — and
+//! amp, adist, yct, tF and the dense intermediates, bit for bit. The kernels
+//! sum in the CPU's order and round every product as the CPU does
+//! (`detect::gpu::exact`), so no compiler's fused multiply-adds change a value.
+//! The preprocessing with the f64 IIR high-pass on int16 input, and the
+//! whitening fit's covariance where the device has doubles, are the CPU's bits
+//! too; the direct high-pass kernel and float input agree to about 1e-6.
 #![cfg(any(feature = "cuda", feature = "wgpu"))]
 
 mod common;
@@ -24,7 +27,6 @@ use spikecube::detect::gpu::highpass_iir::HighpassMode;
 use spikecube::detect::gpu::{GpuDetector, GpuOptions};
 use spikecube::{DetectionSettings, Geometry, Probe, UniversalTemplates};
 
-const TOL: f32 = 1e-5;
 /// Device IIR high-pass with f64 state against its CPU twin: the same f64
 /// recursion up to fused multiply-adds (~1e-12 of max|x|), so the f32 outputs
 /// are equal or one rounding apart: |Δ| ≤ 2⁻²³·|y| + 1e-10·max|x|.
@@ -81,7 +83,7 @@ fn close(what: &str, a: &[f32], b: &[f32]) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
         assert!(
-            (x - y).abs() <= TOL * x.abs().max(1.0),
+            x.to_bits() == y.to_bits(),
             "{what}[{i}]: CPU {x} vs GPU {y}"
         );
     }
@@ -167,7 +169,7 @@ fn check_intermediates<R: Runtime>(device: &R::Device, name: &str) {
                 let i = j * nt_w + t;
                 let (a, b) = (want.as_[[j, t]], as_[i]);
                 assert!(
-                    (a - b).abs() <= TOL * a.max(1.0),
+                    a.to_bits() == b.to_bits(),
                     "{name} As[{j}, {t}]: {a} vs {b}"
                 );
                 let (rc, rg) = (want.imax_signed[[j, t]] as i32, imax[i]);
@@ -190,7 +192,7 @@ fn check_intermediates<R: Runtime>(device: &R::Device, name: &str) {
                 if !edge {
                     let (a, b) = (want.amax_prepool[[j, t]], amax[i]);
                     assert!(
-                        (a - b).abs() <= TOL * a.max(1.0),
+                        a.to_bits() == b.to_bits(),
                         "{name} Amax[{j}, {t}]: {a} vs {b}"
                     );
                 }
@@ -428,6 +430,11 @@ fn check_preprocessing<R: Runtime>(
         if float {
             raw.mapv_inplace(|v| v * 0.37 + 0.1);
         }
+        if case == 0 {
+            // A DC offset, as probes have: channel sums past 2²⁴, which float32
+            // would round before the mean.
+            raw.mapv_inplace(|v| v + 3000.0);
+        }
         let pre = Preprocessor::fit(
             1,
             |_| -> Result<Array2<f32>, spikecube::error::PreprocessError> { Ok(raw.clone()) },
@@ -473,6 +480,22 @@ fn check_preprocessing<R: Runtime>(
             worst / peak,
             form.dropped_tail
         );
+        // With the f64 IIR and int16 input the device runs the CPU's arithmetic
+        // (exact integer channel means, the same median, the IIR twin's f64
+        // recursion with each product rounded, the CSR whitening's sums): the
+        // same bits. The direct kernel and float input's tree of means round
+        // differently.
+        if det.highpass_form() == "iir-f64" && !float {
+            let differ = want
+                .iter()
+                .zip(&got)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                differ, 0,
+                "case {case}: {differ} preprocessed values differ from the CPU's"
+            );
+        }
         if worst > 1e-4 * peak {
             // Where does the device depart from the CPU?
             let mut car = raw.clone();
@@ -570,6 +593,32 @@ fn check_preprocessing<R: Runtime>(
             worst <= 1e-5 * top,
             "case {case}: covariance differs by {worst} (largest entry {top})"
         );
+        // From the same high-passed window, the device's Gram matrix has the
+        // CPU's bits where the device has doubles.
+        if spikecube::detect::gpu::highpass_iir::supports_f64(&R::client(device)) {
+            let filtered = det
+                .preprocess_stage(packer.pack(raw.view()), &p.yc, 3)
+                .unwrap();
+            let filtered = Array2::from_shape_vec((n_sites, nw), filtered).unwrap();
+            let gram = det
+                .window_gram(packer.pack(raw.view()), &p.yc, nt, nw - nt)
+                .unwrap();
+            let mut cc = Array2::<f64>::zeros((n_sites, n_sites));
+            spikecube::preprocess::accumulate_covariance(
+                &mut cc,
+                filtered.slice(ndarray::s![.., nt..nw - nt]),
+            )
+            .unwrap();
+            let differ = cc
+                .iter()
+                .zip(gram.iter())
+                .filter(|(w, g)| w.to_bits() != (*g * inv_t).to_bits())
+                .count();
+            assert_eq!(
+                differ, 0,
+                "case {case}: {differ} covariance entries differ from the CPU's"
+            );
+        }
     }
 }
 

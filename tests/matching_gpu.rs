@@ -4,10 +4,9 @@
 //! asked for, CUDA (`#[ignore]`d: `cargo test --release --test matching_gpu
 //! -- --include-ignored` on a machine with an NVIDIA GPU).
 //!
-//! What must agree: every spike's window column and template, in the same
-//! order, and the peel count, exactly; amp and √Cf within 1e-5 relative; tF
-//! within 1e-4·max(|tF|, 1) (GPU compilers fuse multiply-adds, and the
-//! device sums tF in float32 where the CPU uses float64 rounded once).
+//! What must agree, bit for bit: every spike's window column and template, in
+//! the same order, the peel count, amp, √Cf and tF (the kernels sum in the
+//! CPU's order and round every product as it does, `detect::gpu::exact`).
 //! Within a back end: the same bytes on two runs.
 #![cfg(any(feature = "cuda", feature = "wgpu"))]
 
@@ -22,9 +21,6 @@ use ndarray::{Array1, Array2, Array3, ArrayD, ArrayView2, Axis, Ix1, Ix2, Ix3};
 use ndarray_npy::NpzReader;
 use spikecube::sort::matching::gpu::{GpuMatchOptions, GpuMatcher};
 use spikecube::sort::matching::{MatchingSettings, MatchingSetup, WindowSpikes, match_window};
-
-const REL: f32 = 1e-5;
-const TF_TOL: f32 = 1e-4;
 
 fn get<A: ndarray_npy::ReadableElement, D: ndarray::Dimension>(
     z: &mut NpzReader<File>,
@@ -82,25 +78,19 @@ fn same(label: &str, cpu: &WindowSpikes, gpu: &WindowSpikes) {
     assert_eq!(cpu.col, gpu.col, "{label}: columns");
     assert_eq!(cpu.template, gpu.template, "{label}: templates");
     assert_eq!(cpu.peels, gpu.peels, "{label}: peels");
-    let rel = |what: &str, a: &[f32], b: &[f32]| {
-        let mut worst = 0f32;
+    let bits = |what: &str, a: &[f32], b: &[f32]| {
         for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
-            let d = (x - y).abs() / x.abs().max(1e-30);
-            worst = worst.max(d);
-            assert!(d <= REL, "{label} {what}[{i}]: CPU {x} vs GPU {y}");
+            assert!(
+                x.to_bits() == y.to_bits(),
+                "{label} {what}[{i}]: CPU {x} vs GPU {y}"
+            );
         }
-        worst
     };
-    let wa = rel("amp", &cpu.amp, &gpu.amp);
-    let wt = rel("th_amp", &cpu.th_amp, &gpu.th_amp);
-    let mut wf = 0f32;
-    for (i, (&x, &y)) in cpu.tf.iter().zip(&gpu.tf).enumerate() {
-        let d = (x - y).abs() / x.abs().max(1.0);
-        wf = wf.max(d);
-        assert!(d <= TF_TOL, "{label} tF[{i}]: CPU {x} vs GPU {y}");
-    }
+    bits("amp", &cpu.amp, &gpu.amp);
+    bits("th_amp", &cpu.th_amp, &gpu.th_amp);
+    bits("tF", &cpu.tf, &gpu.tf);
     eprintln!(
-        "{label}: {} spikes, {} peels; max rel amp {wa:e}, √Cf {wt:e}, tF {wf:e}",
+        "{label}: {} spikes, {} peels, the CPU's bits",
         cpu.len(),
         cpu.peels
     );

@@ -164,6 +164,38 @@ fn the_sort_is_the_same_whatever_the_windows_kept_on_the_device() {
     );
 }
 
+/// The CPU and a GPU back end sort to the same bytes: the device kernels run
+/// the CPU's arithmetic (`detect::gpu::exact`, the f64 IIR high-pass, the f64
+/// covariance in the CPU's blocks). On lavapipe here; on CUDA measured in
+/// BENCHMARKS.md on the 10-minute 384-site simulation.
+#[cfg(feature = "wgpu")]
+#[test]
+fn the_cpu_and_wgpu_sorts_are_the_same_bytes() {
+    common::require_vulkan();
+    let dir = tempfile::tempdir().unwrap();
+    let bin = simulate(dir.path());
+    let cpu = dir.path().join("cpu");
+    let gpu = dir.path().join("wgpu");
+    sort(&bin, &cpu, "cpu", "0", &[]);
+    sort(&bin, &gpu, "wgpu", "0", &[]);
+    let n_spikes = std::fs::metadata(cpu.join("spike_times.npy"))
+        .unwrap()
+        .len();
+    assert!(n_spikes > 1000, "spike_times.npy is {n_spikes} bytes");
+    let more = [
+        "whitening_mat.npy",
+        "spike_positions.npy",
+        "cluster_KSLabel.tsv",
+        "cluster_ContamPct.tsv",
+    ];
+    for name in ARRAYS.iter().chain(&more) {
+        assert!(
+            std::fs::read(cpu.join(name)).unwrap() == std::fs::read(gpu.join(name)).unwrap(),
+            "{name} differs between the CPU and wgpu"
+        );
+    }
+}
+
 /// On the CPU the windows kept after their high-pass in the first pass are
 /// not read again either.
 #[test]

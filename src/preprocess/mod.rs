@@ -527,7 +527,7 @@ pub(crate) fn highpass_window(
     window: &mut Array2<f32>,
 ) -> Result<(), PreprocessError> {
     match iir {
-        Some(iir) => iir.apply::<f64>(window, crate::detect::gpu::highpass_iir::iir_chunk()),
+        Some(iir) => iir.apply_f64(window, crate::detect::gpu::highpass_iir::iir_chunk()),
         None => hp.apply(window),
     }
 }

@@ -13,10 +13,10 @@
 //! its device buffers persist across windows, a window is one upload, five to six
 //! launches and one download of the detections.
 //!
-//! Numerics: every sum runs in the CPU's order, but GPU compilers contract
-//! `a + w·x` into fused multiply-adds (NVRTC by default; Mesa likewise), so the
-//! floats differ from the CPU's by float32 rounding (≤ 1e-5 relative is tested).
-//! Detections — (centre, sample), imax and sign — are tested identical.
+//! Numerics: every sum runs in the CPU's order and every product that is then
+//! added is rounded first ([`exact::product`]: GPU compilers would otherwise
+//! contract `a + w·x` into a fused multiply-add, NVRTC by default), so the
+//! outputs are the CPU's bits (tested on wgpu and CUDA).
 
 pub mod blocks;
 pub mod centre_response;
@@ -1659,6 +1659,7 @@ impl<R: Runtime> GpuDetector<R> {
                     n_t as u32,
                     win.words_per_row as u32,
                     win.packed,
+                    highpass_iir::supports_f64(&self.client),
                 );
                 self.pre_mark(Some(0));
             }

@@ -85,7 +85,10 @@ fn raw_value(raw: &Array<u32>, r: usize, t: usize, words: usize, #[comptime] pac
 
 /// Channel means: one cube per row. Packed int16 values are summed exactly as
 /// integers (high and low bytes apart, so no 32-bit overflow below 2²³ samples);
-/// float32 values in f32 (per unit, then a tree).
+/// float32 values in f32 (per unit, then a tree). With `f64_mean` an integer
+/// sum is divided in f64 and rounded to f32, as the CPU takes the mean (its f64
+/// sum of integers is exact too), so the means have the CPU's bits; without,
+/// in f32 (a sum above 2²⁴ is then rounded first).
 #[cube(launch_unchecked)]
 pub(crate) fn row_means_kernel(
     raw: &Array<u32>,
@@ -93,6 +96,7 @@ pub(crate) fn row_means_kernel(
     n_t: u32,
     words: u32,
     #[comptime] packed: bool,
+    #[comptime] f64_mean: bool,
 ) {
     let mut hi = SharedMemory::<i32>::new(UNITS);
     let mut lo = SharedMemory::<i32>::new(UNITS);
@@ -132,8 +136,14 @@ pub(crate) fn row_means_kernel(
     }
     if u == 0 {
         if comptime!(packed) {
-            let sum = f32::cast_from(hi[0]) * 256.0f32 + f32::cast_from(lo[0]);
-            means[r] = sum / f32::cast_from(n_t as u32);
+            if comptime!(f64_mean) {
+                // Both terms and the sum are exact in f64 (|sum| < 2⁵³).
+                let sum = f64::cast_from(hi[0]) * 256.0f64 + f64::cast_from(lo[0]);
+                means[r] = f32::cast_from(sum / f64::cast_from(n_t as u32));
+            } else {
+                let sum = f32::cast_from(hi[0]) * 256.0f32 + f32::cast_from(lo[0]);
+                means[r] = sum / f32::cast_from(n_t as u32);
+            }
         } else {
             means[r] = fs[0] / f32::cast_from(n_t as u32);
         }
