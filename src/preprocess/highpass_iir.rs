@@ -61,6 +61,18 @@ pub const MAX_WARM: usize = 16_384;
 /// variable `SPIKECUBE_HIGHPASS_CHUNK` overrides it on the device, for measuring).
 pub const IIR_CHUNK: usize = 1024;
 
+/// Outputs per chunk C of the IIR, on the device and on the CPU (which must
+/// cut the rows as the device does to give its bits): [`IIR_CHUNK`] unless the
+/// environment variable `SPIKECUBE_HIGHPASS_CHUNK` names another positive
+/// number (for measuring).
+pub fn iir_chunk() -> usize {
+    std::env::var("SPIKECUBE_HIGHPASS_CHUNK")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&c| c > 0)
+        .unwrap_or(IIR_CHUNK)
+}
+
 /// The float type of the recursion's state and of u: f64 on the device where it
 /// has doubles (CUDA), f32 for studying the rounding and testing the device's
 /// indexing on WGSL (no doubles).

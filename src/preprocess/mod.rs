@@ -41,8 +41,8 @@ pub use highpass::{
     highpass_kernel, highpass_kernel_f64,
 };
 pub use highpass_iir::{
-    CircularIir, IIR_BOUND, IIR_CHUNK, IirFloat, MAX_WARM, crop_difference, warm_up_bound,
-    window_shift,
+    CircularIir, IIR_BOUND, IIR_CHUNK, IirFloat, MAX_WARM, crop_difference, iir_chunk,
+    warm_up_bound, window_shift,
 };
 pub use whitening::{
     FitOptions, FitTimes, WHITENING_EPS, Whitening, accumulate_covariance,
@@ -527,7 +527,7 @@ pub(crate) fn highpass_window(
     window: &mut Array2<f32>,
 ) -> Result<(), PreprocessError> {
     match iir {
-        Some(iir) => iir.apply_f64(window, crate::detect::gpu::highpass_iir::iir_chunk()),
+        Some(iir) => iir.apply_f64(window, highpass_iir::iir_chunk()),
         None => hp.apply(window),
     }
 }

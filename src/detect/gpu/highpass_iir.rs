@@ -34,10 +34,10 @@ use super::exact::product;
 use cubecl::server::Handle;
 
 use crate::error::DetectError;
-use crate::preprocess::{CircularIir, DevicePreprocessing, IIR_CHUNK};
+use crate::preprocess::{CircularIir, DevicePreprocessing};
 
 /// Units per cube of the IIR kernels: small cubes, so that the few thousand
-/// units of a window (C × N / [`IIR_CHUNK`]) spread over every SM.
+/// units of a window (C × N / [`IIR_CHUNK`](crate::preprocess::IIR_CHUNK)) spread over every SM.
 pub const IIR_UNITS: usize = 64;
 
 /// Which high-pass the device runs ([`super::GpuOptions::highpass`]).
@@ -71,16 +71,7 @@ impl HighpassMode {
     }
 }
 
-/// Outputs per chunk C of the IIR kernels: [`IIR_CHUNK`] unless the
-/// environment variable `SPIKECUBE_HIGHPASS_CHUNK` names another positive
-/// number (for measuring).
-pub fn iir_chunk() -> usize {
-    std::env::var("SPIKECUBE_HIGHPASS_CHUNK")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok())
-        .filter(|&c| c > 0)
-        .unwrap_or(IIR_CHUNK)
-}
+pub use crate::preprocess::iir_chunk;
 
 /// Whether the device runs f64 arithmetic: CUDA always (CubeCL 0.10's CUDA
 /// runtime leaves f64 out of its advertised types, but its compiler emits
