@@ -20,6 +20,47 @@ pub const GRAM_RUN: usize = 32;
 /// Units per cube: 16 × 16, each computing 2 × 2 entries of the tile.
 pub const GRAM_UNITS: usize = 256;
 
+/// Stages GRAM_TILE rows × GRAM_RUN samples from `s0` of the row blocks `bx`
+/// and `by` of `q` (C × N) into `sa` and `sb` (rows `GRAM_RUN + 1` apart),
+/// zeros past `end` or past the last row; unit `u` of [`GRAM_UNITS`].
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_run(
+    q: &Array<f32>,
+    sa: &mut SharedMemory<f32>,
+    sb: &mut SharedMemory<f32>,
+    bx: usize,
+    by: usize,
+    c: usize,
+    n_t: usize,
+    s0: usize,
+    end: usize,
+    u: usize,
+) {
+    let stride = comptime!(GRAM_RUN + 1);
+    let mut i = u;
+    while i < comptime!(GRAM_TILE * GRAM_RUN) {
+        let r = i / GRAM_RUN;
+        let k = i % GRAM_RUN;
+        let t = s0 + k;
+        let ra = bx * GRAM_TILE + r;
+        let rb = by * GRAM_TILE + r;
+        let mut va = 0.0f32;
+        let mut vb = 0.0f32;
+        if t < end {
+            if ra < c {
+                va = q[ra * n_t + t];
+            }
+            if rb < c {
+                vb = q[rb * n_t + t];
+            }
+        }
+        sa[r * stride + k] = va;
+        sb[r * stride + k] = vb;
+        i += GRAM_UNITS;
+    }
+}
+
 /// Partial Gram matrices of rows of `q` (C × N, row-major) over samples
 /// `lo .. hi`, split into `CUBE_COUNT_Z` parts: cube (bx, by, z) writes the
 /// 32 × 32 tile of rows `bx·32 ..` and columns `by·32 ..` (only tiles with
@@ -57,28 +98,7 @@ pub(crate) fn gram_kernel(
         let mut t11 = 0.0f32;
         let mut s0 = start;
         while s0 < end {
-            // Stage GRAM_TILE rows × GRAM_RUN samples of both row blocks.
-            let mut i = u;
-            while i < comptime!(GRAM_TILE * GRAM_RUN) {
-                let r = i / GRAM_RUN;
-                let k = i % GRAM_RUN;
-                let t = s0 + k;
-                let ra = bx * GRAM_TILE + r;
-                let rb = by * GRAM_TILE + r;
-                let mut va = 0.0f32;
-                let mut vb = 0.0f32;
-                if t < end {
-                    if ra < c {
-                        va = q[ra * n_t + t];
-                    }
-                    if rb < c {
-                        vb = q[rb * n_t + t];
-                    }
-                }
-                sa[r * stride + k] = va;
-                sb[r * stride + k] = vb;
-                i += GRAM_UNITS;
-            }
+            stage_run(q, &mut sa, &mut sb, bx, by, c, n_t, s0, end, u);
             sync_cube();
             let mut p00 = 0.0f32;
             let mut p01 = 0.0f32;
@@ -171,28 +191,7 @@ pub(crate) fn gram_f64_kernel(
         let mut p11 = 0.0f64;
         let mut s0 = start;
         while s0 < end {
-            // Stage GRAM_TILE rows × GRAM_RUN samples of both row blocks.
-            let mut i = u;
-            while i < comptime!(GRAM_TILE * GRAM_RUN) {
-                let r = i / GRAM_RUN;
-                let k = i % GRAM_RUN;
-                let t = s0 + k;
-                let ra = bx * GRAM_TILE + r;
-                let rb = by * GRAM_TILE + r;
-                let mut va = 0.0f32;
-                let mut vb = 0.0f32;
-                if t < end {
-                    if ra < c {
-                        va = q[ra * n_t + t];
-                    }
-                    if rb < c {
-                        vb = q[rb * n_t + t];
-                    }
-                }
-                sa[r * stride + k] = va;
-                sb[r * stride + k] = vb;
-                i += GRAM_UNITS;
-            }
+            stage_run(q, &mut sa, &mut sb, bx, by, c, n_t, s0, end, u);
             sync_cube();
             // Samples past `end` are staged as 0: adding their +0 products
             // changes no sum of the block (s + 0 = s, and an all-zero sum is +0
