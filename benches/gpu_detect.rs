@@ -89,6 +89,7 @@ fn bench<R: Runtime>(device: &R::Device, name: &str, s: &Setup, repeat: usize, o
         hp_per_unit: 8,
         highpass: spikecube::detect::gpu::highpass_iir::HighpassMode::Direct,
         whiten_rows_first: false,
+        device_f64: true,
     };
     let full = GpuOptions::default();
     let variants = [

@@ -48,6 +48,7 @@ const DENSE: GpuOptions = GpuOptions {
     hp_per_unit: 8,
     highpass: HighpassMode::Auto,
     whiten_rows_first: false,
+    device_f64: true,
 };
 /// The default: every optimisation on.
 const FAST: GpuOptions = GpuOptions {
@@ -58,6 +59,7 @@ const FAST: GpuOptions = GpuOptions {
     hp_per_unit: 16,
     highpass: HighpassMode::Auto,
     whiten_rows_first: true,
+    device_f64: true,
 };
 /// The other combinations, mixed.
 const MIXED: GpuOptions = GpuOptions {
@@ -68,6 +70,7 @@ const MIXED: GpuOptions = GpuOptions {
     hp_per_unit: 16,
     highpass: HighpassMode::Auto,
     whiten_rows_first: true,
+    device_f64: true,
 };
 const MIXED2: GpuOptions = GpuOptions {
     pruned: true,
@@ -77,6 +80,7 @@ const MIXED2: GpuOptions = GpuOptions {
     hp_per_unit: 8,
     highpass: HighpassMode::Auto,
     whiten_rows_first: false,
+    device_f64: true,
 };
 
 fn close(what: &str, a: &[f32], b: &[f32]) {
@@ -450,8 +454,12 @@ fn check_preprocessing<R: Runtime>(
         };
         let g = Geometry::new(&p, &s).unwrap();
         // The IIR high-pass where the device has doubles, and the direct kernel
-        // with both tilings (8 and 16 outputs per unit), alternately.
+        // with both tilings (8 and 16 outputs per unit), alternately; with the
+        // direct kernel also the float32 covariance and means of devices
+        // without doubles.
+        let f64_forms = case % 2 == 0;
         let options = GpuOptions {
+            device_f64: f64_forms,
             hp_per_unit: if case % 4 == 1 { 8 } else { 16 },
             highpass: if case % 2 == 0 {
                 HighpassMode::Auto
@@ -595,7 +603,7 @@ fn check_preprocessing<R: Runtime>(
         );
         // From the same high-passed window, the device's Gram matrix has the
         // CPU's bits where the device has doubles.
-        if spikecube::detect::gpu::highpass_iir::supports_f64(&R::client(device)) {
+        if f64_forms && spikecube::detect::gpu::highpass_iir::supports_f64(&R::client(device)) {
             let filtered = det
                 .preprocess_stage(packer.pack(raw.view()), &p.yc, 3)
                 .unwrap();
@@ -941,6 +949,7 @@ fn check_whiten_grid<R: Runtime>(device: &R::Device) {
     for rows_first in [true, false] {
         let options = GpuOptions {
             whiten_rows_first: rows_first,
+            device_f64: true,
             ..FAST
         };
         let mut det = gpu::<R>(device, &g, &s, options);

@@ -79,6 +79,11 @@ pub struct GpuOptions {
     /// or samples first (the environment variable `SPIKECUBE_WHITEN_GRID=samples`,
     /// for measuring); the same values either way.
     pub whiten_rows_first: bool,
+    /// The whitening fit's covariance and the int16 channel means in f64,
+    /// with the CPU's bits, where the device has doubles (true, the default);
+    /// false takes the float32 forms that devices without doubles run, for
+    /// testing them.
+    pub device_f64: bool,
 }
 
 impl Default for GpuOptions {
@@ -94,6 +99,7 @@ impl Default for GpuOptions {
             },
             highpass: highpass_iir::HighpassMode::from_env(),
             whiten_rows_first: std::env::var("SPIKECUBE_WHITEN_GRID").as_deref() != Ok("samples"),
+            device_f64: true,
         }
     }
 }
@@ -1132,7 +1138,7 @@ impl<R: Runtime> GpuDetector<R> {
         let clock = Instant::now();
         let w = self.window.as_ref().expect("allocated");
         let nb = c.div_ceil(gram::GRAM_TILE);
-        if highpass_iir::supports_f64(&self.client) {
+        if self.options.device_f64 && highpass_iir::supports_f64(&self.client) {
             // The CPU's sums exactly: f64, in 512-sample blocks from `lo`.
             let bytes = c * c * 8;
             if self.gram_out.as_ref().map(|(n, _)| *n) != Some(bytes) {
@@ -1659,7 +1665,7 @@ impl<R: Runtime> GpuDetector<R> {
                     n_t as u32,
                     win.words_per_row as u32,
                     win.packed,
-                    highpass_iir::supports_f64(&self.client),
+                    self.options.device_f64 && highpass_iir::supports_f64(&self.client),
                 );
                 self.pre_mark(Some(0));
             }
