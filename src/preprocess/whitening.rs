@@ -4,7 +4,7 @@
 //! `X ← W·X` (spec section 5 and step 6 of section 4).
 
 use faer::linalg::matmul::matmul;
-use faer::{Accum, Mat, MatMut, MatRef, Par, Side};
+use faer::{Accum, Mat, MatRef, Par, Side};
 use ndarray::{Array2, ArrayViewMut2, Axis};
 use rayon::prelude::*;
 
@@ -779,19 +779,17 @@ fn sparse_run<const R: usize>(
 /// rows a multiple of 1 KiB apart would map to the same few L1 cache sets.
 const TMP_PAD: usize = 16;
 
-/// Columns per block in [`Whitening::apply`]: a (C × block) copy stays in cache.
-const WHITEN_BLOCK: usize = 128;
 /// Columns per block of the sparse product in [`Whitening::apply`] (256:
 /// with runs of 64 samples, as fast as 128 for W and faster for `G_b`, on dev-2c).
 const SPARSE_BLOCK: usize = 256;
 
-/// A whitening matrix ready to apply: W dense, plus its non-zeros per row for
-/// the sparse product used when most entries are zero (local whitening).
+/// A whitening matrix ready to apply: W dense, plus its non-zeros per row,
+/// which the product sums (the order of [`Whitening::csr`], the device's too).
 #[derive(Debug, Clone)]
 pub struct Whitening {
     w: Array2<f32>,
-    /// Per row, the (column, value) non-zeros in column order; `None` for dense use.
-    sparse: Option<Vec<Vec<(usize, f32)>>>,
+    /// Per row, the (column, value) non-zeros in column order.
+    rows: Vec<Vec<(usize, f32)>>,
 }
 
 impl Whitening {
@@ -801,17 +799,14 @@ impl Whitening {
     /// # Errors
     /// [`PreprocessError::Shape`] if it is not square.
     pub fn new(w: Array2<f32>) -> Result<Self, PreprocessError> {
-        let (r, c) = square(&w)?;
+        square(&w)?;
         let w = w.as_standard_layout().into_owned();
-        let _ = (r, c);
-        // Always the sum of each row's non-zeros in the order of
-        // [`Whitening::csr`], which the device kernels follow, so that CPU and
-        // GPU whiten to the same bits (a dense sgemm sums in its own order).
+        // Every matrix is applied as the sum of each row's non-zeros in the
+        // order of [`Whitening::csr`], which the device kernels follow, so that
+        // CPU and GPU whiten to the same bits (a dense sgemm sums in its own
+        // order).
         let rows = nonzero_rows(&w);
-        Ok(Whitening {
-            w,
-            sparse: Some(rows),
-        })
+        Ok(Whitening { w, rows })
     }
 
     /// The (C × C) matrix.
@@ -859,25 +854,18 @@ impl Whitening {
             }
         });
         let rows = nonzero_rows(&w);
-        Ok(Whitening {
-            w,
-            sparse: Some(rows),
-        })
+        Ok(Whitening { w, rows })
     }
 
     /// Whether [`Whitening::apply`] uses the sparse product (the order of
-    /// [`Whitening::csr`]); otherwise a dense sgemm (faer), used for a matrix
-    /// built by [`Whitening::new`] with more than a quarter of its entries non-zero.
+    /// [`Whitening::csr`]): always, whatever the matrix's density.
     pub fn is_sparse(&self) -> bool {
-        self.sparse.is_some()
+        true
     }
 
     /// Non-zero entries.
     pub fn nnz(&self) -> usize {
-        match &self.sparse {
-            Some(rows) => rows.iter().map(Vec::len).sum(),
-            None => self.w.iter().filter(|v| **v != 0.0).count(),
-        }
+        self.rows.iter().map(Vec::len).sum()
     }
 
     /// The matrix in compressed rows: (row starts, C + 1 values; columns;
@@ -887,20 +875,9 @@ impl Whitening {
     /// `acc = 0; for each full group of four (w0..w3 at sites k0..k3):
     /// acc += (w0·x[k0] + w1·x[k1]) + (w2·x[k2] + w3·x[k3]); then the
     /// remaining one to three terms one by one: acc += w·x[k]` (float32).
-    /// When [`Whitening::is_sparse`] is false the CPU uses a dense sgemm
-    /// instead, whose order is faer's; the list is then every non-zero in
-    /// column order.
     pub fn csr(&self) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
-        let dense;
-        let rows = match &self.sparse {
-            Some(rows) => rows,
-            None => {
-                dense = nonzero_rows(&self.w);
-                &dense
-            }
-        };
         let (mut start, mut cols, mut vals) = (vec![0u32], Vec::new(), Vec::new());
-        for row in rows {
+        for row in &self.rows {
             for &(k, v) in row {
                 cols.push(k as u32);
                 vals.push(v);
@@ -910,38 +887,17 @@ impl Whitening {
         (start, cols, vals)
     }
 
-    fn whiten_block(
-        &self,
-        mut block: ArrayViewMut2<'_, f32>,
-        tmp: &mut Vec<f32>,
-        out: &mut Vec<f32>,
-    ) {
-        let (c, b) = block.dim();
+    fn whiten_block(&self, mut block: ArrayViewMut2<'_, f32>, tmp: &mut Vec<f32>) {
+        let b = block.ncols();
         tmp.clear();
-        let pad = if self.sparse.is_some() { TMP_PAD } else { 0 };
         for row in block.outer_iter() {
             match row.as_slice() {
                 Some(r) => tmp.extend_from_slice(r),
                 None => tmp.extend(row.iter().copied()),
             }
-            tmp.extend(std::iter::repeat_n(0.0, pad));
+            tmp.extend(std::iter::repeat_n(0.0, TMP_PAD));
         }
-        match &self.sparse {
-            Some(rows) => sparse_block(&mut block, rows, tmp, b + pad),
-            None => {
-                out.resize(c * b, 0.0);
-                let lhs =
-                    MatRef::from_row_major_slice(self.w.as_slice().expect("standard layout"), c, c);
-                let rhs = MatRef::from_row_major_slice(&tmp[..], c, b);
-                let dst = MatMut::from_row_major_slice_mut(&mut out[..], c, b);
-                matmul(dst, Accum::Replace, lhs, rhs, 1.0f32, Par::Seq);
-                for (j, mut row) in block.outer_iter_mut().enumerate() {
-                    for (d, s) in row.iter_mut().zip(&out[j * b..(j + 1) * b]) {
-                        *d = *s;
-                    }
-                }
-            }
-        }
+        sparse_block(&mut block, &self.rows, tmp, b + TMP_PAD);
     }
 
     /// Whitens a (C × N) window in place: `X ← W·X` over all N columns, in
@@ -964,16 +920,11 @@ impl Whitening {
             return Ok(());
         }
         ensure_standard(window);
-        let width = if self.sparse.is_some() {
-            SPARSE_BLOCK
-        } else {
-            WHITEN_BLOCK
-        };
         let blocks: Vec<ArrayViewMut2<'_, f32>> =
-            window.axis_chunks_iter_mut(Axis(1), width).collect();
+            window.axis_chunks_iter_mut(Axis(1), SPARSE_BLOCK).collect();
         blocks.into_par_iter().for_each_init(
-            || (Vec::with_capacity(c * (width + TMP_PAD)), Vec::new()),
-            |(tmp, out), block| self.whiten_block(block, tmp, out),
+            || Vec::with_capacity(c * (SPARSE_BLOCK + TMP_PAD)),
+            |tmp, block| self.whiten_block(block, tmp),
         );
         Ok(())
     }
@@ -1043,7 +994,7 @@ mod tests {
     }
 
     #[test]
-    fn sparse_and_dense_products_agree() {
+    fn the_product_agrees_with_a_dense_reference() {
         let c = 12;
         let n = 600;
         let mut w = Array2::<f32>::zeros((c, c));
@@ -1054,18 +1005,10 @@ mod tests {
         let x = Array2::from_shape_fn((c, n), |(i, t)| ((i * 7 + t * 13) % 17) as f32 - 8.0);
         let expect = w.dot(&x);
         let ws = Whitening::new(w.clone()).unwrap();
-        assert!(ws.sparse.is_some());
+        assert!(ws.is_sparse());
         let mut y = x.clone();
         ws.apply(&mut y).unwrap();
         let d = (&y - &expect).mapv(f32::abs).fold(0.0f32, |a, &b| a.max(b));
         assert!(d < 1e-5, "sparse {d}");
-        let wd = Whitening {
-            w: w.clone(),
-            sparse: None,
-        };
-        let mut y = x.clone();
-        wd.apply(&mut y).unwrap();
-        let d = (&y - &expect).mapv(f32::abs).fold(0.0f32, |a, &b| a.max(b));
-        assert!(d < 1e-5, "dense {d}");
     }
 }
