@@ -3,12 +3,13 @@
 //! the covariance is the mean of `X·Xᵀ/NT` over every `nskip`-th window,
 //! after channel means, median CAR and the high-pass).
 //!
-//! The CPU twin is [`crate::preprocess::whitening_covariance`] (f32 products
-//! summed along the samples, then an f64 sum over windows). Here each entry
-//! is summed in f32 over runs of [`GRAM_RUN`] samples, those run sums are
-//! added in f32 per part of the window, and the host adds the parts in f64:
-//! a different order from the CPU's, so entries agree within float32
-//! rounding, not bit for bit (tests/gpu.rs states the tolerance).
+//! The CPU twin is [`crate::preprocess::whitening_covariance`]. On devices
+//! with doubles [`gram_f64_kernel`] sums as the CPU does (f64, in its
+//! 512-sample blocks) and gives its bits. Without doubles [`gram_kernel`]
+//! sums each entry in f32 over runs of [`GRAM_RUN`] samples, adds those run
+//! sums in f32 per part of the window, and the host adds the parts in f64: a
+//! different order, so entries agree within float32 rounding, not bit for bit
+//! (tests/gpu.rs states the tolerance).
 
 use cubecl::prelude::*;
 
@@ -58,6 +59,40 @@ fn stage_run(
         sa[r * stride + k] = va;
         sb[r * stride + k] = vb;
         i += GRAM_UNITS;
+    }
+}
+
+/// Writes one unit's 2 × 2 entries (rows r0, r0 + 1; columns c0, c0 + 1)
+/// into `out[base + row·C + col]`, leaving out those past the last row or
+/// column.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_quad<F: Float>(
+    out: &mut Array<F>,
+    base: usize,
+    c: usize,
+    r0: usize,
+    c0: usize,
+    t00: F,
+    t01: F,
+    t10: F,
+    t11: F,
+) {
+    if r0 < c {
+        if c0 < c {
+            out[base + r0 * c + c0] = t00;
+        }
+        if c0 + 1 < c {
+            out[base + r0 * c + c0 + 1] = t01;
+        }
+    }
+    if r0 + 1 < c {
+        if c0 < c {
+            out[base + (r0 + 1) * c + c0] = t10;
+        }
+        if c0 + 1 < c {
+            out[base + (r0 + 1) * c + c0 + 1] = t11;
+        }
     }
 }
 
@@ -122,25 +157,17 @@ pub(crate) fn gram_kernel(
             sync_cube();
             s0 += GRAM_RUN;
         }
-        let base = z * c * c;
-        let r0 = bx * GRAM_TILE + ua;
-        let c0 = by * GRAM_TILE + ub;
-        if r0 < c {
-            if c0 < c {
-                out[base + r0 * c + c0] = t00;
-            }
-            if c0 + 1 < c {
-                out[base + r0 * c + c0 + 1] = t01;
-            }
-        }
-        if r0 + 1 < c {
-            if c0 < c {
-                out[base + (r0 + 1) * c + c0] = t10;
-            }
-            if c0 + 1 < c {
-                out[base + (r0 + 1) * c + c0 + 1] = t11;
-            }
-        }
+        write_quad(
+            out,
+            z * c * c,
+            c,
+            bx * GRAM_TILE + ua,
+            by * GRAM_TILE + ub,
+            t00,
+            t01,
+            t10,
+            t11,
+        );
     }
 }
 
@@ -221,23 +248,16 @@ pub(crate) fn gram_f64_kernel(
                 p11 = 0.0f64;
             }
         }
-        let r0 = bx * GRAM_TILE + ua;
-        let c0 = by * GRAM_TILE + ub;
-        if r0 < c {
-            if c0 < c {
-                out[r0 * c + c0] = t00;
-            }
-            if c0 + 1 < c {
-                out[r0 * c + c0 + 1] = t01;
-            }
-        }
-        if r0 + 1 < c {
-            if c0 < c {
-                out[(r0 + 1) * c + c0] = t10;
-            }
-            if c0 + 1 < c {
-                out[(r0 + 1) * c + c0 + 1] = t11;
-            }
-        }
+        write_quad(
+            out,
+            0,
+            c,
+            bx * GRAM_TILE + ua,
+            by * GRAM_TILE + ub,
+            t00,
+            t01,
+            t10,
+            t11,
+        );
     }
 }

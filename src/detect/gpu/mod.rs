@@ -224,11 +224,37 @@ pub struct GpuDetector<R: Runtime> {
     client_for_reads: Option<&'static ComputeClient<R>>,
     /// [`GpuDetector::take_gram_seconds`].
     gram_s: [f64; 3],
+    /// Whether the int16 channel means and the whitening fit's Gram matrix
+    /// are summed in f64 with the CPU's bits: [`GpuOptions::device_f64`] and
+    /// a device with doubles ([`highpass_iir::supports_f64`]), asked once.
+    f64_sums: bool,
     /// Set by [`GpuDetector::copy_filtered_next`]: the next window's
     /// preprocessing hands its high-passed samples' buffer to
     /// `filtered_copy` (and takes a fresh one).
     copy_filtered: bool,
     filtered_copy: Option<Handle>,
+}
+
+/// The symmetric C × C matrix from the lower triangles (row-major, diagonal
+/// included) of `parts` partial Gram matrices laid one after another in `v`,
+/// the parts added in f64 in order.
+fn symmetric_from_parts<T: Copy + Into<f64>>(
+    v: &[T],
+    c: usize,
+    parts: usize,
+) -> ndarray::Array2<f64> {
+    let mut g = ndarray::Array2::<f64>::zeros((c, c));
+    for i in 0..c {
+        for k in 0..=i {
+            let mut s: f64 = v[i * c + k].into();
+            for z in 1..parts {
+                s += v[z * c * c + i * c + k].into();
+            }
+            g[(i, k)] = s;
+            g[(k, i)] = s;
+        }
+    }
+    g
 }
 
 /// The download of one window's detections, queued on the device's stream.
@@ -715,6 +741,7 @@ impl<R: Runtime> GpuDetector<R> {
             });
         }
         let client = R::client(device);
+        let f64_sums = options.device_f64 && highpass_iir::supports_f64(&client);
         let cpu::CentreMajor {
             sites,
             weights,
@@ -771,6 +798,7 @@ impl<R: Runtime> GpuDetector<R> {
             pending: Default::default(),
             client_for_reads: None,
             gram_s: [0.0; 3],
+            f64_sums,
         })
     }
 
@@ -1136,16 +1164,11 @@ impl<R: Runtime> GpuDetector<R> {
         self.gram_s[0] += clock.elapsed().as_secs_f64() - pre_s;
         self.gram_s[1] += pre_s;
         let clock = Instant::now();
-        let w = self.window.as_ref().expect("allocated");
         let nb = c.div_ceil(gram::GRAM_TILE);
-        if self.options.device_f64 && highpass_iir::supports_f64(&self.client) {
+        let g = if self.f64_sums {
             // The CPU's sums exactly: f64, in 512-sample blocks from `lo`.
-            let bytes = c * c * 8;
-            if self.gram_out.as_ref().map(|(n, _)| *n) != Some(bytes) {
-                self.gram_out = None;
-                self.gram_out = Some((bytes, self.persistent(|client| client.empty(bytes))));
-            }
-            let out = self.gram_out.as_ref().expect("allocated").1.clone();
+            let out = self.gram_buffer(c * c * 8);
+            let w = self.window.as_ref().expect("allocated");
             // SAFETY: rows < c and samples < hi ≤ n_t are read from the C × n_t
             // buffer `q`; entries row·C + col with row, col < c are written to
             // the C·C buffer `out`.
@@ -1162,74 +1185,61 @@ impl<R: Runtime> GpuDetector<R> {
                     hi as u32,
                 );
             }
-            let bytes =
-                cubecl::future::block_on(self.client.read_async(vec![out])).map_err(|e| {
-                    DetectError::Device {
-                        message: format!(
-                            "{} failed reading a Gram matrix: {e:?}",
-                            self.device_name
-                        ),
-                    }
-                })?;
-            let v = f64::from_bytes(&bytes[0]);
-            let mut g = ndarray::Array2::<f64>::zeros((c, c));
-            for i in 0..c {
-                for k in 0..=i {
-                    g[(i, k)] = v[i * c + k];
-                    g[(k, i)] = v[i * c + k];
-                }
+            symmetric_from_parts(f64::from_bytes(&self.read_gram(out)?), c, 1)
+        } else {
+            // Without doubles: f32 sums in parts, added in f64 here.
+            let tiles = nb * (nb + 1) / 2;
+            // Enough cubes for every SM of a large GPU, each part ≥ a few runs long.
+            let parts = 264usize
+                .div_ceil(tiles)
+                .clamp(1, 16)
+                .min(((hi - lo) / (8 * gram::GRAM_RUN)).max(1));
+            let out = self.gram_buffer(parts * c * c * 4);
+            let w = self.window.as_ref().expect("allocated");
+            // SAFETY: rows < c and samples < hi ≤ n_t are read from the C × n_t
+            // buffer `q`; entries row·C + col with row, col < c of part z < parts
+            // are written to the parts·C·C buffer `out`.
+            unsafe {
+                gram::gram_kernel::launch_unchecked::<R>(
+                    &self.client,
+                    CubeCount::Static(nb as u32, nb as u32, parts as u32),
+                    CubeDim::new_1d(gram::GRAM_UNITS as u32),
+                    ArrayArg::from_raw_parts(w.q.clone(), c * n_t),
+                    ArrayArg::from_raw_parts(out.clone(), parts * c * c),
+                    c as u32,
+                    n_t as u32,
+                    lo as u32,
+                    hi as u32,
+                );
             }
-            self.gram_s[2] += clock.elapsed().as_secs_f64();
-            return Ok(g);
-        }
-        // Without doubles: f32 sums in parts, added in f64 here.
-        let tiles = nb * (nb + 1) / 2;
-        // Enough cubes for every SM of a large GPU, each part ≥ a few runs long.
-        let parts = 264usize
-            .div_ceil(tiles)
-            .clamp(1, 16)
-            .min(((hi - lo) / (8 * gram::GRAM_RUN)).max(1));
-        let bytes = parts * c * c * 4;
+            symmetric_from_parts(f32::from_bytes(&self.read_gram(out)?), c, parts)
+        };
+        self.gram_s[2] += clock.elapsed().as_secs_f64();
+        Ok(g)
+    }
+
+    /// The whitening fit's Gram output buffer of `bytes`, kept between
+    /// windows at its exact size (a pool page for it would stay held through
+    /// the pass).
+    fn gram_buffer(&mut self, bytes: usize) -> Handle {
         if self.gram_out.as_ref().map(|(n, _)| *n) != Some(bytes) {
             self.gram_out = None;
-            // Exact size: a pool page for it would stay held through the pass.
             self.gram_out = Some((bytes, self.persistent(|client| client.empty(bytes))));
         }
-        let out = self.gram_out.as_ref().expect("allocated").1.clone();
-        // SAFETY: rows < c and samples < hi ≤ n_t are read from the C × n_t
-        // buffer `q`; entries row·C + col with row, col < c of part z < parts
-        // are written to the parts·C·C buffer `out`.
-        unsafe {
-            gram::gram_kernel::launch_unchecked::<R>(
-                &self.client,
-                CubeCount::Static(nb as u32, nb as u32, parts as u32),
-                CubeDim::new_1d(gram::GRAM_UNITS as u32),
-                ArrayArg::from_raw_parts(w.q.clone(), c * n_t),
-                ArrayArg::from_raw_parts(out.clone(), parts * c * c),
-                c as u32,
-                n_t as u32,
-                lo as u32,
-                hi as u32,
-            );
-        }
+        self.gram_out.as_ref().expect("allocated").1.clone()
+    }
+
+    /// Downloads a Gram output buffer.
+    ///
+    /// # Errors
+    /// [`DetectError::Device`] when the read fails.
+    fn read_gram(&self, out: Handle) -> Result<cubecl::bytes::Bytes, DetectError> {
         let bytes = cubecl::future::block_on(self.client.read_async(vec![out])).map_err(|e| {
             DetectError::Device {
                 message: format!("{} failed reading a Gram matrix: {e:?}", self.device_name),
             }
         })?;
-        let v = f32::from_bytes(&bytes[0]);
-        let mut g = ndarray::Array2::<f64>::zeros((c, c));
-        for i in 0..c {
-            for k in 0..=i {
-                let s: f64 = (0..parts)
-                    .map(|z| f64::from(v[z * c * c + i * c + k]))
-                    .sum();
-                g[(i, k)] = s;
-                g[(k, i)] = s;
-            }
-        }
-        self.gram_s[2] += clock.elapsed().as_secs_f64();
-        Ok(g)
+        Ok(bytes.into_iter().next().expect("one buffer read"))
     }
 
     /// Seconds [`GpuDetector::window_gram`] spent since the last call: putting
@@ -1665,7 +1675,7 @@ impl<R: Runtime> GpuDetector<R> {
                     n_t as u32,
                     win.words_per_row as u32,
                     win.packed,
-                    self.options.device_f64 && highpass_iir::supports_f64(&self.client),
+                    self.f64_sums,
                 );
                 self.pre_mark(Some(0));
             }
