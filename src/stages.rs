@@ -638,24 +638,30 @@ impl HostFiltered {
         }
     }
 
-    /// Keeps a copy of high-passed window `index` when keeping and it is the
-    /// next to keep within the budget.
-    fn keep(&self, index: u64, x: &Array2<f32>, blank: &[(usize, usize)], artifact: bool) {
+    /// Whether high-passed window `x` (number `index`) is to be kept: when
+    /// keeping, it is the next one and it fits in the budget. The caller then
+    /// [`HostFiltered::push`]es it before the next window is asked about.
+    fn admits(&self, index: u64, x: &Array2<f32>) -> bool {
         let Some(k) = &self.keeping else {
-            return;
+            return false;
         };
         let Ok(mut k) = k.lock() else {
-            return;
+            return false;
         };
-        if !x.is_standard_layout() || !k.admits(index, (x.len() * 4) as u64) {
+        if !x.is_standard_layout() {
             k.stopped = true;
-            return;
+            return false;
         }
-        k.kept.push(HeldWindow {
-            data: parallel_copy(x),
-            blank: blank.to_vec(),
-            artifact,
-        });
+        k.admits(index, (x.len() * 4) as u64)
+    }
+
+    /// Keeps the window [`HostFiltered::admits`] just admitted.
+    fn push(&self, held: HeldWindow) {
+        if let Some(k) = &self.keeping
+            && let Ok(mut k) = k.lock()
+        {
+            k.kept.push(held);
+        }
     }
 }
 
@@ -786,12 +792,23 @@ fn host_preprocess(
                 Some(d) => d.preprocess(pre, w.index, &mut w.data),
                 None => (|| {
                     let artifact = pre.filter_timed(&mut w.data, &mut lap)?;
-                    if filtered.keeping.is_some() {
+                    if filtered.admits(w.index, &w.data) {
+                        // Kept as it is: the whitening goes into a new
+                        // array (the same bits), so nothing is copied.
                         let t = Instant::now();
-                        filtered.keep(w.index, &w.data, &blank, artifact);
+                        let out = if artifact {
+                            Array2::zeros(w.data.dim())
+                        } else {
+                            pre.whiten_to_new_timed(&w.data, &mut lap)?
+                        };
+                        let data = std::mem::replace(&mut w.data, out);
+                        filtered.push(HeldWindow {
+                            data,
+                            blank: blank.clone(),
+                            artifact,
+                        });
                         lap("keep_filtered", t.elapsed().as_secs_f64());
-                    }
-                    if !artifact {
+                    } else if !artifact {
                         pre.whiten_timed(&mut w.data, &mut lap)?;
                     }
                     Ok::<(), crate::error::PreprocessError>(())

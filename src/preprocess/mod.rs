@@ -411,6 +411,23 @@ impl Preprocessor {
         Ok(())
     }
 
+    /// [`Preprocessor::whiten_timed`] into a new array, `window` left as it
+    /// was (the same bits): for keeping a high-passed window without copying
+    /// it.
+    ///
+    /// # Errors
+    /// As [`Preprocessor::apply`].
+    pub fn whiten_to_new_timed(
+        &self,
+        window: &Array2<f32>,
+        lap: &mut dyn FnMut(&'static str, f64),
+    ) -> Result<Array2<f32>, PreprocessError> {
+        let t0 = std::time::Instant::now();
+        let out = self.whitening.apply_to_new(window)?;
+        lap("whitening", t0.elapsed().as_secs_f64());
+        Ok(out)
+    }
+
     /// Counts a window zeroed by the artifact threshold
     /// ([`Preprocessor::artifact_windows`]) when its high-pass ran in an
     /// earlier pass (a window kept after its high-pass and whitened again).

@@ -5,7 +5,7 @@
 
 use faer::linalg::matmul::matmul;
 use faer::{Accum, Mat, MatRef, Par, Side};
-use ndarray::{Array2, ArrayViewMut2, Axis};
+use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis};
 use rayon::prelude::*;
 
 use crate::error::PreprocessError;
@@ -642,6 +642,19 @@ fn nonzero_rows(w: &Array2<f32>) -> Vec<Vec<(usize, f32)>> {
         .collect()
 }
 
+/// Copies a column block's rows into `tmp`, one after another, each
+/// followed by `TMP_PAD` zeros: the layout [`sparse_block`] reads.
+fn stage_block(block: ArrayView2<'_, f32>, tmp: &mut Vec<f32>) {
+    tmp.clear();
+    for row in block.outer_iter() {
+        match row.as_slice() {
+            Some(r) => tmp.extend_from_slice(r),
+            None => tmp.extend(row.iter().copied()),
+        }
+        tmp.extend(std::iter::repeat_n(0.0, TMP_PAD));
+    }
+}
+
 /// The sparse product over a column block: each output row j of `block`
 /// (C × b samples) = Σ over row j's non-zeros `rows[j]` of w·(`tmp`'s row k),
 /// where `tmp` is the block's copy with rows `stride` values apart. Per
@@ -889,14 +902,7 @@ impl Whitening {
 
     fn whiten_block(&self, mut block: ArrayViewMut2<'_, f32>, tmp: &mut Vec<f32>) {
         let b = block.ncols();
-        tmp.clear();
-        for row in block.outer_iter() {
-            match row.as_slice() {
-                Some(r) => tmp.extend_from_slice(r),
-                None => tmp.extend(row.iter().copied()),
-            }
-            tmp.extend(std::iter::repeat_n(0.0, TMP_PAD));
-        }
+        stage_block(block.view(), tmp);
         sparse_block(&mut block, &self.rows, tmp, b + TMP_PAD);
     }
 
@@ -928,11 +934,76 @@ impl Whitening {
         );
         Ok(())
     }
+
+    /// `W·X` of a (C × N) window into a new array, `window` left as it was:
+    /// the bits of [`Whitening::apply`] (each column block is read into the
+    /// same staging copy first either way).
+    ///
+    /// # Errors
+    /// [`PreprocessError::Shape`] if the window does not have C rows.
+    pub fn apply_to_new(&self, window: &Array2<f32>) -> Result<Array2<f32>, PreprocessError> {
+        let c = self.w.nrows();
+        if window.nrows() != c {
+            return Err(PreprocessError::Shape {
+                what: "window for whitening",
+                rows: window.nrows(),
+                cols: window.ncols(),
+                expected_rows: c,
+                expected_cols: window.ncols(),
+            });
+        }
+        // Zeroed pages come from the system untouched: each is written once, below.
+        let mut out = Array2::<f32>::zeros(window.dim());
+        if window.ncols() == 0 {
+            return Ok(out);
+        }
+        let blocks: Vec<(ArrayView2<'_, f32>, ArrayViewMut2<'_, f32>)> = window
+            .axis_chunks_iter(Axis(1), SPARSE_BLOCK)
+            .zip(out.axis_chunks_iter_mut(Axis(1), SPARSE_BLOCK))
+            .collect();
+        blocks.into_par_iter().for_each_init(
+            || Vec::with_capacity(c * (SPARSE_BLOCK + TMP_PAD)),
+            |tmp, (src, mut dst)| {
+                stage_block(src, tmp);
+                sparse_block(&mut dst, &self.rows, tmp, src.ncols() + TMP_PAD);
+            },
+        );
+        Ok(out)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `apply_to_new` gives `apply`'s bits and leaves its input as it was,
+    /// for a window whose width is not a multiple of the column block, and
+    /// for one in column-major layout.
+    #[test]
+    fn whitening_into_a_new_array_is_in_place_whitening() {
+        let c = 12;
+        let n = 2 * SPARSE_BLOCK + 37;
+        let w = Array2::from_shape_fn((c, c), |(j, k)| {
+            if j.abs_diff(k) <= 3 {
+                0.21 * ((j * 5 + k * 7) % 13) as f32 - 1.1
+            } else {
+                0.0
+            }
+        });
+        let g = Whitening::sparse_with_floor(w, 1e-8).unwrap();
+        let x = Array2::from_shape_fn((c, n), |(i, t)| ((i * 29 + t * 13) % 31) as f32 * 0.3 - 4.1);
+        let mut y = x.clone();
+        g.apply(&mut y).unwrap();
+        let bits = |a: &Array2<f32>| a.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let z = g.apply_to_new(&x).unwrap();
+        assert_eq!(bits(&z), bits(&y));
+        let x_f = x.t().as_standard_layout().into_owned().reversed_axes();
+        assert!(!x_f.is_standard_layout());
+        let z_f = g.apply_to_new(&x_f).unwrap();
+        assert_eq!(bits(&z_f), bits(&y));
+        assert_eq!(bits(&x_f.as_standard_layout().into_owned()), bits(&x));
+        assert!(g.apply_to_new(&Array2::zeros((c + 1, 4))).is_err());
+    }
 
     #[test]
     fn covariance_window_lists() {
