@@ -526,7 +526,8 @@ fn sort_command(sim: &Path, out: &Path, copies: usize) -> Vec<String> {
 
 /// A sort stopped by SIGINT after its detection stage (while it clusters or
 /// matches) removes its hidden working folder too, says so, and leaves
-/// nothing beside the output.
+/// nothing beside the output; the folders it made to hold the output go too
+/// (the user's own parent stays).
 #[cfg(unix)]
 #[test]
 fn a_sort_interrupted_after_detection_removes_its_working_folder() {
@@ -535,10 +536,14 @@ fn a_sort_interrupted_after_detection_removes_its_working_folder() {
     let sim = simulate(d, "sim", "10");
     let parent = d.join("runs-sort");
     std::fs::create_dir(&parent).unwrap();
-    let out = parent.join("out");
+    // Two folders the sort makes for its output, removed again on the interrupt.
+    let made = parent.join("made");
+    let out = made.join("by-sort").join("out");
     let mut child = spawn(&sort_command(&sim, &out, 30));
     // The detection stage's folder, published under its final name.
-    let work = parent.join(format!(".out.spikecube-detection-{}", child.id()));
+    let work = made
+        .join("by-sort")
+        .join(format!(".out.spikecube-detection-{}", child.id()));
     wait_until(
         &mut child,
         Duration::from_secs(300),

@@ -559,9 +559,10 @@ fn the_readers_warnings_are_kept_in_the_record() {
 }
 
 /// A probe whose `n_chan` exceeds the file's channel count (`--n-channels`
-/// too small, or another recording's probe) is named in a warning.
+/// too small, or another recording's probe), or that declares a file width
+/// (columns past its last site) and the file is wider, is named in a warning.
 #[test]
-fn a_probe_for_more_channels_than_the_file_is_warned_about() {
+fn a_probe_for_another_channel_count_is_warned_about() {
     let dir = tempfile::tempdir().unwrap();
     let rec = simulate_short(dir.path());
     let mut probe: serde_json::Value =
@@ -590,6 +591,52 @@ fn a_probe_for_more_channels_than_the_file_is_warned_about() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
     assert!(err.contains("n_chan = 386 channels"), "{err}");
+    // The file read as wider than the probe's declared 385 columns (384 sites
+    // and the sync column): 385 × 60 000 values are also 400 × 57 750.
+    let o = spikecube(&[
+        "detect",
+        s(&flat),
+        "--n-channels",
+        "400",
+        "--fs",
+        "30000",
+        "--probe",
+        s(&rec.join("probe.json")),
+        "--backend",
+        "cpu",
+        "--out",
+        s(&dir.path().join("det400")),
+        "-q",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("n_chan = 385 channels") && err.contains("has 400"),
+        "{err}"
+    );
+    // Kilosort's own convention, n_chan = the number of sites (384), declares
+    // no column past the last site: no such warning for the 385-column file.
+    probe["n_chan"] = serde_json::json!(384);
+    let ks = dir.path().join("probe_ks.json");
+    std::fs::write(&ks, probe.to_string()).unwrap();
+    let o = spikecube(&[
+        "detect",
+        s(&flat),
+        "--n-channels",
+        "385",
+        "--fs",
+        "30000",
+        "--probe",
+        s(&ks),
+        "--backend",
+        "cpu",
+        "--out",
+        s(&dir.path().join("det_ks")),
+        "-q",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(!err.contains("describes a file of"), "{err}");
 }
 
 /// A sort's folder whose `cluster_group.tsv` someone edited (curation by hand

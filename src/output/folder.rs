@@ -34,12 +34,16 @@ struct Registry {
     /// Private working folders (e.g. the sort's detection stage), removed with
     /// the staged folders on an interrupt.
     working: Vec<PathBuf>,
+    /// Folders [`make_parent`] created (outermost first), removed on an
+    /// interrupt when they are empty again.
+    created: Vec<PathBuf>,
     abandoned: bool,
 }
 
 static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
     active: Vec::new(),
     working: Vec::new(),
+    created: Vec::new(),
     abandoned: false,
 });
 
@@ -73,7 +77,13 @@ pub fn abandon_all() -> Vec<PathBuf> {
             .into_iter()
             .filter(|p| p.exists()),
     );
-    active.into_iter().filter(|p| remove_tree(p)).collect()
+    let removed: Vec<PathBuf> = active.into_iter().filter(|p| remove_tree(p)).collect();
+    // The parents this process made for its outputs, innermost first, each
+    // only when empty (`remove_dir` leaves a folder with anything in it).
+    for dir in std::mem::take(&mut reg.created).iter().rev() {
+        let _ = std::fs::remove_dir(dir);
+    }
+    removed
 }
 
 /// A private working folder of this process (named with its pid, e.g. the
@@ -353,7 +363,8 @@ fn curated_labels(out: &Path) -> Option<usize> {
 
 /// Creates the folder that will hold `out` (and its parents) when it does
 /// not exist, with a warning once it is made: a mistyped `--out` would
-/// otherwise grow folders unseen.
+/// otherwise grow folders unseen. An interrupt ([`abandon_all`]) removes the
+/// folders made here again when they are empty.
 ///
 /// # Errors
 /// When `out` has no name, its parent is a file, or the folder cannot be
@@ -370,6 +381,13 @@ pub fn make_parent(out: &Path) -> Result<()> {
     if parent.exists() {
         return Ok(());
     }
+    // The folders about to be made, outermost first.
+    let mut missing: Vec<PathBuf> = parent
+        .ancestors()
+        .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+        .map(Path::to_path_buf)
+        .collect();
+    missing.reverse();
     std::fs::create_dir_all(&parent).with_context(|| {
         format!(
             "cannot create the output folder {}: cannot create {}",
@@ -377,6 +395,7 @@ pub fn make_parent(out: &Path) -> Result<()> {
             parent.display()
         )
     })?;
+    registry().created.extend(missing);
     tracing::warn!(
         "the output folder's parent {} did not exist; it was created",
         parent.display()

@@ -198,7 +198,13 @@ pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opene
     // A probe made for a file of more columns than this one: the sites are
     // likely read from the wrong columns (a wrong --n-channels, or a probe of
     // another recording), which no later check can see on noise-like data.
-    if probe.n_chan > n_file as u64 {
+    // A probe that declares columns past its last site (a file width, as a
+    // SpikeGLX .meta's nSavedChans or a probe JSON written with the sync
+    // column counted) made for a wider file than this: the same. (Kilosort's
+    // own n_chan, the number of sites, declares none past the last site.)
+    let last_site_column = probe.chan_map.iter().max().map_or(0, |&c| c + 1);
+    let declares_width = probe.n_chan > last_site_column;
+    if probe.n_chan > n_file as u64 || (declares_width && probe.n_chan < n_file as u64) {
         warnings.push(format!(
             "the probe {} describes a file of n_chan = {} channels, but {} has {n_file}: its sites may be read from the wrong columns; check --n-channels and the probe",
             probe.source.display(),

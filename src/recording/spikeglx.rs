@@ -651,13 +651,8 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Opened, RecordingError> {
         ("nSavedChans", meta.n_saved_chans),
         ("imSampRate", meta.fs),
     )?;
-    if opts.dtype != Dtype::Int16 {
-        super::open_warning(format!(
-            "{}: SpikeGLX files are int16; dtype {} is ignored",
-            bin.display(),
-            opts.dtype.name()
-        ));
-    }
+    // A --dtype other than int16 is read past: `Opened::overridden` says so,
+    // once, naming what was read.
     let rec = BinaryRecording::open(
         &bin,
         &BinaryParams {
