@@ -131,7 +131,9 @@ impl SortSettings {
 #[derive(Debug, Clone, clap::Args, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SortFlags {
-    /// A learned-template spike needs relu(B)²/‖U‖² above its square (Kilosort4's Th_learned).
+    /// Detection threshold of the matching with the learned templates (Kilosort4's
+    /// Th_learned): lower finds smaller spikes, and more noise. A spike is kept
+    /// when its template's projection, relu(B)²/‖U‖², exceeds this value squared.
     #[arg(allow_negative_numbers = true, long, default_value_t = 8.0)]
     #[serde(rename = "Th_learned")]
     pub th_learned: f64,
