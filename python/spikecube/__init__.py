@@ -404,8 +404,12 @@ def _progress(progress, unit="windows"):
     def cb(p):
         bar = state.get("bar")
         if bar is None:
-            bar = state["bar"] = tqdm(total=p["windows_total"], unit=" window", desc="spikecube")
-        bar.n = p["windows_done"]
+            # Started at the first report's count, so that the rate counts
+            # from there (not one window over no time).
+            bar = state["bar"] = tqdm(
+                total=p["windows_total"], initial=p["windows_done"], unit=" window", desc="spikecube"
+            )
+        bar.update(p["windows_done"] - bar.n)
         if p["spikes"]:
             bar.set_postfix(spikes=p["spikes"], refresh=False)
         bar.refresh()
@@ -726,8 +730,13 @@ def _sort_progress(progress):
         elif tqdm is not None and p["windows_total"]:
             bar = state.get("bar")
             if bar is None:
-                bar = state["bar"] = tqdm(total=p["windows_total"], unit=" window", desc=f"spikecube {p['stage']}")
-            bar.n = p["windows_done"]
+                bar = state["bar"] = tqdm(
+                    total=p["windows_total"],
+                    initial=p["windows_done"],
+                    unit=" window",
+                    desc=f"spikecube {p['stage']}",
+                )
+            bar.update(p["windows_done"] - bar.n)
             bar.refresh()
 
     return cb, close_bar
