@@ -572,44 +572,33 @@ fn a_probe_for_another_channel_count_is_warned_about() {
     std::fs::write(&wide, probe.to_string()).unwrap();
     let flat = dir.path().join("flat.bin");
     std::fs::copy(rec.join("sim_g0_t0.imec0.ap.bin"), &flat).unwrap();
-    let out = dir.path().join("det");
-    let o = spikecube(&[
-        "detect",
-        s(&flat),
-        "--n-channels",
-        "385",
-        "--fs",
-        "30000",
-        "--probe",
-        s(&wide),
-        "--backend",
-        "cpu",
-        "--out",
-        s(&out),
-        "-q",
-    ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
+    // `detect` of the flat file read as `n_channels` columns with `probe`
+    // into `out`: its warnings.
+    let detect = |n_channels: &str, probe: &Path, out: &str| {
+        let o = spikecube(&[
+            "detect",
+            s(&flat),
+            "--n-channels",
+            n_channels,
+            "--fs",
+            "30000",
+            "--probe",
+            s(probe),
+            "--backend",
+            "cpu",
+            "--out",
+            s(&dir.path().join(out)),
+            "-q",
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(o.status.success(), "{err}");
+        err
+    };
+    let err = detect("385", &wide, "det");
     assert!(err.contains("n_chan = 386 channels"), "{err}");
     // The file read as wider than the probe's declared 385 columns (384 sites
     // and the sync column): 385 × 60 000 values are also 400 × 57 750.
-    let o = spikecube(&[
-        "detect",
-        s(&flat),
-        "--n-channels",
-        "400",
-        "--fs",
-        "30000",
-        "--probe",
-        s(&rec.join("probe.json")),
-        "--backend",
-        "cpu",
-        "--out",
-        s(&dir.path().join("det400")),
-        "-q",
-    ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
+    let err = detect("400", &rec.join("probe.json"), "det400");
     assert!(
         err.contains("n_chan = 385 channels") && err.contains("has 400"),
         "{err}"
@@ -619,23 +608,7 @@ fn a_probe_for_another_channel_count_is_warned_about() {
     probe["n_chan"] = serde_json::json!(384);
     let ks = dir.path().join("probe_ks.json");
     std::fs::write(&ks, probe.to_string()).unwrap();
-    let o = spikecube(&[
-        "detect",
-        s(&flat),
-        "--n-channels",
-        "385",
-        "--fs",
-        "30000",
-        "--probe",
-        s(&ks),
-        "--backend",
-        "cpu",
-        "--out",
-        s(&dir.path().join("det_ks")),
-        "-q",
-    ]);
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
+    let err = detect("385", &ks, "det_ks");
     assert!(!err.contains("describes a file of"), "{err}");
 }
 

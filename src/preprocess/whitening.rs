@@ -906,12 +906,11 @@ impl Whitening {
         sparse_block(&mut block, &self.rows, tmp, b + TMP_PAD);
     }
 
-    /// Whitens a (C × N) window in place: `X ← W·X` over all N columns, in
-    /// f32, column blocks in parallel.
+    /// C, when `window` has C rows.
     ///
     /// # Errors
-    /// [`PreprocessError::Shape`] if the window does not have C rows.
-    pub fn apply(&self, window: &mut Array2<f32>) -> Result<(), PreprocessError> {
+    /// [`PreprocessError::Shape`] if it does not.
+    fn check_rows(&self, window: &Array2<f32>) -> Result<usize, PreprocessError> {
         let c = self.w.nrows();
         if window.nrows() != c {
             return Err(PreprocessError::Shape {
@@ -922,6 +921,16 @@ impl Whitening {
                 expected_cols: window.ncols(),
             });
         }
+        Ok(c)
+    }
+
+    /// Whitens a (C × N) window in place: `X ← W·X` over all N columns, in
+    /// f32, column blocks in parallel.
+    ///
+    /// # Errors
+    /// [`PreprocessError::Shape`] if the window does not have C rows.
+    pub fn apply(&self, window: &mut Array2<f32>) -> Result<(), PreprocessError> {
+        let c = self.check_rows(window)?;
         if window.ncols() == 0 {
             return Ok(());
         }
@@ -942,16 +951,7 @@ impl Whitening {
     /// # Errors
     /// [`PreprocessError::Shape`] if the window does not have C rows.
     pub fn apply_to_new(&self, window: &Array2<f32>) -> Result<Array2<f32>, PreprocessError> {
-        let c = self.w.nrows();
-        if window.nrows() != c {
-            return Err(PreprocessError::Shape {
-                what: "window for whitening",
-                rows: window.nrows(),
-                cols: window.ncols(),
-                expected_rows: c,
-                expected_cols: window.ncols(),
-            });
-        }
+        let c = self.check_rows(window)?;
         // Zeroed pages come from the system untouched: each is written once, below.
         let mut out = Array2::<f32>::zeros(window.dim());
         if window.ncols() == 0 {
