@@ -795,12 +795,12 @@ fn host_preprocess(
                     if filtered.admits(w.index, &w.data) {
                         // Kept as it is: the whitening goes into a new
                         // array (the same bits), so nothing is copied.
-                        let t = Instant::now();
                         let out = if artifact {
                             Array2::zeros(w.data.dim())
                         } else {
                             pre.whiten_to_new_timed(&w.data, &mut lap)?
                         };
+                        let t = Instant::now();
                         let data = std::mem::replace(&mut w.data, out);
                         filtered.push(HeldWindow {
                             data,
