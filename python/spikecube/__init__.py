@@ -769,7 +769,7 @@ def sort(
         The Phy folder to write (required; it must not exist). It appears
         only when complete (written as ``out.partial-PID``, then renamed).
     backend : {"auto", "cpu", "cuda", "wgpu"}
-        Where detection runs.
+        Where the sort's detection and matching run (the same units on each).
     progress : bool or callable
         True: a tqdm bar per stage when tqdm is installed; a callable gets a
         dict (``stage``, ``windows_done``, ``windows_total``,

@@ -470,7 +470,7 @@ class SpikecubeSorter(BaseSorter):
             k: _OWN_SETTINGS.get(k, f"Kilosort4's {k} (spikecube.settings() and README list them)")
             for k in _SORTER_SETTINGS
         },
-        backend="Where detection runs: auto, cpu, cuda or wgpu",
+        backend="Where the sort's detection and matching run: auto, cpu, cuda or wgpu",
         progress="Show a progress bar per stage (tqdm)",
     )
     sorter_description = (

@@ -224,9 +224,11 @@ pub fn progress_bar(quiet: bool) -> indicatif::ProgressBar {
 /// `--backend`: where detection runs. Only the back ends this build has are offered.
 #[derive(Debug, clap::Args)]
 pub struct BackendArg {
-    /// Where detection runs: auto (CUDA if an NVIDIA driver is present, else a
-    /// wgpu GPU, else the CPU), cpu, or a GPU back end this build has
-    /// (see `spikecube info`).
+    /// Where the work runs (preprocessing and detection; in `sort` also the
+    /// template matching and the clusterings' seeding): auto (CUDA if an
+    /// NVIDIA driver is present, else a wgpu GPU, else the CPU), cpu, or a GPU
+    /// back end this build has (see `spikecube info`). Every back end gives
+    /// the same spikes and units.
     #[arg(long, default_value = "auto", value_parser = clap::builder::PossibleValuesParser::new(spikecube::backend::Backend::compiled()).map(|s| parse_backend(&s)))]
     pub backend: spikecube::backend::Backend,
 }

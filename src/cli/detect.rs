@@ -48,8 +48,10 @@ pub struct Args {
     templates: super::templates::TemplateArgs,
     #[command(flatten)]
     drift: super::drift::DriftArgs,
-    /// CPU worker threads for preprocessing and CPU detection. Default: the
-    /// RAYON_NUM_THREADS environment variable, else one per core.
+    /// CPU worker threads (preprocessing and detection on the CPU; in `sort`
+    /// also the clusterings, merges and export). Default: the
+    /// RAYON_NUM_THREADS environment variable, else one per core. The output
+    /// is the same for any number.
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
 }

@@ -132,8 +132,9 @@ impl SortSettings {
 #[serde(deny_unknown_fields)]
 pub struct SortFlags {
     /// Detection threshold of the matching with the learned templates (Kilosort4's
-    /// Th_learned): lower finds smaller spikes, and more noise. A spike is kept
-    /// when its template's projection, relu(B)²/‖U‖², exceeds this value squared.
+    /// Th_learned), in whitened units: lower finds smaller spikes, and more
+    /// noise. A spike is kept where the data's projection on a template, over
+    /// the template's norm, exceeds it.
     #[arg(allow_negative_numbers = true, long, default_value_t = 8.0)]
     #[serde(rename = "Th_learned")]
     pub th_learned: f64,
