@@ -817,6 +817,7 @@ fn first_pass_without_pc_features_gives_the_same_spikes_and_drift() {
             nt: ds.nt as u64,
             mask_clipped: checks.mask_clipped,
             checks: None,
+            on_window: None,
         };
         let mut dets = Vec::new();
         let mut keep = |d: &Detections, first: i64| -> anyhow::Result<()> {

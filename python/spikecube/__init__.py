@@ -389,8 +389,10 @@ def _fs_from_params(d: Path) -> float:
 
 def _progress(progress, unit="windows"):
     """(callback for the core, closer) for ``progress``: True (a tqdm bar when
-    tqdm is installed), False/None, or a callable taking a dict with
-    ``windows_done``, ``windows_total``, ``spikes``, ``seconds_done``, ``elapsed``."""
+    tqdm is installed; one for the first pass, one for the detection pass),
+    False/None, or a callable taking a dict with ``windows_done``,
+    ``windows_total``, ``spikes``, ``seconds_done``, ``elapsed`` and
+    ``first_pass``."""
     if callable(progress):
         return progress, lambda: None
     if not progress:
@@ -403,11 +405,19 @@ def _progress(progress, unit="windows"):
 
     def cb(p):
         bar = state.get("bar")
+        first = p.get("first_pass", False)
+        if bar is not None and state.get("first") != first:
+            bar.close()  # the first pass ended: a bar of its own for the detection pass
+            bar = None
         if bar is None:
+            state["first"] = first
             # Started at the first report's count, so that the rate counts
             # from there (not one window over no time).
             bar = state["bar"] = tqdm(
-                total=p["windows_total"], initial=p["windows_done"], unit=" window", desc="spikecube"
+                total=p["windows_total"],
+                initial=p["windows_done"],
+                unit=" window",
+                desc="spikecube first pass" if first else "spikecube",
             )
         bar.update(p["windows_done"] - bar.n)
         if p["spikes"]:
@@ -488,9 +498,11 @@ def detect(
     backend : {"auto", "cpu", "cuda", "wgpu"}
         Where detection runs (GPU back ends only in GPU builds, see :func:`backends`).
     progress : bool or callable
-        True: a tqdm bar when tqdm is installed; a callable gets a dict
+        True: a tqdm bar when tqdm is installed (one for the drift estimate's
+        first pass, one for the detection pass); a callable gets a dict
         (``windows_done``, ``windows_total``, ``spikes``, ``seconds_done``,
-        ``elapsed``) after each window.
+        ``elapsed``, ``first_pass``: True in the first pass, whose spikes are
+        not the output) after each window.
     **settings
         Kilosort4's settings by name (``Th_universal``, ``nearest_chans``,
         ``batch_size``, ``tmin``, ``tmax``, ...; :func:`settings` lists them

@@ -360,6 +360,7 @@ fn progress_dict<'py>(py: Python<'py>, p: &Progress) -> PyResult<Bound<'py, PyDi
     d.set_item("spikes", p.spikes)?;
     d.set_item("seconds_done", p.seconds_done)?;
     d.set_item("elapsed", p.elapsed)?;
+    d.set_item("first_pass", p.first_pass)?;
     Ok(d)
 }
 

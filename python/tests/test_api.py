@@ -80,6 +80,11 @@ def test_output_folder_and_load(sim_bin, tmp_path):
     r = spikecube.detect(sim_bin, out=out, progress=calls.append)
     assert r.path == out and (out / "spikecube.json").is_file()
     assert calls and calls[-1]["windows_done"] == calls[-1]["windows_total"]
+    # The first pass's windows (drift estimate) are reported first, each once.
+    first = [c for c in calls if c["first_pass"]]
+    assert first and all(c["first_pass"] for c in calls[: len(first)])
+    assert [c["windows_done"] for c in first] == list(range(1, len(first) + 1))
+    assert not calls[-1]["first_pass"]
     again = spikecube.load(out)
     np.testing.assert_array_equal(again.times, r.times)
     assert again.info["command"] == "detect"

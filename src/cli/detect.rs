@@ -193,11 +193,12 @@ pub fn run_task(
     let report = run_detection(job, &mut |p| {
         bar.set_length(p.windows_total);
         bar.set_position(p.windows_done);
-        bar.set_message(format!(
-            "{} spikes  {:.1}× realtime",
-            p.spikes,
-            p.seconds_done / p.elapsed.max(1e-9)
-        ));
+        let rt = p.seconds_done / p.elapsed.max(1e-9);
+        bar.set_message(if p.first_pass {
+            format!("first pass (drift estimate)  {rt:.1}× realtime")
+        } else {
+            format!("{} spikes  {rt:.1}× realtime", p.spikes)
+        });
     })?;
     bar.finish_and_clear();
     let s = &report.summary;

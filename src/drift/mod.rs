@@ -349,6 +349,9 @@ pub struct FirstPass<'a> {
     /// says) in place of the masking alone, added up here in window order:
     /// for a detection pass that will not read the windows again.
     pub checks: Option<&'a std::sync::Mutex<crate::checks::PassChecks>>,
+    /// Called after each window, in window order, with its
+    /// [`crate::stages::WindowInfo`] (for progress reports).
+    pub on_window: Option<&'a dyn Fn(&crate::stages::WindowInfo)>,
 }
 
 /// The first detection pass (Kilosort4's `datashift.run` step 2): every
@@ -432,6 +435,9 @@ fn first_pass_run(
             }
             if let Some(f) = also.as_mut() {
                 f(&det, w.first_sample)?;
+            }
+            if let Some(f) = fp.on_window {
+                f(&w);
             }
             Ok(())
         },

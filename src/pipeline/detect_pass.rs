@@ -127,6 +127,7 @@ pub(crate) fn detect_pass(
                     spikes: out.spikes_so_far(),
                     seconds_done,
                     elapsed: t_detect.elapsed().as_secs_f64(),
+                    first_pass: false,
                 });
                 Ok(())
             },

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
 
-use super::job::DetectJob;
+use super::job::{DetectJob, Progress};
 use super::open::OpenRun;
 use super::templates::{choose_on_device, read_masked, window_first_sample};
 use crate::checks::PassChecks;
@@ -49,6 +49,7 @@ pub(crate) fn drift_step(
     pre: &Preprocessor,
     pass: &mut dyn WindowPass,
     timer: &mut StageTimer,
+    progress: &mut dyn FnMut(Progress),
 ) -> Result<DriftStep> {
     // When the detection pass keeps its windows for the sort and will pass
     // over the same raw windows again, the first pass keeps them high-passed
@@ -66,6 +67,28 @@ pub(crate) fn drift_step(
         run.warnings.push(w);
     }
     let checks = keeps_filtered.then(|| Mutex::new(PassChecks::new(&job.probe.chan_map)));
+    // The first pass's windows reported as they finish, as the detection
+    // pass's are (`first_pass` set).
+    let progress = std::cell::RefCell::new(progress);
+    let (done, seconds_done, t_first) = (
+        std::cell::Cell::new(0u64),
+        std::cell::Cell::new(0.0f64),
+        std::time::Instant::now(),
+    );
+    let fs = job.recording.fs();
+    let n_windows = run.plan.n_windows;
+    let on_window = |w: &crate::stages::WindowInfo| {
+        done.set(done.get() + 1);
+        seconds_done.set(seconds_done.get() + w.own_len as f64 / fs);
+        (progress.borrow_mut())(Progress {
+            windows_done: done.get(),
+            windows_total: n_windows,
+            spikes: 0,
+            seconds_done: seconds_done.get(),
+            elapsed: t_first.elapsed().as_secs_f64(),
+            first_pass: true,
+        });
+    };
     let fp = FirstPass {
         recording: &job.recording,
         plan: &run.plan,
@@ -74,6 +97,7 @@ pub(crate) fn drift_step(
         nt: job.detection.nt as u64,
         mask_clipped: job.checks.mask_clipped,
         checks: checks.as_ref(),
+        on_window: Some(&on_window),
     };
     let staged = run.writer.partial_path().to_path_buf();
     let mut found = Vec::new();

@@ -123,6 +123,9 @@ pub struct Progress {
     pub seconds_done: f64,
     /// Wall time since detection started, seconds.
     pub elapsed: f64,
+    /// Whether this is the first pass (the drift estimate's, whose spikes
+    /// are not the output; `spikes` is 0 there), else the detection pass.
+    pub first_pass: bool,
 }
 
 /// What a finished run reports.

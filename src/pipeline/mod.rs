@@ -93,7 +93,8 @@ use crate::timing::StageTimer;
 /// Runs the whole job — open, device, whitening fit, universal templates,
 /// drift, detection pass, outputs — and writes the output folder atomically.
 ///
-/// `progress` is called after each window of the detection pass.
+/// `progress` is called after each window of the first pass (the drift
+/// estimate's, [`Progress::first_pass`]) and of the detection pass.
 ///
 /// # Errors
 /// When the probe does not fit the recording (a channel-map entry past the file's
@@ -114,7 +115,8 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     })?;
     templates::record_seconds(&mut timer, "templates", &templates);
     let (mut pass, back_end) = device.into_pass(&pre, &job)?;
-    let mut drift = drift_pass::drift_step(&job, &mut run, &pre, pass.as_mut(), &mut timer)?;
+    let mut drift =
+        drift_pass::drift_step(&job, &mut run, &pre, pass.as_mut(), &mut timer, progress)?;
     let zeroed_before = pre.artifact_windows();
     let early = drift.checks.take();
     let found = detect_pass::detect_pass(

@@ -153,6 +153,7 @@ pub fn write_whitened(
                 spikes: 0,
                 seconds_done: written as f64 / settings.fs,
                 elapsed: t_start.elapsed().as_secs_f64(),
+                first_pass: false,
             });
         }
         w.flush()

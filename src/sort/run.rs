@@ -273,7 +273,8 @@ impl SortJob {
 /// Where a sort is, reported between stages and once per matched window.
 #[derive(Debug, Clone)]
 pub struct SortProgress {
-    /// The stage running (Kilosort4's log names: "detection", "first clustering",
+    /// The stage running (Kilosort4's log names: "first pass" (the drift
+    /// estimate's detection pass), "detection", "first clustering",
     /// "templates", "matching", "final clustering", "merges and export").
     pub stage: &'static str,
     /// Windows done in the stage (detection and matching), else 0.
@@ -431,7 +432,11 @@ fn sort_into(
 
     let detection = run_detection(job.detect, &mut |p| {
         progress(SortProgress {
-            stage: "detection",
+            stage: if p.first_pass {
+                "first pass"
+            } else {
+                "detection"
+            },
             done: p.windows_done,
             total: p.windows_total,
             seconds_done: p.seconds_done,
