@@ -603,6 +603,8 @@ fn a_probe_for_another_channel_count_is_warned_about() {
         err.contains("n_chan = 385 channels") && err.contains("has 400"),
         "{err}"
     );
+    // Not also "give a probe that covers" the other columns: the width is wrong.
+    assert!(!err.contains("give a probe that covers"), "{err}");
     // Kilosort's own convention, n_chan = the number of sites (384), declares
     // no column past the last site: no such warning for the 385-column file.
     probe["n_chan"] = serde_json::json!(384);

@@ -188,13 +188,6 @@ pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opene
         .probe
         .as_ref()
         .map_or(0, |p| n_file.saturating_sub(p.n_sites()));
-    if let Some(w) = checks::unused_channels_warning(
-        &probe,
-        n_file,
-        expected_unused + req.exclude_channels.len(),
-    ) {
-        warnings.push(w);
-    }
     // A probe made for a file of more columns than this one: the sites are
     // likely read from the wrong columns (a wrong --n-channels, or a probe of
     // another recording), which no later check can see on noise-like data.
@@ -211,6 +204,14 @@ pub fn open_for_detection(req: &InputRequest) -> Result<(crate::recording::Opene
             probe.n_chan,
             first.display()
         ));
+    } else if let Some(w) = checks::unused_channels_warning(
+        &probe,
+        n_file,
+        expected_unused + req.exclude_channels.len(),
+    ) {
+        // Columns the probe leaves unread, when its width is not in doubt
+        // (else "give a probe that covers them" would point the wrong way).
+        warnings.push(w);
     }
     let structured = first.is_dir()
         || first.extension().is_some_and(|e| e == "oebin")
