@@ -57,8 +57,9 @@ pub const IIR_BOUND: f64 = 1e-10;
 /// Longest warm-up L taken, samples (about cutoff/fs ≥ 0.0007): beyond it
 /// [`CircularIir::new`] declines and the device keeps the direct kernel.
 pub const MAX_WARM: usize = 16_384;
-/// Outputs per chunk C of the device kernels, by default (the environment
-/// variable `SPIKECUBE_HIGHPASS_CHUNK` overrides it on the device, for measuring).
+/// Outputs per chunk C of the IIR, on the device and on the CPU, by default
+/// ([`iir_chunk`]: the environment variable `SPIKECUBE_HIGHPASS_CHUNK`
+/// overrides it on both, for measuring).
 pub const IIR_CHUNK: usize = 1024;
 
 /// Outputs per chunk C of the IIR, on the device and on the CPU (which must
@@ -427,7 +428,7 @@ impl CircularIir {
     }
 }
 
-/// Rows filtered together by [`CircularIir::apply_f64_rows`], one per SIMD lane.
+/// Rows filtered together by [`CircularIir::apply_f64`], one per SIMD lane.
 const ROW_LANES: usize = 16;
 
 /// [`step`] for [`ROW_LANES`] rows at once: lane l is row l's recursion, with
@@ -501,7 +502,7 @@ impl CircularIir {
     }
 
     /// [`CircularIir::apply`] with f64 state, the same bits, faster: rows in
-    /// groups of [`ROW_LANES`] filtered side by side (SIMD lanes, AVX-512 or
+    /// groups of 16 filtered side by side (SIMD lanes, AVX-512 or
     /// AVX2 where the CPU has them), groups in parallel. The CPU's high-pass.
     ///
     /// # Errors

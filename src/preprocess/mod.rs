@@ -28,6 +28,10 @@
 pub mod blanking;
 mod car;
 mod covariance;
+/// Columns of one block of the whitening covariance's f64 sums (the device's
+/// Gram kernel sums in the same blocks).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub(crate) use covariance::KC as COVARIANCE_BLOCK;
 mod highpass;
 mod highpass_iir;
 mod whitening;

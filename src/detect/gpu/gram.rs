@@ -172,8 +172,9 @@ pub(crate) fn gram_kernel(
 }
 
 /// Columns of one summation block of [`gram_f64_kernel`]: the CPU's
-/// [`KC`](crate::preprocess::covariance::KC) (faer's depth block).
-pub const GRAM_BLOCK: usize = 512;
+/// (`preprocess::covariance::KC`, faer's depth block), which it must equal
+/// for the CPU's bits.
+pub const GRAM_BLOCK: usize = crate::preprocess::COVARIANCE_BLOCK;
 
 /// The Gram matrix of rows of `q` (C × N, row-major) over samples `lo .. hi`
 /// with the bits of the CPU's [`covariance::gram`](crate::preprocess::covariance):
