@@ -372,6 +372,34 @@ fn tetrode_example_falls_back_to_builtin_templates_with_a_warning() {
     assert_eq!(w, spikecube::UniversalTemplates::builtin().wtemp);
 }
 
+/// When both detection passes have too few isolated peaks, the second pass's
+/// warning refers to the first's instead of repeating its explanation.
+#[test]
+fn second_pass_fallback_warning_is_short_after_the_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = common::simulate32(dir.path(), "4", "5", "1");
+    let out = dir.path().join("d");
+    let rec = sim.join("sim_g0_t0.imec0.ap.bin");
+    let o = common::spikecube(&["detect", common::s(&rec), "--out", common::s(&out), "-q"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("spikecube.json")).unwrap()).unwrap();
+    let w: Vec<&str> = j["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(w.len(), 2, "{w:?}");
+    assert!(w[0].contains("isolated single-channel peaks") && w[0].contains("(--min-learn-clips)"));
+    assert!(
+        w[1].starts_with("second pass (drift-corrected): again too few isolated peaks")
+            && w[1].contains("of the 300 needed")
+            && !w[1].contains("Th_single_ch"),
+        "{w:?}"
+    );
+}
+
 /// Templates learned on the tetrode example (allowed with --min-learn-clips):
 /// the same with 1, 2 and 16 threads, byte for byte (templates, spikes and
 /// features); saved with np.savez's layout and given back with --templates, the

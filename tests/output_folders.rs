@@ -563,6 +563,11 @@ fn a_sort_interrupted_after_detection_removes_its_working_folder() {
         line.contains("removed") && line.contains(".out.spikecube-detection-"),
         "{err}"
     );
+    // The line names the folders it made and removed again.
+    assert!(
+        line.contains("empty folders") && line.contains(&made.display().to_string()),
+        "{err}"
+    );
     let left: Vec<_> = std::fs::read_dir(&parent)
         .unwrap()
         .flatten()

@@ -17,12 +17,21 @@ pub fn install() {
         if let Some(sig) = signals.forever().next() {
             let removed = spikecube::output::folder::abandon_all();
             let name = if sig == SIGINT { "SIGINT" } else { "SIGTERM" };
-            let what = if removed.is_empty() {
+            let list = |paths: &[std::path::PathBuf]| {
+                let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+                names.join(", ")
+            };
+            let mut what = if removed.unfinished.is_empty() {
                 "nothing unfinished was left".to_string()
             } else {
-                let list: Vec<String> = removed.iter().map(|p| p.display().to_string()).collect();
-                format!("removed the unfinished {}", list.join(", "))
+                format!("removed the unfinished {}", list(&removed.unfinished))
             };
+            if !removed.parents.is_empty() {
+                what.push_str(&format!(
+                    " and the empty folders it had made for it, {}",
+                    list(&removed.parents)
+                ));
+            }
             // Start on a fresh line when a progress bar is drawn on a terminal.
             let clear = if std::io::IsTerminal::is_terminal(&std::io::stderr()) {
                 "\r\x1b[2K"

@@ -64,10 +64,20 @@ fn remove_tree(path: &Path) -> bool {
     !path.exists()
 }
 
+/// What [`abandon_all`] removed.
+#[derive(Debug, Default)]
+pub struct Abandoned {
+    /// Staged and working folders of this process, removed with their contents.
+    pub unfinished: Vec<PathBuf>,
+    /// Folders this process made to hold its outputs, removed because they
+    /// were empty again (innermost first).
+    pub parents: Vec<PathBuf>,
+}
+
 /// Removes every staged folder of this process that was not published, and stops
 /// any later [`StagedFolder::publish`] (it fails with "interrupted"). Meant for a
-/// signal handler that exits right after. Returns the folders removed.
-pub fn abandon_all() -> Vec<PathBuf> {
+/// signal handler that exits right after. Returns what it removed.
+pub fn abandon_all() -> Abandoned {
     let mut reg = registry();
     reg.abandoned = true;
     let mut active = std::mem::take(&mut reg.active);
@@ -77,13 +87,18 @@ pub fn abandon_all() -> Vec<PathBuf> {
             .into_iter()
             .filter(|p| p.exists()),
     );
-    let removed: Vec<PathBuf> = active.into_iter().filter(|p| remove_tree(p)).collect();
+    let unfinished: Vec<PathBuf> = active.into_iter().filter(|p| remove_tree(p)).collect();
     // The parents this process made for its outputs, innermost first, each
     // only when empty (`remove_dir` leaves a folder with anything in it).
-    for dir in std::mem::take(&mut reg.created).iter().rev() {
-        let _ = std::fs::remove_dir(dir);
+    let parents = std::mem::take(&mut reg.created)
+        .into_iter()
+        .rev()
+        .filter(|dir| std::fs::remove_dir(dir).is_ok())
+        .collect();
+    Abandoned {
+        unfinished,
+        parents,
     }
-    removed
 }
 
 /// A private working folder of this process (named with its pid, e.g. the
@@ -396,7 +411,7 @@ pub fn make_parent(out: &Path) -> Result<()> {
         )
     })?;
     registry().created.extend(missing);
-    tracing::warn!(
+    tracing::info!(
         "the output folder's parent {} did not exist; it was created",
         parent.display()
     );

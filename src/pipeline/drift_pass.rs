@@ -167,6 +167,21 @@ fn relearn(
     second.description["windows"] = "drift-corrected (second pass)".into();
     super::templates::mark_learned_on(&mut second, &job.templates, on);
     if let Some(w) = &second.warning {
+        let first_fell_back = second.description["source"] == "builtin"
+            && run
+                .warnings
+                .0
+                .iter()
+                .any(|f| f.contains("(--min-learn-clips)"));
+        let w = if first_fell_back {
+            // The first pass's warning already says what was counted and why.
+            format!(
+                "again too few isolated peaks to learn templates ({} of the {} needed): the built-in universal templates again",
+                second.description["n_clips"], second.description["min_clips"]
+            )
+        } else {
+            w.clone()
+        };
         run.warnings
             .push(format!("second pass (drift-corrected): {w}"));
     }

@@ -870,12 +870,6 @@ impl Whitening {
         Ok(Whitening { w, rows })
     }
 
-    /// Whether [`Whitening::apply`] uses the sparse product (the order of
-    /// [`Whitening::csr`]): always, whatever the matrix's density.
-    pub fn is_sparse(&self) -> bool {
-        true
-    }
-
     /// Non-zero entries.
     pub fn nnz(&self) -> usize {
         self.rows.iter().map(Vec::len).sum()
@@ -1034,7 +1028,6 @@ mod tests {
         let mut w = w;
         w[(3, 0)] = 1e-9; // below 1e-8 of the largest: dropped
         let g = Whitening::sparse_with_floor(w.clone(), 1e-8).unwrap();
-        assert!(g.is_sparse());
         let (start, cols, vals) = g.csr();
         assert_eq!(start.len(), c + 1);
         assert!(!cols[start[3] as usize..start[4] as usize].contains(&0));
@@ -1076,7 +1069,6 @@ mod tests {
         let x = Array2::from_shape_fn((c, n), |(i, t)| ((i * 7 + t * 13) % 17) as f32 - 8.0);
         let expect = w.dot(&x);
         let ws = Whitening::new(w.clone()).unwrap();
-        assert!(ws.is_sparse());
         let mut y = x.clone();
         ws.apply(&mut y).unwrap();
         let d = (&y - &expect).mapv(f32::abs).fold(0.0f32, |a, &b| a.max(b));
