@@ -78,6 +78,7 @@
 
 pub mod backend;
 pub mod batch;
+pub mod cancel;
 pub mod checks;
 pub mod detect;
 pub mod drift;

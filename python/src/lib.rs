@@ -3,8 +3,10 @@
 //! `python/spikecube/`; this module only converts and calls the core crate.
 //!
 //! * Long calls release the GIL; Ctrl-C is seen through `check_signals` on every
-//!   window read and progress report, which stops the run with an error so that
-//!   the staged output folder is removed, and the `KeyboardInterrupt` is raised.
+//!   window read and progress report, and in the stages between (the
+//!   clusterings) through Python's signal wakeup file ([`SigintWatch`]); it
+//!   stops the run with an error so that the staged output folder is removed,
+//!   and the `KeyboardInterrupt` is raised.
 //! * Rust errors become `spikecube.SpikecubeError` with the command line's text.
 //! * `tracing` events go to Python's `logging` (logger `spikecube`).
 
@@ -121,7 +123,7 @@ impl Recording for Interruptible {
         out: &mut [f32],
     ) -> Result<(), RecordingError> {
         self.interrupt.check_signals();
-        if self.interrupt.is_set() {
+        if self.interrupt.is_set() || spikecube::cancel::requested() {
             return Err(RecordingError::Read {
                 what: self.inner.describe(),
                 message: "interrupted".into(),
@@ -131,6 +133,114 @@ impl Recording for Interruptible {
     }
     fn describe(&self) -> String {
         self.inner.describe()
+    }
+}
+
+/// Sees Ctrl-C while a long call runs without the GIL, in stages that neither
+/// read windows nor report progress (the clusterings): Python's own handler
+/// runs only when the main thread gets back to Python, so this points
+/// Python's signal wakeup file (`signal.set_wakeup_fd`) at a socket and asks
+/// the core to stop ([`spikecube::cancel::request`]) when SIGINT's byte
+/// arrives; the pending `KeyboardInterrupt` is then raised as usual. Only on
+/// the main thread (elsewhere Python takes no wakeup file, and Ctrl-C does
+/// not reach the call anyway); the previous wakeup file is restored after.
+struct SigintWatch {
+    #[cfg(unix)]
+    inner: Option<Watching>,
+}
+
+/// The previous wakeup file, the watched socket's end and the thread reading it.
+#[cfg(unix)]
+type Watching = (
+    Py<PyAny>,
+    std::os::unix::net::UnixStream,
+    std::thread::JoinHandle<()>,
+);
+
+impl SigintWatch {
+    fn start(py: Python<'_>) -> SigintWatch {
+        spikecube::cancel::reset();
+        #[cfg(unix)]
+        {
+            SigintWatch {
+                inner: Self::start_unix(py),
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = py;
+            SigintWatch {}
+        }
+    }
+
+    #[cfg(unix)]
+    fn start_unix(py: Python<'_>) -> Option<Watching> {
+        use std::io::Read;
+        use std::os::fd::AsRawFd;
+        // SIGINT's number on every Unix.
+        const SIGINT: u8 = 2;
+        let (mut reader, writer) = std::os::unix::net::UnixStream::pair().ok()?;
+        writer.set_nonblocking(true).ok()?;
+        let keep = reader.try_clone().ok()?;
+        let signal = py.import("signal").ok()?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("warn_on_full_buffer", false).ok()?;
+        // A ValueError off the main thread: then no watch.
+        let old = signal
+            .call_method("set_wakeup_fd", (writer.as_raw_fd(),), Some(&kwargs))
+            .ok()?
+            .unbind();
+        let thread = std::thread::Builder::new()
+            .name("spikecube-sigint".into())
+            .spawn(move || {
+                // Python writes into this end until the wakeup file is reset.
+                let _writer = writer;
+                let mut buf = [0u8; 64];
+                loop {
+                    match reader.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) if buf[..n].contains(&SIGINT) => spikecube::cancel::request(),
+                        Ok(_) => {}
+                    }
+                }
+            });
+        match thread {
+            Ok(thread) => Some((old, keep, thread)),
+            Err(_) => {
+                let _ = signal.call_method1("set_wakeup_fd", (old,));
+                None
+            }
+        }
+    }
+
+    /// Restores the previous wakeup file and ends the watching thread.
+    fn stop(self, py: Python<'_>) {
+        #[cfg(unix)]
+        if let Some((old, reader, thread)) = self.inner {
+            if let Ok(signal) = py.import("signal") {
+                let _ = signal.call_method1("set_wakeup_fd", (old,));
+            }
+            let _ = reader.shutdown(std::net::Shutdown::Both);
+            let _ = thread.join();
+        }
+        #[cfg(not(unix))]
+        let _ = py;
+    }
+
+    /// Ends the watch and turns the call's result into Python's: a run
+    /// stopped on SIGINT raises the pending `KeyboardInterrupt`.
+    fn finish<T>(
+        self,
+        py: Python<'_>,
+        interrupt: Interrupt,
+        result: anyhow::Result<T>,
+    ) -> PyResult<T> {
+        self.stop(py);
+        if result.is_err() && spikecube::cancel::requested() {
+            interrupt.check_signals();
+        }
+        spikecube::cancel::reset();
+        result.map_err(|e| interrupt.into_err(e))
     }
 }
 
@@ -402,7 +512,11 @@ fn reporter<'a, P: 'a>(
 fn guarded<T>(f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(r) => r,
-        Err(payload) if payload.is::<Interrupted>() => Err(anyhow::anyhow!("interrupted")),
+        Err(payload)
+            if payload.is::<Interrupted>() || payload.is::<spikecube::cancel::Cancelled>() =>
+        {
+            Err(anyhow::anyhow!("interrupted"))
+        }
         Err(payload) => std::panic::resume_unwind(payload),
     }
 }
@@ -562,6 +676,7 @@ fn detect(
     let templates: TemplateChoice = settings_from(templates, "templates")?;
     let backend = backend_from(backend)?;
     let interrupt = Interrupt::default();
+    let watch = SigintWatch::start(py);
     let result = py.allow_threads(|| -> anyhow::Result<String> {
         let job = detect_job(
             &paths, probe, &o, det, pre, drift, &templates, out, backend, &interrupt,
@@ -589,7 +704,7 @@ fn detect(
         })
         .to_string())
     });
-    result.map_err(|e| interrupt.into_err(e))
+    watch.finish(py, interrupt, result)
 }
 
 fn sort_progress_dict<'py>(py: Python<'py>, p: &SortProgress) -> PyResult<Bound<'py, PyDict>> {
@@ -631,6 +746,7 @@ fn sort(
     let sort: SortFlags = settings_from(sort, "sort")?;
     let backend = backend_from(backend)?;
     let interrupt = Interrupt::default();
+    let watch = SigintWatch::start(py);
     let result = py.allow_threads(|| -> anyhow::Result<String> {
         let nearest_chans = det.nearest_chans;
         let detect = detect_job(
@@ -660,7 +776,7 @@ fn sort(
         })
         .to_string())
     });
-    result.map_err(|e| interrupt.into_err(e))
+    watch.finish(py, interrupt, result)
 }
 
 /// `spikecube preprocess`: writes the folder `out` as the command line does

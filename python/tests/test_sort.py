@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -111,6 +112,33 @@ def test_ctrl_c_during_the_sort_leaves_nothing(sim32_bin, tmp_path):
     finally:
         signal.signal(signal.SIGINT, previous)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_reaches_the_clustering(sim32_bin, tmp_path, caplog):
+    """Ctrl-C in a stage that reads nothing and reports nothing (the
+    clustering) stops it there: SIGINT's byte on Python's signal wakeup file
+    (as Python's C handler writes it) is seen by spikecube's watch, without
+    waiting for the main thread to get back to Python."""
+    out = tmp_path / "interrupted"
+
+    def interrupt(p):
+        if p["stage"] == "first clustering":
+            fd = signal.set_wakeup_fd(-1)
+            signal.set_wakeup_fd(fd, warn_on_full_buffer=False)
+            assert fd != -1, "no wakeup file during the sort"
+            os.write(fd, bytes([signal.SIGINT]))
+            # The watch's thread takes the byte before the clustering starts.
+            time.sleep(0.2)
+
+    with caplog.at_level(logging.DEBUG, logger="spikecube"):
+        with pytest.raises(spikecube.SpikecubeError, match="interrupted"):
+            spikecube.sort(sim32_bin, out=out, backend="cpu", progress=interrupt)
+    assert any("stopped on request during the clustering" in m for m in caplog.messages), caplog.messages
+    assert list(tmp_path.iterdir()) == []
+    # The wakeup file is Python's again, and the next sort runs to its end.
+    assert signal.set_wakeup_fd(-1) == -1
+    r = spikecube.sort(sim32_bin, out=tmp_path / "again", backend="cpu", progress=False)
+    assert len(r.labels) > 0
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ pub struct GroupOutcome {
 
 /// The neighbour graph of a group's features `xd` (n × `dim`).
 pub fn build_graph(xd: &[f32], dim: usize, settings: &ClusteringSettings) -> Graph {
+    crate::cancel::check("the clustering's graphs");
     let n = xd.len() / dim;
     let lm = landmarks(
         n,

@@ -88,6 +88,7 @@ pub(crate) fn seed_lockstep(
     let mut v0: Vec<Vec<f32>> = state.iter().map(|s| vec![0f32; s.vtot.len()]).collect();
     let (mut t_draws, mut t_steps, mut n_steps) = (0f64, 0f64, 0usize);
     for j in 0..n_clusters {
+        crate::cancel::check("the clustering's seeding");
         let t = std::time::Instant::now();
         let cand: Vec<Option<Candidates>> = pool.install(|| {
             state

@@ -255,6 +255,7 @@ fn run_group(
     settings: &ClusteringSettings,
     prof: &profile::Profile,
 ) -> GroupResult {
+    crate::cancel::check("the clustering");
     let n = data.spikes.len();
     let mut clock = profile::GroupClock::start(n, data.dim);
     let (labels, ng, rounds) = if n < MIN_GROUP_SPIKES {

@@ -247,6 +247,7 @@ fn seed_many(
         device.batch(&inputs, &taken)
     };
     loop {
+        crate::cancel::check("the clustering's seeding");
         let asks: Vec<Option<(Vec<u32>, Vec<f32>)>> =
             seeders.par_iter_mut().map(Seeder::draw).collect();
         if asks.iter().all(Option::is_none) {
