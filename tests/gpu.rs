@@ -415,6 +415,7 @@ fn check_preprocessing<R: Runtime>(
         (32, false, false, false),
         (17, true, true, true),
         (161, false, true, false),
+        (23, true, true, true),
     ]
     .into_iter()
     .enumerate()
@@ -457,11 +458,11 @@ fn check_preprocessing<R: Runtime>(
         // with both tilings (8 and 16 outputs per unit), alternately; with the
         // direct kernel also the float32 covariance and means of devices
         // without doubles.
-        let f64_forms = case % 2 == 0;
+        let f64_forms = case % 2 == 0 || float && case > 4;
         let options = GpuOptions {
             device_f64: f64_forms,
             hp_per_unit: if case % 4 == 1 { 8 } else { 16 },
-            highpass: if case % 2 == 0 {
+            highpass: if f64_forms {
                 HighpassMode::Auto
             } else {
                 HighpassMode::Direct
@@ -488,12 +489,12 @@ fn check_preprocessing<R: Runtime>(
             worst / peak,
             form.dropped_tail
         );
-        // With the f64 IIR and int16 input the device runs the CPU's arithmetic
-        // (exact integer channel means, the same median, the IIR twin's f64
-        // recursion with each product rounded, the CSR whitening's sums): the
-        // same bits. The direct kernel and float input's tree of means round
-        // differently.
-        if det.highpass_form() == "iir-f64" && !float {
+        // With the f64 IIR the device runs the CPU's arithmetic (channel
+        // means from the CPU's f64 sums: exact for int16 input, in its order
+        // for float input; the same median, the IIR twin's f64 recursion with
+        // each product rounded, the CSR whitening's sums): the same bits. The
+        // direct kernel and the float32 forms round differently.
+        if det.highpass_form() == "iir-f64" {
             let differ = want
                 .iter()
                 .zip(&got)

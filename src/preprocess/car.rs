@@ -174,9 +174,10 @@ pub fn common_reference(window: &mut Array2<f32>, do_car: bool) -> Result<(), Pr
 /// One row's mean as [`remove_channel_means`] takes it.
 fn row_mean(row: &[f32]) -> f32 {
     // Eight independent f64 partial sums (exact for integer data, and
-    // otherwise within f64 rounding of a sequential sum).
-    let mut lanes = [0.0f64; 8];
-    let mut chunks = row.chunks_exact(8);
+    // otherwise within f64 rounding of a sequential sum). The device's
+    // `row_means_float_f64_kernel` repeats this order.
+    let mut lanes = [0.0f64; ROW_MEAN_LANES];
+    let mut chunks = row.chunks_exact(ROW_MEAN_LANES);
     for c in &mut chunks {
         for (l, &v) in lanes.iter_mut().zip(c) {
             *l += f64::from(v);
@@ -186,6 +187,11 @@ fn row_mean(row: &[f32]) -> f32 {
     let sum = lanes.iter().sum::<f64>() + tail;
     (sum / row.len() as f64) as f32
 }
+
+/// Partial sums of a channel mean: lane l adds the samples t ≡ l (mod 8) of
+/// the whole chunks of 8, in order; then the lanes in order, then the samples
+/// past the last whole chunk, summed in order.
+pub(crate) const ROW_MEAN_LANES: usize = 8;
 
 /// Columns per parallel job of [`mean_and_median_in_blocks`].
 const CAR_JOB: usize = 512;

@@ -28,6 +28,10 @@
 pub mod blanking;
 mod car;
 mod covariance;
+/// Partial sums of a channel mean (the device's float32 means add in the same
+/// lanes).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub(crate) use car::ROW_MEAN_LANES;
 /// Columns of one block of the whitening covariance's f64 sums (the device's
 /// Gram kernel sums in the same blocks).
 #[cfg(any(feature = "cuda", feature = "wgpu"))]

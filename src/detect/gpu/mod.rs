@@ -1666,17 +1666,29 @@ impl<R: Runtime> GpuDetector<R> {
         // (DevicePreprocessing), checked against the CPU in tests/gpu.rs.
         unsafe {
             if kernels > 0 {
-                preprocess::row_means_kernel::launch_unchecked::<R>(
-                    &self.client,
-                    CubeCount::Static(c as u32, 1, 1),
-                    units,
-                    arr(&win.raw, win.n_words),
-                    arr(&pre.means, c),
-                    n_t as u32,
-                    win.words_per_row as u32,
-                    win.packed,
-                    self.f64_sums,
-                );
+                if !win.packed && self.f64_sums {
+                    preprocess::row_means_float_f64_kernel::launch_unchecked::<R>(
+                        &self.client,
+                        CubeCount::Static(c as u32, 1, 1),
+                        units,
+                        arr(&win.raw, win.n_words),
+                        arr(&pre.means, c),
+                        n_t as u32,
+                        win.words_per_row as u32,
+                    );
+                } else {
+                    preprocess::row_means_kernel::launch_unchecked::<R>(
+                        &self.client,
+                        CubeCount::Static(c as u32, 1, 1),
+                        units,
+                        arr(&win.raw, win.n_words),
+                        arr(&pre.means, c),
+                        n_t as u32,
+                        win.words_per_row as u32,
+                        win.packed,
+                        self.f64_sums,
+                    );
+                }
                 self.pre_mark(Some(0));
             }
             if kernels > 1 {

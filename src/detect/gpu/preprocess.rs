@@ -12,8 +12,11 @@
 //!
 //! Numerics against the CPU:
 //! * means: int16 data are summed exactly (integers, in two 32-bit integer
-//!   parts), then divided in f32 (the CPU divides an f64 sum once): within one
-//!   or two f32 ulps of the mean, a constant per channel that the high-pass removes;
+//!   parts), then divided in f64 as the CPU does ([`row_means_kernel`]);
+//!   float32 data on a device with f64 in the CPU's order of f64 sums
+//!   ([`row_means_float_f64_kernel`]): the CPU's bits. Without f64, in f32
+//!   (int16 sums divided in f32, float32 values added in a tree): within a
+//!   few f32 ulps of the mean, a constant per channel that the high-pass removes;
 //! * median: the same lower median (rank ⌊(C − 1)/2⌋, Kilosort4's torch median),
 //!   picked by counting ranks, so bit-identical for identical inputs;
 //! * high-pass: where the device has f64 arithmetic and the window is long
@@ -147,6 +150,58 @@ pub(crate) fn row_means_kernel(
         } else {
             means[r] = fs[0] / f32::cast_from(n_t as u32);
         }
+    }
+}
+
+/// Channel means of float32 windows on a device with f64, in the CPU's
+/// order ([`crate::preprocess::remove_channel_means`]): units 0‥7 each add,
+/// from +0, the samples t ≡ u (mod 8) of the whole chunks of 8 in f64; unit
+/// 8 the samples past them; unit 0 then adds the lanes in order, the tail
+/// last (when there is one), and rounds the f64 mean to f32. Every f64 sum
+/// is the CPU's, so the means have its bits. One cube per row.
+#[cube(launch_unchecked)]
+pub(crate) fn row_means_float_f64_kernel(
+    raw: &Array<u32>,
+    means: &mut Array<f32>,
+    n_t: u32,
+    words: u32,
+) {
+    let lanes_n = comptime!(crate::preprocess::ROW_MEAN_LANES);
+    let mut lanes = SharedMemory::<f64>::new(comptime!(crate::preprocess::ROW_MEAN_LANES + 1));
+    let r = CUBE_POS_X as usize;
+    let u = UNIT_POS_X as usize;
+    let n_t = n_t as usize;
+    let base = r * words as usize;
+    let whole = n_t / lanes_n * lanes_n;
+    if u < lanes_n {
+        let mut s = 0.0f64;
+        let mut t = u;
+        while t < whole {
+            s += f64::cast_from(f32::from_bits(raw[base + t]));
+            t += lanes_n;
+        }
+        lanes[u] = s;
+    } else if u == lanes_n && whole < n_t {
+        // The CPU's tail starts from −0, which leaves its first value as it is.
+        let mut s = f64::cast_from(f32::from_bits(raw[base + whole]));
+        let mut t = whole + 1;
+        while t < n_t {
+            s += f64::cast_from(f32::from_bits(raw[base + t]));
+            t += 1;
+        }
+        lanes[lanes_n] = s;
+    }
+    sync_cube();
+    if u == 0 {
+        let mut sum = lanes[0];
+        for l in 1..lanes_n {
+            sum += lanes[l];
+        }
+        // An empty tail adds −0 on the CPU: nothing.
+        if whole < n_t {
+            sum += lanes[lanes_n];
+        }
+        means[r] = f32::cast_from(sum / f64::cast_from(n_t as u32));
     }
 }
 
