@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -459,6 +460,36 @@ def _paths(path_or_paths) -> list[str]:
 # The calls
 
 
+# The Python names of the command line's flags that errors mention: the
+# arguments of detect/sort/preprocess, and every setting (its flag is its
+# name in lower case with dashes: Th_universal is --th-universal).
+_PYTHON_NAMES = {
+    "--n-channels": "n_channels",
+    "--fs": "fs",
+    "--dtype": "dtype",
+    "--offset": "offset",
+    "--probe": "probe",
+    "--out": "out",
+    "--backend": "backend",
+    **{"--" + name.lower().replace("_", "-"): name for name in _settings.SETTINGS},
+}
+
+
+def _python_names(e: SpikecubeError) -> SpikecubeError:
+    """The error with a last line giving the Python names of the command-line
+    flags its message mentions (the message itself stays the command line's)."""
+    msg = str(e)
+    seen = []
+    for flag in re.findall(r"--[a-z0-9][a-z0-9-]*", msg):
+        name = _PYTHON_NAMES.get(flag)
+        if name is not None and (flag, name) not in seen:
+            seen.append((flag, name))
+    if not seen:
+        return e
+    names = ", ".join(f"{flag} is {name}=" for flag, name in seen)
+    return SpikecubeError(f"{msg}\n(in Python: {names})")
+
+
 def detect(
     path_or_paths: Union[PathLike, Sequence[PathLike]],
     probe=None,
@@ -553,7 +584,9 @@ def detect(
         before any work starts.
     SpikecubeError
         Anything the command line reports as an error (bad input, settings,
-        a read or write failure), with the same message.
+        a read or write failure), with the same message, and a last line
+        giving the Python names of the flags it mentions (``--fs`` is
+        ``fs=``).
     KeyboardInterrupt
         Ctrl-C: the run stops and leaves no output folder.
     """
@@ -570,18 +603,21 @@ def detect(
         target = Path(out)
     try:
         _sync_log_level()
-        _native.detect(
-            paths,
-            probe_t,
-            _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
-            _settings.detection_json(groups["detection"]),
-            _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
-            _settings.drift_json(groups["drift"]),
-            _settings.templates_json(groups["templates"]),
-            os.fspath(target),
-            backend,
-            cb,
-        )
+        try:
+            _native.detect(
+                paths,
+                probe_t,
+                _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
+                _settings.detection_json(groups["detection"]),
+                _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
+                _settings.drift_json(groups["drift"]),
+                _settings.templates_json(groups["templates"]),
+                os.fspath(target),
+                backend,
+                cb,
+            )
+        except SpikecubeError as e:
+            raise _python_names(e) from None
         r = load(target)
         if tmp is not None:
             r.path = None
@@ -805,7 +841,8 @@ def sort(
         An unknown setting name, a setting's value of the wrong type, or an
         unknown back end; raised before any work starts.
     SpikecubeError
-        Anything the command line reports as an error, with the same message.
+        Anything the command line reports as an error, with the same message
+        and the Python names of the flags it mentions.
     KeyboardInterrupt
         Ctrl-C: the run stops and leaves neither the Phy folder nor its
         working folders.
@@ -817,21 +854,24 @@ def sort(
     cb, close = _sort_progress(progress)
     try:
         _sync_log_level()
-        report = json.loads(
-            _native.sort(
-                paths,
-                probe_t,
-                _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
-                _settings.detection_json(groups["detection"]),
-                _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
-                _settings.drift_json(groups["drift"]),
-                _settings.templates_json(groups["templates"]),
-                _settings.sort_json(groups["sort"]),
-                os.fspath(out),
-                backend,
-                cb,
+        try:
+            report = json.loads(
+                _native.sort(
+                    paths,
+                    probe_t,
+                    _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
+                    _settings.detection_json(groups["detection"]),
+                    _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
+                    _settings.drift_json(groups["drift"]),
+                    _settings.templates_json(groups["templates"]),
+                    _settings.sort_json(groups["sort"]),
+                    os.fspath(out),
+                    backend,
+                    cb,
+                )
             )
-        )
+        except SpikecubeError as e:
+            raise _python_names(e) from None
     finally:
         close()
     s = load_sorting(report["out"])
@@ -980,15 +1020,18 @@ def preprocess(
     cb, close = _progress(progress)
     try:
         _sync_log_level()
-        w, info = _native.preprocess(
-            _paths(path_or_paths),
-            None if probe is None else Probe.of(probe)._tuple(),
-            _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
-            _settings.preprocessing_json(groups["preprocessing"]),
-            os.fspath(out),
-            bool(float32),
-            cb,
-        )
+        try:
+            w, info = _native.preprocess(
+                _paths(path_or_paths),
+                None if probe is None else Probe.of(probe)._tuple(),
+                _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
+                _settings.preprocessing_json(groups["preprocessing"]),
+                os.fspath(out),
+                bool(float32),
+                cb,
+            )
+        except SpikecubeError as e:
+            raise _python_names(e) from None
     finally:
         close()
     info = json.loads(info)

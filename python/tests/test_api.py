@@ -242,3 +242,15 @@ def test_load_sorting_names_a_detection_folder(sim_cli):
     assert "`spikecube detect` output folder" in str(e.value)
     assert "spikecube.load(folder)" in str(e.value)
     assert len(spikecube.load(sim_cli)) > 0
+
+
+def test_errors_give_the_python_names_of_the_flags(tmp_path):
+    """A flat binary file without its rate: the command line's message, and
+    the Python name of the flag it mentions."""
+    rec = tmp_path / "rec.bin"
+    np.zeros((100, 4), dtype=np.int16).tofile(rec)
+    with pytest.raises(spikecube.SpikecubeError) as e:
+        spikecube.detect(rec, n_channels=4, progress=False)
+    msg = str(e.value)
+    assert "(--fs)" in msg, msg
+    assert msg.splitlines()[-1].startswith("(in Python: --fs is fs="), msg
