@@ -545,13 +545,11 @@ fn detect_job(
         interrupt: interrupt.clone(),
     });
     let fs = rec.fs();
+    let (dat_path, more_dat_paths) = spikecube::recording::raw_data_files(&paths);
     let run_info = RunInfo {
         input_description: rec.describe(),
-        dat_path: spikecube::recording::raw_data_file(&paths[0]),
-        more_dat_paths: paths[1..]
-            .iter()
-            .map(|p| spikecube::recording::raw_data_file(p))
-            .collect(),
+        dat_path,
+        more_dat_paths,
         n_channels_dat: rec.n_channels() as u64,
         dtype: opened.dtype.name().into(),
         offset: opened.offset,

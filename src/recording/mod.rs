@@ -142,6 +142,14 @@ pub trait Recording: Send + Sync {
     fn describe(&self) -> String;
 }
 
+/// [`raw_data_file`] of each of a recording's files, in order: the first
+/// (Phy's `dat_path`) and the others (concatenated after it). An empty list
+/// gives an empty path and no others.
+pub fn raw_data_files<P: AsRef<Path>>(recs: &[P]) -> (PathBuf, Vec<PathBuf>) {
+    let mut all = recs.iter().map(|p| raw_data_file(p.as_ref()));
+    (all.next().unwrap_or_default(), all.collect())
+}
+
 /// The file holding a recording's raw samples, as an absolute path (for Phy's
 /// `params.py`, `dat_path`): `continuous.dat` of the first stream for an Open
 /// Ephys folder or `structure.oebin`, the path itself otherwise (also when the
