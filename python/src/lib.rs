@@ -149,22 +149,29 @@ struct SigintWatch {
     inner: Option<Watching>,
 }
 
-/// The previous wakeup file, the watched socket's end and the thread reading it.
+/// A watch in place: the previous wakeup file, the socket's end Python
+/// writes into (kept open until the previous file is back), the end the
+/// thread reads, and the thread.
 #[cfg(unix)]
-type Watching = (
-    Py<PyAny>,
-    std::os::unix::net::UnixStream,
-    std::thread::JoinHandle<()>,
-);
+struct Watching {
+    old: Py<PyAny>,
+    writer: std::os::unix::net::UnixStream,
+    reader: std::os::unix::net::UnixStream,
+    thread: std::thread::JoinHandle<()>,
+}
 
 impl SigintWatch {
     fn start(py: Python<'_>) -> SigintWatch {
-        spikecube::cancel::reset();
         #[cfg(unix)]
         {
-            SigintWatch {
-                inner: Self::start_unix(py),
+            let inner = Self::start_unix(py);
+            // A stop asked for before this call is not this call's; without
+            // a watch (off the main thread) the request is left to the call
+            // that watches.
+            if inner.is_some() {
+                spikecube::cancel::reset();
             }
+            SigintWatch { inner }
         }
         #[cfg(not(unix))]
         {
@@ -193,11 +200,12 @@ impl SigintWatch {
         let thread = std::thread::Builder::new()
             .name("spikecube-sigint".into())
             .spawn(move || {
-                // Python writes into this end until the wakeup file is reset.
-                let _writer = writer;
                 let mut buf = [0u8; 64];
                 loop {
                     match reader.read(&mut buf) {
+                        // Python's handlers do not restart reads: a signal
+                        // delivered to this thread interrupts this one.
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                         Ok(0) | Err(_) => break,
                         Ok(n) if buf[..n].contains(&SIGINT) => spikecube::cancel::request(),
                         Ok(_) => {}
@@ -205,7 +213,12 @@ impl SigintWatch {
                 }
             });
         match thread {
-            Ok(thread) => Some((old, keep, thread)),
+            Ok(thread) => Some(Watching {
+                old,
+                writer,
+                reader: keep,
+                thread,
+            }),
             Err(_) => {
                 let _ = signal.call_method1("set_wakeup_fd", (old,));
                 None
@@ -213,34 +226,53 @@ impl SigintWatch {
         }
     }
 
-    /// Restores the previous wakeup file and ends the watching thread.
-    fn stop(self, py: Python<'_>) {
+    /// Restores the previous wakeup file, ends the watching thread, then
+    /// closes the socket; true when a watch was in place.
+    fn stop(&mut self, py: Python<'_>) -> bool {
         #[cfg(unix)]
-        if let Some((old, reader, thread)) = self.inner {
+        if let Some(w) = self.inner.take() {
             if let Ok(signal) = py.import("signal") {
-                let _ = signal.call_method1("set_wakeup_fd", (old,));
+                let _ = signal.call_method1("set_wakeup_fd", (w.old,));
             }
-            let _ = reader.shutdown(std::net::Shutdown::Both);
-            let _ = thread.join();
+            let _ = w.reader.shutdown(std::net::Shutdown::Both);
+            let _ = w.thread.join();
+            drop(w.writer);
+            return true;
         }
-        #[cfg(not(unix))]
         let _ = py;
+        false
     }
 
     /// Ends the watch and turns the call's result into Python's: a run
     /// stopped on SIGINT raises the pending `KeyboardInterrupt`.
     fn finish<T>(
-        self,
+        mut self,
         py: Python<'_>,
         interrupt: Interrupt,
         result: anyhow::Result<T>,
     ) -> PyResult<T> {
-        self.stop(py);
-        if result.is_err() && spikecube::cancel::requested() {
-            interrupt.check_signals();
+        let watched = self.stop(py);
+        if watched {
+            if result.is_err() && spikecube::cancel::requested() {
+                interrupt.check_signals();
+            }
+            spikecube::cancel::reset();
         }
-        spikecube::cancel::reset();
         result.map_err(|e| interrupt.into_err(e))
+    }
+}
+
+impl Drop for SigintWatch {
+    /// A call that panicked gives the wakeup file back too.
+    fn drop(&mut self) {
+        #[cfg(unix)]
+        if self.inner.is_some() {
+            Python::with_gil(|py| {
+                if self.stop(py) {
+                    spikecube::cancel::reset();
+                }
+            });
+        }
     }
 }
 
@@ -545,7 +577,7 @@ fn detect_job(
         interrupt: interrupt.clone(),
     });
     let fs = rec.fs();
-    let (dat_path, more_dat_paths) = spikecube::recording::raw_data_files(&paths);
+    let (dat_path, more_dat_paths) = spikecube::recording::raw_data_files(paths);
     let run_info = RunInfo {
         input_description: rec.describe(),
         dat_path,
