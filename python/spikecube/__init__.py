@@ -479,14 +479,11 @@ def _python_names(e: SpikecubeError) -> SpikecubeError:
     """The error with a last line giving the Python names of the command-line
     flags its message mentions (the message itself stays the command line's)."""
     msg = str(e)
-    seen = []
-    for flag in re.findall(r"--[a-z0-9][a-z0-9-]*", msg):
-        name = _PYTHON_NAMES.get(flag)
-        if name is not None and (flag, name) not in seen:
-            seen.append((flag, name))
-    if not seen:
+    # In order of first mention, each once.
+    flags = dict.fromkeys(f for f in re.findall(r"--[a-z0-9][a-z0-9-]*", msg) if f in _PYTHON_NAMES)
+    if not flags:
         return e
-    names = ", ".join(f"{flag} is {name}=" for flag, name in seen)
+    names = ", ".join(f"{flag} is {_PYTHON_NAMES[flag]}=" for flag in flags)
     return SpikecubeError(f"{msg}\n(in Python: {names})")
 
 

@@ -39,7 +39,8 @@ pub(crate) struct DriftStep {
 /// its files; then, when the detection pass corrects drift and the templates
 /// are learned, the templates learned again from the corrected windows
 /// (`templates_second_pass` in the timings), handed to `pass` and kept in
-/// [`DriftStep::relearned`].
+/// [`DriftStep::relearned`]. `first_fell_back`: the run's first templates
+/// are the built-in ones because too few peaks were found to learn them.
 ///
 /// # Errors
 /// As [`crate::drift::prepare`]; a failed read or learning step.
@@ -50,6 +51,7 @@ pub(crate) fn drift_step(
     pass: &mut dyn WindowPass,
     timer: &mut StageTimer,
     progress: &mut dyn FnMut(Progress),
+    first_fell_back: bool,
 ) -> Result<DriftStep> {
     // When the detection pass keeps its windows for the sort and will pass
     // over the same raw windows again, the first pass keeps them high-passed
@@ -119,7 +121,7 @@ pub(crate) fn drift_step(
         && matches!(job.templates, TemplateSource::Learned(_))
     {
         let second = timer.time("templates_second_pass", |_| {
-            relearn(job, run, pre, &drift, pass)
+            relearn(job, run, pre, &drift, pass, first_fell_back)
         })?;
         super::templates::record_seconds(timer, "templates_second_pass", &second);
         relearned = Some(second);
@@ -132,13 +134,16 @@ pub(crate) fn drift_step(
 }
 
 /// The templates learned again from the drift-corrected windows, handed to
-/// `pass` and written into the staged folder.
+/// `pass` and written into the staged folder. `first_fell_back`: the first
+/// learning fell back to the built-in templates (and warned why), so a second
+/// fallback is said in short.
 fn relearn(
     job: &DetectJob,
     run: &mut OpenRun,
     pre: &Preprocessor,
     drift: &DriftRun,
     pass: &mut dyn WindowPass,
+    first_fell_back: bool,
 ) -> Result<ChosenTemplates> {
     let plan = run.plan;
     let (nt, nt0min) = (job.detection.nt, job.detection.nt0min());
@@ -167,13 +172,7 @@ fn relearn(
     second.description["windows"] = "drift-corrected (second pass)".into();
     super::templates::mark_learned_on(&mut second, &job.templates, on);
     if let Some(w) = &second.warning {
-        let first_fell_back = second.description["source"] == "builtin"
-            && run
-                .warnings
-                .0
-                .iter()
-                .any(|f| f.contains("(--min-learn-clips)"));
-        let w = if first_fell_back {
+        let w = if first_fell_back && second.description["source"] == "builtin" {
             // The first pass's warning already says what was counted and why.
             format!(
                 "again too few isolated peaks to learn templates ({} of the {} needed): the built-in universal templates again",

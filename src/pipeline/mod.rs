@@ -115,8 +115,17 @@ pub fn run_detection(mut job: DetectJob, progress: &mut dyn FnMut(Progress)) -> 
     })?;
     templates::record_seconds(&mut timer, "templates", &templates);
     let (mut pass, back_end) = device.into_pass(&pre, &job)?;
-    let mut drift =
-        drift_pass::drift_step(&job, &mut run, &pre, pass.as_mut(), &mut timer, progress)?;
+    // Whether the first learning fell back to the built-in templates.
+    let fell_back = templates.description.get("fallback_from_learned").is_some();
+    let mut drift = drift_pass::drift_step(
+        &job,
+        &mut run,
+        &pre,
+        pass.as_mut(),
+        &mut timer,
+        progress,
+        fell_back,
+    )?;
     let zeroed_before = pre.artifact_windows();
     let early = drift.checks.take();
     let found = detect_pass::detect_pass(
