@@ -98,6 +98,7 @@ fn merged(n: usize, c: usize, rng: &mut Rng) -> Merged {
         st,
         tf: Array3::from_shape_fn((n, NC, NPC), |_| 4.0 * rng.f()),
         n_merges: 0,
+        n_refused: 0,
     }
 }
 

@@ -95,6 +95,9 @@ SETTINGS: dict[str, tuple[str, object]] = {
     "duplicate_spike_ms": ("sort", 0.25),
     "acg_threshold": ("sort", 0.2),
     "ccg_threshold": ("sort", 0.25),
+    # same-template merges need median amplitudes within this ratio; 0 is
+    # Kilosort4's CCG-only rule (README, "Where spikecube differs")
+    "same_template_amplitude_ratio": ("sort", 0.5),
     # Kilosort4 4.1.5-4.1.7's check_CCG guard (README, "Where spikecube differs")
     "ks4_swarm_ccg_bug": ("sort", False),
     # memory (GB) for keeping the detection pass's preprocessed windows for the
@@ -162,6 +165,7 @@ KINDS: dict[str, str] = {
     "duplicate_spike_ms": "number",
     "acg_threshold": "number",
     "ccg_threshold": "number",
+    "same_template_amplitude_ratio": "number",
     "ks4_swarm_ccg_bug": "bool",
     "keep_windows_gb": "size?",
 }

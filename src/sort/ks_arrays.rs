@@ -291,6 +291,7 @@ pub fn load(dir: &Path) -> Result<KilosortArrays> {
         let wall: Array3<f32> = m.get("Wall")?;
         Some(Merged {
             n_merges: result.wall.shape()[0].saturating_sub(wall.shape()[0]),
+            n_refused: 0,
             wall,
             clu,
             is_ref: is_ref.to_vec(),

@@ -26,6 +26,17 @@
 //! float64 and rounded once to float32 (Kilosort4: three float32 matmuls).
 //! The count-weighted template mean is Kilosort4's float32 arithmetic
 //! exactly (weights rounded to float32, two products and a sum).
+//!
+//! # One template, two amplitudes
+//! The matching never places one learned template twice within ±nt samples
+//! in a peel, so two clusters made of one template's spikes have an empty
+//! cross-correlogram near zero whatever their relation, and Kilosort4's
+//! test passes them as one unit. When the matching also fitted that template
+//! to another unit's residual (at a fraction of its amplitude), the final
+//! clustering separates those fits and the merge puts them back into the
+//! unit. [`MergeSettings::same_template_amplitude_ratio`] refuses such a
+//! pair when the smaller cluster median amplitude is below that fraction of
+//! the larger (0: Kilosort4's rule, the CCG alone decides).
 
 use anyhow::{Result, bail};
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis};
@@ -175,15 +186,96 @@ pub struct MergeSettings {
     pub thresholds: Thresholds,
     /// Shift the absorbed cluster's spikes and features by the lag (`check_dt`, true).
     pub check_dt: bool,
+    /// Two clusters whose most frequent learned template (`st` column 1) is
+    /// the same merge only when the smaller of their median amplitudes
+    /// (`st` column 2) is at least this fraction of the larger; 0 merges on
+    /// the CCG alone, as Kilosort4 does. spikecube's default
+    /// [`SAME_TEMPLATE_AMPLITUDE_RATIO`]; not a Kilosort4 setting.
+    pub same_template_amplitude_ratio: f64,
 }
 
+/// spikecube's default [`MergeSettings::same_template_amplitude_ratio`]:
+/// half. On SpikeInterface's ground-truth recording the same-template pairs
+/// the CCG passed were either one unit (median amplitudes within 1 %) or a
+/// unit and low-amplitude fits to other units' residuals (ratios 0.28–0.32).
+pub const SAME_TEMPLATE_AMPLITUDE_RATIO: f64 = 0.5;
+
 impl Default for MergeSettings {
+    /// Kilosort4's merges with spikecube's same-template amplitude rule
+    /// ([`MergeSettings::kilosort`] without it).
     fn default() -> Self {
+        MergeSettings {
+            same_template_amplitude_ratio: SAME_TEMPLATE_AMPLITUDE_RATIO,
+            ..MergeSettings::kilosort()
+        }
+    }
+}
+
+impl MergeSettings {
+    /// Kilosort4 4.1.7's global merges exactly: the CCG alone decides.
+    pub fn kilosort() -> Self {
         MergeSettings {
             r_thresh: R_THRESH,
             thresholds: Thresholds::default(),
             check_dt: true,
+            same_template_amplitude_ratio: 0.0,
         }
+    }
+}
+
+/// What [`merge_ccg`]'s same-template rule reads of a cluster: its most
+/// frequent learned template (the lowest id among equally frequent ones;
+/// `None` for a cluster without spikes) and the lower middle value of its
+/// amplitudes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Profile {
+    template: Option<i64>,
+    amplitude: f64,
+}
+
+impl Profile {
+    /// The profile of the spikes `members` (rows of `st`).
+    fn of(members: &[usize], st: &Array2<f64>) -> Profile {
+        if members.is_empty() {
+            return Profile {
+                template: None,
+                amplitude: 0.0,
+            };
+        }
+        let mut templates: Vec<i64> = members.iter().map(|&i| st[[i, 1]] as i64).collect();
+        templates.sort_unstable();
+        let (mut best, mut best_n) = (templates[0], 0usize);
+        let mut run_start = 0;
+        for i in 1..=templates.len() {
+            if i == templates.len() || templates[i] != templates[run_start] {
+                if i - run_start > best_n {
+                    (best, best_n) = (templates[run_start], i - run_start);
+                }
+                run_start = i;
+            }
+        }
+        let mut amps: Vec<f64> = members.iter().map(|&i| st[[i, 2]]).collect();
+        let mid = (amps.len() - 1) / 2;
+        let (_, &mut amplitude, _) = amps.select_nth_unstable_by(mid, f64::total_cmp);
+        Profile {
+            template: Some(best),
+            amplitude,
+        }
+    }
+
+    /// Whether the same-template rule refuses merging clusters `a` and `b`:
+    /// one most frequent template, and the smaller median amplitude below
+    /// `ratio` times the larger.
+    fn refuses(ratio: f64, a: Profile, b: Profile) -> bool {
+        if ratio <= 0.0 || a.template.is_none() || a.template != b.template {
+            return false;
+        }
+        let (lo, hi) = if a.amplitude <= b.amplitude {
+            (a.amplitude, b.amplitude)
+        } else {
+            (b.amplitude, a.amplitude)
+        };
+        lo < ratio * hi
     }
 }
 
@@ -202,6 +294,9 @@ pub struct Merged {
     pub tf: Array3<f32>,
     /// Merges made.
     pub n_merges: usize,
+    /// Pairs the CCG would have merged that the same-template amplitude rule
+    /// refused ([`MergeSettings::same_template_amplitude_ratio`]).
+    pub n_refused: usize,
 }
 
 /// Indices 0…n−1 ordered by descending key, equal keys higher index first.
@@ -341,6 +436,13 @@ pub fn merge_ccg(
         .collect();
     let mut is_merged = vec![false; nn];
     let mut n_merges = 0usize;
+    let ratio = settings.same_template_amplitude_ratio;
+    let mut profiles: Vec<Profile> = if ratio > 0.0 {
+        members.par_iter().map(|m| Profile::of(m, &st)).collect()
+    } else {
+        Vec::new()
+    };
+    let mut refused = std::collections::BTreeSet::new();
     let feat_len = tf.shape()[1] * npc;
     let mut t = 0usize;
     let (mut row_s, mut ccg_s, mut n_tests) = (0.0f64, 0.0f64, 0usize);
@@ -377,8 +479,22 @@ pub fn merge_ccg(
                     ccg::check_ccg(&st_k, Some(&st_j), settings.thresholds).cross_refractory
                 })
                 .collect();
-            if let Some(i) = tests.iter().position(|&t| t) {
-                partner = Some(group[i]);
+            // The first cross-refractory partner the amplitude rule allows.
+            let first = group.iter().zip(&tests).find(|&(&jj, &passes)| {
+                if passes && ratio > 0.0 && Profile::refuses(ratio, profiles[kk], profiles[jj]) {
+                    tracing::debug!(
+                        "merges: cluster {jj} not merged into {kk}: both mostly template {:?}, median amplitudes {:.2} and {:.2}",
+                        profiles[kk].template,
+                        profiles[jj].amplitude,
+                        profiles[kk].amplitude
+                    );
+                    refused.insert((kk.min(jj), kk.max(jj)));
+                    return false;
+                }
+                passes
+            });
+            if let Some((&jj, _)) = first {
+                partner = Some(jj);
                 break;
             }
         }
@@ -414,12 +530,17 @@ pub fn merge_ccg(
         members[kk].extend(moved);
         normed[kk] = sim.normed(wall.index_axis(Axis(0), kk));
         normed[jj] = Normed::default();
+        if ratio > 0.0 {
+            profiles[kk] = Profile::of(&members[kk], &st);
+        }
         n_merges += 1;
     }
     let loop_s = clock.elapsed().as_secs_f64() - refract_s;
-    let merged = finish(wall, members, is_ref, is_merged, st, tf, n_merges);
+    let mut merged = finish(wall, members, is_ref, is_merged, st, tf, n_merges);
+    merged.n_refused = refused.len();
     tracing::debug!(
-        "merges: {n_merges} merges; refractoriness {refract_s:.3} s, merge loop {loop_s:.3} s (similarity rows {row_s:.3} s, CCG tests {ccg_s:.3} s {n_tests} tests in batches of up to {} partners), re-sort {:.3} s",
+        "merges: {n_merges} merges, {} refused by the same-template amplitude rule; refractoriness {refract_s:.3} s, merge loop {loop_s:.3} s (similarity rows {row_s:.3} s, CCG tests {ccg_s:.3} s {n_tests} tests in batches of up to {} partners), re-sort {:.3} s",
+        merged.n_refused,
         rayon::current_num_threads(),
         clock.elapsed().as_secs_f64() - refract_s - loop_s
     );
@@ -482,6 +603,7 @@ fn finish(
         st: st2,
         tf: tf2,
         n_merges,
+        n_refused: 0,
     }
 }
 
@@ -568,5 +690,103 @@ mod tests {
         assert_eq!(m.clu.iter().filter(|&&c| c == 0).count(), 3000);
         assert_eq!(m.is_ref, vec![true, true]);
         assert!(m.st.column(0).windows(2).into_iter().all(|w| w[0] <= w[1]));
+    }
+
+    /// Two clusters of one learned template with an empty CCG near zero: the
+    /// same-template rule refuses them when one's median amplitude is below
+    /// half the other's (a unit and fits to another unit's residual), and
+    /// lets them merge when their amplitudes agree, when their templates
+    /// differ, or with Kilosort4's settings.
+    #[test]
+    fn same_template_pairs_merge_only_with_agreeing_amplitudes() {
+        let (npc, nt, c) = (3, 21, 4);
+        let w = basis(npc, nt);
+        let mut wall = Array3::<f32>::zeros((2, c, npc));
+        for p in 0..npc {
+            wall[[0, 1, p]] = 1.0 + p as f32;
+            wall[[1, 1, p]] = 1.0 + p as f32;
+        }
+        let fs = 30000.0;
+        let run = |amp1: f64, template1: f64, settings: &MergeSettings| {
+            let n = 3000usize;
+            // One 20-Hz train, alternate spikes in clusters 0 and 1.
+            let st = Array2::from_shape_fn((n, 3), |(i, j)| match (j, i % 2) {
+                (0, _) => (i as f64 * 0.05 * fs).round(),
+                (1, 0) => 5.0,
+                (1, _) => template1,
+                (_, 0) => 30.0 + (i % 7) as f64,
+                _ => amp1 + (i % 5) as f64,
+            });
+            let clu: Vec<i32> = (0..n).map(|i| (i % 2) as i32).collect();
+            let tf = Array3::<f32>::zeros((n, 2, npc));
+            let m = merge_ccg(wall.clone(), &clu, st, tf, w.view(), fs, settings).unwrap();
+            (m.n_merges, m.n_refused)
+        };
+        let ours = MergeSettings::default();
+        assert_eq!(ours.same_template_amplitude_ratio, 0.5);
+        // Medians 33 and 10: refused.
+        assert_eq!(run(8.0, 5.0, &ours), (0, 1));
+        assert_eq!(run(8.0, 5.0, &MergeSettings::kilosort()), (1, 0));
+        // Medians 33 and 30: one unit.
+        assert_eq!(run(28.0, 5.0, &ours), (1, 0));
+        // Another template: the CCG decides, as in Kilosort4.
+        assert_eq!(run(8.0, 6.0, &ours), (1, 0));
+        // Exactly half: allowed (the smaller must be below the fraction to refuse).
+        assert!(!Profile::refuses(
+            0.5,
+            Profile {
+                template: Some(1),
+                amplitude: 10.0
+            },
+            Profile {
+                template: Some(1),
+                amplitude: 20.0
+            },
+        ));
+        assert!(Profile::refuses(
+            0.5,
+            Profile {
+                template: Some(1),
+                amplitude: 9.99
+            },
+            Profile {
+                template: Some(1),
+                amplitude: 20.0
+            },
+        ));
+        assert!(!Profile::refuses(
+            0.0,
+            Profile {
+                template: Some(1),
+                amplitude: 1.0
+            },
+            Profile {
+                template: Some(1),
+                amplitude: 20.0
+            },
+        ));
+    }
+
+    /// A cluster's profile: its most frequent template (the lowest id among
+    /// equally frequent ones) and its lower middle amplitude.
+    #[test]
+    fn profiles_take_the_most_frequent_template_and_lower_median() {
+        let st = Array2::from_shape_vec(
+            (5, 3),
+            vec![
+                0.0, 7.0, 4.0, //
+                1.0, 3.0, 1.0, //
+                2.0, 7.0, 3.0, //
+                3.0, 3.0, 2.0, //
+                4.0, 9.0, 5.0,
+            ],
+        )
+        .unwrap();
+        let p = Profile::of(&[0, 1, 2, 3], &st);
+        assert_eq!(p.template, Some(3));
+        assert_eq!(p.amplitude, 2.0);
+        let p = Profile::of(&[0, 1, 2, 3, 4], &st);
+        assert_eq!((p.template, p.amplitude), (Some(3), 3.0));
+        assert_eq!(Profile::of(&[], &st).template, None);
     }
 }

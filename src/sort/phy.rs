@@ -104,7 +104,7 @@ impl ExportSettings {
             offset: 0,
             imin: 0,
             duplicate_spike_ms: 0.25,
-            merge: MergeSettings::default(),
+            merge: MergeSettings::kilosort(),
             n_samples: 0,
         }
     }
@@ -318,6 +318,7 @@ pub fn write_phy(
         st,
         mut tf,
         n_merges,
+        n_refused,
         ..
     } = merged;
     let (u, c, _) = wall.dim();
@@ -421,6 +422,8 @@ pub fn write_phy(
         serde_json::json!({
             "units": u, "good": n_good, "spikes": nk, "n_spikes": nk, "duplicates": n - nk,
             "merges": n_merges,
+            // Pairs the CCG passed that the same-template amplitude rule kept apart.
+            "merges_refused_same_template": n_refused,
         }),
     );
     let path = staged.publish(serde_json::Value::Object(manifest))?;

@@ -57,6 +57,13 @@ pub struct SortSettings {
     pub acg_threshold: f64,
     /// `ccg_threshold` (0.25): two units merge when their CCG's R12 is below it.
     pub ccg_threshold: f64,
+    /// Two units made mostly of one learned template merge only when the
+    /// smaller median amplitude is at least this fraction of the larger
+    /// ([`crate::sort::merge::MergeSettings::same_template_amplitude_ratio`];
+    /// 0.5 in spikecube, 0 in Kilosort4, which has no such rule; runs
+    /// recorded before it existed read as 0).
+    #[serde(default)]
+    pub same_template_amplitude_ratio: f64,
     /// Bytes for keeping the detection pass's preprocessed windows for the
     /// matching ([`crate::stages::KeepWindows::budget`]; `None`: that
     /// field's defaults). The sort is the same bytes whatever it is, so it is
@@ -100,6 +107,14 @@ impl SortSettings {
         )?;
         non_negative("--acg-threshold", "acg_threshold", self.acg_threshold)?;
         non_negative("--ccg-threshold", "ccg_threshold", self.ccg_threshold)?;
+        if !(self.same_template_amplitude_ratio.is_finite()
+            && (0.0..=1.0).contains(&self.same_template_amplitude_ratio))
+        {
+            bail!(
+                "--same-template-amplitude-ratio is {}; it must be between 0 (Kilosort4's merges) and 1",
+                self.same_template_amplitude_ratio
+            );
+        }
         if let Err(e) = self.clustering.validate() {
             match &e {
                 crate::sort::clustering::ClusteringError::Setting { name, .. } => {
@@ -119,6 +134,7 @@ impl SortSettings {
             duplicate_spike_ms: 0.25,
             acg_threshold: 0.2,
             ccg_threshold: 0.25,
+            same_template_amplitude_ratio: 0.0,
             keep_windows_bytes: None,
         }
     }
@@ -170,6 +186,15 @@ pub struct SortFlags {
     /// Two units merge when their cross-correlogram's R12 is below it (Kilosort4's ccg_threshold).
     #[arg(allow_negative_numbers = true, long, default_value_t = 0.25)]
     pub ccg_threshold: f64,
+    /// Two units whose spikes were mostly matched with one learned template
+    /// merge only when the smaller of their median amplitudes is at least
+    /// this fraction of the larger. Their cross-correlogram cannot tell: the
+    /// matching never fits one template twice within a template's length, so
+    /// it is empty near zero whether or not they are one neuron, and the
+    /// template's low-amplitude fits to other units' residuals would join the
+    /// unit. 0: Kilosort4's merges (the cross-correlogram alone decides).
+    #[arg(allow_negative_numbers = true, long, default_value_t = crate::sort::merge::SAME_TEMPLATE_AMPLITUDE_RATIO)]
+    pub same_template_amplitude_ratio: f64,
     /// Reproduce Kilosort4 4.1.5–4.1.7's `swarmsplitter.check_CCG` guard, which
     /// switches the refractory test inside the final clustering's tree off
     /// (Kilosort issue #1042). Off by default: spikecube runs the intended test.
@@ -225,6 +250,7 @@ impl SortFlags {
         s.duplicate_spike_ms = self.duplicate_spike_ms;
         s.acg_threshold = self.acg_threshold;
         s.ccg_threshold = self.ccg_threshold;
+        s.same_template_amplitude_ratio = self.same_template_amplitude_ratio;
         s
     }
 }
@@ -1217,9 +1243,10 @@ fn export_settings(run_info: &crate::output::RunInfo, fs: f64, s: &SortSettings)
     export.dtype = run_info.dtype.clone();
     export.offset = run_info.offset;
     export.duplicate_spike_ms = s.duplicate_spike_ms;
-    export.merge = MergeSettings::default();
+    export.merge = MergeSettings::kilosort();
     export.merge.thresholds.acg = s.acg_threshold;
     export.merge.thresholds.ccg = s.ccg_threshold;
+    export.merge.same_template_amplitude_ratio = s.same_template_amplitude_ratio;
     export
 }
 
@@ -1375,8 +1402,8 @@ mod tests {
         let json = r#"{"Th_learned": 8.0, "max_peels": 100, "position_limit": 100.0,
             "cluster_downsampling": 20, "max_cluster_subset": 25000, "cluster_neighbors": 10,
             "cluster_init_seed": 5, "cluster_init_generator": "torch", "duplicate_spike_ms": 0.25,
-            "acg_threshold": 0.2, "ccg_threshold": 0.25, "ks4_swarm_ccg_bug": false,
-            "keep_windows_gb": null}"#;
+            "acg_threshold": 0.2, "ccg_threshold": 0.25, "same_template_amplitude_ratio": 0.5,
+            "ks4_swarm_ccg_bug": false, "keep_windows_gb": null}"#;
         let generator = |json: &str| {
             serde_json::from_str::<SortFlags>(json)
                 .map(|f| f.settings(10).clustering.cluster_init_generator)
