@@ -490,6 +490,8 @@ fn sort_settings_are_checked_before_detection() {
         ("--th-learned", "-3"),
         ("--cluster-neighbors", "0"),
         ("--ccg-threshold", "nan"),
+        ("--same-template-amplitude-ratio", "1.5"),
+        ("--same-template-amplitude-ratio", "-0.1"),
     ] {
         let out = dir.path().join("refused");
         let o = spikecube(&[

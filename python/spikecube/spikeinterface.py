@@ -401,8 +401,9 @@ _OWN_SETTINGS = {
     "cluster_init_generator": "Generator of the clusters' seeding draws: torch (Kilosort4's CPU draws) or chacha8",
     "ks4_swarm_ccg_bug": "Kilosort4 4.1.5-4.1.7's skipped refractory test in the final clustering's tree",
     "same_template_amplitude_ratio": (
-        "Units made mostly of one learned template merge only when the smaller median amplitude "
-        "is at least this fraction of the larger (0: Kilosort4's merges, the CCG alone decides)"
+        "Two units whose most frequent learned template is the same merge only when the smaller "
+        "of their median amplitudes (amplitudes.npy) is at least this fraction of the larger "
+        "(0: Kilosort4's merges, the CCG alone decides)"
     ),
     "keep_windows_gb": (
         "GB for keeping the detection's preprocessed windows for the matching "

@@ -74,6 +74,29 @@ def test_defaults_are_the_flags(command):
             assert (tuple(float(v) for v in got) if isinstance(got, tuple) else got) == want, name
 
 
+# The sort's settings that `detect` does not have.
+SORT_FLAGS = {
+    "Th_learned": "--th-learned",
+    "max_peels": "--max-peels",
+    "duplicate_spike_ms": "--duplicate-spike-ms",
+    "acg_threshold": "--acg-threshold",
+    "ccg_threshold": "--ccg-threshold",
+    "same_template_amplitude_ratio": "--same-template-amplitude-ratio",
+    "ks4_swarm_ccg_bug": "--ks4-swarm-ccg-bug",
+}
+
+
+def test_sort_defaults_are_the_flags():
+    defaults = flag_defaults("sort")
+    ours = spikecube.settings()
+    for name, flag in SORT_FLAGS.items():
+        assert flag in defaults, flag
+        if defaults[flag] is None:
+            assert ours[name] in (None, False), name
+        else:
+            assert ours[name] == as_python(defaults[flag]), name
+
+
 def recorded(folder):
     """The job's template, drift and blanking settings as spikecube.json records them."""
     s = json.loads((Path(folder) / "spikecube.json").read_text())["settings"]

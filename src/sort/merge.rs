@@ -28,15 +28,20 @@
 //! exactly (weights rounded to float32, two products and a sum).
 //!
 //! # One template, two amplitudes
-//! The matching never places one learned template twice within ±nt samples
-//! in a peel, so two clusters made of one template's spikes have an empty
-//! cross-correlogram near zero whatever their relation, and Kilosort4's
-//! test passes them as one unit. When the matching also fitted that template
+//! The matching's peaks in one peel are more than nt samples apart, and a fit
+//! leaves little of its template in the residual next to it, so one learned
+//! template is seldom matched twice within ±nt samples. Two clusters made of
+//! one template's spikes then have a nearly empty cross-correlogram near
+//! zero whatever their relation, and Kilosort4's test passes them as one
+//! unit. When the matching also fitted that template
 //! to another unit's residual (at a fraction of its amplitude), the final
 //! clustering separates those fits and the merge puts them back into the
-//! unit. [`MergeSettings::same_template_amplitude_ratio`] refuses such a
-//! pair when the smaller cluster median amplitude is below that fraction of
-//! the larger (0: Kilosort4's rule, the CCG alone decides).
+//! unit. The rule refuses a pair whose two clusters have the same most
+//! frequent template when the smaller median amplitude (`st` column 2, the
+//! matching's fitted amplitude) is below
+//! [`MergeSettings::same_template_amplitude_ratio`] times the larger (0:
+//! Kilosort4's rule, the CCG alone decides). It would also keep apart one
+//! neuron whose amplitude changed more than that between two clusters.
 
 use anyhow::{Result, bail};
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis};
@@ -195,9 +200,11 @@ pub struct MergeSettings {
 }
 
 /// spikecube's default [`MergeSettings::same_template_amplitude_ratio`]:
-/// half. On SpikeInterface's ground-truth recording the same-template pairs
-/// the CCG passed were either one unit (median amplitudes within 1 %) or a
-/// unit and low-amplitude fits to other units' residuals (ratios 0.28–0.32).
+/// half, chosen on SpikeInterface's ground-truth recording (BENCHMARKS.md,
+/// "Same-template merges"), where the same-template pairs the CCG passed
+/// were either one unit (median amplitudes within 15 % of each other) or a
+/// unit and low-amplitude fits to other units' residuals (the fits' median
+/// 0.28–0.32 of the unit's).
 pub const SAME_TEMPLATE_AMPLITUDE_RATIO: f64 = 0.5;
 
 impl Default for MergeSettings {
@@ -265,7 +272,8 @@ impl Profile {
 
     /// Whether the same-template rule refuses merging clusters `a` and `b`:
     /// one most frequent template, and the smaller median amplitude below
-    /// `ratio` times the larger.
+    /// `ratio` times the larger. A NaN amplitude never refuses (the pair is
+    /// left to the CCG).
     fn refuses(ratio: f64, a: Profile, b: Profile) -> bool {
         if ratio <= 0.0 || a.template.is_none() || a.template != b.template {
             return false;
@@ -482,13 +490,14 @@ pub fn merge_ccg(
             // The first cross-refractory partner the amplitude rule allows.
             let first = group.iter().zip(&tests).find(|&(&jj, &passes)| {
                 if passes && ratio > 0.0 && Profile::refuses(ratio, profiles[kk], profiles[jj]) {
-                    tracing::debug!(
-                        "merges: cluster {jj} not merged into {kk}: both mostly template {:?}, median amplitudes {:.2} and {:.2}",
-                        profiles[kk].template,
-                        profiles[jj].amplitude,
-                        profiles[kk].amplitude
-                    );
-                    refused.insert((kk.min(jj), kk.max(jj)));
+                    if refused.insert((kk.min(jj), kk.max(jj))) {
+                        tracing::debug!(
+                            "merges: cluster {jj} not merged into {kk}: template {:?} is the most frequent in both, median amplitudes {:.2} and {:.2}",
+                            profiles[kk].template,
+                            profiles[jj].amplitude,
+                            profiles[kk].amplitude
+                        );
+                    }
                     return false;
                 }
                 passes
@@ -532,6 +541,8 @@ pub fn merge_ccg(
         normed[jj] = Normed::default();
         if ratio > 0.0 {
             profiles[kk] = Profile::of(&members[kk], &st);
+            // Refused while the amplitudes differed; merged once they agreed.
+            refused.remove(&(kk.min(jj), kk.max(jj)));
         }
         n_merges += 1;
     }
@@ -684,7 +695,7 @@ mod tests {
         let st = Array2::from_shape_fn((n, 3), |(i, j)| if j == 0 { rows[i].0 } else { 0.0 });
         let clu: Vec<i32> = rows.iter().map(|r| r.1).collect();
         let tf = Array3::<f32>::zeros((n, 2, npc));
-        let m = merge_ccg(wall, &clu, st, tf, w.view(), fs, &MergeSettings::default()).unwrap();
+        let m = merge_ccg(wall, &clu, st, tf, w.view(), fs, &MergeSettings::kilosort()).unwrap();
         assert_eq!(m.n_merges, 1);
         assert_eq!(m.wall.shape(), &[2, c, npc]);
         assert_eq!(m.clu.iter().filter(|&&c| c == 0).count(), 3000);

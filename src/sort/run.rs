@@ -57,8 +57,8 @@ pub struct SortSettings {
     pub acg_threshold: f64,
     /// `ccg_threshold` (0.25): two units merge when their CCG's R12 is below it.
     pub ccg_threshold: f64,
-    /// Two units made mostly of one learned template merge only when the
-    /// smaller median amplitude is at least this fraction of the larger
+    /// Two units whose most frequent learned template is the same merge only
+    /// when the smaller median amplitude is at least this fraction of the larger
     /// ([`crate::sort::merge::MergeSettings::same_template_amplitude_ratio`];
     /// 0.5 in spikecube, 0 in Kilosort4, which has no such rule; runs
     /// recorded before it existed read as 0).
@@ -186,13 +186,15 @@ pub struct SortFlags {
     /// Two units merge when their cross-correlogram's R12 is below it (Kilosort4's ccg_threshold).
     #[arg(allow_negative_numbers = true, long, default_value_t = 0.25)]
     pub ccg_threshold: f64,
-    /// Two units whose spikes were mostly matched with one learned template
-    /// merge only when the smaller of their median amplitudes is at least
-    /// this fraction of the larger. Their cross-correlogram cannot tell: the
-    /// matching never fits one template twice within a template's length, so
-    /// it is empty near zero whether or not they are one neuron, and the
-    /// template's low-amplitude fits to other units' residuals would join the
-    /// unit. 0: Kilosort4's merges (the cross-correlogram alone decides).
+    /// Two units whose most frequent learned template is the same merge only
+    /// when the smaller of their median amplitudes (the matching's, as in
+    /// amplitudes.npy) is at least this fraction of the larger. Their
+    /// cross-correlogram cannot tell: the matching seldom fits one template
+    /// twice within a template's length, so it is nearly empty near zero
+    /// whether or not they are one neuron, and the template's low-amplitude
+    /// fits to other units' residuals would join the unit. A neuron whose
+    /// amplitude changes more than that between two clusters stays split.
+    /// 0: Kilosort4's merges (the cross-correlogram alone decides).
     #[arg(allow_negative_numbers = true, long, default_value_t = crate::sort::merge::SAME_TEMPLATE_AMPLITUDE_RATIO)]
     pub same_template_amplitude_ratio: f64,
     /// Reproduce Kilosort4 4.1.5–4.1.7's `swarmsplitter.check_CCG` guard, which
