@@ -6,7 +6,10 @@ Usage: h200_sort_vs_ks4.py SPIKECUBE_BINARY SORT_H200_PY OUTDIR [--cuda-runs N] 
 
 1. Makes the 10-minute, 384-site, 400-unit simulation of `SORT_H200_PY`
    (`../shared/tools/ks4ref/sort_h200.py`, its seeds) once, in /tmp/sim
-   (rec.bin, probe.json, the ground truth), unless it is there.
+   (rec.bin, probe.json, the ground truth), unless it is there, with torch's
+   deterministic algorithms on (the script's CUDA index_add_ otherwise sums
+   overlapping spikes in any order, and no two runs write the same file);
+   rec.bin's hash goes into results.json (`rec_sha1`).
 2. Sorts it with spikecube: one CUDA run that fills the kernel cache, then
    `--cuda-runs` CUDA runs and `--cpu-runs` CPU runs (`--threads`
    `--cpu-threads`). Each run is a child process timed through `wait4` (wall,
@@ -40,9 +43,20 @@ def simulate(ks4py):
     sys.path.insert(0, str(Path(ks4py).resolve().parent))
     sys.argv = [ks4py, '/tmp/ks4_unused', '600', '400']
     import sort_h200 as s
+    import torch
     t0 = time.time()
-    probe, times, units, info = s.simulate(rec)
-    print(f'simulated {times.size} spikes in {time.time() - t0:.1f} s', flush=True)
+    # The script adds the spikes with torch's index_add_, whose CUDA atomics sum
+    # overlapping waveforms in any order: two runs of it, on one machine too,
+    # write files that differ in a few samples. torch's deterministic mode
+    # makes that sum ordered, so every call sorts the same recording.
+    torch.use_deterministic_algorithms(True)
+    try:
+        probe, times, units, info = s.simulate(rec)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    h = digest(rec)
+    (SIM / 'rec.sha1').write_text(h)
+    print(f'simulated {times.size} spikes in {time.time() - t0:.1f} s (rec.bin {h})', flush=True)
     with open(SIM / 'sim.pkl', 'wb') as f:
         pickle.dump((probe, times, units, info), f)
     json.dump({k: (np.asarray(v).tolist() if hasattr(v, '__len__') else v) for k, v in probe.items()},
@@ -183,7 +197,8 @@ def main():
         for q in runs:
             q['same_bytes_as_cuda_warm'] = ({f: q.get('sha1', {}).get(f) == first.get(f) for f in COMPARED}
                                             if first else None)
-        json.dump(dict(runs=runs, nproc=os.cpu_count()), open(out / 'results.json', 'w'), indent=1)
+        rec_sha1 = (SIM / 'rec.sha1').read_text() if (SIM / 'rec.sha1').exists() else None
+        json.dump(dict(runs=runs, nproc=os.cpu_count(), rec_sha1=rec_sha1), open(out / 'results.json', 'w'), indent=1)
 
     def fits(backend):
         left = a.budget_s - (time.time() - T0)
