@@ -1074,7 +1074,10 @@ fn respond_chunk<const NSZ: usize>(
     for l in 0..LANES {
         best[l] = a[0][l].abs();
     }
-    for (r, a_r) in a.iter().enumerate().take(NSZ * NK).skip(1) {
+    // A slice from r = 1 rather than `.skip(1)`: the Skip adapter was left
+    // as a call in this loop, which spilled every vector around it.
+    for (i, a_r) in a[1..NSZ * NK].iter().enumerate() {
+        let r = i + 1;
         for l in 0..LANES {
             let v = a_r[l].abs();
             let take = v > best[l];
@@ -1325,12 +1328,18 @@ fn respond16_avx512<const NSZ: usize>(
     let mut best = _mm512_abs_ps(a[0]);
     let mut value = a[0];
     let mut r_best = _mm512_setzero_ps();
-    for (r, &a_r) in a.iter().enumerate().take(NSZ * NK).skip(1) {
+    // A slice from r = 1 rather than `.skip(1)`: the Skip adapter was left
+    // as a call in this loop, which spilled every vector around it. r is
+    // counted in a vector (small integers are exact in f32) rather than
+    // converted and broadcast each time.
+    let mut r_vec = _mm512_set1_ps(1.0);
+    for &a_r in &a[1..NSZ * NK] {
         let v = _mm512_abs_ps(a_r);
         let take = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(v, best);
         best = _mm512_mask_blend_ps(take, best, v);
-        r_best = _mm512_mask_blend_ps(take, r_best, _mm512_set1_ps(r as f32));
+        r_best = _mm512_mask_blend_ps(take, r_best, r_vec);
         value = _mm512_mask_blend_ps(take, value, a_r);
+        r_vec = _mm512_add_ps(r_vec, _mm512_set1_ps(1.0));
     }
     let zero = _mm512_setzero_ps();
     let positive = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(value, zero);
