@@ -487,6 +487,15 @@ def _python_names(e: SpikecubeError) -> SpikecubeError:
     return SpikecubeError(f"{msg}\n(in Python: {names})")
 
 
+def _native_call(fn, *args):
+    """``fn(*args)`` (a ``_native`` call), its SpikecubeError with the Python
+    names of the flags it mentions (``_python_names``)."""
+    try:
+        return fn(*args)
+    except SpikecubeError as e:
+        raise _python_names(e) from None
+
+
 def detect(
     path_or_paths: Union[PathLike, Sequence[PathLike]],
     probe=None,
@@ -600,21 +609,19 @@ def detect(
         target = Path(out)
     try:
         _sync_log_level()
-        try:
-            _native.detect(
-                paths,
-                probe_t,
-                _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
-                _settings.detection_json(groups["detection"]),
-                _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
-                _settings.drift_json(groups["drift"]),
-                _settings.templates_json(groups["templates"]),
-                os.fspath(target),
-                backend,
-                cb,
-            )
-        except SpikecubeError as e:
-            raise _python_names(e) from None
+        _native_call(
+            _native.detect,
+            paths,
+            probe_t,
+            _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
+            _settings.detection_json(groups["detection"]),
+            _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
+            _settings.drift_json(groups["drift"]),
+            _settings.templates_json(groups["templates"]),
+            os.fspath(target),
+            backend,
+            cb,
+        )
         r = load(target)
         if tmp is not None:
             r.path = None
@@ -851,24 +858,22 @@ def sort(
     cb, close = _sort_progress(progress)
     try:
         _sync_log_level()
-        try:
-            report = json.loads(
-                _native.sort(
-                    paths,
-                    probe_t,
-                    _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
-                    _settings.detection_json(groups["detection"]),
-                    _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
-                    _settings.drift_json(groups["drift"]),
-                    _settings.templates_json(groups["templates"]),
-                    _settings.sort_json(groups["sort"]),
-                    os.fspath(out),
-                    backend,
-                    cb,
-                )
+        report = json.loads(
+            _native_call(
+                _native.sort,
+                paths,
+                probe_t,
+                _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
+                _settings.detection_json(groups["detection"]),
+                _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
+                _settings.drift_json(groups["drift"]),
+                _settings.templates_json(groups["templates"]),
+                _settings.sort_json(groups["sort"]),
+                os.fspath(out),
+                backend,
+                cb,
             )
-        except SpikecubeError as e:
-            raise _python_names(e) from None
+        )
     finally:
         close()
     s = load_sorting(report["out"])
@@ -1017,18 +1022,16 @@ def preprocess(
     cb, close = _progress(progress)
     try:
         _sync_log_level()
-        try:
-            w, info = _native.preprocess(
-                _paths(path_or_paths),
-                None if probe is None else Probe.of(probe)._tuple(),
-                _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
-                _settings.preprocessing_json(groups["preprocessing"]),
-                os.fspath(out),
-                bool(float32),
-                cb,
-            )
-        except SpikecubeError as e:
-            raise _python_names(e) from None
+        w, info = _native_call(
+            _native.preprocess,
+            _paths(path_or_paths),
+            None if probe is None else Probe.of(probe)._tuple(),
+            _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
+            _settings.preprocessing_json(groups["preprocessing"]),
+            os.fspath(out),
+            bool(float32),
+            cb,
+        )
     finally:
         close()
     info = json.loads(info)

@@ -58,22 +58,6 @@ def as_python(text):
     return nums[0] if len(nums) == 1 else tuple(nums)
 
 
-@pytest.mark.parametrize("command", ["detect", "sort"])
-def test_defaults_are_the_flags(command):
-    defaults = flag_defaults(command)
-    ours = spikecube.settings()
-    for name, flag in FLAGS.items():
-        assert flag in defaults, (command, flag)
-        if defaults[flag] is None:
-            # No default on the command line: left out, the same as None (or
-            # False for a switch such as --drift-only).
-            assert ours[name] in (None, False), name
-        else:
-            got = ours[name]
-            want = as_python(defaults[flag])
-            assert (tuple(float(v) for v in got) if isinstance(got, tuple) else got) == want, name
-
-
 # The sort's settings that `detect` does not have.
 SORT_FLAGS = {
     "Th_learned": "--th-learned",
@@ -86,15 +70,21 @@ SORT_FLAGS = {
 }
 
 
-def test_sort_defaults_are_the_flags():
-    defaults = flag_defaults("sort")
+@pytest.mark.parametrize("command", ["detect", "sort"])
+def test_defaults_are_the_flags(command):
+    defaults = flag_defaults(command)
     ours = spikecube.settings()
-    for name, flag in SORT_FLAGS.items():
-        assert flag in defaults, flag
+    flags = {**FLAGS, **SORT_FLAGS} if command == "sort" else FLAGS
+    for name, flag in flags.items():
+        assert flag in defaults, (command, flag)
         if defaults[flag] is None:
+            # No default on the command line: left out, the same as None (or
+            # False for a switch such as --drift-only).
             assert ours[name] in (None, False), name
         else:
-            assert ours[name] == as_python(defaults[flag]), name
+            got = ours[name]
+            want = as_python(defaults[flag])
+            assert (tuple(float(v) for v in got) if isinstance(got, tuple) else got) == want, name
 
 
 def recorded(folder):

@@ -33,10 +33,9 @@
 //! template is seldom matched twice within ±nt samples. Two clusters made of
 //! one template's spikes then have a nearly empty cross-correlogram near
 //! zero whatever their relation, and Kilosort4's test passes them as one
-//! unit. When the matching also fitted that template
-//! to another unit's residual (at a fraction of its amplitude), the final
-//! clustering separates those fits and the merge puts them back into the
-//! unit. The rule refuses a pair whose two clusters have the same most
+//! unit. When the matching also fitted that template to another unit's
+//! residual (at a fraction of its amplitude), the final clustering separates
+//! those fits and the merge puts them back into the unit. The rule refuses a pair whose two clusters have the same most
 //! frequent template when the smaller median amplitude (`st` column 2, the
 //! matching's fitted amplitude) is below
 //! [`MergeSettings::same_template_amplitude_ratio`] times the larger (0:
