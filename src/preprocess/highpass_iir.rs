@@ -455,13 +455,21 @@ impl CircularIir {
     /// consecutive rows of `rows` (N samples each) at once, in place: every
     /// row's recursion as the row alone would run it (the same chunks, steps
     /// and operations), its lanes side by side in vectors. Lanes past the last
-    /// row filter zeros and are dropped.
+    /// row filter zeros and are dropped. Inlined into each of
+    /// [`CircularIir::filter_rows_dispatch`]'s wrappers, so that it is
+    /// compiled for their vector instructions (a call would run the baseline
+    /// build).
+    #[inline(always)]
     fn filter_rows_f64(&self, rows: &mut [f32], chunk: usize, u: &mut Vec<[f64; ROW_LANES]>) {
         let n = self.n;
         let k = rows.len() / n;
         let (b, a) = (self.b, self.a);
-        u.clear();
-        u.resize(n, [0f64; ROW_LANES]);
+        // Every u[p] is written by the forward pass before the backward pass
+        // reads it: no need to clear what the buffer held.
+        if u.len() < n {
+            u.resize(n, [0f64; ROW_LANES]);
+        }
+        let u = &mut u[..n];
         let mut start = 0;
         while start < n {
             let len = chunk.min(n - start);
