@@ -26,11 +26,10 @@ use crate::detect::templates::UniversalTemplates;
 use crate::error::DetectError;
 
 /// Samples per tile in steps 1–3. A tile's filter outputs (C·6·TILE
-/// float32: 1.18 MB for 384 sites) stay in a core's L2 cache (2 MB on the
+/// float32: 1.18 MB for 384 sites) fit in a core's L2 cache (2 MB on the
 /// Xeons measured) between step 1, which writes them, and step 2, which reads
-/// them; at 256 they did not, and the whole dense 60-s sort took 16 % more
-/// CPU time (BENCHMARKS.md, "Detection tiles that stay in L2"). 64 measured
-/// the same as 128 there. No output depends on it.
+/// them; at 256 (2.36 MB) they did not (BENCHMARKS.md, "Detection tiles that
+/// stay in L2"). 64 measured the same as 128. No output depends on it.
 pub const TILE: usize = 128;
 
 /// Detections of one window, in Kilosort4's order: by centre, then by sample.
