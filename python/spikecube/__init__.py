@@ -496,6 +496,19 @@ def _native_call(fn, *args):
         raise _python_names(e) from None
 
 
+def _pass_settings_json(groups, n_channels, fs, dtype, offset):
+    """The recording, detection, preprocessing, drift and template settings
+    as the JSON strings ``_native.detect`` and ``_native.sort`` take, in
+    that order."""
+    return (
+        _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
+        _settings.detection_json(groups["detection"]),
+        _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
+        _settings.drift_json(groups["drift"]),
+        _settings.templates_json(groups["templates"]),
+    )
+
+
 def detect(
     path_or_paths: Union[PathLike, Sequence[PathLike]],
     probe=None,
@@ -613,11 +626,7 @@ def detect(
             _native.detect,
             paths,
             probe_t,
-            _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
-            _settings.detection_json(groups["detection"]),
-            _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
-            _settings.drift_json(groups["drift"]),
-            _settings.templates_json(groups["templates"]),
+            *_pass_settings_json(groups, n_channels, fs, dtype, offset),
             os.fspath(target),
             backend,
             cb,
@@ -863,11 +872,7 @@ def sort(
                 _native.sort,
                 paths,
                 probe_t,
-                _settings.recording_json(groups["recording"], n_channels, fs, dtype, offset),
-                _settings.detection_json(groups["detection"]),
-                _settings.preprocessing_json(groups["preprocessing"], nt=groups["detection"]["nt"]),
-                _settings.drift_json(groups["drift"]),
-                _settings.templates_json(groups["templates"]),
+                *_pass_settings_json(groups, n_channels, fs, dtype, offset),
                 _settings.sort_json(groups["sort"]),
                 os.fspath(out),
                 backend,
