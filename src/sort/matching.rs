@@ -154,6 +154,8 @@ struct Partners {
     utu: Vec<f32>,
     /// Per partner, `ctc[k, j, :]` (2nt + 1), when precomputed.
     ctc: Option<Vec<f32>>,
+    /// The [`GroupBest`] groups of `k`, ascending.
+    groups: Vec<u32>,
 }
 
 /// Everything the matching needs that does not change between windows
@@ -585,10 +587,13 @@ fn partners(
                     }
                 }
             }
+            let mut groups: Vec<u32> = ks.iter().map(|&kk| kk / GROUP_K as u32).collect();
+            groups.dedup();
             Partners {
                 k: ks,
                 utu,
                 ctc: None,
+                groups,
             }
         })
         .collect();
@@ -715,15 +720,16 @@ fn filter_block(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        // Two PCs at a time fill AVX-512's registers (8 running sums of 16
-        // lanes); one PC already fills AVX2's (8 of 8 lanes).
+        // Six PCs from each loaded sample vector where there are six
+        // (Kilosort4's default); else two PCs at a time fill AVX-512's
+        // registers (8 running sums of 16 lanes) and one fills AVX2's.
         #[target_feature(enable = "avx512f")]
         fn avx512(bank: &FilterBank, t0: usize, out: &mut [f32], f: &mut [f32], seg: &mut [f32]) {
-            filter_block_impl::<2>(bank, t0, out, f, seg);
+            filter_block_impl(bank, t0, out, f, seg, SixPcs512(ByPcs::<2>));
         }
         #[target_feature(enable = "avx2")]
         fn avx2(bank: &FilterBank, t0: usize, out: &mut [f32], f: &mut [f32], seg: &mut [f32]) {
-            filter_block_impl::<1>(bank, t0, out, f, seg);
+            filter_block_impl(bank, t0, out, f, seg, SixPcs256(ByPcs::<1>));
         }
         match simd {
             // SAFETY: the CPU has AVX-512F (`Simd::detect`).
@@ -734,7 +740,7 @@ fn filter_block(
         }
     }
     let _ = simd;
-    filter_block_impl::<1>(bank, t0, out, f, seg);
+    filter_block_impl(bank, t0, out, f, seg, ByPcs::<1>);
 }
 
 /// B for samples t0 … t0 + w − 1 (`out`: w × K, w ≤ [`TILE`]): first F of
@@ -743,12 +749,13 @@ fn filter_block(
 /// sums have the same length. `seg` (TILE + nt − 1) holds one site's samples
 /// with the block's ±nt/2 margins, zero outside the window.
 #[inline(always)]
-fn filter_block_impl<const P: usize>(
+fn filter_block_impl(
     bank: &FilterBank,
     t0: usize,
     out: &mut [f32],
     f: &mut [f32],
     seg: &mut [f32],
+    convs: impl SiteConv,
 ) {
     let nt = bank.nt;
     let npc = bank.npc;
@@ -784,25 +791,12 @@ fn filter_block_impl<const P: usize>(
                 }
             }
         }
-        let mut p = 0;
-        while p < npc {
-            let rows = si * npc + p;
-            if p + P <= npc {
-                conv::<P>(
-                    seg,
-                    &bank.wpca[p * nt..(p + P) * nt],
-                    &mut f[rows * TILE..(rows + P) * TILE],
-                );
-                p += P;
-            } else {
-                conv::<1>(
-                    seg,
-                    &bank.wpca[p * nt..(p + 1) * nt],
-                    &mut f[rows * TILE..(rows + 1) * TILE],
-                );
-                p += 1;
-            }
-        }
+        convs.site(
+            seg,
+            &bank.wpca,
+            npc,
+            &mut f[si * npc * TILE..(si + 1) * npc * TILE],
+        );
     }
     let row_of = |r: u32| -> &[f32; TILE] {
         let r = r as usize;
@@ -844,6 +838,164 @@ fn filter_block_impl<const P: usize>(
     }
 }
 
+/// F of every PC of one site over a block: `out[p·TILE + t]` (npc × TILE) =
+/// the float32 sum, from zero, over the taps i ascending of
+/// seg\[t + i\]·wPCA\[p, i\] (`wpca`: npc × nt). Implementations differ only
+/// in how many sums share each loaded vector of samples: the same bits.
+trait SiteConv: Copy {
+    fn site(self, seg: &[f32], wpca: &[f32], npc: usize, out: &mut [f32]);
+}
+
+/// [`conv`] over P PCs at a time (the last ones one at a time).
+#[derive(Clone, Copy)]
+struct ByPcs<const P: usize>;
+
+impl<const P: usize> SiteConv for ByPcs<P> {
+    #[inline(always)]
+    fn site(self, seg: &[f32], wpca: &[f32], npc: usize, out: &mut [f32]) {
+        let nt = wpca.len() / npc;
+        let mut p = 0;
+        while p < npc {
+            if p + P <= npc {
+                conv::<P>(
+                    seg,
+                    &wpca[p * nt..(p + P) * nt],
+                    &mut out[p * TILE..(p + P) * TILE],
+                );
+                p += P;
+            } else {
+                conv::<1>(
+                    seg,
+                    &wpca[p * nt..(p + 1) * nt],
+                    &mut out[p * TILE..(p + 1) * TILE],
+                );
+                p += 1;
+            }
+        }
+    }
+}
+
+/// Six PCs at once in AVX-512 ([`conv6_avx512`]), the fallback for other
+/// counts. Made only inside a function compiled for AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct SixPcs512<F>(F);
+
+#[cfg(target_arch = "x86_64")]
+impl<F: SiteConv> SiteConv for SixPcs512<F> {
+    #[inline(always)]
+    fn site(self, seg: &[f32], wpca: &[f32], npc: usize, out: &mut [f32]) {
+        if npc == 6 {
+            // SAFETY: a SixPcs512 is made only where AVX-512F was detected
+            // (`filter_block`'s Simd::Avx512).
+            unsafe { conv6_avx512(seg, wpca, out) }
+        } else {
+            self.0.site(seg, wpca, npc, out)
+        }
+    }
+}
+
+/// Six PCs at once in AVX2 ([`conv6_avx2`]), the fallback for other counts.
+/// Made only inside a function compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct SixPcs256<F>(F);
+
+#[cfg(target_arch = "x86_64")]
+impl<F: SiteConv> SiteConv for SixPcs256<F> {
+    #[inline(always)]
+    fn site(self, seg: &[f32], wpca: &[f32], npc: usize, out: &mut [f32]) {
+        if npc == 6 {
+            // SAFETY: a SixPcs256 is made only where AVX2 was detected
+            // (`filter_block`'s Simd::Avx2).
+            unsafe { conv6_avx2(seg, wpca, out) }
+        } else {
+            self.0.site(seg, wpca, npc, out)
+        }
+    }
+}
+
+/// [`SiteConv::site`] for six PCs on AVX-512: the whole block (four
+/// 16-lane vectors) for all six PCs, 24 running sums in registers, so each
+/// loaded sample vector serves six sums (two loads per PC and tap were the
+/// limit of [`conv`]). Each sum is the same chain of separate multiplies and
+/// adds in ascending tap order.
+///
+/// # Safety
+/// The CPU must have AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn conv6_avx512(seg: &[f32], wpca: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    const W: usize = 16;
+    const V: usize = TILE / W;
+    let nt = wpca.len() / 6;
+    assert!(wpca.len() == 6 * nt && seg.len() + 1 >= TILE + nt && out.len() >= 6 * TILE);
+    let sp = seg.as_ptr();
+    let mut acc = [[_mm512_setzero_ps(); V]; 6];
+    for i in 0..nt {
+        let mut x = [_mm512_setzero_ps(); V];
+        for (v, xv) in x.iter_mut().enumerate() {
+            // SAFETY: i + v·W + W ≤ nt − 1 + TILE ≤ seg.len() (asserted).
+            *xv = unsafe { _mm512_loadu_ps(sp.add(i + v * W)) };
+        }
+        for (q, aq) in acc.iter_mut().enumerate() {
+            let w = _mm512_set1_ps(wpca[q * nt + i]);
+            for (a, &xv) in aq.iter_mut().zip(&x) {
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(xv, w));
+            }
+        }
+    }
+    let op = out.as_mut_ptr();
+    for (q, aq) in acc.iter().enumerate() {
+        for (v, &a) in aq.iter().enumerate() {
+            // SAFETY: q·TILE + v·W + W ≤ 6·TILE ≤ out.len() (asserted).
+            unsafe { _mm512_storeu_ps(op.add(q * TILE + v * W), a) };
+        }
+    }
+}
+
+/// [`SiteConv::site`] for six PCs on AVX2: 16 samples (two 8-lane vectors)
+/// at a time for all six PCs, 12 running sums in registers. Each sum is the
+/// same chain of separate multiplies and adds in ascending tap order.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn conv6_avx2(seg: &[f32], wpca: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    const W: usize = 8;
+    let nt = wpca.len() / 6;
+    assert!(wpca.len() == 6 * nt && seg.len() + 1 >= TILE + nt && out.len() >= 6 * TILE);
+    let sp = seg.as_ptr();
+    let op = out.as_mut_ptr();
+    for tc in (0..TILE).step_by(2 * W) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; 6];
+        for i in 0..nt {
+            // SAFETY: tc + i + 2·W ≤ TILE + nt − 1 ≤ seg.len() (asserted).
+            let x = unsafe {
+                [
+                    _mm256_loadu_ps(sp.add(tc + i)),
+                    _mm256_loadu_ps(sp.add(tc + i + W)),
+                ]
+            };
+            for (q, aq) in acc.iter_mut().enumerate() {
+                let w = _mm256_set1_ps(wpca[q * nt + i]);
+                for (a, &xv) in aq.iter_mut().zip(&x) {
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(xv, w));
+                }
+            }
+        }
+        for (q, aq) in acc.iter().enumerate() {
+            for (v, &a) in aq.iter().enumerate() {
+                // SAFETY: q·TILE + tc + v·W + W ≤ 6·TILE ≤ out.len() (asserted).
+                unsafe { _mm256_storeu_ps(op.add(q * TILE + tc + v * W), a) };
+            }
+        }
+    }
+}
+
 /// F of P consecutive PCs over one block: `out[q·TILE + t]` = the float32
 /// sum, from zero, over the taps i ascending of seg\[t + i\]·taps\[q·nt + i\].
 #[inline(always)]
@@ -865,12 +1017,44 @@ fn conv<const P: usize>(seg: &[f32], taps: &[f32], out: &mut [f32]) {
     }
 }
 
-/// Per-sample best template and its Cf over `lo..hi` (zero in the first and
-/// last nt columns, as Kilosort4 zeroes Cf there); `cfmax` and `imax` hold
-/// the samples `lo..hi`.
+/// Templates per group of [`GroupBest`]: one AVX-512 vector of Cf values.
+const GROUP_K: usize = 16;
+
+/// Each sample's best Cf and template within every group of [`GROUP_K`]
+/// consecutive templates (`cf`, `idx`: NT × G, G = ⌈K / GROUP_K⌉, the first
+/// of equal values). A subtraction changes B only in its template's
+/// partners, which fall in a few groups (templates are numbered by depth):
+/// the samples it touches then rescan those groups and the G group maxima,
+/// not all K templates.
+struct GroupBest {
+    /// Groups per sample, G.
+    g: usize,
+    cf: Vec<f32>,
+    idx: Vec<u32>,
+}
+
+impl GroupBest {
+    fn new(k: usize, n: usize) -> Self {
+        let g = k.div_ceil(GROUP_K);
+        GroupBest {
+            g,
+            cf: vec![0.0; n * g],
+            idx: vec![0; n * g],
+        }
+    }
+}
+
+/// Per-sample best template and its Cf over `lo..lo + cfmax.len()` (zero in
+/// the first and last nt columns, as Kilosort4 zeroes Cf there), with the
+/// group maxima of `groups` (all of them when `changed` is `None`, else only
+/// the groups listed, ascending: those whose B values changed since they
+/// were last computed).
 ///
 /// Cf = relu(B)²/nm in float32; the best is the largest Cf, the lowest
-/// template on ties (Cf is never NaN: relu maps NaN to 0 and nm > 0).
+/// template on ties (Cf is never NaN: relu maps NaN to 0 and nm > 0; nor
+/// −0), so the group maxima combined in group order pick the same template
+/// as one scan in template order.
+#[allow(clippy::too_many_arguments)]
 fn best_templates(
     setup: &MatchingSetup,
     simd: Simd,
@@ -879,15 +1063,21 @@ fn best_templates(
     lo: usize,
     cfmax: &mut [f32],
     imax: &mut [u32],
+    gcf: &mut [f32],
+    gidx: &mut [u32],
+    changed: Option<&[u32]>,
 ) {
     let k = setup.nm.len();
+    let g = k.div_ceil(GROUP_K);
     let nt = setup.settings.nt;
     let nm = &setup.nm[..];
     cfmax
         .par_chunks_mut(BEST_CHUNK)
         .zip(imax.par_chunks_mut(BEST_CHUNK))
+        .zip(gcf.par_chunks_mut(BEST_CHUNK * g))
+        .zip(gidx.par_chunks_mut(BEST_CHUNK * g))
         .enumerate()
-        .for_each(|(ci, (cm, im))| {
+        .for_each(|(ci, (((cm, im), gc), gi))| {
             let t0 = lo + ci * BEST_CHUNK;
             // Samples t0 + a .. t0 + z are inside nt … NT − nt − 1.
             let a = nt.saturating_sub(t0).min(cm.len());
@@ -897,80 +1087,181 @@ fn best_templates(
             cm[z..].fill(0.0);
             im[z..].fill(0);
             let rows = &b[(t0 + a) * k..(t0 + z) * k];
-            best_rows(simd, rows, nm, &mut cm[a..z], &mut im[a..z]);
+            best_rows(
+                simd,
+                rows,
+                nm,
+                &mut cm[a..z],
+                &mut im[a..z],
+                &mut gc[a * g..z * g],
+                &mut gi[a * g..z * g],
+                changed,
+            );
         });
 }
 
 /// Samples per parallel task of [`best_templates`].
 const BEST_CHUNK: usize = 64;
 
-/// Lanes of [`best_rows_impl`]'s scan over templates.
-const LANES: usize = 16;
+/// Rows ahead whose changed groups [`best_rows_impl`] prefetches.
+const PREFETCH_ROWS: usize = 4;
 
 /// [`best_rows_impl`] compiled for `simd`.
-fn best_rows(simd: Simd, rows: &[f32], nm: &[f32], cm: &mut [f32], im: &mut [u32]) {
+#[allow(clippy::too_many_arguments)]
+fn best_rows(
+    simd: Simd,
+    rows: &[f32],
+    nm: &[f32],
+    cm: &mut [f32],
+    im: &mut [u32],
+    gc: &mut [f32],
+    gi: &mut [u32],
+    changed: Option<&[u32]>,
+) {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f")]
-        fn avx512(rows: &[f32], nm: &[f32], cm: &mut [f32], im: &mut [u32]) {
-            best_rows_impl(rows, nm, cm, im);
+        #[allow(clippy::too_many_arguments)]
+        fn avx512(
+            rows: &[f32],
+            nm: &[f32],
+            cm: &mut [f32],
+            im: &mut [u32],
+            gc: &mut [f32],
+            gi: &mut [u32],
+            changed: Option<&[u32]>,
+        ) {
+            best_rows_impl(rows, nm, cm, im, gc, gi, changed);
         }
         #[target_feature(enable = "avx2")]
-        fn avx2(rows: &[f32], nm: &[f32], cm: &mut [f32], im: &mut [u32]) {
-            best_rows_impl(rows, nm, cm, im);
+        #[allow(clippy::too_many_arguments)]
+        fn avx2(
+            rows: &[f32],
+            nm: &[f32],
+            cm: &mut [f32],
+            im: &mut [u32],
+            gc: &mut [f32],
+            gi: &mut [u32],
+            changed: Option<&[u32]>,
+        ) {
+            best_rows_impl(rows, nm, cm, im, gc, gi, changed);
         }
         match simd {
             // SAFETY: the CPU has AVX-512F (`Simd::detect`).
-            Simd::Avx512 => return unsafe { avx512(rows, nm, cm, im) },
+            Simd::Avx512 => return unsafe { avx512(rows, nm, cm, im, gc, gi, changed) },
             // SAFETY: the CPU has AVX2 (`Simd::detect`).
-            Simd::Avx2 => return unsafe { avx2(rows, nm, cm, im) },
+            Simd::Avx2 => return unsafe { avx2(rows, nm, cm, im, gc, gi, changed) },
             Simd::Base => {}
         }
     }
     let _ = simd;
-    best_rows_impl(rows, nm, cm, im);
+    best_rows_impl(rows, nm, cm, im, gc, gi, changed);
 }
 
-/// For each row of K B values (`rows`: cm.len() × K), the largest Cf and
-/// its template, the lowest on ties. [`LANES`] running maxima (lane l sees
-/// templates ≡ l mod LANES, each keeping its first maximum), then the
-/// largest of them, the lowest template on ties, then the last K mod LANES
-/// templates in order: the same pick as one scan in template order.
+/// For each row of K B values (`rows`: cm.len() × K): the best Cf and
+/// template of each group in `changed` (every group when `None`) into
+/// `gc`/`gi` (cm.len() × G), then the largest of the G group maxima, the
+/// lowest group on ties, into `cm`/`im`.
 #[inline(always)]
-fn best_rows_impl(rows: &[f32], nm: &[f32], cm: &mut [f32], im: &mut [u32]) {
+fn best_rows_impl(
+    rows: &[f32],
+    nm: &[f32],
+    cm: &mut [f32],
+    im: &mut [u32],
+    gc: &mut [f32],
+    gi: &mut [u32],
+    changed: Option<&[u32]>,
+) {
     let k = nm.len();
-    let full = k / LANES * LANES;
-    for ((row, c), i) in rows.chunks_exact(k).zip(cm.iter_mut()).zip(im.iter_mut()) {
-        let mut bv = [f32::NEG_INFINITY; LANES];
-        let mut bi = [0u32; LANES];
-        for (g, (vs, ms)) in row[..full]
-            .chunks_exact(LANES)
-            .zip(nm[..full].chunks_exact(LANES))
-            .enumerate()
-        {
-            for l in 0..LANES {
-                let r = vs[l].max(0.0);
-                let cf = (r * r) / ms[l];
-                let gt = cf > bv[l];
-                bv[l] = if gt { cf } else { bv[l] };
-                bi[l] = if gt { (g * LANES + l) as u32 } else { bi[l] };
+    let g = k.div_ceil(GROUP_K);
+    for (r, ((((row, c), i), gcr), gir)) in rows
+        .chunks_exact(k)
+        .zip(cm.iter_mut())
+        .zip(im.iter_mut())
+        .zip(gc.chunks_exact_mut(g))
+        .zip(gi.chunks_exact_mut(g))
+        .enumerate()
+    {
+        // Plain loops: an iterator adapter's closure may be compiled outside
+        // this function, without its target features.
+        match changed {
+            None => {
+                for q in 0..g {
+                    group_best(row, nm, q, gcr, gir);
+                }
+            }
+            Some(qs) => {
+                // The changed groups of a row a few ahead, asked for now:
+                // rows are K floats apart, too far for the hardware
+                // prefetcher to follow a few lines of each.
+                if let Some(ahead) = rows.get((r + PREFETCH_ROWS) * k..(r + PREFETCH_ROWS + 1) * k)
+                {
+                    for &q in qs {
+                        let lo = q as usize * GROUP_K;
+                        crate::prefetch::prefetch(&ahead[lo..(lo + GROUP_K).min(k)]);
+                        crate::prefetch::prefetch(
+                            &ahead[(lo + GROUP_K).min(k) - 1..(lo + GROUP_K).min(k)],
+                        );
+                    }
+                }
+                for &q in qs {
+                    group_best(row, nm, q as usize, gcr, gir);
+                }
             }
         }
         let mut best = (0u32, f32::NEG_INFINITY);
-        for l in 0..LANES {
-            if bv[l] > best.1 || (bv[l] == best.1 && bi[l] < best.0) {
-                best = (bi[l], bv[l]);
+        for (&v, &j) in gcr.iter().zip(gir.iter()) {
+            if v > best.1 {
+                best = (j, v);
             }
         }
-        for j in full..k {
+        *c = best.1;
+        *i = best.0;
+    }
+}
+
+/// The best Cf of group `q` of one row (templates q·GROUP_K … up to K) and
+/// its template, the first of equal values, into `gc[q]`, `gi[q]`.
+#[inline(always)]
+fn group_best(row: &[f32], nm: &[f32], q: usize, gc: &mut [f32], gi: &mut [u32]) {
+    let lo = q * GROUP_K;
+    let hi = (lo + GROUP_K).min(nm.len());
+    if hi - lo == GROUP_K {
+        let vs: &[f32; GROUP_K] = row[lo..hi].try_into().expect("GROUP_K values");
+        let ms: &[f32; GROUP_K] = nm[lo..hi].try_into().expect("GROUP_K values");
+        let mut cf = [0f32; GROUP_K];
+        for l in 0..GROUP_K {
+            let r = vs[l].max(0.0);
+            cf[l] = (r * r) / ms[l];
+        }
+        // The largest by halves (no NaN, so any order gives it), then the
+        // first lane holding it.
+        let mut m = cf;
+        let mut w = GROUP_K / 2;
+        while w > 0 {
+            for l in 0..w {
+                m[l] = if m[l + w] > m[l] { m[l + w] } else { m[l] };
+            }
+            w /= 2;
+        }
+        let top = m[0];
+        let mut mask = 0u32;
+        for (l, &v) in cf.iter().enumerate() {
+            mask |= u32::from(v == top) << l;
+        }
+        gc[q] = top;
+        gi[q] = (lo + mask.trailing_zeros() as usize) as u32;
+    } else {
+        let mut best = (lo as u32, f32::NEG_INFINITY);
+        for j in lo..hi {
             let r = row[j].max(0.0);
             let cf = (r * r) / nm[j];
             if cf > best.1 {
                 best = (j as u32, cf);
             }
         }
-        *c = best.1;
-        *i = best.0;
+        gc[q] = best.1;
+        gi[q] = best.0;
     }
 }
 
@@ -983,6 +1274,36 @@ fn merge_intervals(mut v: Vec<(usize, usize)>) -> Vec<(usize, usize)> {
             Some(last) if lo <= last.1 => last.1 = last.1.max(hi),
             _ => out.push((lo, hi)),
         }
+    }
+    out
+}
+
+/// The samples whose B a peel's subtraction changed: the disjoint,
+/// ascending union of the ranges t − nt … t + nt of the `found` spikes
+/// (ascending in t), each with the [`GroupBest`] groups of the partners of
+/// every spike it merged (ascending): the only groups whose B values changed
+/// there.
+fn dirty_ranges(
+    setup: &MatchingSetup,
+    found: &[(usize, usize, f32)],
+    n: usize,
+) -> Vec<(usize, usize, Vec<u32>)> {
+    let nt = setup.settings.nt;
+    let mut out: Vec<(usize, usize, Vec<u32>)> = Vec::new();
+    for &(t, j, _) in found {
+        let (lo, hi) = (t - nt, (t + nt + 1).min(n));
+        let groups = &setup.partners[j].groups;
+        match out.last_mut() {
+            Some(last) if lo <= last.1 => {
+                last.1 = last.1.max(hi);
+                last.2.extend_from_slice(groups);
+            }
+            _ => out.push((lo, hi, groups.clone())),
+        }
+    }
+    for (_, _, gs) in &mut out {
+        gs.sort_unstable();
+        gs.dedup();
     }
     out
 }
@@ -1085,7 +1406,20 @@ fn peel(
     let th2 = (setup.settings.th_learned * setup.settings.th_learned) as f32;
     let mut cfmax = vec![0f32; n];
     let mut imax = vec![0u32; n];
-    best_templates(setup, simd, &b, n, 0, &mut cfmax, &mut imax);
+    let mut groups = GroupBest::new(k, n);
+    let g = groups.g;
+    best_templates(
+        setup,
+        simd,
+        &b,
+        n,
+        0,
+        &mut cfmax,
+        &mut imax,
+        &mut groups.cf,
+        &mut groups.idx,
+        None,
+    );
     let mut ranges = vec![(0, n)];
     let mut out = WindowSpikes::default();
     for peel in 0..setup.settings.max_peels {
@@ -1112,32 +1446,35 @@ fn peel(
                 found.iter().copied().skip(parity).step_by(2).collect();
             subtract(setup, &half_spikes, &mut b, xres, n);
         }
-        let dirty = merge_intervals(
-            found
-                .iter()
-                .map(|&(t, _, _)| (t - nt, (t + nt + 1).min(n)))
-                .collect(),
-        );
-        // The dirty ranges are disjoint and ascending: one slice of cfmax
-        // and imax each, all updated in parallel.
+        let dirty = dirty_ranges(setup, &found, n);
+        // The dirty ranges are disjoint and ascending: one slice of cfmax,
+        // imax and the group maxima each, all updated in parallel.
         let mut parts = Vec::with_capacity(dirty.len());
         let (mut cm_rest, mut im_rest) = (&mut cfmax[..], &mut imax[..]);
+        let (mut gc_rest, mut gi_rest) = (&mut groups.cf[..], &mut groups.idx[..]);
         let mut at = 0;
-        for &(lo, hi) in &dirty {
+        for (lo, hi, changed) in &dirty {
+            let (lo, hi) = (*lo, *hi);
             let (_, cm) = std::mem::take(&mut cm_rest).split_at_mut(lo - at);
             let (cm, cm_tail) = cm.split_at_mut(hi - lo);
             let (_, im) = std::mem::take(&mut im_rest).split_at_mut(lo - at);
             let (im, im_tail) = im.split_at_mut(hi - lo);
-            (cm_rest, im_rest, at) = (cm_tail, im_tail, hi);
-            parts.push((lo, cm, im));
+            let (_, gc) = std::mem::take(&mut gc_rest).split_at_mut((lo - at) * g);
+            let (gc, gc_tail) = gc.split_at_mut((hi - lo) * g);
+            let (_, gi) = std::mem::take(&mut gi_rest).split_at_mut((lo - at) * g);
+            let (gi, gi_tail) = gi.split_at_mut((hi - lo) * g);
+            (cm_rest, im_rest, gc_rest, gi_rest, at) = (cm_tail, im_tail, gc_tail, gi_tail, hi);
+            parts.push((lo, cm, im, gc, gi, &changed[..]));
         }
         parts
             .into_par_iter()
-            .for_each(|(lo, cm, im)| best_templates(setup, simd, &b, n, lo, cm, im));
+            .for_each(|(lo, cm, im, gc, gi, changed)| {
+                best_templates(setup, simd, &b, n, lo, cm, im, gc, gi, Some(changed))
+            });
         ranges = merge_intervals(
             dirty
                 .iter()
-                .map(|&(lo, hi)| (lo.saturating_sub(nt), (hi + nt).min(n)))
+                .map(|&(lo, hi, _)| (lo.saturating_sub(nt), (hi + nt).min(n)))
                 .collect(),
         );
         if peel + 1 == setup.settings.max_peels {

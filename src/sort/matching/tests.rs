@@ -318,6 +318,19 @@ impl Rng {
 /// K templates on `width` neighbouring sites each (template 0 on every
 /// site), site positions in two columns 15 µm apart.
 fn random_setup(rng: &mut Rng, n_c: usize, k: usize, width: usize, budget: usize) -> MatchingSetup {
+    random_setup_with_copies(rng, n_c, k, width, budget, &[])
+}
+
+/// [`random_setup`] with template `to` an exact copy of template `from` for
+/// each `(from, to)` of `copies`: equal B and Cf at every sample.
+fn random_setup_with_copies(
+    rng: &mut Rng,
+    n_c: usize,
+    k: usize,
+    width: usize,
+    budget: usize,
+    copies: &[(usize, usize)],
+) -> MatchingSetup {
     let wpca = crate::UniversalTemplates::builtin().wpca;
     let npc = wpca.nrows();
     let mut u = Array3::<f32>::zeros((k, npc, n_c));
@@ -334,6 +347,10 @@ fn random_setup(rng: &mut Rng, n_c: usize, k: usize, width: usize, budget: usize
                 u[[j, p, c]] = g * if p == 0 { 1.0 } else { 0.5 * rng.next() };
             }
         }
+    }
+    for &(from, to) in copies {
+        let t = u.slice(ndarray::s![from, .., ..]).to_owned();
+        u.slice_mut(ndarray::s![to, .., ..]).assign(&t);
     }
     let xc: Vec<f32> = (0..n_c).map(|i| 32.0 * (i % 2) as f32).collect();
     let yc: Vec<f32> = (0..n_c).map(|i| 15.0 * (i / 2) as f32).collect();
@@ -490,4 +507,33 @@ fn optimised_matching_equals_the_reference_with_per_spike_cross_correlations() {
     assert!(!setup.ctc_precomputed());
     let x = random_window(&mut rng, &setup, 3000, 80, true);
     check(&setup, &x, "per-spike ctc");
+}
+
+/// Templates with exactly equal Cf at every sample, in one group of the
+/// best-template scan and in groups after it: the lowest template wins
+/// everywhere, as in one scan in template order, also where the peels
+/// rescan only some groups.
+#[test]
+fn optimised_matching_equals_the_reference_on_tied_templates() {
+    let mut rng = Rng(0x5851_f42d_4c95_7f2d);
+    // K = 40: groups of 16, 16 and 8 templates.
+    let copies = [(3, 9), (3, 21), (3, 38), (17, 33), (20, 5)];
+    let setup = random_setup_with_copies(&mut rng, 24, 40, 6, 512 << 20, &copies);
+    let x = random_window(&mut rng, &setup, 3000, 120, false);
+    let sp = check(&setup, &x, "tied templates");
+    assert!(sp.peels > 1);
+    for (from, to) in copies {
+        let low = from.min(to) as u32;
+        let high = from.max(to) as u32;
+        assert!(
+            !sp.template.contains(&high),
+            "template {high} (a copy of {low}) was chosen"
+        );
+    }
+    assert!(
+        copies
+            .iter()
+            .any(|&(from, to)| sp.template.contains(&(from.min(to) as u32))),
+        "no spike of a copied template to test"
+    );
 }
