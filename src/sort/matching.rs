@@ -1310,23 +1310,36 @@ fn dirty_ranges(
 
 /// Samples t of `ranges` (clipped to nt … NT − nt) whose best Cf exceeds
 /// `th2` and is the largest within ±nt (Kilosort4's max-pool test), ascending.
+/// Pieces of [`PEAK_CHUNK`] samples are tested in parallel (each sample's test
+/// only reads `cfmax`) and their peaks joined in order.
 fn peaks(cfmax: &[f32], nt: usize, th2: f32, ranges: &[(usize, usize)]) -> Vec<usize> {
     let n = cfmax.len();
-    let mut out = Vec::new();
-    for &(lo, hi) in ranges {
-        for t in lo.max(nt)..hi.min(n.saturating_sub(nt)) {
-            let v = cfmax[t];
-            if v > th2 {
-                let a = t.saturating_sub(nt);
-                let z = (t + nt + 1).min(n);
-                if cfmax[a..z].iter().all(|&w| w <= v) {
-                    out.push(t);
+    let pieces: Vec<(usize, usize)> = ranges
+        .iter()
+        .flat_map(|&(lo, hi)| {
+            let (lo, hi) = (lo.max(nt), hi.min(n.saturating_sub(nt)));
+            (lo..hi)
+                .step_by(PEAK_CHUNK)
+                .map(move |a| (a, (a + PEAK_CHUNK).min(hi)))
+        })
+        .collect();
+    pieces
+        .par_iter()
+        .flat_map_iter(|&(lo, hi)| {
+            (lo..hi).filter(|&t| {
+                let v = cfmax[t];
+                v > th2 && {
+                    let a = t.saturating_sub(nt);
+                    let z = (t + nt + 1).min(n);
+                    cfmax[a..z].iter().all(|&w| w <= v)
                 }
-            }
-        }
-    }
-    out
+            })
+        })
+        .collect()
 }
+
+/// Samples per parallel piece of [`peaks`].
+const PEAK_CHUNK: usize = 2048;
 
 /// Kilosort4's `run_matching` on one window plus `extract`'s features.
 ///
