@@ -723,13 +723,21 @@ fn filter_block(
         // Six PCs from each loaded sample vector where there are six
         // (Kilosort4's default); else two PCs at a time fill AVX-512's
         // registers (8 running sums of 16 lanes) and one fills AVX2's.
+        const SIX_512: SixPcs<ByPcs<2>> = SixPcs {
+            simd: Simd::Avx512,
+            fallback: ByPcs,
+        };
+        const SIX_256: SixPcs<ByPcs<1>> = SixPcs {
+            simd: Simd::Avx2,
+            fallback: ByPcs,
+        };
         #[target_feature(enable = "avx512f")]
         fn avx512(bank: &FilterBank, t0: usize, out: &mut [f32], f: &mut [f32], seg: &mut [f32]) {
-            filter_block_impl(bank, t0, out, f, seg, SixPcs512(ByPcs::<2>));
+            filter_block_impl(bank, t0, out, f, seg, SIX_512);
         }
         #[target_feature(enable = "avx2")]
         fn avx2(bank: &FilterBank, t0: usize, out: &mut [f32], f: &mut [f32], seg: &mut [f32]) {
-            filter_block_impl(bank, t0, out, f, seg, SixPcs256(ByPcs::<1>));
+            filter_block_impl(bank, t0, out, f, seg, SIX_256);
         }
         match simd {
             // SAFETY: the CPU has AVX-512F (`Simd::detect`).
@@ -875,42 +883,27 @@ impl<const P: usize> SiteConv for ByPcs<P> {
     }
 }
 
-/// Six PCs at once in AVX-512 ([`conv6_avx512`]), the fallback for other
-/// counts. Made only inside a function compiled for AVX-512F.
+/// Six PCs at once in the vectors of `simd` ([`conv6_avx512`],
+/// [`conv6_avx2`]), the fallback for other counts (and for the baseline).
+/// Made only inside a function compiled for `simd`, which `Simd::detect`
+/// found on the CPU.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-struct SixPcs512<F>(F);
-
-#[cfg(target_arch = "x86_64")]
-impl<F: SiteConv> SiteConv for SixPcs512<F> {
-    #[inline(always)]
-    fn site(self, seg: &[f32], wpca: &[f32], npc: usize, out: &mut [f32]) {
-        if npc == 6 {
-            // SAFETY: a SixPcs512 is made only where AVX-512F was detected
-            // (`filter_block`'s Simd::Avx512).
-            unsafe { conv6_avx512(seg, wpca, out) }
-        } else {
-            self.0.site(seg, wpca, npc, out)
-        }
-    }
+struct SixPcs<F> {
+    simd: Simd,
+    fallback: F,
 }
 
-/// Six PCs at once in AVX2 ([`conv6_avx2`]), the fallback for other counts.
-/// Made only inside a function compiled for AVX2.
 #[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct SixPcs256<F>(F);
-
-#[cfg(target_arch = "x86_64")]
-impl<F: SiteConv> SiteConv for SixPcs256<F> {
+impl<F: SiteConv> SiteConv for SixPcs<F> {
     #[inline(always)]
     fn site(self, seg: &[f32], wpca: &[f32], npc: usize, out: &mut [f32]) {
-        if npc == 6 {
-            // SAFETY: a SixPcs256 is made only where AVX2 was detected
-            // (`filter_block`'s Simd::Avx2).
-            unsafe { conv6_avx2(seg, wpca, out) }
-        } else {
-            self.0.site(seg, wpca, npc, out)
+        match (npc, self.simd) {
+            // SAFETY: `simd` was detected on this CPU (`filter_block`).
+            (6, Simd::Avx512) => unsafe { conv6_avx512(seg, wpca, out) },
+            // SAFETY: as above.
+            (6, Simd::Avx2) => unsafe { conv6_avx2(seg, wpca, out) },
+            _ => self.fallback.site(seg, wpca, npc, out),
         }
     }
 }
@@ -1090,13 +1083,15 @@ fn best_templates(
             let rows = &b[(t0 + a) * k..(t0 + z) * k];
             best_rows(
                 simd,
-                rows,
-                nm,
-                &mut cm[a..z],
-                &mut im[a..z],
-                &mut gc[a * g..z * g],
-                &mut gi[a * g..z * g],
-                changed,
+                BestRows {
+                    rows,
+                    nm,
+                    cm: &mut cm[a..z],
+                    im: &mut im[a..z],
+                    gc: &mut gc[a * g..z * g],
+                    gi: &mut gi[a * g..z * g],
+                    changed,
+                },
             );
         });
 }
@@ -1107,72 +1102,60 @@ const BEST_CHUNK: usize = 64;
 /// Rows ahead whose changed groups [`best_rows_impl`] prefetches.
 const PREFETCH_ROWS: usize = 4;
 
+/// One [`best_rows_impl`] call's rows and outputs.
+struct BestRows<'a> {
+    /// cm.len() × K values of B.
+    rows: &'a [f32],
+    /// ‖U_k‖², K values.
+    nm: &'a [f32],
+    /// Best Cf and template per row.
+    cm: &'a mut [f32],
+    im: &'a mut [u32],
+    /// Best Cf and template per row and group (cm.len() × G).
+    gc: &'a mut [f32],
+    gi: &'a mut [u32],
+    /// The groups to recompute (ascending); `None`: all of them.
+    changed: Option<&'a [u32]>,
+}
+
 /// [`best_rows_impl`] compiled for `simd`.
-#[allow(clippy::too_many_arguments)]
-fn best_rows(
-    simd: Simd,
-    rows: &[f32],
-    nm: &[f32],
-    cm: &mut [f32],
-    im: &mut [u32],
-    gc: &mut [f32],
-    gi: &mut [u32],
-    changed: Option<&[u32]>,
-) {
+fn best_rows(simd: Simd, job: BestRows) {
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx512f")]
-        #[allow(clippy::too_many_arguments)]
-        fn avx512(
-            rows: &[f32],
-            nm: &[f32],
-            cm: &mut [f32],
-            im: &mut [u32],
-            gc: &mut [f32],
-            gi: &mut [u32],
-            changed: Option<&[u32]>,
-        ) {
-            best_rows_impl(rows, nm, cm, im, gc, gi, changed);
+        fn avx512(job: BestRows) {
+            best_rows_impl(job);
         }
         #[target_feature(enable = "avx2")]
-        #[allow(clippy::too_many_arguments)]
-        fn avx2(
-            rows: &[f32],
-            nm: &[f32],
-            cm: &mut [f32],
-            im: &mut [u32],
-            gc: &mut [f32],
-            gi: &mut [u32],
-            changed: Option<&[u32]>,
-        ) {
-            best_rows_impl(rows, nm, cm, im, gc, gi, changed);
+        fn avx2(job: BestRows) {
+            best_rows_impl(job);
         }
         match simd {
             // SAFETY: the CPU has AVX-512F (`Simd::detect`).
-            Simd::Avx512 => return unsafe { avx512(rows, nm, cm, im, gc, gi, changed) },
+            Simd::Avx512 => return unsafe { avx512(job) },
             // SAFETY: the CPU has AVX2 (`Simd::detect`).
-            Simd::Avx2 => return unsafe { avx2(rows, nm, cm, im, gc, gi, changed) },
+            Simd::Avx2 => return unsafe { avx2(job) },
             Simd::Base => {}
         }
     }
     let _ = simd;
-    best_rows_impl(rows, nm, cm, im, gc, gi, changed);
+    best_rows_impl(job);
 }
 
-/// For each row of K B values (`rows`: cm.len() × K): the best Cf and
-/// template of each group in `changed` (every group when `None`) into
-/// `gc`/`gi` (cm.len() × G), then the largest of the G group maxima, the
-/// lowest group on ties, into `cm`/`im`.
+/// For each row of K B values (`rows`): the best Cf and template of each
+/// group in `changed` (every group when `None`) into `gc`/`gi`, then the
+/// largest of the G group maxima, the lowest group on ties, into `cm`/`im`.
 #[inline(always)]
-fn best_rows_impl(
-    rows: &[f32],
-    nm: &[f32],
-    cm: &mut [f32],
-    im: &mut [u32],
-    gc: &mut [f32],
-    gi: &mut [u32],
-    changed: Option<&[u32]>,
-) {
+fn best_rows_impl(job: BestRows) {
+    let BestRows {
+        rows,
+        nm,
+        cm,
+        im,
+        gc,
+        gi,
+        changed,
+    } = job;
     let k = nm.len();
     let g = k.div_ceil(GROUP_K);
     for (r, ((((row, c), i), gcr), gir)) in rows
