@@ -1181,11 +1181,12 @@ fn best_rows_impl(job: BestRows) {
                 if let Some(ahead) = rows.get((r + PREFETCH_ROWS) * k..(r + PREFETCH_ROWS + 1) * k)
                 {
                     for &q in qs {
+                        // A group's first and last values: the one or two
+                        // cache lines it spans.
                         let lo = q as usize * GROUP_K;
-                        crate::prefetch::prefetch(&ahead[lo..(lo + GROUP_K).min(k)]);
-                        crate::prefetch::prefetch(
-                            &ahead[(lo + GROUP_K).min(k) - 1..(lo + GROUP_K).min(k)],
-                        );
+                        let hi = (lo + GROUP_K).min(k);
+                        crate::prefetch::prefetch(&ahead[lo..lo + 1]);
+                        crate::prefetch::prefetch(&ahead[hi - 1..hi]);
                     }
                 }
                 for &q in qs {
@@ -1290,6 +1291,14 @@ fn dirty_ranges(
         gs.dedup();
     }
     out
+}
+
+/// The `len` values after the first `skip` of `rest`, which keeps what
+/// follows them: disjoint ascending ranges of one slice, one at a time.
+fn next_range<'a, T>(rest: &mut &'a mut [T], skip: usize, len: usize) -> &'a mut [T] {
+    let (range, tail) = std::mem::take(rest)[skip..].split_at_mut(len);
+    *rest = tail;
+    range
 }
 
 /// Samples t of `ranges` (clipped to nt … NT − nt) whose best Cf exceeds
@@ -1451,17 +1460,16 @@ fn peel(
         let (mut gc_rest, mut gi_rest) = (&mut groups.cf[..], &mut groups.idx[..]);
         let mut at = 0;
         for (lo, hi, changed) in &dirty {
-            let (lo, hi) = (*lo, *hi);
-            let (_, cm) = std::mem::take(&mut cm_rest).split_at_mut(lo - at);
-            let (cm, cm_tail) = cm.split_at_mut(hi - lo);
-            let (_, im) = std::mem::take(&mut im_rest).split_at_mut(lo - at);
-            let (im, im_tail) = im.split_at_mut(hi - lo);
-            let (_, gc) = std::mem::take(&mut gc_rest).split_at_mut((lo - at) * g);
-            let (gc, gc_tail) = gc.split_at_mut((hi - lo) * g);
-            let (_, gi) = std::mem::take(&mut gi_rest).split_at_mut((lo - at) * g);
-            let (gi, gi_tail) = gi.split_at_mut((hi - lo) * g);
-            (cm_rest, im_rest, gc_rest, gi_rest, at) = (cm_tail, im_tail, gc_tail, gi_tail, hi);
-            parts.push((lo, cm, im, gc, gi, &changed[..]));
+            let (skip, len) = (lo - at, hi - lo);
+            parts.push((
+                *lo,
+                next_range(&mut cm_rest, skip, len),
+                next_range(&mut im_rest, skip, len),
+                next_range(&mut gc_rest, skip * g, len * g),
+                next_range(&mut gi_rest, skip * g, len * g),
+                &changed[..],
+            ));
+            at = *hi;
         }
         parts
             .into_par_iter()
