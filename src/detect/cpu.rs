@@ -467,6 +467,7 @@ impl CpuDetector {
         let wtemp = self.templates.wtemp.as_standard_layout();
         let wtemp = wtemp.as_slice().expect("standard layout");
         let ntaps = wtemp.len() / NK;
+        let wt = &taps_by_tap(wtemp);
         let sites = &self.sites;
         let weights = &self.weights;
         let neighbours = &self.neighbours;
@@ -506,7 +507,7 @@ impl CpuDetector {
                         let out = &mut b[c * NK * TILE..(c + 1) * NK * TILE];
                         // The pruned step 2's bound terms come with the outputs.
                         let q_c = (!dense).then(|| &mut q[c * TILE..(c + 1) * TILE]);
-                        non_finite |= filter_bank_with_bound(row, wtemp, t0, out, q_c);
+                        non_finite |= filter_bank_with_bound(row, wt, t0, out, q_c);
                     }
                     if dense {
                         centre_response(b, sites, weights, nsz, as_t, imax_t);
@@ -785,31 +786,45 @@ macro_rules! dispatch {
 /// window (torch `conv1d` with zero padding: a cross-correlation). The sum runs
 /// over m in ascending order. `wtemp` is 6 × 61 row-major; `out` holds 6·TILE values.
 pub fn filter_bank(x: &[f32], wtemp: &[f32], t0: usize, out: &mut [f32]) {
-    filter_bank_with_bound(x, wtemp, t0, out, None);
+    filter_bank_with_bound(x, &taps_by_tap(wtemp), t0, out, None);
+}
+
+/// The universal templates by tap: `wt[m][k]` = wTEMP\[k, m\] for the nt
+/// taps of `wtemp` (6 × nt row-major), one fixed-size row per tap, the
+/// layout [`filter_bank_with_bound`] reads. Built once per window, not per
+/// channel and tile.
+fn taps_by_tap(wtemp: &[f32]) -> Vec<[f32; NK]> {
+    let ntaps = wtemp.len() / NK;
+    (0..ntaps)
+        .map(|m| std::array::from_fn(|k| wtemp[k * ntaps + m]))
+        .collect()
 }
 
 /// [`filter_bank`], also writing, when `q` is given (TILE values), the
 /// pruning bound's per-sample term `q[i]` = max_k B\[k, t0 + i\]² (k
 /// ascending, from 0) while the outputs are still in registers: the same
 /// operations [`centre_response_pruned`] does on the stored B, so the same bits.
+/// `wt` holds the weights by tap ([`taps_by_tap`]), at most 129 taps.
 /// Returns whether some B\[0, t0 + i\] is NaN or ±∞.
 fn filter_bank_with_bound(
     x: &[f32],
-    wtemp: &[f32],
+    wt: &[[f32; NK]],
     t0: usize,
     out: &mut [f32],
     q: Option<&mut [f32]>,
 ) -> bool {
-    let ntaps = wtemp.len() / NK;
+    let ntaps = wt.len();
     let half = ntaps / 2;
     // Input samples t0 − half .. t0 + TILE + half, zero outside the window:
     // seg[i] = x[t0 + i − half]. A tile inside the window reads x in place;
-    // one at an edge copies its part into a zero-padded buffer.
+    // one at an edge copies its part into a zero-padded buffer (made only
+    // there: most tiles need none).
     let need = TILE + ntaps - 1;
-    let mut pad = [0f32; TILE + 2 * 64];
+    let mut pad;
     let seg: &[f32] = if t0 >= half && t0 - half + need <= x.len() {
         &x[t0 - half..t0 - half + need]
     } else {
+        pad = [0f32; TILE + 2 * 64];
         let lo = half.saturating_sub(t0);
         let hi = (x.len() + half).saturating_sub(t0).min(need);
         if lo < hi {
@@ -818,14 +833,6 @@ fn filter_bank_with_bound(
         }
         &pad[..need]
     };
-    // The weights by tap, wt[m][k] = wTEMP[k, m]: one fixed-size row per tap.
-    let mut wt = [[0f32; NK]; 2 * 64 + 1];
-    for (m, w) in wt.iter_mut().take(ntaps).enumerate() {
-        for (k, v) in w.iter_mut().enumerate() {
-            *v = wtemp[k * ntaps + m];
-        }
-    }
-    let wt = &wt[..ntaps];
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
@@ -1045,8 +1052,9 @@ fn respond_chunk<const NSZ: usize>(
     imax_out: &mut [i8],
 ) {
     let nc = s_j.len();
-    // All nsz·6 outputs for these 8 samples, in r = s·6 + k order.
-    let mut a = [[0f32; LANES]; 8 * NK];
+    // All nsz·6 outputs for these 8 samples, a[s][k], r = s·6 + k (sized by
+    // nsz rather than the largest nsz: less to zero per chunk).
+    let mut a = [[[0f32; LANES]; NK]; NSZ];
     // Two templates at a time: 2·nsz independent sums keep the adders busy.
     for k in (0..NK).step_by(2) {
         let mut acc0 = [[0f32; LANES]; NSZ];
@@ -1066,10 +1074,11 @@ fn respond_chunk<const NSZ: usize>(
             }
         }
         for s in 0..NSZ {
-            a[s * NK + k] = acc0[s];
-            a[s * NK + k + 1] = acc1[s];
+            a[s][k] = acc0[s];
+            a[s][k + 1] = acc1[s];
         }
     }
+    let a = a.as_flattened();
     // The largest |A|, first r among equals (a strict > in ascending r).
     let mut best = [0f32; LANES];
     // r kept as f32 so that the selects below are plain vector blends.
@@ -1080,7 +1089,7 @@ fn respond_chunk<const NSZ: usize>(
     }
     // A slice from r = 1 rather than `.skip(1)`: the Skip adapter was left
     // as a call in this loop, which spilled every vector around it.
-    for (i, a_r) in a[1..NSZ * NK].iter().enumerate() {
+    for (i, a_r) in a[1..].iter().enumerate() {
         let r = i + 1;
         for l in 0..LANES {
             let v = a_r[l].abs();
@@ -1304,7 +1313,9 @@ fn respond16_avx512<const NSZ: usize>(
     const KS: usize = 3;
     const _: () = assert!(W == 16 && NK.is_multiple_of(KS));
     assert!(tc + W <= TILE && w_j.len() >= s_j.len() * NSZ);
-    let mut a = [_mm512_setzero_ps(); 8 * NK];
+    // A[s][k], sized by nsz rather than the largest nsz (less to zero per
+    // pair).
+    let mut a = [[_mm512_setzero_ps(); NK]; NSZ];
     // Three templates at a time: 3·nsz independent sums in registers.
     for k in (0..NK).step_by(KS) {
         let mut acc = [[_mm512_setzero_ps(); NSZ]; KS];
@@ -1323,12 +1334,13 @@ fn respond16_avx512<const NSZ: usize>(
         }
         for s in 0..NSZ {
             for i in 0..KS {
-                a[s * NK + k + i] = acc[i][s];
+                a[s][k + i] = acc[i][s];
             }
         }
     }
-    // The largest |A|, first r among equals (a strict > in ascending r; an
-    // unordered comparison is false, as `>` is on a NaN).
+    // The largest |A|, first r among equals (a strict > in ascending r =
+    // s·6 + k; an unordered comparison is false, as `>` is on a NaN).
+    let a = a.as_flattened();
     let mut best = _mm512_abs_ps(a[0]);
     let mut value = a[0];
     let mut r_best = _mm512_setzero_ps();
@@ -1337,7 +1349,7 @@ fn respond16_avx512<const NSZ: usize>(
     // counted in a vector (small integers are exact in f32) rather than
     // converted and broadcast each time.
     let mut r_vec = _mm512_set1_ps(1.0);
-    for &a_r in &a[1..NSZ * NK] {
+    for &a_r in &a[1..] {
         let v = _mm512_abs_ps(a_r);
         let take = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(v, best);
         best = _mm512_mask_blend_ps(take, best, v);
@@ -1733,7 +1745,7 @@ mod tests {
             filter_bank(&x, wtemp, t0, &mut plain);
             let mut out = vec![0f32; NK * TILE];
             let mut q = vec![-1f32; TILE];
-            filter_bank_with_bound(&x, wtemp, t0, &mut out, Some(&mut q));
+            filter_bank_with_bound(&x, &taps_by_tap(wtemp), t0, &mut out, Some(&mut q));
             assert_eq!(out, plain);
             for (t, &v) in q.iter().enumerate() {
                 let m = (0..NK).fold(0f32, |m, k| {
