@@ -17,7 +17,9 @@
 //!   transposed recursion ([`CircularIir::forward_chunk`], the arithmetic of
 //!   scipy's `lfilter`) over L warm-up samples, then over the chunk's C samples,
 //!   whose outputs u are kept;
-//! * backward (once every chunk's u is written): zero state at (chunk end + L)
+//! * backward (once the u it reads is written: on the device after every
+//!   chunk's forward pass, on the CPU as soon as the next chunks' forward
+//!   passes are done): zero state at (chunk end + L)
 //!   mod N, the same recursion run down over u through the next chunks' values,
 //!   then over the chunk, whose outputs are y ([`CircularIir::backward_chunk`]).
 //!
