@@ -540,9 +540,9 @@ impl CircularIir {
         // A full group (all but the last group of a probe) moves its 16
         // lanes with no per-lane test.
         if k == ROW_LANES {
-            self.chunks_in_order::<true>(chunk, k, &ub, rows, u);
+            self.chunks_in_order::<true>(k, &ub, rows, u);
         } else {
-            self.chunks_in_order::<false>(chunk, k, &ub, rows, u);
+            self.chunks_in_order::<false>(k, &ub, rows, u);
         }
     }
 
@@ -551,7 +551,6 @@ impl CircularIir {
     #[inline(always)]
     fn chunks_in_order<const FULL: bool>(
         &self,
-        chunk: usize,
         k: usize,
         ub: &UBuffer,
         rows: &mut [f32],
@@ -559,15 +558,16 @@ impl CircularIir {
     ) {
         let n_chunks = ub.n_chunks;
         for c in 0..n_chunks {
-            self.forward_lanes::<FULL>(c, chunk, k, ub, rows, u);
-            if c >= ub.lag && c - ub.lag > 0 {
-                self.backward_lanes::<FULL>(c - ub.lag, chunk, k, ub, rows, u);
+            self.forward_lanes::<FULL>(c, k, ub, rows, u);
+            // Chunk 0's backward pass waits for the end.
+            if c > ub.lag {
+                self.backward_lanes::<FULL>(c - ub.lag, k, ub, rows, u);
             }
         }
         for c in n_chunks.saturating_sub(ub.lag).max(1)..n_chunks {
-            self.backward_lanes::<FULL>(c, chunk, k, ub, rows, u);
+            self.backward_lanes::<FULL>(c, k, ub, rows, u);
         }
-        self.backward_lanes::<FULL>(0, chunk, k, ub, rows, u);
+        self.backward_lanes::<FULL>(0, k, ub, rows, u);
     }
 
     /// The forward pass of chunk `c` of [`CircularIir::filter_rows_f64`]'s
@@ -576,7 +576,6 @@ impl CircularIir {
     fn forward_lanes<const FULL: bool>(
         &self,
         c: usize,
-        chunk: usize,
         k: usize,
         ub: &UBuffer,
         rows: &[f32],
@@ -584,8 +583,8 @@ impl CircularIir {
     ) {
         let n = self.n;
         let (b, a) = (self.b, self.a);
-        let start = c * chunk;
-        let len = chunk.min(n - start);
+        let start = c * ub.chunk;
+        let len = ub.chunk.min(n - start);
         let dst = &mut u[ub.base(c)..ub.base(c) + len];
         let mut z = [[0f64; ROW_LANES]; 3];
         let mut p = (start + self.shift + (n - self.warm % n)) % n;
@@ -614,7 +613,6 @@ impl CircularIir {
     fn backward_lanes<const FULL: bool>(
         &self,
         c: usize,
-        chunk: usize,
         k: usize,
         ub: &UBuffer,
         rows: &mut [f32],
@@ -622,8 +620,8 @@ impl CircularIir {
     ) {
         let n = self.n;
         let (b, a) = (self.b, self.a);
-        let start = c * chunk;
-        let len = chunk.min(n - start);
+        let start = c * ub.chunk;
+        let len = ub.chunk.min(n - start);
         let mut z = [[0f64; ROW_LANES]; 3];
         let mut p = (start + len - 1 + self.warm) % n;
         // u[p] is u[base + p − first] while p stays in the chunk from `first`.
