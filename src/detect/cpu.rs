@@ -132,8 +132,11 @@ pub(crate) struct CentreMajor {
     pub weights: Vec<f32>,
     /// Per centre, its nC2 neighbour centres (iC2\[:, j\]): Nf × nC2.
     pub neighbours: Vec<u32>,
-    /// Per centre, max over sizes of Σ_c weigh², for the pruning bound.
+    /// Per centre, max over sizes of Σ_c weigh², for the device's pruning bound.
     pub weight_norm2: Vec<f32>,
+    /// Per centre and site, max over sizes of |weigh\[s, c, j\]|: Nf × nC, for
+    /// the bound of [`centre_response_pruned`].
+    pub weight_max: Vec<f32>,
 }
 
 impl CentreMajor {
@@ -145,6 +148,7 @@ impl CentreMajor {
         let mut sites = Vec::with_capacity(nf * nc);
         let mut weights = Vec::with_capacity(nf * nc * nsz);
         let mut neighbours = Vec::with_capacity(nf * nc2);
+        let mut weight_max = Vec::with_capacity(nf * nc);
         let weight_norm2: Vec<f32> = (0..nf)
             .map(|j| {
                 (0..nsz)
@@ -162,6 +166,7 @@ impl CentreMajor {
                 for s in 0..nsz {
                     weights.push(geometry.weigh[[s, c, j]]);
                 }
+                weight_max.push(largest_magnitudes(&weights[weights.len() - nsz..]));
             }
             for m in 0..nc2 {
                 neighbours.push(geometry.i_c2[[m, j]]);
@@ -172,8 +177,14 @@ impl CentreMajor {
             weights,
             neighbours,
             weight_norm2,
+            weight_max,
         }
     }
+}
+
+/// max |w| over `w` (0 when empty); NaN is passed over, as by `f32::max`.
+fn largest_magnitudes(w: &[f32]) -> f32 {
+    w.iter().fold(0f32, |m, &v| m.max(v.abs()))
 }
 
 /// A CPU detector for one probe geometry; its buffers persist across windows.
@@ -186,10 +197,11 @@ pub struct CpuDetector {
     sites: Vec<u32>,
     /// Per centre, weights laid out [j][c][s] (centre-major copy of weigh).
     weights: Vec<f32>,
+    /// Per centre and site, max over sizes of |weigh| (Nf × nC), for the
+    /// bound in [`centre_response_pruned`].
+    weight_max: Vec<f32>,
     /// Per centre, its nC2 neighbours (centre-major copy of iC2).
     neighbours: Vec<u32>,
-    /// Per centre, max over sizes of Σ_c weigh², for the bound in [`centre_response_pruned`].
-    weight_norm2: Vec<f32>,
     /// Tile-major buffers: [tile][j][tt].
     as_buf: Vec<f32>,
     imax_buf: Vec<i8>,
@@ -257,7 +269,8 @@ impl CpuDetector {
             sites,
             weights,
             neighbours,
-            weight_norm2,
+            weight_norm2: _,
+            weight_max,
         } = CentreMajor::new(&geometry);
         Ok(CpuDetector {
             geometry,
@@ -266,7 +279,7 @@ impl CpuDetector {
             sites,
             weights,
             neighbours,
-            weight_norm2,
+            weight_max,
             as_buf: Vec::new(),
             imax_buf: Vec::new(),
             chunk_max: Vec::new(),
@@ -471,7 +484,7 @@ impl CpuDetector {
         let sites = &self.sites;
         let weights = &self.weights;
         let neighbours = &self.neighbours;
-        let bound = &self.weight_norm2;
+        let weight_max = &self.weight_max;
         let th = self.settings.th_universal;
         let mut amax_chunks: Vec<&mut [f32]> = if dense {
             self.amax_buf.chunks_mut(nf * TILE).collect()
@@ -519,7 +532,7 @@ impl CpuDetector {
                         let tile = PrunedTile {
                             sites,
                             weights,
-                            weight_norm2: bound,
+                            weight_max,
                             nsz,
                             th,
                             t0,
@@ -801,7 +814,7 @@ fn taps_by_tap(wtemp: &[f32]) -> Vec<[f32; NK]> {
 }
 
 /// [`filter_bank`], also writing, when `q` is given (TILE values), the
-/// pruning bound's per-sample term `q[i]` = max_k B\[k, t0 + i\]² (k
+/// pruning bound's per-sample term `q[i]` = max_k |B\[k, t0 + i\]| (k
 /// ascending, from 0) while the outputs are still in registers: the same
 /// operations [`centre_response_pruned`] does on the stored B, so the same bits.
 /// `wt` holds the weights by tap ([`taps_by_tap`]), at most 129 taps.
@@ -887,8 +900,8 @@ fn filter_taps(seg: &[f32], wt: &[[f32; NK]], out: &mut [f32], mut q: Option<&mu
             let (mut m0, mut m1) = ([0f32; LANES], [0f32; LANES]);
             for k in 0..NK {
                 for l in 0..LANES {
-                    m0[l] = m0[l].max(acc0[k][l] * acc0[k][l]);
-                    m1[l] = m1[l].max(acc1[k][l] * acc1[k][l]);
+                    m0[l] = m0[l].max(acc0[k][l].abs());
+                    m1[l] = m1[l].max(acc1[k][l].abs());
                 }
             }
             q[tc..tc + LANES].copy_from_slice(&m0);
@@ -956,9 +969,9 @@ fn filter_taps_avx512(
             let (mut m0, mut m1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
             for k in 0..NK {
                 // max(v, m) returns m when v is NaN, as m.max(v) does; the
-                // squares are never −0, so ties cannot differ in sign.
-                m0 = _mm512_max_ps(_mm512_mul_ps(acc0[k], acc0[k]), m0);
-                m1 = _mm512_max_ps(_mm512_mul_ps(acc1[k], acc1[k]), m1);
+                // magnitudes are never −0, so ties cannot differ in sign.
+                m0 = _mm512_max_ps(_mm512_abs_ps(acc0[k]), m0);
+                m1 = _mm512_max_ps(_mm512_abs_ps(acc1[k]), m1);
             }
             let qp = q.as_mut_ptr();
             // SAFETY: tc + 2·W ≤ TILE ≤ q.len() (asserted).
@@ -1112,35 +1125,39 @@ fn respond_chunk<const NSZ: usize>(
     }
 }
 
-/// Step 2 computed exactly only where it can matter. By Cauchy–Schwarz,
-/// |A\[s, k\]| ≤ ‖weigh\[s, :, j\]‖·(Σ_c max_k B\[iC\[c, j\], k, t\]²)^½, so where
-/// `weight_norm2[j]`·Σ_c max_k B² (with a 1 % margin for float32 rounding) stays below
-/// Th_universal², |A| cannot exceed the threshold: As is set to 0 and imax to 0 there,
-/// values that can neither be detected nor beat or tie a detection. Elsewhere the
-/// values are exactly those of [`centre_response`]. `q` is scratch of at least
-/// [`pruned_scratch_len`]`(C)` values.
+/// Step 2 computed exactly only where it can matter. By the triangle
+/// inequality, |A\[s, k\]| ≤ L = Σ_c max_s |weigh\[s, c, j\]|·max_k |B\[iC\[c, j\], k, t\]|,
+/// so where L (with a 1 % margin for float32 rounding) stays below
+/// Th_universal, no |A| can exceed the threshold: As is set to 0 and imax to 0
+/// there, values that can neither be detected nor beat or tie a detection.
+/// Elsewhere the values are exactly those of [`centre_response`]. `q` is scratch
+/// of at least [`pruned_scratch_len`]`(C)` values.
+///
+/// The rounding margin: the computed |A| is at most (1 + γ)·Σ_c |w·B| and the
+/// computed L at least (1 − γ)·Σ_c |w|·max_k |B|, γ ≈ nC·2⁻²⁴, so 1 % covers any
+/// neighbourhood under about 80 000 sites.
 ///
 /// The bound is first checked per [`GROUP`] samples, with each site's largest
-/// max_k B² over the group: float32 sums of non-negative terms are monotone in
-/// each term, so a group whose coarse sum stays below the threshold has every
-/// per-sample sum below it too, and the chunks computed are exactly those of the
-/// per-sample check alone.
+/// max_k |B| over the group: float32 sums of non-negative products are
+/// monotone in each factor, so a group whose coarse L stays below the threshold
+/// has every per-sample L below it too, and the chunks computed are exactly
+/// those of the per-sample check alone.
 #[allow(clippy::too_many_arguments)]
 pub fn centre_response_pruned(
     b: &[f32],
     q: &mut [f32],
     sites: &[u32],
     weights: &[f32],
-    weight_norm2: &[f32],
     nsz: usize,
     th: f32,
     as_t: &mut [f32],
     imax_t: &mut [i8],
 ) {
+    let weight_max: Vec<f32> = weights.chunks_exact(nsz).map(largest_magnitudes).collect();
     let tile = PrunedTile {
         sites,
         weights,
-        weight_norm2,
+        weight_max: &weight_max,
         nsz,
         th,
         t0: 0,
@@ -1156,7 +1173,8 @@ pub fn centre_response_pruned(
 struct PrunedTile<'a> {
     sites: &'a [u32],
     weights: &'a [f32],
-    weight_norm2: &'a [f32],
+    /// Per centre and site, max over sizes of |weigh| (Nf × nC).
+    weight_max: &'a [f32],
     nsz: usize,
     th: f32,
     t0: usize,
@@ -1389,7 +1407,7 @@ fn centre_response_pruned_sizes(
 ) {
     let n_ch = b.len() / (NK * TILE);
     let (q, qg) = q[..pruned_scratch_len(n_ch)].split_at_mut(n_ch * TILE);
-    // q[c, t] = max_k B[c, k, t]²; qg[c, g] = max over group g's samples of q[c, t].
+    // q[c, t] = max_k |B[c, k, t]|; qg[c, g] = max over group g's samples of q[c, t].
     for (c, (qc, qgc)) in q
         .chunks_exact_mut(TILE)
         .zip(qg.chunks_exact_mut(N_GROUPS))
@@ -1400,8 +1418,7 @@ fn centre_response_pruned_sizes(
             for (t, v) in qc.iter_mut().enumerate() {
                 let mut m = 0f32;
                 for k in 0..NK {
-                    let x = bc[k * TILE + t];
-                    m = m.max(x * x);
+                    m = m.max(bc[k * TILE + t].abs());
                 }
                 *v = m;
             }
@@ -1442,7 +1459,7 @@ fn pruned_impl<const NSZ: usize>(
     let PrunedTile {
         sites,
         weights,
-        weight_norm2,
+        weight_max,
         th,
         t0,
         nt_w,
@@ -1451,40 +1468,41 @@ fn pruned_impl<const NSZ: usize>(
     let nsz = NSZ;
     let nf = as_t.len() / TILE;
     let nc = sites.len() / nf;
-    let th2 = th * th;
     let mut as_pair = [0f32; 2 * LANES];
     let mut imax_pair = [0i8; 2 * LANES];
     for j in 0..nf {
         let s_j = &sites[j * nc..(j + 1) * nc];
         let w_j = &weights[j * nc * nsz..(j + 1) * nc * nsz];
-        let scale = weight_norm2[j] * 1.01;
-        // The coarse bound of every group at once, sites in the same order.
+        let wm_j = &weight_max[j * nc..(j + 1) * nc];
+        // The coarse bound of every group at once, sites in the same order as
+        // the per-sample bound.
         let mut coarse = [0f32; N_GROUPS];
-        for &c in s_j {
-            let g: &[f32; N_GROUPS] = qg[c as usize * N_GROUPS..][..N_GROUPS]
+        for (&site, &w) in s_j.iter().zip(wm_j) {
+            let g: &[f32; N_GROUPS] = qg[site as usize * N_GROUPS..][..N_GROUPS]
                 .try_into()
                 .expect("N_GROUPS values");
-            for (s, v) in coarse.iter_mut().zip(g) {
-                *s += *v;
+            for (v, &m) in coarse.iter_mut().zip(g) {
+                *v += w * m;
             }
         }
+        let over = |v: f32| v * 1.01 >= th;
         // Two chunks at a time (one group holds both): each chunk is
         // computed exactly when its own bound lets it through.
         for tp in (0..TILE).step_by(2 * LANES) {
             let mut pass = [false; 2];
-            if coarse[tp / GROUP] * scale >= th2 {
+            if over(coarse[tp / GROUP]) {
                 for (h, p) in pass.iter_mut().enumerate() {
                     let tc = tp + h * LANES;
                     let mut sum = [0f32; LANES];
-                    for &c in s_j {
-                        let qc: &[f32; LANES] = q[c as usize * TILE + tc..][..LANES]
+                    for (&site, &w) in s_j.iter().zip(wm_j) {
+                        let qc: &[f32; LANES] = q[site as usize * TILE + tc..][..LANES]
                             .try_into()
                             .expect("8 lanes");
                         for l in 0..LANES {
-                            sum[l] += qc[l];
+                            sum[l] += w * qc[l];
                         }
                     }
-                    *p = sum.iter().any(|&v| v * scale >= th2);
+                    *p = sum.iter().any(|&v| over(v));
                 }
             }
             if pass.iter().any(|&p| p) {
@@ -1748,10 +1766,7 @@ mod tests {
             filter_bank_with_bound(&x, &taps_by_tap(wtemp), t0, &mut out, Some(&mut q));
             assert_eq!(out, plain);
             for (t, &v) in q.iter().enumerate() {
-                let m = (0..NK).fold(0f32, |m, k| {
-                    let b = plain[k * TILE + t];
-                    m.max(b * b)
-                });
+                let m = (0..NK).fold(0f32, |m, k| m.max(plain[k * TILE + t].abs()));
                 assert_eq!(v.to_bits(), m.to_bits(), "t0 {t0}, sample {t}");
             }
         }
@@ -1882,27 +1897,17 @@ mod tests {
             .map(|i| ((i / nc + i % nc) % n_ch) as u32)
             .collect();
         let weights: Vec<f32> = (0..nf * nc * nsz).map(|_| rnd()).collect();
-        let norm2: Vec<f32> = (0..nf)
-            .map(|j| {
-                (0..nsz)
-                    .map(|s| {
-                        (0..nc)
-                            .map(|c| weights[(j * nc + c) * nsz + s].powi(2))
-                            .sum::<f32>()
-                    })
-                    .fold(0f32, f32::max)
-            })
-            .collect();
         let th = 3.0f32;
         let mut as_d = vec![0f32; nf * TILE];
         let mut im_d = vec![0i8; nf * TILE];
         centre_response(&b, &sites, &weights, nsz, &mut as_d, &mut im_d);
         let mut q = vec![0f32; pruned_scratch_len(n_ch)];
         let (mut as_p, mut im_p) = (vec![1f32; nf * TILE], vec![1i8; nf * TILE]);
+        let weight_max: Vec<f32> = weights.chunks_exact(nsz).map(largest_magnitudes).collect();
         let tile = PrunedTile {
             sites: &sites,
             weights: &weights,
-            weight_norm2: &norm2,
+            weight_max: &weight_max,
             nsz,
             th,
             t0: 1000,
@@ -1946,18 +1951,23 @@ mod tests {
             as_8.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             as_f.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         );
-        let qs = |c: usize, t: usize| {
-            (0..NK).fold(0f32, |m, k| m.max(b[(c * NK + k) * TILE + t].powi(2)))
-        };
+        let qs =
+            |c: usize, t: usize| (0..NK).fold(0f32, |m, k| m.max(b[(c * NK + k) * TILE + t].abs()));
         let (mut computed, mut want) = (0, Vec::new());
         for j in 0..nf {
-            let scale = norm2[j] * 1.01;
             for tc in (0..TILE).step_by(LANES) {
+                // The per-sample bound, sites in order.
                 let fires = (0..LANES).any(|l| {
-                    let sum = sites[j * nc..(j + 1) * nc]
-                        .iter()
-                        .fold(0f32, |s, &c| s + qs(c as usize, tc + l));
-                    sum * scale >= th * th
+                    let sum = sites[j * nc..(j + 1) * nc].iter().enumerate().fold(
+                        0f32,
+                        |sum, (ci, &c)| {
+                            let w = (0..nsz)
+                                .map(|s| weights[(j * nc + ci) * nsz + s].abs())
+                                .fold(0f32, f32::max);
+                            sum + w * qs(c as usize, tc + l)
+                        },
+                    );
+                    sum * 1.01 >= th
                 });
                 computed += usize::from(fires);
                 assert_eq!(done[j * CHUNKS + tc / LANES], u8::from(fires));

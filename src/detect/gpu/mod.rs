@@ -57,7 +57,8 @@ use blocks::RowBlocks;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GpuOptions {
     /// Step 2 skips (j, t) whose Cauchy–Schwarz bound is below Th_universal
-    /// (as the CPU's pruned path); false computes every value (Kilosort4's arrays).
+    /// (the CPU's pruned path skips by a tighter bound; both detect the same
+    /// spikes); false computes every value (Kilosort4's arrays).
     pub pruned: bool,
     /// Step 3 runs only at candidates (As > Th_universal) inside step 4 instead of
     /// as a dense pass over all centres and samples.
@@ -747,6 +748,7 @@ impl<R: Runtime> GpuDetector<R> {
             weights,
             neighbours,
             weight_norm2,
+            weight_max: _,
         } = cpu::CentreMajor::new(&geometry);
         let hw = &client.properties().hardware;
         let max_shared = hw.max_shared_memory_size.min(48 * 1024);
