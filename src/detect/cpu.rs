@@ -1502,7 +1502,8 @@ fn pruned_impl<const NSZ: usize>(
                             sum[l] += w * qc[l];
                         }
                     }
-                    *p = sum.iter().any(|&v| over(v));
+                    // Every lane compared, no early exit: one vector compare.
+                    *p = sum.iter().fold(false, |a, &v| a | over(v));
                 }
             }
             if pass.iter().any(|&p| p) {
@@ -1516,9 +1517,16 @@ fn pruned_impl<const NSZ: usize>(
                     let r = h * LANES..(h + 1) * LANES;
                     as_t[at..at + LANES].copy_from_slice(&as_pair[r.clone()]);
                     imax_t[at..at + LANES].copy_from_slice(&imax_pair[r]);
-                    for (l, &v) in as_t[at..at + LANES].iter().enumerate() {
-                        let t = t0 + tc + l;
-                        if v > th && t < nt_w {
+                    // The lanes above the threshold as bits (one vector
+                    // compare), then each in ascending order.
+                    let mut hits = as_t[at..at + LANES]
+                        .iter()
+                        .enumerate()
+                        .fold(0u32, |m, (l, &v)| m | (u32::from(v > th) << l));
+                    while hits != 0 {
+                        let t = t0 + tc + hits.trailing_zeros() as usize;
+                        hits &= hits - 1;
+                        if t < nt_w {
                             cands.push((j as u32, t as u64));
                         }
                     }
