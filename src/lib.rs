@@ -92,6 +92,7 @@ pub mod preprocess_folder;
 pub mod probe;
 pub mod provenance;
 pub mod recording;
+mod simd;
 pub mod simulate;
 pub mod sort;
 pub mod stages;

@@ -848,7 +848,7 @@ fn filter_bank_with_bound(
     };
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if crate::simd::avx512() {
             // SAFETY: the CPU supports AVX-512F, checked just above.
             return unsafe { filter_taps_avx512(seg, wt, out, q) };
         }
@@ -1287,7 +1287,7 @@ struct Lanes16(());
 #[cfg(target_arch = "x86_64")]
 impl Lanes16 {
     fn detect() -> Option<Lanes16> {
-        std::arch::is_x86_feature_detected!("avx512f").then_some(Lanes16(()))
+        crate::simd::avx512().then_some(Lanes16(()))
     }
 }
 
@@ -1857,7 +1857,7 @@ mod tests {
                 }
             }
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if crate::simd::avx512() {
                 let mut out512 = vec![0f32; NK * TILE];
                 let mut q512 = vec![0f32; TILE];
                 // SAFETY: the CPU has AVX-512F, checked just above.

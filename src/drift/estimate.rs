@@ -254,7 +254,7 @@ fn scores_lanes(
         ) -> [f32; LAG_LANES] {
             scores_lanes_impl(e, len, t, n, nc, dk)
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if crate::simd::avx512() {
             // SAFETY: the CPU has AVX-512F, checked just above.
             return unsafe { avx512(e, len, t, n, nc, dk) };
         }

@@ -689,7 +689,7 @@ impl CircularIir {
             ) {
                 iir.filter_rows_f64(rows, chunk, u)
             }
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if crate::simd::avx512() {
                 // SAFETY: the CPU supports AVX-512F, checked just above.
                 return unsafe { avx512(self, rows, chunk, u) };
             }

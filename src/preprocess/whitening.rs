@@ -696,7 +696,7 @@ fn sparse_block(
         ) {
             sparse_block_impl(block, rows, tmp, stride)
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if crate::simd::avx512() {
             // SAFETY: the CPU supports AVX-512F, checked just above.
             unsafe { sparse_block_avx512(block, rows, tmp, stride) };
             return;

@@ -625,7 +625,7 @@ impl Simd {
     fn detect() -> Simd {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if crate::simd::avx512() {
                 return Simd::Avx512;
             }
             if std::arch::is_x86_feature_detected!("avx2") {

@@ -271,7 +271,7 @@ fn tile_dists(x: &[&[f32]; TILE_Q], lt: &[f32]) -> [[f32; TILE_L]; TILE_Q] {
         fn avx2(x: &[&[f32]; TILE_Q], lt: &[f32]) -> [[f32; TILE_L]; TILE_Q] {
             tile_dists_impl(x, lt)
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if crate::simd::avx512() {
             // SAFETY: the CPU supports AVX-512F, checked just above.
             return unsafe { avx512(x, lt) };
         }

@@ -696,7 +696,7 @@ fn block_gains(
         ) {
             block_gains_impl(b, v0, ct, cn, dim, live, o)
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if crate::simd::avx512() {
             // SAFETY: the CPU supports AVX-512F, checked just above.
             unsafe { avx512(block, v0, ct, cn, dim, live, out) };
             return;
@@ -846,7 +846,7 @@ impl Level {
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::is_x86_feature_detected as has;
-            if has!("avx512f") && has!("avx512bw") {
+            if crate::simd::avx512() && has!("avx512bw") {
                 if has!("avx512vnni") {
                     return Level::Avx512Vnni;
                 }

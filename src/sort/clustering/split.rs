@@ -192,7 +192,7 @@ fn accumulate_normal_equations<'a>(
         fn avx2(row: &[f32], lab: f64, w: f64, cc: &mut [f64], rhs: &mut [f64], x: &mut [f64]) {
             one_row(row, lab, w, cc, rhs, x)
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if crate::simd::avx512() {
             for (row, lab, w) in rows {
                 // SAFETY: the CPU has AVX-512F.
                 unsafe { avx512(row, lab, w, cc, rhs, x) };
