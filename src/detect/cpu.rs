@@ -132,8 +132,6 @@ pub(crate) struct CentreMajor {
     pub weights: Vec<f32>,
     /// Per centre, its nC2 neighbour centres (iC2\[:, j\]): Nf × nC2.
     pub neighbours: Vec<u32>,
-    /// Per centre, max over sizes of Σ_c weigh², for the device's pruning bound.
-    pub weight_norm2: Vec<f32>,
     /// Per centre and site, max over sizes of |weigh\[s, c, j\]|: Nf × nC, for
     /// the bound of [`centre_response_pruned`].
     pub weight_max: Vec<f32>,
@@ -149,17 +147,6 @@ impl CentreMajor {
         let mut weights = Vec::with_capacity(nf * nc * nsz);
         let mut neighbours = Vec::with_capacity(nf * nc2);
         let mut weight_max = Vec::with_capacity(nf * nc);
-        let weight_norm2: Vec<f32> = (0..nf)
-            .map(|j| {
-                (0..nsz)
-                    .map(|s| {
-                        (0..nc)
-                            .map(|c| (geometry.weigh[[s, c, j]] as f64).powi(2))
-                            .sum::<f64>()
-                    })
-                    .fold(0f64, f64::max) as f32
-            })
-            .collect();
         for j in 0..nf {
             for c in 0..nc {
                 sites.push(geometry.i_c[[c, j]]);
@@ -176,7 +163,6 @@ impl CentreMajor {
             sites,
             weights,
             neighbours,
-            weight_norm2,
             weight_max,
         }
     }
@@ -269,7 +255,6 @@ impl CpuDetector {
             sites,
             weights,
             neighbours,
-            weight_norm2: _,
             weight_max,
         } = CentreMajor::new(&geometry);
         Ok(CpuDetector {

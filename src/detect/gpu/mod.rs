@@ -747,9 +747,23 @@ impl<R: Runtime> GpuDetector<R> {
             sites,
             weights,
             neighbours,
-            weight_norm2,
             weight_max: _,
         } = cpu::CentreMajor::new(&geometry);
+        // Per centre, max over sizes of Σ_c weigh² (summed in f64), for the
+        // pruning bound of `centre_response_kernel`.
+        let (nc_j, nsz) = (geometry.n_chans(), geometry.n_sizes());
+        let weight_norm2: Vec<f32> = weights
+            .chunks_exact(nc_j * nsz)
+            .map(|w_j| {
+                (0..nsz)
+                    .map(|s| {
+                        (0..nc_j)
+                            .map(|c| (w_j[c * nsz + s] as f64).powi(2))
+                            .sum::<f64>()
+                    })
+                    .fold(0f64, f64::max) as f32
+            })
+            .collect();
         let hw = &client.properties().hardware;
         let max_shared = hw.max_shared_memory_size.min(48 * 1024);
         let max_units = (hw.max_units_per_cube as usize).min(256);
