@@ -198,7 +198,9 @@ pub struct CpuDetector {
     chunk_max: Vec<f32>,
     amax_buf: Vec<f32>,
     /// (centre, sample) where As > Th_universal, from the last pruned steps
-    /// 1–3: one list per tile, as the tile gathered them.
+    /// 1–3: one list per tile, as the tile gathered them, less those a
+    /// larger As within the same tile already rules out
+    /// ([`PeakSpan::beaten_in_tile`]).
     candidates: Vec<Vec<(u32, u64)>>,
     nt_window: usize,
     /// Busy seconds per step since the last [`CpuDetector::take_step_seconds`].
@@ -471,6 +473,9 @@ impl CpuDetector {
         let neighbours = &self.neighbours;
         let weight_max = &self.weight_max;
         let th = self.settings.th_universal;
+        let half = self.settings.nt0min();
+        let nt = self.settings.nt;
+        let (lo_valid, hi_valid) = (nt.min(nt_w), nt_w.saturating_sub(nt));
         let mut amax_chunks: Vec<&mut [f32]> = if dense {
             self.amax_buf.chunks_mut(nf * TILE).collect()
         } else {
@@ -514,6 +519,12 @@ impl CpuDetector {
                     } else {
                         let mut cands = Vec::new();
                         done.resize(nf * CHUNKS, 0);
+                        let span = PeakSpan {
+                            t0,
+                            half,
+                            lo_valid,
+                            hi_valid,
+                        };
                         let tile = PrunedTile {
                             sites,
                             weights,
@@ -523,6 +534,7 @@ impl CpuDetector {
                             t0,
                             nt_w,
                             q_ready: true,
+                            flanks: Some(span),
                         };
                         centre_response_pruned_into(
                             b,
@@ -534,6 +546,13 @@ impl CpuDetector {
                             &mut cands,
                         );
                         chunk_maxima(as_t, done, cmax_t);
+                        // While the tile is in cache: drop the candidates that
+                        // a larger As within the tile already rules out.
+                        cands.retain(|&(j, t)| {
+                            !span.beaten_in_tile(
+                                as_t, cmax_t, neighbours, nc2, j as usize, t as usize,
+                            )
+                        });
                         (cands, non_finite)
                     }
                 })
@@ -578,9 +597,10 @@ impl CpuDetector {
                 .collect();
             return per_centre.into_iter().flatten().collect();
         }
-        // Candidates: every (j, t) with As > Th, gathered per tile by steps
-        // 1–3. Each is tested on its own; the few detections are then put
-        // in (centre, sample) order (the pairs are distinct).
+        // Candidates: every (j, t) with As > Th that steps 1–3 did not already
+        // rule out within its tile. Each is tested in full on its own (its
+        // range may reach into the tiles beside); the few detections are
+        // then put in (centre, sample) order (the pairs are distinct).
         let (lo_valid, hi_valid) = (nt.min(nt_w), nt_w.saturating_sub(nt));
         let mut peaks: Vec<(u32, u64)> = self
             .candidates
@@ -751,6 +771,8 @@ pub const GROUP: usize = 32;
 const N_GROUPS: usize = TILE / GROUP;
 /// Chunks of [`LANES`] samples per tile.
 const CHUNKS: usize = TILE / LANES;
+// One row of a tile: its samples as the bits of a u128, its chunks as a u16.
+const _: () = assert!(TILE == 128 && CHUNKS <= 16);
 const _: () = assert!(TILE.is_multiple_of(GROUP) && GROUP.is_multiple_of(2 * LANES));
 
 /// Scratch values [`centre_response_pruned`] needs for `n_ch` channels: the
@@ -1148,6 +1170,7 @@ pub fn centre_response_pruned(
         t0: 0,
         nt_w: 0,
         q_ready: false,
+        flanks: None,
     };
     centre_response_pruned_into(b, q, &tile, as_t, imax_t, None, &mut Vec::new());
 }
@@ -1167,11 +1190,17 @@ struct PrunedTile<'a> {
     /// Whether the scratch's per-sample bound terms (its first C·TILE
     /// values) were already written by [`filter_bank_with_bound`].
     q_ready: bool,
+    /// With a span: a candidate is not gathered when the sample before or
+    /// after it in its own row, within the tile and the span's valid
+    /// samples, holds a larger As (it would fail the first comparison of
+    /// [`CpuDetector::local_peaks`]).
+    flanks: Option<PeakSpan>,
 }
 
 /// [`centre_response_pruned`], also appending to `cands` the (centre, sample)
-/// pairs where As > Th_universal, in centre then sample order, as the chunks
-/// are computed (pruned chunks hold none). With `done` (nf × [`CHUNKS`]
+/// pairs where As > Th_universal, in centre then sample order, as each
+/// centre's row is computed (pruned chunks hold none; with `tile.flanks`,
+/// those beside a larger As of their row are left out). With `done` (nf × [`CHUNKS`]
 /// flags), a pruned chunk is marked 0 there and its As and imax are left as
 /// they were instead of zeroed; a computed one is marked 1.
 #[allow(clippy::too_many_arguments)]
@@ -1448,6 +1477,7 @@ fn pruned_impl<const NSZ: usize>(
         th,
         t0,
         nt_w,
+        flanks,
         ..
     } = *tile;
     let nsz = NSZ;
@@ -1471,6 +1501,9 @@ fn pruned_impl<const NSZ: usize>(
             }
         }
         let over = |v: f32| v * 1.01 >= th;
+        // Row j's lanes above the threshold, and its computed chunks.
+        let mut above = 0u128;
+        let mut computed = 0u16;
         // Two chunks at a time (one group holds both): each chunk is
         // computed exactly when its own bound lets it through.
         for tp in (0..TILE).step_by(2 * LANES) {
@@ -1503,18 +1536,13 @@ fn pruned_impl<const NSZ: usize>(
                     as_t[at..at + LANES].copy_from_slice(&as_pair[r.clone()]);
                     imax_t[at..at + LANES].copy_from_slice(&imax_pair[r]);
                     // The lanes above the threshold as bits (one vector
-                    // compare), then each in ascending order.
-                    let mut hits = as_t[at..at + LANES]
+                    // compare), gathered once the row is done.
+                    let hits = as_t[at..at + LANES]
                         .iter()
                         .enumerate()
                         .fold(0u32, |m, (l, &v)| m | (u32::from(v > th) << l));
-                    while hits != 0 {
-                        let t = t0 + tc + hits.trailing_zeros() as usize;
-                        hits &= hits - 1;
-                        if t < nt_w {
-                            cands.push((j as u32, t as u64));
-                        }
-                    }
+                    above |= u128::from(hits) << tc;
+                    computed |= 1 << (tc / LANES);
                     if let Some(d) = done.as_deref_mut() {
                         d[flag] = 1;
                     }
@@ -1529,6 +1557,18 @@ fn pruned_impl<const NSZ: usize>(
                 }
             }
         }
+        if above != 0 {
+            gather_row(
+                &as_t[j * TILE..(j + 1) * TILE],
+                above,
+                computed,
+                j as u32,
+                t0,
+                nt_w,
+                flanks,
+                cands,
+            );
+        }
     }
 }
 
@@ -1537,6 +1577,123 @@ enum Against {
     Above,
     Equal,
     Below,
+}
+
+/// Appends to `cands` the samples of one row of a tile (`row`: its As,
+/// TILE values) whose bits `above` sets, in ascending order, below `nt_w`.
+/// With `flanks`, one whose neighbour sample in the row, within the tile and
+/// the span's valid samples, holds a larger As is left out; a chunk that
+/// `computed` does not mark stands for zeros (its values are stale).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn gather_row(
+    row: &[f32],
+    above: u128,
+    computed: u16,
+    j: u32,
+    t0: usize,
+    nt_w: usize,
+    flanks: Option<PeakSpan>,
+    cands: &mut Vec<(u32, u64)>,
+) {
+    let mut bits = above;
+    while bits != 0 {
+        let tt = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        let t = t0 + tt;
+        if t >= nt_w {
+            break;
+        }
+        if let Some(span) = flanks {
+            let v = row[tt];
+            let beats = |u: usize| {
+                let ut = t0 + u;
+                span.half >= 1
+                    && (span.lo_valid..span.hi_valid).contains(&ut)
+                    && computed & (1 << (u / LANES)) != 0
+                    && row[u] > v
+            };
+            if (tt > 0 && beats(tt - 1)) || (tt + 1 < TILE && beats(tt + 1)) {
+                continue;
+            }
+        }
+        cands.push((j, t as u64));
+    }
+}
+
+/// Where a candidate's step-4 test looks, for the part of it one tile can
+/// settle: the tile's first sample `t0`, the ±`half` samples (nt0min) and the
+/// samples `lo_valid .. hi_valid` outside the zeroed edges.
+#[derive(Clone, Copy)]
+struct PeakSpan {
+    t0: usize,
+    half: usize,
+    lo_valid: usize,
+    hi_valid: usize,
+}
+
+impl PeakSpan {
+    /// Whether candidate (`j`, `t`) of this tile (As = v > 0) has a larger As
+    /// within the tile, in its own row or a neighbour's (`neighbours`: nf ×
+    /// `nc2`), among the samples [`CpuDetector::local_peaks`] compares it
+    /// with. Such a candidate fails that test, so dropping it early leaves
+    /// the detections as they were; one that passes here is tested in full
+    /// there (its range may reach into the tiles beside this one). `as_t`
+    /// and `cmax_t` are the tile's As and chunk maxima ([`chunk_maxima`]).
+    fn beaten_in_tile(
+        self,
+        as_t: &[f32],
+        cmax_t: &[f32],
+        neighbours: &[u32],
+        nc2: usize,
+        j: usize,
+        t: usize,
+    ) -> bool {
+        let PeakSpan {
+            t0,
+            half,
+            lo_valid,
+            hi_valid,
+        } = self;
+        let v = as_t[j * TILE + t - t0];
+        let lo = t.saturating_sub(half).max(lo_valid).max(t0) - t0;
+        let hi = (t + half + 1)
+            .min(hi_valid)
+            .min(t0 + TILE)
+            .saturating_sub(t0);
+        if lo >= hi {
+            return false;
+        }
+        let tt = t - t0;
+        let beaten = |n: usize, lo: usize, hi: usize| {
+            let row = &as_t[n * TILE..(n + 1) * TILE];
+            let cm = &cmax_t[n * CHUNKS..(n + 1) * CHUNKS];
+            let mut u = lo;
+            while u < hi {
+                let chunk = u / LANES;
+                let end = ((chunk + 1) * LANES).min(hi);
+                // A skipped chunk's maximum is 0 < v, and its stale values
+                // are never read.
+                if cm[chunk] > v && row[u..end].iter().any(|&x| x > v) {
+                    return true;
+                }
+                u = end;
+            }
+            false
+        };
+        // The samples beside t first, as in the full test.
+        let (lo1, hi1) = (tt.saturating_sub(1).max(lo), (tt + 2).min(hi));
+        if lo1 < hi1 && beaten(j, lo1, hi1) {
+            return true;
+        }
+        std::iter::once(j)
+            .chain(
+                neighbours[j * nc2..(j + 1) * nc2]
+                    .iter()
+                    .map(|&n| n as usize),
+            )
+            .any(|n| beaten(n, lo, hi))
+    }
 }
 
 /// The largest As of each chunk of one tile (`as_t`: nf × TILE; `done`,
@@ -1863,12 +2020,10 @@ mod tests {
         x
     }
 
-    /// The coarse bound changes nothing: the pruned step 2 computes exactly the
-    /// chunks the per-sample bound alone lets through (there with the dense
-    /// values, elsewhere zeros), and the candidates gathered on the way are the
-    /// samples where As > Th_universal.
-    #[test]
-    fn coarse_bound_computes_the_same_chunks_as_the_per_sample_bound() {
+    /// A tile's step-1 outputs B (24 sites, unit-scale noise with 12 large
+    /// events, each `width` samples long), and 40 centres of 6 sites and 5
+    /// sizes with random weights: (B, sites, weights).
+    fn noisy_tile(width: usize) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
         let (n_ch, nf, nc, nsz) = (24usize, 40usize, 6usize, 5usize);
         let mut state = 11u64;
         let mut rnd = || {
@@ -1877,19 +2032,110 @@ mod tests {
                 .wrapping_add(1442695040888963407);
             ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
         };
-        // B: unit-scale noise with a few large events.
         let mut b: Vec<f32> = (0..n_ch * NK * TILE).map(|_| rnd() * 3.0).collect();
         for e in 0..12 {
             let c = (e * 7) % n_ch;
-            let t = (e * 53) % TILE;
-            for k in 0..NK {
-                b[(c * NK + k) * TILE + t] = 10.0 + 4.0 * rnd();
+            for t in ((e * 53) % TILE..).take(width).filter(|&t| t < TILE) {
+                for k in 0..NK {
+                    b[(c * NK + k) * TILE + t] = 10.0 + 4.0 * rnd();
+                }
             }
         }
         let sites: Vec<u32> = (0..nf * nc)
             .map(|i| ((i / nc + i % nc) % n_ch) as u32)
             .collect();
         let weights: Vec<f32> = (0..nf * nc * nsz).map(|_| rnd()).collect();
+        (b, sites, weights)
+    }
+
+    /// With `flanks`, the pruned step 2 leaves out exactly the candidates
+    /// beside a larger As of their own row (within the tile, the valid
+    /// samples and the computed chunks), on either vector width.
+    #[test]
+    fn flanks_leave_out_candidates_beside_a_larger_as() {
+        let (b, sites, weights) = noisy_tile(4);
+        let (n_ch, nf, nsz) = (24usize, 40usize, 5usize);
+        let th = 3.0f32;
+        let mut as_d = vec![0f32; nf * TILE];
+        let mut im_d = vec![0i8; nf * TILE];
+        centre_response(&b, &sites, &weights, nsz, &mut as_d, &mut im_d);
+        let weight_max: Vec<f32> = weights.chunks_exact(nsz).map(largest_magnitudes).collect();
+        let span = PeakSpan {
+            t0: 1000,
+            half: 2,
+            lo_valid: 1003,
+            hi_valid: 1000 + TILE - 9,
+        };
+        let mut tile = PrunedTile {
+            sites: &sites,
+            weights: &weights,
+            weight_max: &weight_max,
+            nsz,
+            th,
+            t0: 1000,
+            nt_w: 1000 + TILE - 3,
+            q_ready: false,
+            flanks: None,
+        };
+        let run = |tile: &PrunedTile, wide: bool| {
+            let mut q = vec![0f32; pruned_scratch_len(n_ch)];
+            let (mut as_t, mut im_t) = (vec![7f32; nf * TILE], vec![7i8; nf * TILE]);
+            let mut done = vec![9u8; nf * CHUNKS];
+            let mut cands = Vec::new();
+            if wide {
+                centre_response_pruned_into(
+                    &b,
+                    &mut q,
+                    tile,
+                    &mut as_t,
+                    &mut im_t,
+                    Some(&mut done),
+                    &mut cands,
+                );
+            } else {
+                centre_response_pruned_sizes(
+                    &b,
+                    &mut q,
+                    tile,
+                    &mut as_t,
+                    &mut im_t,
+                    Some(&mut done),
+                    &mut cands,
+                    Lanes8,
+                );
+            }
+            (cands, done)
+        };
+        let (all, done) = run(&tile, true);
+        let beside_larger = |&(j, t): &(u32, u64)| {
+            let (j, tt) = (j as usize, t as usize - 1000);
+            [tt.wrapping_sub(1), tt + 1].into_iter().any(|u| {
+                u < TILE
+                    && (span.lo_valid..span.hi_valid).contains(&(1000 + u))
+                    && done[j * CHUNKS + u / LANES] == 1
+                    && as_d[j * TILE + u] > as_d[j * TILE + tt]
+            })
+        };
+        let want: Vec<(u32, u64)> = all.iter().copied().filter(|c| !beside_larger(c)).collect();
+        assert!(
+            !want.is_empty() && want.len() < all.len(),
+            "{} of {}",
+            want.len(),
+            all.len()
+        );
+        tile.flanks = Some(span);
+        assert_eq!(run(&tile, true).0, want);
+        assert_eq!(run(&tile, false).0, want);
+    }
+
+    /// The coarse bound changes nothing: the pruned step 2 computes exactly the
+    /// chunks the per-sample bound alone lets through (there with the dense
+    /// values, elsewhere zeros), and the candidates gathered on the way are the
+    /// samples where As > Th_universal.
+    #[test]
+    fn coarse_bound_computes_the_same_chunks_as_the_per_sample_bound() {
+        let (b, sites, weights) = noisy_tile(1);
+        let (n_ch, nf, nc, nsz) = (24usize, 40usize, 6usize, 5usize);
         let th = 3.0f32;
         let mut as_d = vec![0f32; nf * TILE];
         let mut im_d = vec![0i8; nf * TILE];
@@ -1906,6 +2152,7 @@ mod tests {
             t0: 1000,
             nt_w: 1000 + TILE - 3,
             q_ready: false,
+            flanks: None,
         };
         let mut cands = Vec::new();
         centre_response_pruned_into(&b, &mut q, &tile, &mut as_p, &mut im_p, None, &mut cands);
