@@ -2020,32 +2020,76 @@ mod tests {
         x
     }
 
-    /// A tile's step-1 outputs B (24 sites, unit-scale noise with 12 large
-    /// events, each `width` samples long), and 40 centres of 6 sites and 5
-    /// sizes with random weights: (B, sites, weights).
-    fn noisy_tile(width: usize) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
-        let (n_ch, nf, nc, nsz) = (24usize, 40usize, 6usize, 5usize);
-        let mut state = 11u64;
-        let mut rnd = || {
+    /// Uniform values in [−0.5, 0.5) from a 64-bit linear congruential
+    /// generator seeded with `seed`.
+    fn uniform_centred(mut state: u64) -> impl FnMut() -> f32 {
+        move || {
             state = state
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-        };
-        let mut b: Vec<f32> = (0..n_ch * NK * TILE).map(|_| rnd() * 3.0).collect();
-        for e in 0..12 {
-            let c = (e * 7) % n_ch;
-            for t in ((e * 53) % TILE..).take(width).filter(|&t| t < TILE) {
-                for k in 0..NK {
-                    b[(c * NK + k) * TILE + t] = 10.0 + 4.0 * rnd();
+        }
+    }
+
+    /// A tile's step-1 outputs B (24 sites, unit-scale noise with 12 large
+    /// events, each `width` samples long), 40 centres of 6 sites and 5 sizes
+    /// with random weights, and the dense step 2 of them.
+    struct NoisyTile {
+        b: Vec<f32>,
+        sites: Vec<u32>,
+        weights: Vec<f32>,
+        weight_max: Vec<f32>,
+        /// The dense As and imax (nf × TILE).
+        as_d: Vec<f32>,
+        im_d: Vec<i8>,
+    }
+
+    impl NoisyTile {
+        fn new(width: usize) -> Self {
+            let (n_ch, nf, nc, nsz) = (24usize, 40usize, 6usize, 5usize);
+            let mut rnd = uniform_centred(11);
+            let mut b: Vec<f32> = (0..n_ch * NK * TILE).map(|_| rnd() * 3.0).collect();
+            for e in 0..12 {
+                let c = (e * 7) % n_ch;
+                for t in ((e * 53) % TILE..).take(width).filter(|&t| t < TILE) {
+                    for k in 0..NK {
+                        b[(c * NK + k) * TILE + t] = 10.0 + 4.0 * rnd();
+                    }
                 }
             }
+            let sites: Vec<u32> = (0..nf * nc)
+                .map(|i| ((i / nc + i % nc) % n_ch) as u32)
+                .collect();
+            let weights: Vec<f32> = (0..nf * nc * nsz).map(|_| rnd()).collect();
+            let mut as_d = vec![0f32; nf * TILE];
+            let mut im_d = vec![0i8; nf * TILE];
+            centre_response(&b, &sites, &weights, nsz, &mut as_d, &mut im_d);
+            let weight_max = weights.chunks_exact(nsz).map(largest_magnitudes).collect();
+            NoisyTile {
+                b,
+                sites,
+                weights,
+                weight_max,
+                as_d,
+                im_d,
+            }
         }
-        let sites: Vec<u32> = (0..nf * nc)
-            .map(|i| ((i / nc + i % nc) % n_ch) as u32)
-            .collect();
-        let weights: Vec<f32> = (0..nf * nc * nsz).map(|_| rnd()).collect();
-        (b, sites, weights)
+
+        /// The tile at samples 1000 .. 1000 + TILE of a window that ends 3
+        /// samples before the tile does, Th_universal 3.
+        fn pruned(&self, flanks: Option<PeakSpan>) -> PrunedTile<'_> {
+            PrunedTile {
+                sites: &self.sites,
+                weights: &self.weights,
+                weight_max: &self.weight_max,
+                nsz: 5,
+                th: 3.0,
+                t0: 1000,
+                nt_w: 1000 + TILE - 3,
+                q_ready: false,
+                flanks,
+            }
+        }
     }
 
     /// With `flanks`, the pruned step 2 leaves out exactly the candidates
@@ -2053,29 +2097,14 @@ mod tests {
     /// samples and the computed chunks), on either vector width.
     #[test]
     fn flanks_leave_out_candidates_beside_a_larger_as() {
-        let (b, sites, weights) = noisy_tile(4);
-        let (n_ch, nf, nsz) = (24usize, 40usize, 5usize);
-        let th = 3.0f32;
-        let mut as_d = vec![0f32; nf * TILE];
-        let mut im_d = vec![0i8; nf * TILE];
-        centre_response(&b, &sites, &weights, nsz, &mut as_d, &mut im_d);
-        let weight_max: Vec<f32> = weights.chunks_exact(nsz).map(largest_magnitudes).collect();
+        let noisy = NoisyTile::new(4);
+        let (n_ch, nf) = (24usize, 40usize);
+        let (b, as_d) = (&noisy.b, &noisy.as_d);
         let span = PeakSpan {
             t0: 1000,
             half: 2,
             lo_valid: 1003,
             hi_valid: 1000 + TILE - 9,
-        };
-        let mut tile = PrunedTile {
-            sites: &sites,
-            weights: &weights,
-            weight_max: &weight_max,
-            nsz,
-            th,
-            t0: 1000,
-            nt_w: 1000 + TILE - 3,
-            q_ready: false,
-            flanks: None,
         };
         let run = |tile: &PrunedTile, wide: bool| {
             let mut q = vec![0f32; pruned_scratch_len(n_ch)];
@@ -2084,7 +2113,7 @@ mod tests {
             let mut cands = Vec::new();
             if wide {
                 centre_response_pruned_into(
-                    &b,
+                    b,
                     &mut q,
                     tile,
                     &mut as_t,
@@ -2094,7 +2123,7 @@ mod tests {
                 );
             } else {
                 centre_response_pruned_sizes(
-                    &b,
+                    b,
                     &mut q,
                     tile,
                     &mut as_t,
@@ -2106,7 +2135,7 @@ mod tests {
             }
             (cands, done)
         };
-        let (all, done) = run(&tile, true);
+        let (all, done) = run(&noisy.pruned(None), true);
         let beside_larger = |&(j, t): &(u32, u64)| {
             let (j, tt) = (j as usize, t as usize - 1000);
             [tt.wrapping_sub(1), tt + 1].into_iter().any(|u| {
@@ -2123,9 +2152,9 @@ mod tests {
             want.len(),
             all.len()
         );
-        tile.flanks = Some(span);
-        assert_eq!(run(&tile, true).0, want);
-        assert_eq!(run(&tile, false).0, want);
+        let flanked = noisy.pruned(Some(span));
+        assert_eq!(run(&flanked, true).0, want);
+        assert_eq!(run(&flanked, false).0, want);
     }
 
     /// The coarse bound changes nothing: the pruned step 2 computes exactly the
@@ -2134,34 +2163,28 @@ mod tests {
     /// samples where As > Th_universal.
     #[test]
     fn coarse_bound_computes_the_same_chunks_as_the_per_sample_bound() {
-        let (b, sites, weights) = noisy_tile(1);
+        let noisy = NoisyTile::new(1);
         let (n_ch, nf, nc, nsz) = (24usize, 40usize, 6usize, 5usize);
         let th = 3.0f32;
-        let mut as_d = vec![0f32; nf * TILE];
-        let mut im_d = vec![0i8; nf * TILE];
-        centre_response(&b, &sites, &weights, nsz, &mut as_d, &mut im_d);
+        let NoisyTile {
+            b,
+            sites,
+            weights,
+            as_d,
+            im_d,
+            ..
+        } = &noisy;
         let mut q = vec![0f32; pruned_scratch_len(n_ch)];
         let (mut as_p, mut im_p) = (vec![1f32; nf * TILE], vec![1i8; nf * TILE]);
-        let weight_max: Vec<f32> = weights.chunks_exact(nsz).map(largest_magnitudes).collect();
-        let tile = PrunedTile {
-            sites: &sites,
-            weights: &weights,
-            weight_max: &weight_max,
-            nsz,
-            th,
-            t0: 1000,
-            nt_w: 1000 + TILE - 3,
-            q_ready: false,
-            flanks: None,
-        };
+        let tile = noisy.pruned(None);
         let mut cands = Vec::new();
-        centre_response_pruned_into(&b, &mut q, &tile, &mut as_p, &mut im_p, None, &mut cands);
+        centre_response_pruned_into(b, &mut q, &tile, &mut as_p, &mut im_p, None, &mut cands);
         // With flags: the same computed values, skipped chunks left as they were.
         let (mut as_f, mut im_f) = (vec![7f32; nf * TILE], vec![7i8; nf * TILE]);
         let mut done = vec![9u8; nf * CHUNKS];
         let mut cands_f = Vec::new();
         centre_response_pruned_into(
-            &b,
+            b,
             &mut q,
             &tile,
             &mut as_f,
@@ -2175,7 +2198,7 @@ mod tests {
         let mut done_8 = vec![9u8; nf * CHUNKS];
         let mut cands_8 = Vec::new();
         centre_response_pruned_sizes(
-            &b,
+            b,
             &mut q,
             &tile,
             &mut as_8,
@@ -2283,13 +2306,7 @@ mod tests {
             return;
         };
         let (n_ch, nc) = (12usize, 5usize);
-        let mut state = 7u64;
-        let mut rnd = || {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-        };
+        let mut rnd = uniform_centred(7);
         let mut b: Vec<f32> = (0..n_ch * NK * TILE).map(|_| rnd() * 8.0).collect();
         // Channel 3: templates 0 and 1 equal (ties across k); channel 4: zero.
         for t in 0..TILE {
