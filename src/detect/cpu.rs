@@ -200,7 +200,7 @@ pub struct CpuDetector {
     /// (centre, sample) where As > Th_universal, from the last pruned steps
     /// 1–3: one list per tile, as the tile gathered them, less those a
     /// larger As within the same tile already rules out
-    /// ([`PeakSpan::beaten_in_tile`]).
+    /// ([`TileAs::beaten`]).
     candidates: Vec<Vec<(u32, u64)>>,
     nt_window: usize,
     /// Busy seconds per step since the last [`CpuDetector::take_step_seconds`].
@@ -386,39 +386,27 @@ impl CpuDetector {
         check_window(&self.geometry, &self.settings, x, yc)
     }
 
-    /// How the As of centre `j` over samples `lo..hi` compare with `v` > 0:
-    /// some value above it, else some value equal to it, else all below (a
-    /// skipped chunk stands for zeros; NaN is neither above nor equal). Each
-    /// chunk's maximum ([`chunk_maxima`]) settles most chunks; only a chunk
-    /// cut by `lo..hi` whose maximum reaches `v` is read value by value.
+    /// How the As of centre `j` over samples `lo..hi` compare with `v` > 0
+    /// ([`TileAs::row_against`], tile by tile).
     #[inline]
     fn row_against(&self, j: usize, lo: usize, hi: usize, v: f32) -> Against {
+        if lo >= hi {
+            return Against::Below;
+        }
         let nf = self.geometry.n_centres();
         let mut equal = false;
-        let mut t = lo;
-        while t < hi {
-            let tile = t / TILE;
-            let chunk = (t % TILE) / LANES;
-            let start = tile * TILE + chunk * LANES;
-            let end = start + LANES;
-            let cm = self.chunk_max[(tile * nf + j) * CHUNKS + chunk];
-            if cm >= v {
-                if lo <= start && end <= hi {
-                    if cm > v {
-                        return Against::Above;
-                    }
-                    equal = true;
-                } else {
-                    let base = tile * nf * TILE + j * TILE - tile * TILE;
-                    for &x in &self.as_buf[base + t..base + end.min(hi)] {
-                        if x > v {
-                            return Against::Above;
-                        }
-                        equal |= x == v;
-                    }
-                }
+        for tile in lo / TILE..=(hi - 1) / TILE {
+            let t0 = tile * TILE;
+            let tile_as = TileAs {
+                t0,
+                as_t: &self.as_buf[tile * nf * TILE..(tile + 1) * nf * TILE],
+                cmax_t: &self.chunk_max[tile * nf * CHUNKS..(tile + 1) * nf * CHUNKS],
+            };
+            match tile_as.row_against(j, lo, hi, v) {
+                Against::Above => return Against::Above,
+                Against::Equal => equal = true,
+                Against::Below => {}
             }
-            t = end;
         }
         if equal {
             Against::Equal
@@ -473,9 +461,7 @@ impl CpuDetector {
         let neighbours = &self.neighbours;
         let weight_max = &self.weight_max;
         let th = self.settings.th_universal;
-        let half = self.settings.nt0min();
-        let nt = self.settings.nt;
-        let (lo_valid, hi_valid) = (nt.min(nt_w), nt_w.saturating_sub(nt));
+        let span = PeakSpan::of(&self.settings, nt_w);
         let mut amax_chunks: Vec<&mut [f32]> = if dense {
             self.amax_buf.chunks_mut(nf * TILE).collect()
         } else {
@@ -519,12 +505,6 @@ impl CpuDetector {
                     } else {
                         let mut cands = Vec::new();
                         done.resize(nf * CHUNKS, 0);
-                        let span = PeakSpan {
-                            t0,
-                            half,
-                            lo_valid,
-                            hi_valid,
-                        };
                         let tile = PrunedTile {
                             sites,
                             weights,
@@ -548,10 +528,9 @@ impl CpuDetector {
                         chunk_maxima(as_t, done, cmax_t);
                         // While the tile is in cache: drop the candidates that
                         // a larger As within the tile already rules out.
+                        let tile_as = TileAs { t0, as_t, cmax_t };
                         cands.retain(|&(j, t)| {
-                            !span.beaten_in_tile(
-                                as_t, cmax_t, neighbours, nc2, j as usize, t as usize,
-                            )
+                            !tile_as.beaten(span, neighbours, nc2, j as usize, t as usize)
                         });
                         (cands, non_finite)
                     }
@@ -601,7 +580,7 @@ impl CpuDetector {
         // rule out within its tile. Each is tested in full on its own (its
         // range may reach into the tiles beside); the few detections are
         // then put in (centre, sample) order (the pairs are distinct).
-        let (lo_valid, hi_valid) = (nt.min(nt_w), nt_w.saturating_sub(nt));
+        let span = PeakSpan::of(&self.settings, nt_w);
         let mut peaks: Vec<(u32, u64)> = self
             .candidates
             .par_iter()
@@ -609,13 +588,11 @@ impl CpuDetector {
             .filter(|&(j, t)| {
                 let (j, t) = (j as usize, t as usize);
                 let v = self.as_buf[self.index(j, t)];
-                let lo = t.saturating_sub(half).max(lo_valid);
-                let hi = (t + half + 1).min(hi_valid);
+                let (lo, hi) = span.range(t);
                 // The samples beside t first, then the own row: most
                 // candidates lie on a spike's flank and fail there.
-                if let Against::Above =
-                    self.row_against(j, t.saturating_sub(1).max(lo), (t + 2).min(hi), v)
-                {
+                let (lo1, hi1) = span.beside(t);
+                if let Against::Above = self.row_against(j, lo1, hi1, v) {
                     return false;
                 }
                 let mut equal = false;
@@ -1582,8 +1559,9 @@ enum Against {
 /// Appends to `cands` the samples of one row of a tile (`row`: its As,
 /// TILE values) whose bits `above` sets, in ascending order, below `nt_w`.
 /// With `flanks`, one whose neighbour sample in the row, within the tile and
-/// the span's valid samples, holds a larger As is left out; a chunk that
-/// `computed` does not mark stands for zeros (its values are stale).
+/// the samples the span compares it with, holds a larger As is left out; a
+/// chunk that `computed` does not mark stands for zeros (its values are
+/// stale).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn gather_row(
@@ -1606,12 +1584,9 @@ fn gather_row(
         }
         if let Some(span) = flanks {
             let v = row[tt];
+            let (lo, hi) = span.range(t);
             let beats = |u: usize| {
-                let ut = t0 + u;
-                span.half >= 1
-                    && (span.lo_valid..span.hi_valid).contains(&ut)
-                    && computed & (1 << (u / LANES)) != 0
-                    && row[u] > v
+                (lo..hi).contains(&(t0 + u)) && computed & (1 << (u / LANES)) != 0 && row[u] > v
             };
             if (tt > 0 && beats(tt - 1)) || (tt + 1 < TILE && beats(tt + 1)) {
                 continue;
@@ -1621,78 +1596,116 @@ fn gather_row(
     }
 }
 
-/// Where a candidate's step-4 test looks, for the part of it one tile can
-/// settle: the tile's first sample `t0`, the ±`half` samples (nt0min) and the
-/// samples `lo_valid .. hi_valid` outside the zeroed edges.
+/// Where step 4 compares a candidate: the ±`half` samples (nt0min) around
+/// it, within the samples `lo_valid .. hi_valid` outside the window's zeroed
+/// edges (nt at each end).
 #[derive(Clone, Copy)]
 struct PeakSpan {
-    t0: usize,
     half: usize,
     lo_valid: usize,
     hi_valid: usize,
 }
 
 impl PeakSpan {
-    /// Whether candidate (`j`, `t`) of this tile (As = v > 0) has a larger As
-    /// within the tile, in its own row or a neighbour's (`neighbours`: nf ×
-    /// `nc2`), among the samples [`CpuDetector::local_peaks`] compares it
-    /// with. Such a candidate fails that test, so dropping it early leaves
-    /// the detections as they were; one that passes here is tested in full
-    /// there (its range may reach into the tiles beside this one). `as_t`
-    /// and `cmax_t` are the tile's As and chunk maxima ([`chunk_maxima`]).
-    fn beaten_in_tile(
-        self,
-        as_t: &[f32],
-        cmax_t: &[f32],
-        neighbours: &[u32],
-        nc2: usize,
-        j: usize,
-        t: usize,
-    ) -> bool {
-        let PeakSpan {
-            t0,
-            half,
-            lo_valid,
-            hi_valid,
-        } = self;
-        let v = as_t[j * TILE + t - t0];
-        let lo = t.saturating_sub(half).max(lo_valid).max(t0) - t0;
-        let hi = (t + half + 1)
-            .min(hi_valid)
-            .min(t0 + TILE)
-            .saturating_sub(t0);
-        if lo >= hi {
-            return false;
+    /// The span of a window of `nt_w` samples under `settings`.
+    fn of(settings: &DetectionSettings, nt_w: usize) -> PeakSpan {
+        let nt = settings.nt;
+        PeakSpan {
+            half: settings.nt0min(),
+            lo_valid: nt.min(nt_w),
+            hi_valid: nt_w.saturating_sub(nt),
         }
-        let tt = t - t0;
-        let beaten = |n: usize, lo: usize, hi: usize| {
-            let row = &as_t[n * TILE..(n + 1) * TILE];
-            let cm = &cmax_t[n * CHUNKS..(n + 1) * CHUNKS];
-            let mut u = lo;
-            while u < hi {
-                let chunk = u / LANES;
-                let end = ((chunk + 1) * LANES).min(hi);
-                // A skipped chunk's maximum is 0 < v, and its stale values
-                // are never read.
-                if cm[chunk] > v && row[u..end].iter().any(|&x| x > v) {
-                    return true;
+    }
+
+    /// The samples `lo..hi` a candidate at sample `t` is compared with.
+    fn range(self, t: usize) -> (usize, usize) {
+        (
+            t.saturating_sub(self.half).max(self.lo_valid),
+            (t + self.half + 1).min(self.hi_valid),
+        )
+    }
+
+    /// The part of [`PeakSpan::range`] right beside `t` (t − 1 ..= t + 1),
+    /// compared first: most candidates lie on a spike's flank.
+    fn beside(self, t: usize) -> (usize, usize) {
+        let (lo, hi) = self.range(t);
+        (t.saturating_sub(1).max(lo), (t + 2).min(hi))
+    }
+}
+
+/// One tile's As after the pruned steps 1–3: the tile's first sample `t0`,
+/// `as_t` (nf × TILE) and its chunk maxima `cmax_t` (nf × [`CHUNKS`],
+/// [`chunk_maxima`]).
+#[derive(Clone, Copy)]
+struct TileAs<'a> {
+    t0: usize,
+    as_t: &'a [f32],
+    cmax_t: &'a [f32],
+}
+
+impl TileAs<'_> {
+    /// How the As of centre `j` over the window samples `lo..hi`, as far as
+    /// they lie in this tile, compare with `v` > 0: some value above it, else
+    /// some value equal to it, else all below (a skipped chunk stands for
+    /// zeros; NaN is neither above nor equal). Each chunk's maximum settles
+    /// most chunks; only a chunk cut by `lo..hi` whose maximum reaches `v` is
+    /// read value by value.
+    #[inline]
+    fn row_against(self, j: usize, lo: usize, hi: usize, v: f32) -> Against {
+        let (lo, hi) = (
+            lo.max(self.t0) - self.t0,
+            hi.min(self.t0 + TILE).saturating_sub(self.t0),
+        );
+        let row = &self.as_t[j * TILE..(j + 1) * TILE];
+        let cm = &self.cmax_t[j * CHUNKS..(j + 1) * CHUNKS];
+        let mut equal = false;
+        let mut u = lo;
+        while u < hi {
+            let chunk = u / LANES;
+            let (start, end) = (chunk * LANES, (chunk + 1) * LANES);
+            if cm[chunk] >= v {
+                if lo <= start && end <= hi {
+                    if cm[chunk] > v {
+                        return Against::Above;
+                    }
+                    equal = true;
+                } else {
+                    for &x in &row[u..end.min(hi)] {
+                        if x > v {
+                            return Against::Above;
+                        }
+                        equal |= x == v;
+                    }
                 }
-                u = end;
             }
-            false
-        };
-        // The samples beside t first, as in the full test.
-        let (lo1, hi1) = (tt.saturating_sub(1).max(lo), (tt + 2).min(hi));
-        if lo1 < hi1 && beaten(j, lo1, hi1) {
-            return true;
+            u = end;
         }
-        std::iter::once(j)
-            .chain(
-                neighbours[j * nc2..(j + 1) * nc2]
-                    .iter()
-                    .map(|&n| n as usize),
-            )
-            .any(|n| beaten(n, lo, hi))
+        if equal {
+            Against::Equal
+        } else {
+            Against::Below
+        }
+    }
+
+    /// Whether candidate (`j`, `t`) of this tile has a larger As within the
+    /// tile, in its own row or a neighbour's (`neighbours`: nf × `nc2`),
+    /// among the samples `span` compares it with. Such a candidate fails
+    /// step 4 ([`CpuDetector::local_peaks`]), so dropping it early leaves the
+    /// detections as they were; one that passes here is tested in full there
+    /// (its range may reach into the tiles beside this one).
+    fn beaten(self, span: PeakSpan, neighbours: &[u32], nc2: usize, j: usize, t: usize) -> bool {
+        let v = self.as_t[j * TILE + t - self.t0];
+        let above = |n: usize, (lo, hi): (usize, usize)| {
+            matches!(self.row_against(n, lo, hi, v), Against::Above)
+        };
+        above(j, span.beside(t))
+            || std::iter::once(j)
+                .chain(
+                    neighbours[j * nc2..(j + 1) * nc2]
+                        .iter()
+                        .map(|&n| n as usize),
+                )
+                .any(|n| above(n, span.range(t)))
     }
 }
 
@@ -2101,7 +2114,6 @@ mod tests {
         let (n_ch, nf) = (24usize, 40usize);
         let (b, as_d) = (&noisy.b, &noisy.as_d);
         let span = PeakSpan {
-            t0: 1000,
             half: 2,
             lo_valid: 1003,
             hi_valid: 1000 + TILE - 9,
